@@ -1,0 +1,5 @@
+import sys
+
+from kimi_supervisor.cli import main
+
+sys.exit(main())

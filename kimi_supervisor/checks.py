@@ -1,0 +1,184 @@
+"""Deployment checks: can `vllm serve` start here at all?
+
+Each check is a small pure-ish function returning a `Check`; the preflight
+collects them into the report an operator reads in five seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import errno
+import json
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from kimi_supervisor.gpu import GpuMemory
+
+
+class Status(str, enum.Enum):
+    OK = "ok"
+    WAIT = "would wait"  # dry run: a real start would wait (and may fail at the deadline)
+    KILL = "would kill"
+    REMOVE = "would remove"
+    DONE = "done"  # a real run did what the dry run would have said
+    KEEP = "keep"
+    SKIP = "skip"
+    FAIL = "failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    message: str
+    data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def blocking(self) -> bool:
+        return self.status in (Status.FAIL, Status.WAIT)
+
+
+def check_gpu_count(visible: int, selected: tuple[int, ...], tp: int) -> Check:
+    missing = [i for i in selected if i >= visible]
+    if missing:
+        return Check(
+            "gpus",
+            Status.FAIL,
+            f"configured GPU(s) {missing} do not exist: NVML sees {visible} GPU(s)",
+            {"visible": visible, "selected": list(selected)},
+        )
+    if len(selected) < tp:
+        return Check(
+            "gpus",
+            Status.FAIL,
+            f"--tensor-parallel-size {tp} needs {tp} GPUs but only {len(selected)} are available "
+            f"(NVML sees {visible}, preflight.gpus selects {list(selected)})",
+            {"visible": visible, "selected": list(selected), "tensor_parallel_size": tp},
+        )
+    return Check(
+        "gpus",
+        Status.OK,
+        f"{len(selected)} GPU(s) {list(selected)} for tensor-parallel size {tp}",
+        {"visible": visible, "selected": list(selected), "tensor_parallel_size": tp},
+    )
+
+
+def check_free_memory(memory: list[GpuMemory], utilization: float, releasable_mib: Mapping[int, int]) -> Check:
+    """vLLM refuses to start unless free >= utilization x total on every GPU."""
+    short = []
+    rows = []
+    for m in memory:
+        need = int(utilization * m.total_mib)
+        free = m.free_mib + releasable_mib.get(m.index, 0)
+        rows.append({"gpu": m.index, "free_mib": m.free_mib, "need_mib": need, "total_mib": m.total_mib})
+        if free < need:
+            short.append(f"GPU {m.index}: {free} MiB free < {need} MiB ({utilization:g} x {m.total_mib} MiB)")
+    if short:
+        return Check(
+            "gpu_memory_fraction",
+            Status.FAIL,
+            "--gpu-memory-utilization cannot be met (vLLM would fail with 'Free memory on device "
+            "... is less than desired GPU memory utilization'): " + "; ".join(short),
+            {"gpus": rows},
+        )
+    projected = " after reaping" if any(releasable_mib.values()) else ""
+    return Check(
+        "gpu_memory_fraction", Status.OK, f"every GPU has >= {utilization:g} x total free{projected}", {"gpus": rows}
+    )
+
+
+def check_model(model: str | None) -> Check:
+    if model is None:
+        return Check("model", Status.FAIL, "no model in child.argv (expected `vllm serve MODEL` or --model MODEL)")
+    path = Path(model)
+    if not path.is_absolute() and not model.startswith(".") and not path.exists():
+        return Check("model", Status.SKIP, f"{model!r} is not a local path (a hub id?): not checked offline")
+    if not path.is_dir():
+        return Check("model", Status.FAIL, f"model directory {model} does not exist or is not a directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        return Check("model", Status.FAIL, f"model directory {model} is not readable by uid {os.geteuid()}")
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        shards = sorted(path.glob("*.safetensors"))
+        if not shards:
+            return Check("model", Status.FAIL, f"{model} holds no *.safetensors file and no index")
+        return Check("model", Status.OK, f"{len(shards)} safetensors file(s) in {model}", {"shards": len(shards)})
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        shard_names = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return Check("model", Status.FAIL, f"{index}: unreadable shard index ({type(exc).__name__}: {exc})")
+    missing = []
+    size = 0
+    for name in shard_names:
+        try:
+            size += (path / name).stat().st_size
+        except OSError:
+            missing.append(name)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        return Check(
+            "model",
+            Status.FAIL,
+            f"{len(missing)} of {len(shard_names)} shards named in {index.name} are missing: {shown}",
+            {"shards": len(shard_names), "missing": missing},
+        )
+    return Check(
+        "model",
+        Status.OK,
+        f"all {len(shard_names)} shards present ({size / 1e9:.1f} GB) in {model}",
+        {"shards": len(shard_names), "bytes": size},
+    )
+
+
+def check_port(host: str, port: int) -> Check:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    bind_host = host or "0.0.0.0"
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # vLLM binds with SO_REUSEADDR too: TIME_WAIT leftovers are no conflict.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((bind_host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                pid, who = _listener(port)
+                return Check(
+                    "port",
+                    Status.FAIL,
+                    f"port {port} on {bind_host} is already in use{who}",
+                    {"host": bind_host, "port": port, "pid": pid},
+                )
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return Check(
+                    "port",
+                    Status.FAIL,
+                    f"--host {bind_host} is not an address of this machine",
+                    {"host": bind_host, "port": port},
+                )
+            return Check(
+                "port",
+                Status.FAIL,
+                f"cannot bind {bind_host}:{port}: {exc.strerror}",
+                {"host": bind_host, "port": port},
+            )
+    return Check("port", Status.OK, f"{bind_host}:{port} is free", {"host": bind_host, "port": port})
+
+
+def _listener(port: int) -> tuple[int | None, str]:
+    """The PID listening on `port`, when the kernel tells us (root sees all)."""
+    try:
+        for conn in psutil.net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+                try:
+                    return conn.pid, f" by PID {conn.pid} ({psutil.Process(conn.pid).name()})"
+                except psutil.Error:
+                    return conn.pid, f" by PID {conn.pid}"
+    except (psutil.AccessDenied, OSError):
+        pass
+    return None, ""

@@ -1,0 +1,268 @@
+"""The child: spawn `vllm serve`, read its pipes without ever blocking it, end its tree.
+
+The child gets its own session and process group, so one killpg reaches every
+worker that stayed in it.  Workers that left (setsid) or were orphaned are
+still found: the supervisor is a child subreaper, so orphans come back to it,
+and members are listed (descendants and same-session processes, remembered by
+(pid, create_time)) before every signal, as circus does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
+import fcntl
+import os
+import signal
+import subprocess
+from collections.abc import Mapping
+
+import psutil
+
+from kimi_supervisor.exitcodes import SpawnError
+
+PR_SET_CHILD_SUBREAPER = 36
+F_SETPIPE_SZ = 1031
+# Removed from the child's environment: they belong to the supervisor (vLLM
+# may learn to notify systemd itself; it must not talk over us).
+PRIVATE_ENV = (
+    "NOTIFY_SOCKET",
+    "WATCHDOG_USEC",
+    "WATCHDOG_PID",
+    "JOURNAL_STREAM",
+    "LISTEN_FDS",
+    "LISTEN_PID",
+    "LISTEN_FDNAMES",
+)
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants get reparented to us instead of PID 1, so we can reap and kill them."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except OSError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class SpawnSpec:
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    inherit_environment: bool
+    working_directory: str | None
+    user: str | None
+
+
+def child_environment(spec: SpawnSpec, parent: Mapping[str, str]) -> dict[str, str]:
+    base = dict(parent) if spec.inherit_environment else {k: parent[k] for k in ("PATH", "LANG", "HOME") if k in parent}
+    base.update(spec.env)
+    for key in PRIVATE_ENV:
+        base.pop(key, None)
+    # Python children block-buffer a pipe; their lines must arrive as written.
+    base.setdefault("PYTHONUNBUFFERED", "1")
+    return base
+
+
+class LineSplitter:
+    """Bytes to lines, on \\n and \\r (tqdm redraws with \\r), each at most `max_line` bytes.
+
+    A longer line is cut: its head is kept with a marker, the rest dropped up
+    to the next newline, so a 1 MB line without newline costs max_line of memory.
+    """
+
+    def __init__(self, max_line: int = 16 * 1024) -> None:
+        self._max = max_line
+        self._buf = b""
+        self._skipping = 0
+
+    def feed(self, data: bytes) -> list[str]:
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        parts = data.split(b"\n")
+        out: list[str] = []
+        first = parts[0]
+        if len(parts) == 1:
+            self._append(first, out)
+            return out
+        self._append(first, out)
+        self._end_line(out)
+        for part in parts[1:-1]:
+            if len(part) > self._max:
+                out.append(self._cut(part, len(part)))
+            elif part:
+                out.append(part.decode("utf-8", "replace"))
+        self._append(parts[-1], out)
+        return out
+
+    def _append(self, data: bytes, out: list[str]) -> None:
+        if self._skipping:
+            self._skipping += len(data)
+            return
+        self._buf += data
+        if len(self._buf) > self._max:
+            self._skipping = len(self._buf)
+            out.append(self._cut(self._buf, None))
+            self._buf = b""
+
+    def _end_line(self, out: list[str]) -> None:
+        if self._skipping:
+            self._skipping = 0
+        elif self._buf:
+            out.append(self._buf.decode("utf-8", "replace"))
+        self._buf = b""
+
+    def _cut(self, data: bytes, total: int | None) -> str:
+        size = f"{total} bytes" if total is not None else f"more than {self._max} bytes"
+        return data[: self._max].decode("utf-8", "replace") + f" [line cut: {size}]"
+
+    def close(self) -> list[str]:
+        out: list[str] = []
+        self._end_line(out)
+        return out
+
+
+class ChildProcess:
+    """A spawned child and its process tree."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], owns_all_children: bool = False) -> None:
+        self._popen = popen
+        # True in the supervisor process, where every child of ours belongs to
+        # this tree; False in tests, where the test runner has other children.
+        self._owns_all = owns_all_children
+        self.pid = popen.pid
+        self.sid = popen.pid  # start_new_session: session id == process group id == pid
+        self.known: dict[int, float] = {}
+        self.returncode: int | None = None
+        assert popen.stdout is not None and popen.stderr is not None
+        self.streams = {"stdout": popen.stdout.fileno(), "stderr": popen.stderr.fileno()}
+        for fd in self.streams.values():
+            os.set_blocking(fd, False)
+            # A larger pipe absorbs bursts while the loop is busy elsewhere.
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(fd, F_SETPIPE_SZ, 1 << 20)
+        self.refresh_members()
+
+    @classmethod
+    def spawn(
+        cls, spec: SpawnSpec, parent_env: Mapping[str, str] | None = None, owns_all_children: bool = False
+    ) -> ChildProcess:
+        env = child_environment(spec, os.environ if parent_env is None else parent_env)
+        try:
+            popen = subprocess.Popen(
+                list(spec.argv),
+                env=env,
+                cwd=spec.working_directory,
+                user=spec.user,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except FileNotFoundError as exc:
+            missing = spec.working_directory if exc.filename == spec.working_directory else spec.argv[0]
+            raise SpawnError(f"cannot start child: {missing}: no such file or directory") from None
+        except PermissionError as exc:
+            raise SpawnError(f"cannot start child: {exc.filename or spec.argv[0]}: permission denied") from None
+        except (KeyError, ValueError) as exc:
+            raise SpawnError(f"cannot start child as user {spec.user!r}: {exc}") from None
+        except OSError as exc:
+            raise SpawnError(f"cannot start child {spec.argv[0]}: {exc.strerror}") from None
+        return cls(popen, owns_all_children)
+
+    def read(self, fd: int) -> bytes | None:
+        """What the pipe holds now; b'' when nothing; None at end of file."""
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return b""
+        except OSError:
+            return None
+        return data if data else None
+
+    def close_pipes(self) -> None:
+        for stream in (self._popen.stdout, self._popen.stderr):
+            if stream is not None:
+                stream.close()
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._popen.poll()
+        return self.returncode
+
+    # -- the tree -------------------------------------------------------------
+
+    def refresh_members(self) -> list[psutil.Process]:
+        """Every process of the tree now: descendants, same session, and remembered ones."""
+        found: dict[int, psutil.Process] = {}
+        try:
+            root = psutil.Process(self.pid)
+            if root.status() != psutil.STATUS_ZOMBIE:
+                found[root.pid] = root
+            for p in root.children(recursive=True):
+                found[p.pid] = p
+        except psutil.NoSuchProcess:
+            pass
+        if self._owns_all:
+            # Our other children are the tree's orphans (we are a subreaper).
+            for p in psutil.Process().children(recursive=True):
+                found.setdefault(p.pid, p)
+        for p in psutil.process_iter():
+            if p.pid not in found:
+                try:
+                    if os.getsid(p.pid) == self.sid:
+                        found[p.pid] = p
+                except OSError:
+                    continue
+        for pid, created in list(self.known.items()):
+            if pid not in found:
+                try:
+                    p = psutil.Process(pid)
+                    if abs(p.create_time() - created) < 0.01:
+                        found[pid] = p
+                except psutil.NoSuchProcess:
+                    del self.known[pid]
+        live = []
+        for p in found.values():
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                self.known.setdefault(p.pid, p.create_time())
+                live.append(p)
+            except psutil.NoSuchProcess:
+                continue
+        return live
+
+    def signal_tree(self, sig: signal.Signals) -> int:
+        """Signal the process group and every listed member; returns how many were signalled."""
+        members = self.refresh_members()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.sid, sig)
+        count = 0
+        for p in members:
+            try:
+                p.send_signal(sig)  # psutil re-checks identity: no recycled PID is hit
+                count += 1
+            except psutil.NoSuchProcess:
+                continue
+        return count
+
+    def reap(self) -> None:
+        """Collect zombie children: the main child via Popen, orphans via waitpid."""
+        self.poll()
+        for p in psutil.Process().children():
+            if p.pid == self.pid:
+                continue
+            try:
+                ours = self._owns_all or p.pid in self.known or os.getsid(p.pid) == self.sid
+                if ours and p.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(p.pid, os.WNOHANG)
+            except (psutil.NoSuchProcess, ChildProcessError, OSError):
+                continue
+
+    def alive_members(self) -> list[psutil.Process]:
+        self.reap()
+        return self.refresh_members()

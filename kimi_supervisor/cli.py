@@ -1,0 +1,204 @@
+"""Command line: parse, build the parts, run; every SupervisorError is caught here, once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from kimi_supervisor import __version__
+from kimi_supervisor.clock import SystemClock
+from kimi_supervisor.config import DEFAULT_PATH, Config, effective_config, load_config
+from kimi_supervisor.exitcodes import DESCRIPTIONS, ConfigError, ExitCode, SupervisorError
+from kimi_supervisor.gpu import NvmlProbe
+from kimi_supervisor.journal import FORMATS, configure, get_logger, resolve_format
+from kimi_supervisor.notify import notifier_from_env, watchdog_interval
+from kimi_supervisor.preflight import Preflight
+from kimi_supervisor.proctable import PsutilProcessTable
+from kimi_supervisor.redact import REDACTED, is_secret_name, redact_argv, redact_env
+from kimi_supervisor.report import render_json, render_text
+from kimi_supervisor.supervisor import Deps, Supervisor
+
+EPILOG = (
+    "exit codes:\n"
+    + "\n".join(f"  {int(c):>3}  {DESCRIPTIONS[c]}" for c in sorted(DESCRIPTIONS))
+    + """
+
+examples:
+  kimi-supervisor --dry-run                 what a start would do now, changing nothing
+  kimi-supervisor check-config              validate and print the effective config
+  systemctl start kimi-supervisor           run it as the Type=notify unit
+  journalctl -u kimi-supervisor -p warning  what went wrong
+"""
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kimi-supervisor",
+        description="Run `vllm serve` as a systemd Type=notify service: free the GPUs (preflight), start vLLM, "
+        "send READY=1 only once /health answers, ping the watchdog while healthy, stop the whole "
+        "process tree.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "command",
+        nargs="?",
+        choices=("run", "check-config"),
+        default="run",
+        help="run (default): preflight, start and supervise; check-config: validate and print the config",
+    )
+    p.add_argument(
+        "--config", type=Path, default=DEFAULT_PATH, metavar="PATH", help=f"TOML config file (default: {DEFAULT_PATH})"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run every preflight check, kill and delete nothing, print a report; "
+        "exit 0 only if a real start would proceed",
+    )
+    p.add_argument("--json", action="store_true", help="with --dry-run or check-config: print JSON")
+    p.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default="auto",
+        help="auto (default): journal under systemd, console on a terminal, else json",
+    )
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p.add_argument("--version", action="version", version=f"kimi-supervisor {__version__}")
+    return p
+
+
+def check_config_permissions(path: Path) -> None:
+    """Running as root, refuse a config others could have written (like sshd's StrictModes)."""
+    if os.geteuid() != 0:
+        return
+    try:
+        st = path.stat()
+    except OSError:
+        return  # load_config reports it with the right words
+    if st.st_uid != 0:
+        raise ConfigError(
+            f"{path}: owned by uid {st.st_uid}, not root; refusing it while running as root (chown root {path})"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(
+            f"{path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"refusing it while running as root (chmod go-w {path})"
+        )
+
+
+def _load(args: argparse.Namespace) -> Config:
+    check_config_permissions(args.config)
+    return load_config(args.config)
+
+
+def _check_config(cfg: Config, as_json: bool) -> int:
+    data = effective_config(cfg)
+    data["child"]["argv"] = redact_argv(cfg.child.argv)
+    data["child"]["env"] = redact_env(cfg.child.env)
+    data["readiness"]["health_url"] = cfg.readiness.health_url
+    if as_json:
+        print(json.dumps(data, indent=2))
+    else:
+        print(f"# {cfg.path}: valid")
+        for key, value in _flatten(data):
+            print(f"{key} = {json.dumps(value)}")
+    return ExitCode.OK
+
+
+def _flatten(data: object, prefix: str = "") -> list[tuple[str, object]]:
+    if isinstance(data, dict):
+        out: list[tuple[str, object]] = []
+        for k, v in data.items():
+            if k == "path" and not prefix:
+                continue
+            out += _flatten(v, f"{prefix}{k}.") if isinstance(v, dict) and k != "env" else [(f"{prefix}{k}", v)]
+        return out
+    return [(prefix.rstrip("."), data)]
+
+
+def _dry_run(cfg: Config, as_json: bool) -> int:
+    log = get_logger()
+    probe = NvmlProbe()
+    try:
+        report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
+    finally:
+        probe.close()
+    print(render_json(report, str(cfg.path)) if as_json else render_text(report, str(cfg.path)))
+    return ExitCode.OK if report.proceed else ExitCode.PREFLIGHT_FAILED
+
+
+def _run(cfg: Config, sink: object) -> int:
+    from kimi_supervisor.child import become_subreaper
+
+    log = get_logger()
+    if not become_subreaper():
+        log.warning("subreaper.unavailable", why="orphaned workers will be reparented to PID 1")
+    probe = NvmlProbe()
+    deps = Deps(
+        probe=probe,
+        table=PsutilProcessTable(),
+        notifier=notifier_from_env(),
+        log=log,
+        sink=sink,  # type: ignore[arg-type]
+        watchdog_s=watchdog_interval(),
+    )
+    log.info(
+        "supervisor.start",
+        version=__version__,
+        config=str(cfg.path),
+        pid=os.getpid(),
+        argv=" ".join(redact_argv(cfg.child.argv)),
+        watchdog_s=deps.watchdog_s,
+    )
+    try:
+        return Supervisor(cfg, deps, secret_values(cfg)).run()
+    finally:
+        probe.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    fmt = resolve_format(args.log_format)
+    sink = configure(fmt, args.log_level)
+    log = get_logger()
+    try:
+        cfg = _load(args)
+        # Known secret values (HF_TOKEN=...) are scrubbed from every event from now on.
+        sink = configure(fmt, args.log_level, secrets=secret_values(cfg))
+        if args.command == "check-config":
+            return _check_config(cfg, args.json)
+        if args.dry_run:
+            return _dry_run(cfg, args.json)
+        return _run(cfg, sink)
+    except ConfigError as err:
+        # Exactly one line an operator can act on; the unit does not restart on 78.
+        print(f"kimi-supervisor: config error: {err.message}", file=sys.stderr)
+        if fmt == "journal":
+            log.error("supervisor.exit", error=err.message, exit_code=int(err.exit_code), kind="ConfigError")
+        return int(err.exit_code)
+    except SupervisorError as err:
+        log.error("supervisor.exit", error=err.message, exit_code=int(err.exit_code), kind=type(err).__name__)
+        for line in err.detail:
+            log.error("supervisor.detail", line=line)
+        return int(err.exit_code)
+    except Exception:  # a bug: keep the traceback, exit with a code that says so
+        log.critical("supervisor.crash", traceback=traceback.format_exc())
+        return ExitCode.INTERNAL
+
+
+def secret_values(cfg: Config) -> tuple[str, ...]:
+    values = [v for k, v in cfg.child.env.items() if is_secret_name(k)]
+    for real, shown in zip(cfg.child.argv, redact_argv(cfg.child.argv), strict=False):
+        if shown == REDACTED:
+            values.append(real)
+        elif shown.endswith("=" + REDACTED):
+            values.append(real.partition("=")[2])
+    return tuple(v for v in values if v)

@@ -1,0 +1,398 @@
+"""Configuration: one TOML file parsed by pure functions into frozen dataclasses.
+
+Validation happens here, once, when the config is built: every later module
+can trust its values.  Every problem becomes a one-line `ConfigError` naming
+the file, the dotted key and what was expected; nothing here exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kimi_supervisor.exitcodes import ConfigError
+from kimi_supervisor.vllm_args import VllmArgs, parse_vllm_args
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+DEFAULT_PATH = Path("/etc/kimi-supervisor/kimi-supervisor.toml")
+
+# The defaults cover a vLLM tree: its engine and TP workers (setproctitle
+# names, which the kernel truncates to 15 characters in comm), and python
+# processes whose command line runs vllm.
+DEFAULT_REAP_NAMES = ("VLLM::EngineCore*", "VLLM::Worker*", "VLLM::EngineCor", "VLLM::Worker_TP*")
+DEFAULT_REAP_CMDLINE = (
+    r"(^|/)vllm( |$)",
+    r"(^|/)python[0-9.]*( -[^ ]+)* .*\bvllm\b",
+    r"(^|/)python[0-9.]*( -[^ ]+)* -m vllm\.",
+)
+# Companions hold no CUDA context; they die only with a reaped holder's tree.
+DEFAULT_REAP_COMPANIONS = (r"multiprocessing\.resource_tracker",)
+DEFAULT_PROTECTED = (
+    "nvidia-persistenced",
+    "nv-hostengine",
+    "dcgm*",
+    "dcgm-exporter",
+    "nvidia-smi",
+    "systemd",
+    "init",
+    "sshd",
+)
+DEFAULT_STARTED_PATTERNS = (
+    r"Application startup complete\.",
+    r"Starting vLLM server on ",
+    r"Starting vLLM API server( \d+)? on ",
+)
+DEFAULT_FATAL_PATTERNS = (
+    r"Engine core initialization failed",
+    r"Free memory on device .* is less than desired GPU memory utilization",
+    r"died unexpectedly",
+    r"CUDA out of memory",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildConfig:
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    inherit_environment: bool
+    working_directory: str | None
+    user: str | None
+    vllm: VllmArgs
+
+
+@dataclasses.dataclass(frozen=True)
+class ReapConfig:
+    enabled: bool
+    grace_s: float
+    names: tuple[str, ...]
+    cmdline: tuple[re.Pattern[str], ...]
+    companions: tuple[re.Pattern[str], ...]
+    protected_names: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmConfig:
+    enabled: bool
+    directory: Path
+    globs: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PreflightConfig:
+    # None: every GPU NVML sees.  (): no GPU at all (CPU deployments, demo).
+    gpus: tuple[int, ...] | None
+    memory_threshold_mib: int
+    poll_interval_s: float
+    deadline_s: float
+    busy_log_interval_s: float
+    check_model: bool
+    check_port: bool
+    reap: ReapConfig
+    shm: ShmConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadinessConfig:
+    started_patterns: tuple[re.Pattern[str], ...]
+    fatal_patterns: tuple[re.Pattern[str], ...]
+    health_url: str
+    deadline_s: float
+    stall_timeout_s: float
+    poll_interval_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthConfig:
+    interval_s: float
+    timeout_s: float
+    failures_tolerated: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ShutdownConfig:
+    grace_s: float
+    second_signal_grace_s: float
+    gpu_release_timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    path: Path
+    child: ChildConfig
+    preflight: PreflightConfig
+    readiness: ReadinessConfig
+    health: HealthConfig
+    shutdown: ShutdownConfig
+
+
+_T = TypeVar("_T")
+_MISSING = object()
+
+
+def _describe(value: object) -> str:
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "table"}
+    name = kind.get(type(value), type(value).__name__)
+    shown = repr(value) if not isinstance(value, (list, dict)) else ""
+    return f"{name} {shown}".strip()
+
+
+class _Table:
+    """One TOML table being read: typed getters, then `done()` rejects leftovers."""
+
+    def __init__(self, raw: Mapping[str, Any], prefix: str, file: Path) -> None:
+        self._raw = raw
+        self._prefix = prefix
+        self._file = file
+        self._seen: set[str] = set()
+
+    def key(self, name: str) -> str:
+        return f"{self._prefix}{name}"
+
+    def error(self, name: str, message: str) -> ConfigError:
+        return ConfigError(f"{self._file}: {self.key(name)}: {message}")
+
+    def _get(self, name: str, default: object) -> object:
+        self._seen.add(name)
+        value = self._raw.get(name, _MISSING)
+        if value is _MISSING:
+            if default is _MISSING:
+                raise self.error(name, "required key is missing")
+            return default
+        return value
+
+    def _typed(self, name: str, default: object, check: Callable[[object], bool], expected: str) -> object:
+        value = self._get(name, default)
+        if value is not default and not check(value):
+            raise self.error(name, f"expected {expected}, got {_describe(value)}")
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        return bool(self._typed(name, default, lambda v: isinstance(v, bool), "true or false"))
+
+    def number(
+        self, name: str, default: float, *, minimum: float = 0.0, maximum: float = 1e9, exclusive_min: bool = True
+    ) -> float:
+        def ok(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        value = float(self._typed(name, default, ok, "a number of seconds" if name.endswith("_s") else "a number"))  # type: ignore[arg-type]
+        low_ok = value > minimum if exclusive_min else value >= minimum
+        if not low_ok or value > maximum or value != value:
+            bound = f"> {minimum:g}" if exclusive_min else f">= {minimum:g}"
+            raise self.error(name, f"expected a value {bound} and <= {maximum:g}, got {value:g}")
+        return value
+
+    def integer(self, name: str, default: int, *, minimum: int, maximum: int) -> int:
+        value = self._typed(name, default, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
+        assert isinstance(value, int)
+        if not minimum <= value <= maximum:
+            raise self.error(name, f"expected an integer between {minimum} and {maximum}, got {value}")
+        return value
+
+    def string(self, name: str, default: object) -> str | None:
+        value = self._typed(name, default, lambda v: isinstance(v, str), "a string")
+        return value if isinstance(value, str) else None
+
+    def strings(self, name: str, default: object, *, non_empty: bool = False) -> tuple[str, ...]:
+        def ok(v: object) -> bool:
+            return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+        value = self._typed(name, default, ok, "an array of strings")
+        result = tuple(value) if isinstance(value, (list, tuple)) else ()
+        if non_empty and not result:
+            raise self.error(name, "expected a non-empty array of strings, got an empty array")
+        return result
+
+    def patterns(self, name: str, default: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
+        compiled = []
+        for text in self.strings(name, list(default)):
+            try:
+                compiled.append(re.compile(text))
+            except re.error as exc:
+                raise self.error(name, f"invalid regular expression {text!r}: {exc}") from None
+        return tuple(compiled)
+
+    def table(self, name: str) -> _Table:
+        value = self._typed(name, {}, lambda v: isinstance(v, dict), "a table")
+        assert isinstance(value, dict)
+        return _Table(value, self.key(name) + ".", self._file)
+
+    def raw(self, name: str, default: object) -> object:
+        return self._get(name, default)
+
+    def done(self) -> None:
+        for name in self._raw:
+            if name not in self._seen:
+                close = difflib.get_close_matches(name, sorted(self._seen), n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else f" (known keys: {', '.join(sorted(self._seen))})"
+                raise self.error(name, f"unknown key{hint}")
+
+
+def _parse_child(t: _Table) -> ChildConfig:
+    argv = t.strings("argv", _MISSING, non_empty=True)
+    if not argv[0].strip():
+        raise t.error("argv", "argv[0] must name the program to run, got an empty string")
+    env_table = t.raw("env", {})
+    if not isinstance(env_table, dict):
+        raise t.error("env", f"expected a table of strings, got {_describe(env_table)}")
+    for key, value in env_table.items():
+        if not isinstance(value, str):
+            raise t.error(f"env.{key}", f"expected a string, got {_describe(value)}")
+    inherit = t.boolean("inherit_environment", True)
+    cwd = t.string("working_directory", None)
+    if cwd is not None and not cwd.startswith("/"):
+        raise t.error("working_directory", f"expected an absolute path, got {cwd!r}")
+    user = t.string("user", None) or None
+    try:
+        vllm = parse_vllm_args(argv)
+    except ValueError as exc:
+        raise t.error("argv", str(exc)) from None
+    t.done()
+    return ChildConfig(tuple(argv), dict(env_table), inherit, cwd, user, vllm)
+
+
+def _parse_gpus(t: _Table) -> tuple[int, ...] | None:
+    value = t.raw("gpus", "all")
+    if value == "all":
+        return None
+    if isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1024 for x in value):
+        if len(set(value)) != len(value):
+            raise t.error("gpus", f"expected distinct GPU indices, got {value}")
+        return tuple(value)
+    raise t.error("gpus", f'expected "all" or an array of GPU indices (e.g. [0, 1]), got {_describe(value)}')
+
+
+def _parse_preflight(t: _Table) -> PreflightConfig:
+    gpus = _parse_gpus(t)
+    threshold = t.integer("memory_threshold_mib", 1000, minimum=0, maximum=1 << 24)
+    poll = t.number("poll_interval_s", 1.0, maximum=60)
+    deadline = t.number("deadline_s", 30.0, minimum=0, exclusive_min=False, maximum=86400)
+    busy_log = t.number("busy_log_interval_s", 5.0, maximum=3600)
+    check_model = t.boolean("check_model", True)
+    check_port = t.boolean("check_port", True)
+    r = t.table("reap")
+    reap = ReapConfig(
+        enabled=r.boolean("enabled", True),
+        grace_s=r.number("grace_s", 10.0, maximum=600),
+        names=r.strings("names", list(DEFAULT_REAP_NAMES)),
+        cmdline=r.patterns("cmdline", DEFAULT_REAP_CMDLINE),
+        companions=r.patterns("companions", DEFAULT_REAP_COMPANIONS),
+        protected_names=r.strings("protected_names", list(DEFAULT_PROTECTED)),
+    )
+    r.done()
+    s = t.table("shm")
+    directory = s.string("directory", "/dev/shm") or "/dev/shm"
+    if not directory.startswith("/"):
+        raise s.error("directory", f"expected an absolute path, got {directory!r}")
+    globs = s.strings("globs", ["psm_*", "sem.mp-*", "nccl-*"])
+    for glob in globs:
+        if "/" in glob or glob.strip("*?") == "":
+            raise s.error("globs", f"expected file-name globs with a fixed part and no '/', got {glob!r}")
+    shm = ShmConfig(enabled=s.boolean("enabled", True), directory=Path(directory), globs=globs)
+    s.done()
+    t.done()
+    return PreflightConfig(gpus, threshold, poll, deadline, busy_log, check_model, check_port, reap, shm)
+
+
+def _parse_readiness(t: _Table, vllm: VllmArgs) -> ReadinessConfig:
+    url = t.string("health_url", "") or vllm.health_url
+    if not re.match(r"^https?://[^/\s]+(/\S*)?$", url):
+        raise t.error("health_url", f"expected an http:// or https:// URL, got {url!r}")
+    cfg = ReadinessConfig(
+        started_patterns=t.patterns("started_patterns", DEFAULT_STARTED_PATTERNS),
+        fatal_patterns=t.patterns("fatal_patterns", DEFAULT_FATAL_PATTERNS),
+        health_url=url,
+        deadline_s=t.number("deadline_s", 1800.0, maximum=7 * 86400),
+        stall_timeout_s=t.number("stall_timeout_s", 300.0, maximum=86400),
+        poll_interval_s=t.number("poll_interval_s", 0.25, maximum=60),
+    )
+    if not cfg.started_patterns:
+        raise t.error("started_patterns", "expected at least one pattern, got an empty array")
+    t.done()
+    return cfg
+
+
+def _parse_health(t: _Table) -> HealthConfig:
+    cfg = HealthConfig(
+        interval_s=t.number("interval_s", 5.0, maximum=3600),
+        timeout_s=t.number("timeout_s", 3.0, maximum=600),
+        failures_tolerated=t.integer("failures_tolerated", 3, minimum=1, maximum=1000),
+    )
+    t.done()
+    return cfg
+
+
+def _parse_shutdown(t: _Table) -> ShutdownConfig:
+    cfg = ShutdownConfig(
+        grace_s=t.number("grace_s", 30.0, maximum=3600),
+        second_signal_grace_s=t.number("second_signal_grace_s", 2.0, minimum=0, exclusive_min=False, maximum=3600),
+        gpu_release_timeout_s=t.number("gpu_release_timeout_s", 30.0, minimum=0, exclusive_min=False, maximum=3600),
+    )
+    t.done()
+    return cfg
+
+
+def parse_config(data: Mapping[str, Any], path: Path) -> Config:
+    """Build a Config from parsed TOML; raises ConfigError naming file and key."""
+    root = _Table(data, "", path)
+    if not data:
+        raise ConfigError(f"{path}: the file is empty; required key 'child.argv' is missing")
+    child = _parse_child(root.table("child"))
+    preflight = _parse_preflight(root.table("preflight"))
+    readiness = _parse_readiness(root.table("readiness"), child.vllm)
+    health = _parse_health(root.table("health"))
+    shutdown = _parse_shutdown(root.table("shutdown"))
+    root.done()
+    return Config(path, child, preflight, readiness, health, shutdown)
+
+
+def load_config(path: Path) -> Config:
+    """Read and validate the TOML file at `path`."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found (use --config PATH)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected a TOML file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid UTF-8 at byte {exc.start}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        # tomllib ends its message with "(at line L, column C)"; keep one line.
+        raise ConfigError(f"{path}: invalid TOML: {str(exc).splitlines()[0]}") from None
+    return parse_config(data, path)
+
+
+def effective_config(cfg: Config) -> dict[str, Any]:
+    """The config as plain data (for check-config); secrets are redacted by the caller."""
+
+    def plain(value: object) -> object:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, re.Pattern):
+            return value.pattern
+        if isinstance(value, (tuple, list)):
+            return [plain(v) for v in value]
+        if isinstance(value, Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, Path):
+            return str(value)
+        return value
+
+    result = plain(cfg)
+    assert isinstance(result, dict)
+    return result

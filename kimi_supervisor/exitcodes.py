@@ -1,0 +1,78 @@
+"""Exit codes and the exception that carries them.
+
+Every failure the supervisor knows about is a `SupervisorError` subclass that
+names its exit code; `cli.main` catches them once.  Codes are distinct so that
+`systemctl status` / `journalctl` show *why* a run ended, and so the unit can
+refuse to restart on the ones a restart cannot fix (config errors: 78).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0  # stopped on request, or a dry run that would start
+    INTERNAL = 70  # EX_SOFTWARE: a bug; the traceback is logged
+    USAGE = 2  # bad command line (argparse's own code)
+    PREFLIGHT_FAILED = 10  # GPUs never freed, deployment cannot start
+    STARTUP_FAILED = 11  # child printed a fatal line or exited while loading
+    STARTUP_STALLED = 12  # no output for stall_timeout_s, or past deadline_s
+    CHILD_DIED = 13  # child exited after READY without being asked to
+    CHILD_UNHEALTHY = 14  # /health failed failures_tolerated times in a row
+    SPAWN_FAILED = 15  # argv[0] missing, bad user, bad working directory
+    CONFIG = 78  # EX_CONFIG: the unit must not restart on this
+
+
+DESCRIPTIONS: dict[ExitCode, str] = {
+    ExitCode.OK: "stopped on request; or --dry-run: a start would proceed",
+    ExitCode.USAGE: "bad command-line arguments",
+    ExitCode.PREFLIGHT_FAILED: "preflight failed: GPUs busy past the deadline, or a deployment check failed",
+    ExitCode.STARTUP_FAILED: "vLLM failed while starting (fatal log line or exit before ready)",
+    ExitCode.STARTUP_STALLED: "vLLM printed nothing for stall_timeout_s, or was not ready by deadline_s",
+    ExitCode.CHILD_DIED: "vLLM exited after ready without being asked to (even with status 0)",
+    ExitCode.CHILD_UNHEALTHY: "/health failed failures_tolerated consecutive times after ready",
+    ExitCode.SPAWN_FAILED: "the child could not be started (argv[0], user or working directory)",
+    ExitCode.INTERNAL: "internal error (a bug): the traceback is in the journal",
+    ExitCode.CONFIG: "configuration error (systemd does not restart on it)",
+}
+
+
+class SupervisorError(Exception):
+    """An expected failure: one line of text plus the process exit code."""
+
+    exit_code: ExitCode = ExitCode.INTERNAL
+
+    def __init__(self, message: str, *, detail: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        # Extra lines (e.g. the child's last output) logged after the message.
+        self.detail: list[str] = list(detail or [])
+
+
+class ConfigError(SupervisorError):
+    exit_code = ExitCode.CONFIG
+
+
+class PreflightError(SupervisorError):
+    exit_code = ExitCode.PREFLIGHT_FAILED
+
+
+class SpawnError(SupervisorError):
+    exit_code = ExitCode.SPAWN_FAILED
+
+
+class StartupFailed(SupervisorError):
+    exit_code = ExitCode.STARTUP_FAILED
+
+
+class StartupStalled(SupervisorError):
+    exit_code = ExitCode.STARTUP_STALLED
+
+
+class ChildDied(SupervisorError):
+    exit_code = ExitCode.CHILD_DIED
+
+
+class ChildUnhealthy(SupervisorError):
+    exit_code = ExitCode.CHILD_UNHEALTHY

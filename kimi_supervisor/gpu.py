@@ -1,0 +1,153 @@
+"""The GPU boundary: a small Protocol and its NVML implementation.
+
+Memory is counted the way nvidia-smi shows it: NVML's v2 memory info, whose
+`used` leaves out the driver-reserved part (an idle H200 reads v1 used=615 MiB,
+v2 used=0 with reserved=615).  Where v2 is not supported we fall back to v1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Protocol
+
+MIB = 1024 * 1024
+
+
+class GpuUnavailable(Exception):
+    """NVML cannot be used (no driver, no library, no permission)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuMemory:
+    index: int
+    total_mib: int
+    used_mib: int
+    free_mib: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuProcess:
+    """A process NVML says holds a context on a GPU (host PID namespace)."""
+
+    pid: int
+    gpu: int
+    used_mib: int | None  # None: the driver would not say (containers, MIG)
+
+
+class GpuProbe(Protocol):
+    def device_count(self) -> int: ...
+
+    def memory(self, index: int) -> GpuMemory: ...
+
+    def processes(self, index: int) -> list[GpuProcess]: ...
+
+    def close(self) -> None: ...
+
+
+class NvmlProbe:
+    """GpuProbe over pynvml; initialises NVML lazily and once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._initialised = False
+        self._handles: dict[int, object] = {}
+        self._v2_supported = True
+
+    def _init(self) -> None:
+        if self._initialised:
+            return
+        try:
+            import pynvml
+        except ImportError as exc:  # pragma: no cover - dependency missing
+            raise GpuUnavailable(f"the NVML bindings are not installed (pip install nvidia-ml-py): {exc}") from None
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise GpuUnavailable(f"NVML unavailable: {_nvml_text(exc)} (is the NVIDIA driver loaded?)") from None
+        self._initialised = True
+
+    def _handle(self, index: int) -> object:
+        import pynvml
+
+        self._init()
+        if index not in self._handles:
+            try:
+                self._handles[index] = pynvml.nvmlDeviceGetHandleByIndex(index)
+            except pynvml.NVMLError as exc:
+                raise GpuUnavailable(f"GPU {index}: {_nvml_text(exc)}") from None
+        return self._handles[index]
+
+    def device_count(self) -> int:
+        import pynvml
+
+        with self._lock:
+            self._init()
+            try:
+                return int(pynvml.nvmlDeviceGetCount())
+            except pynvml.NVMLError as exc:
+                raise GpuUnavailable(f"NVML device count: {_nvml_text(exc)}") from None
+
+    def memory(self, index: int) -> GpuMemory:
+        import pynvml
+
+        with self._lock:
+            handle = self._handle(index)
+            info = None
+            if self._v2_supported:
+                try:
+                    info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+                except pynvml.NVMLError as exc:
+                    # Older drivers: v2 is refused; remember and use v1.
+                    if not isinstance(
+                        exc,
+                        (
+                            pynvml.NVMLError_NotSupported,
+                            pynvml.NVMLError_FunctionNotFound,
+                            pynvml.NVMLError_ArgumentVersionMismatch,
+                        ),
+                    ):
+                        raise GpuUnavailable(f"GPU {index} memory: {_nvml_text(exc)}") from None
+                    self._v2_supported = False
+            if info is None:
+                try:
+                    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                except pynvml.NVMLError as exc:
+                    raise GpuUnavailable(f"GPU {index} memory: {_nvml_text(exc)}") from None
+            return GpuMemory(index, int(info.total) // MIB, int(info.used) // MIB, int(info.free) // MIB)
+
+    def processes(self, index: int) -> list[GpuProcess]:
+        import pynvml
+
+        with self._lock:
+            handle = self._handle(index)
+            found: dict[int, GpuProcess] = {}
+            for getter in (pynvml.nvmlDeviceGetComputeRunningProcesses, pynvml.nvmlDeviceGetGraphicsRunningProcesses):
+                try:
+                    entries = getter(handle)
+                except pynvml.NVMLError_NotSupported:
+                    continue
+                except pynvml.NVMLError as exc:
+                    raise GpuUnavailable(f"GPU {index} processes: {_nvml_text(exc)}") from None
+                for entry in entries:
+                    used = entry.usedGpuMemory
+                    # NVML reports "not available" as None or a huge sentinel.
+                    mib = int(used) // MIB if isinstance(used, int) and used < (1 << 50) else None
+                    found[int(entry.pid)] = GpuProcess(int(entry.pid), index, mib)
+            return sorted(found.values(), key=lambda p: p.pid)
+
+    def close(self) -> None:
+        import pynvml
+
+        with self._lock:
+            if self._initialised:
+                with contextlib.suppress(pynvml.NVMLError):
+                    pynvml.nvmlShutdown()
+                self._initialised = False
+                self._handles.clear()
+
+
+def _nvml_text(exc: Exception) -> str:
+    text = str(exc)
+    return text if text else type(exc).__name__

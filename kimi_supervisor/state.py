@@ -1,0 +1,64 @@
+"""The lifecycle as an explicit state machine.
+
+    preflight -> starting -> ready -> stopping -> stopped
+        \\-----------\\----------\\---------\\-> failed (via stopping when a child exists)
+
+Each transition logs one event (`state.<name>`) and sends one STATUS=.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from kimi_supervisor.notify import Notifier
+
+
+class State(enum.Enum):
+    PREFLIGHT = "preflight"
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+ALLOWED: dict[State, frozenset[State]] = {
+    State.PREFLIGHT: frozenset({State.STARTING, State.STOPPING, State.FAILED}),
+    State.STARTING: frozenset({State.READY, State.STOPPING, State.FAILED}),
+    State.READY: frozenset({State.STOPPING}),
+    State.STOPPING: frozenset({State.STOPPED, State.FAILED}),
+    State.STOPPED: frozenset(),
+    State.FAILED: frozenset(),
+}
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+class StateMachine:
+    def __init__(self, notifier: Notifier, log: Any) -> None:
+        self.state = State.PREFLIGHT
+        self._notifier = notifier
+        self._log = log
+        self.history: list[State] = [State.PREFLIGHT]
+
+    def enter_initial(self, status: str) -> None:
+        self._log.info("state.preflight", status=status)
+        self._notifier.send(STATUS=status)
+
+    def to(self, new: State, status: str, notify: Mapping[str, str | int] | None = None, **fields: Any) -> None:
+        """Move to `new`: one event, one datagram (STATUS= plus e.g. READY=1 together)."""
+        if new not in ALLOWED[self.state]:
+            raise InvalidTransition(f"{self.state.value} -> {new.value} is not an allowed transition")
+        previous, self.state = self.state, new
+        self.history.append(new)
+        level = self._log.error if new is State.FAILED else self._log.info
+        level(f"state.{new.value}", previous=previous.value, status=status, **fields)
+        self._notifier.send(**(dict(notify) if notify else {}), STATUS=status)
+
+    def status(self, text: str) -> None:
+        """A progress update inside a state: STATUS= only, no transition."""
+        self._notifier.send(STATUS=text)

@@ -1,0 +1,458 @@
+"""The lifecycle, top to bottom: preflight, spawn, wait for ready, serve, stop.
+
+Like gunicorn's arbiter: signal handlers only record, this loop acts.  One
+thread owns all state; the health prober thread only produces results.  Every
+failure is a SupervisorError carrying its exit code; `run` stops the child
+tree before letting it reach `cli.main`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import selectors
+import signal
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from kimi_supervisor.child import ChildProcess, LineSplitter, SpawnSpec
+from kimi_supervisor.childlog import LineClassifier
+from kimi_supervisor.clock import Clock, format_duration
+from kimi_supervisor.config import Config
+from kimi_supervisor.exitcodes import (
+    ChildDied,
+    ChildUnhealthy,
+    ExitCode,
+    StartupFailed,
+    StartupStalled,
+    SupervisorError,
+)
+from kimi_supervisor.gpu import GpuProbe, GpuUnavailable
+from kimi_supervisor.gpuwait import wait_until_free
+from kimi_supervisor.health import HealthProber, HealthResult
+from kimi_supervisor.journal import ChildSink
+from kimi_supervisor.notify import Notifier
+from kimi_supervisor.preflight import Preflight
+from kimi_supervisor.proctable import ProcessTable
+from kimi_supervisor.readiness import ReadinessTracker
+from kimi_supervisor.redact import redact_text
+from kimi_supervisor.state import State, StateMachine
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC at most this often while output flows
+EXTEND_MARGIN_S = 15.0
+
+
+class StopRequested(Exception):
+    """A stop signal arrived while a blocking step (the preflight wait) was running."""
+
+
+class SignalRecorder:
+    """Handlers append the signal and wake the loop through a pipe; nothing else."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.handled = 0
+        self.read_fd, self._write_fd = os.pipe()
+        for fd in (self.read_fd, self._write_fd):
+            os.set_blocking(fd, False)
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in (*STOP_SIGNALS, signal.SIGHUP):
+            self._previous[sig] = signal.signal(sig, self._record)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _record(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+        with contextlib.suppress(OSError):
+            os.write(self._write_fd, b"s")
+
+    def wake(self) -> None:
+        self._record(0, None)
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.read_fd, 512):
+                pass
+        except OSError:
+            pass
+
+    def new_signals(self) -> list[int]:
+        """Signals recorded since the last call (0 is a wake-up, not a signal)."""
+        fresh = self.received[self.handled :]
+        self.handled = len(self.received)
+        return [s for s in fresh if s != 0]
+
+
+class InterruptibleClock:
+    """A Clock whose sleep ends early, raising StopRequested, when a stop signal arrives."""
+
+    def __init__(self, signals: SignalRecorder) -> None:
+        self._signals = signals
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        if any(s in STOP_SIGNALS for s in self._signals.received):
+            raise StopRequested
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._signals.read_fd, selectors.EVENT_READ)
+            sel.select(max(0.0, seconds))
+        if any(s in STOP_SIGNALS for s in self._signals.received):
+            raise StopRequested
+
+
+@dataclasses.dataclass
+class Deps:
+    probe: GpuProbe
+    table: ProcessTable
+    notifier: Notifier
+    log: Any
+    sink: ChildSink
+    watchdog_s: float | None = None
+    environ: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(os.environ))
+
+
+class Supervisor:
+    def __init__(self, cfg: Config, deps: Deps, secrets: tuple[str, ...] = ()) -> None:
+        self.cfg = cfg
+        self.deps = deps
+        self.log = deps.log
+        self.signals = SignalRecorder()
+        self.clock: Clock = InterruptibleClock(self.signals)
+        self.state = StateMachine(deps.notifier, deps.log)
+        self.tracker = ReadinessTracker(cfg.readiness)
+        self.child: ChildProcess | None = None
+        self.prober: HealthProber | None = None
+        self._secrets = secrets
+        self._selector = selectors.DefaultSelector()
+        self._splitters: dict[int, LineSplitter] = {}
+        self._classifiers: dict[int, LineClassifier] = {}
+        self._last_output = 0.0
+        self._last_extend = 0.0
+        self._last_status = 0.0
+        self._started_at = 0.0
+
+    # -- the lifecycle ------------------------------------------------------------
+
+    def run(self) -> ExitCode:
+        self.signals.install()
+        self._selector.register(self.signals.read_fd, selectors.EVENT_READ, "signal")
+        try:
+            try:
+                self._preflight()
+                self._spawn()
+                if self._wait_until_ready():
+                    self._serve()
+            except StopRequested:
+                pass
+            self._stop("stop requested")
+            self.state.to(State.STOPPED, "stopped")
+            return ExitCode.OK
+        except SupervisorError as err:
+            if self.state.state is not State.STOPPING and self.child is not None:
+                self._stop(err.message)
+            self.state.to(State.FAILED, f"failed: {err.message}"[:400], exit_code=int(err.exit_code))
+            raise
+        finally:
+            if self.prober is not None:
+                self.prober.stop()
+            self.signals.uninstall()
+
+    def _preflight(self) -> None:
+        pf = self.cfg.preflight
+        self.state.enter_initial("preflight: checking GPUs, stale processes and shared memory")
+        # Waiting for GPUs may take longer than TimeoutStartSec's default.
+        self.deps.notifier.send(EXTEND_TIMEOUT_USEC=_usec(pf.deadline_s + pf.reap.grace_s + EXTEND_MARGIN_S))
+        report = Preflight(self.cfg, self.deps.probe, self.deps.table, self.clock, self.log).run(dry_run=False)
+        self.log.info("preflight.passed", checks=len(report.checks))
+
+    def _spawn(self) -> None:
+        child = self.cfg.child
+        spec = SpawnSpec(child.argv, child.env, child.inherit_environment, child.working_directory, child.user)
+        if self._stop_signalled():
+            raise StopRequested
+        self.child = ChildProcess.spawn(spec, self.deps.environ, owns_all_children=True)
+        self._started_at = self._last_output = time.monotonic()
+        for name, fd in self.child.streams.items():
+            self._selector.register(fd, selectors.EVENT_READ, name)
+            self._splitters[fd] = LineSplitter()
+            self._classifiers[fd] = LineClassifier(default_priority=6)
+        self.state.to(State.STARTING, "starting: vLLM spawned", pid=self.child.pid)
+        self._extend_timeout(time.monotonic())
+        self.prober = HealthProber(
+            self.cfg.readiness.health_url,
+            self.cfg.health.timeout_s,
+            self.cfg.readiness.poll_interval_s,
+            self.signals.wake,
+        )
+        self.prober.start()
+
+    def _wait_until_ready(self) -> bool:
+        """True once the log says started AND /health answered 200; False on a stop request."""
+        rcfg = self.cfg.readiness
+        assert self.child is not None and self.prober is not None
+        healthy: HealthResult | None = None
+        while True:
+            self._pump(0.25)
+            if self._stop_signalled():
+                return False
+            now = time.monotonic()
+            if self.tracker.fatal_line is not None:
+                raise StartupFailed(f"vLLM failed while starting: {self._root_cause()}", detail=self._tail())
+            for result in self.prober.drain():
+                healthy = result if result.ok else None
+            if self.tracker.server_started and healthy is not None:
+                self._ready(now)
+                return True
+            if self.child.poll() is not None:
+                self._pump(0)
+                raise StartupFailed(
+                    f"vLLM exited with status {self.child.returncode} before it was ready: {self._root_cause()}",
+                    detail=self._tail(),
+                )
+            if now - self._last_output > rcfg.stall_timeout_s:
+                raise StartupStalled(
+                    f"vLLM printed nothing for {rcfg.stall_timeout_s:g}s "
+                    f"(readiness.stall_timeout_s) while {self.tracker.phase}",
+                    detail=self._tail(),
+                )
+            if now - self._started_at > rcfg.deadline_s:
+                raise StartupStalled(
+                    f"vLLM not ready after {rcfg.deadline_s:g}s (readiness.deadline_s) while {self.tracker.phase}",
+                    detail=self._tail(),
+                )
+            if now - self._last_status >= 5.0:
+                self._status(now)
+
+    def _ready(self, now: float) -> None:
+        took = format_duration(now - self._started_at)
+        url = self.cfg.readiness.health_url.rsplit("/health", 1)[0]
+        self.state.to(
+            State.READY,
+            f"ready: serving on {url} (started in {took})",
+            notify={"READY": 1},
+            startup_s=round(now - self._started_at, 3),
+        )
+
+    def _serve(self) -> None:
+        """Supervise until a stop signal; raise when the child dies or stays unhealthy."""
+        assert self.child is not None and self.prober is not None
+        hcfg = self.cfg.health
+        self.prober.set_interval(hcfg.interval_s)
+        self.child.refresh_members()
+        wd = self.deps.watchdog_s
+        failures = 0
+        last_ok = time.monotonic()  # the probe that made us ready
+        last_ping = 0.0
+        while True:
+            self._pump(min(1.0, wd / 4) if wd else 1.0)
+            if self._stop_signalled():
+                return
+            if self.child.poll() is not None:
+                self._pump(0)
+                raise ChildDied(
+                    f"vLLM exited with status {self.child.returncode} after it was ready "
+                    f"(not requested): {self._root_cause()}",
+                    detail=self._tail(),
+                )
+            for result in self.prober.drain():
+                if result.ok:
+                    if failures:
+                        self.log.info("health.recovered", after_failures=failures)
+                        self.state.status(self._serving_status())
+                    failures, last_ok = 0, result.at
+                    continue
+                failures += 1
+                self.log.warning(
+                    "health.failed", failures=failures, tolerated=hcfg.failures_tolerated, error=result.error
+                )
+                self.deps.notifier.send(
+                    STATUS=f"ready, but /health failing ({failures}/{hcfg.failures_tolerated}): {result.error}"
+                )
+                if failures >= hcfg.failures_tolerated:
+                    raise ChildUnhealthy(
+                        f"/health failed {failures} times in a row ({result.error})", detail=self._tail()
+                    )
+            now = time.monotonic()
+            # Pet the watchdog only while the latest probe passed within its period.
+            if wd and failures == 0 and now - last_ok <= wd and now - last_ping >= wd / 2:
+                self.deps.notifier.send(WATCHDOG=1)
+                last_ping = now
+
+    def _stop(self, reason: str) -> None:
+        """TERM the tree, keep reading its output, KILL what outlives the grace, confirm GPUs are free."""
+        scfg = self.cfg.shutdown
+        self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
+        if self.child is not None:
+            self._stop_tree(scfg.grace_s, scfg.second_signal_grace_s)
+        gpus = self._configured_gpus()
+        if gpus and scfg.gpu_release_timeout_s > 0:
+            self._confirm_gpus_free(gpus, scfg.gpu_release_timeout_s)
+
+    def _stop_tree(self, grace_s: float, second_grace_s: float) -> None:
+        assert self.child is not None
+        start = time.monotonic()
+        deadline = start + grace_s
+        signalled = self.child.signal_tree(signal.SIGTERM)
+        self.log.info("stop.sigterm", pid=self.child.pid, processes=signalled, grace_s=grace_s)
+        alive = self.child.alive_members()
+        while alive:
+            self._pump(0.05)
+            if self._stop_signalled():
+                deadline = min(deadline, time.monotonic() + second_grace_s)
+                self.log.warning("stop.hurry", grace_left_s=round(max(0.0, deadline - time.monotonic()), 2))
+            alive = self.child.alive_members()
+            if alive and time.monotonic() >= deadline:
+                self.log.warning(
+                    "stop.sigkill", after_s=round(time.monotonic() - start, 2), pids=",".join(str(p.pid) for p in alive)
+                )
+                self.child.signal_tree(signal.SIGKILL)
+                kill_deadline = time.monotonic() + 5.0
+                while alive and time.monotonic() < kill_deadline:
+                    self._pump(0.02)
+                    alive = self.child.alive_members()
+                break
+        self._pump(0)
+        self._flush_partial_lines()
+        self.child.reap()
+        if alive:
+            self.log.error("stop.survivors", pids=",".join(str(p.pid) for p in alive))
+        self.log.info(
+            "stop.tree_gone" if not alive else "stop.tree_left",
+            seconds=round(time.monotonic() - start, 3),
+            exit_status=self.child.poll(),
+        )
+
+    def _confirm_gpus_free(self, gpus: tuple[int, ...], timeout_s: float) -> None:
+        pf = self.cfg.preflight
+        start = time.monotonic()
+
+        def busy_note(busy: list[Any], elapsed: float) -> None:
+            self.log.info("stop.gpu_wait", gpus=",".join(str(m.index) for m in busy), waited_s=round(elapsed, 1))
+
+        try:
+            busy = wait_until_free(
+                self.deps.probe, gpus, pf.memory_threshold_mib, _PlainClock(), timeout_s, 0.1, busy_note, 5.0
+            )
+        except GpuUnavailable as exc:
+            self.log.warning("stop.gpu_unknown", error=str(exc))
+            return
+        took = round(time.monotonic() - start, 3)
+        if busy:
+            self.log.warning(
+                "stop.gpu_still_busy", seconds=took, gpus=", ".join(f"GPU {m.index}: {m.used_mib} MiB" for m in busy)
+            )
+        else:
+            self.log.info("stop.gpu_released", seconds=took, gpus=",".join(map(str, gpus)))
+
+    # -- the event loop -------------------------------------------------------------
+
+    def _pump(self, timeout: float) -> None:
+        """Wait up to `timeout` for output, signals or health results; handle what came."""
+        for key, _ in self._selector.select(timeout):
+            if key.data == "signal":
+                self.signals.drain()
+                continue
+            self._read_stream(key.fd)
+        self.deps.sink.flush()
+
+    def _read_stream(self, fd: int) -> None:
+        assert self.child is not None
+        # Bounded per wake-up so one flooding stream cannot starve signals.
+        for _ in range(64):
+            data = self.child.read(fd)
+            if data is None:
+                for line in self._splitters[fd].close():
+                    self._on_line(fd, line)
+                self._selector.unregister(fd)
+                return
+            if not data:
+                return
+            now = time.monotonic()
+            self._last_output = now
+            for line in self._splitters[fd].feed(data):
+                self._on_line(fd, line)
+            if self.state.state is State.STARTING:
+                self._extend_timeout(now)
+                if now - self._last_status >= 1.0:
+                    self._status(now)
+
+    def _on_line(self, fd: int, line: str) -> None:
+        if self._secrets:
+            line = redact_text(line, self._secrets)
+        priority, fields = self._classifiers[fd].classify(line)
+        self.deps.sink.line(line, priority, fields)
+        if self.state.state is State.STARTING:
+            event = self.tracker.feed(line)
+            if event.phase_changed:
+                self._last_status = 0.0  # a new phase shows at once
+        else:
+            self.tracker.tail.append(line)
+
+    def _flush_partial_lines(self) -> None:
+        for fd, splitter in self._splitters.items():
+            for line in splitter.close():
+                self._on_line(fd, line)
+
+    def _status(self, now: float) -> None:
+        self._last_status = now
+        self.state.status(f"starting: {self.tracker.status_text(now - self._started_at)}")
+
+    def _extend_timeout(self, now: float) -> None:
+        if now - self._last_extend < EXTEND_EVERY_S:
+            return
+        self._last_extend = now
+        rcfg = self.cfg.readiness
+        left = max(0.0, rcfg.deadline_s - (now - self._started_at))
+        self.deps.notifier.send(EXTEND_TIMEOUT_USEC=_usec(min(rcfg.stall_timeout_s, left) + EXTEND_MARGIN_S))
+
+    def _stop_signalled(self) -> bool:
+        fresh = self.signals.new_signals()
+        for sig in fresh:
+            if sig == signal.SIGHUP:
+                self.log.warning("signal.ignored", signal="SIGHUP", why="reload is not supported; restart the unit")
+            else:
+                self.log.info("signal.received", signal=signal.Signals(sig).name, state=self.state.state.value)
+        return any(s in STOP_SIGNALS for s in fresh)
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _serving_status(self) -> str:
+        return f"ready: serving on {self.cfg.readiness.health_url.rsplit('/health', 1)[0]}"
+
+    def _configured_gpus(self) -> tuple[int, ...]:
+        gpus = self.cfg.preflight.gpus
+        if gpus is not None:
+            return gpus
+        try:
+            return tuple(range(self.deps.probe.device_count()))
+        except GpuUnavailable:
+            return ()
+
+    def _root_cause(self) -> str:
+        return self.tracker.root_cause()[:500]
+
+    def _tail(self, lines: int = 15) -> list[str]:
+        return [line[:500] for line in list(self.tracker.tail)[-lines:]]
+
+
+class _PlainClock:
+    """The stop path must finish even after a second signal: it sleeps uninterrupted."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(max(0.0, seconds))
+
+
+def _usec(seconds: float) -> int:
+    return int(seconds * 1_000_000)
