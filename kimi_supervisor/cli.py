@@ -83,6 +83,8 @@ def check_config_permissions(path: Path) -> None:
         st = path.stat()
     except OSError:
         return  # load_config reports it with the right words
+    if not stat.S_ISREG(st.st_mode):
+        return
     if st.st_uid != 0:
         raise ConfigError(
             f"{path}: owned by uid {st.st_uid}, not root; refusing it while running as root (chown root {path})"
@@ -189,6 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in err.detail:
             log.error("supervisor.detail", line=line)
         return int(err.exit_code)
+    except BrokenPipeError:  # `kimi-supervisor --dry-run | head`: the reader left
+        sys.stderr.close()
+        return ExitCode.OK
     except Exception:  # a bug: keep the traceback, exit with a code that says so
         log.critical("supervisor.crash", traceback=traceback.format_exc())
         return ExitCode.INTERNAL

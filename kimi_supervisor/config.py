@@ -28,7 +28,7 @@ DEFAULT_PATH = Path("/etc/kimi-supervisor/kimi-supervisor.toml")
 # The defaults cover a vLLM tree: its engine and TP workers (setproctitle
 # names, which the kernel truncates to 15 characters in comm), and python
 # processes whose command line runs vllm.
-DEFAULT_REAP_NAMES = ("VLLM::EngineCore*", "VLLM::Worker*", "VLLM::EngineCor", "VLLM::Worker_TP*")
+DEFAULT_REAP_NAMES = ("VLLM::EngineCore*", "VLLM::EngineCor", "VLLM::Worker*")
 DEFAULT_REAP_CMDLINE = (
     r"(^|/)vllm( |$)",
     r"(^|/)python[0-9.]*( -[^ ]+)* .*\bvllm\b",
@@ -232,7 +232,7 @@ class _Table:
     def done(self) -> None:
         for name in self._raw:
             if name not in self._seen:
-                close = difflib.get_close_matches(name, sorted(self._seen), n=1)
+                close = difflib.get_close_matches(name, sorted(self._seen), n=1, cutoff=0.75)
                 hint = f" (did you mean '{close[0]}'?)" if close else f" (known keys: {', '.join(sorted(self._seen))})"
                 raise self.error(name, f"unknown key{hint}")
 

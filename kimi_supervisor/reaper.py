@@ -22,6 +22,8 @@ from kimi_supervisor.config import ReapConfig
 from kimi_supervisor.gpu import GpuProcess
 from kimi_supervisor.proctable import ProcessTable, ProcInfo, ancestors
 
+COMM_LEN = 15
+
 
 @dataclasses.dataclass(frozen=True)
 class Victim:
@@ -68,18 +70,31 @@ class KillRules:
             names += [first, os.path.basename(first)]
         return names
 
+    def _any_name(self, proc: ProcInfo, patterns: tuple[str, ...]) -> bool:
+        return any(_name_matches(n, pat) for n in self._names(proc) for pat in patterns)
+
     def protected(self, proc: ProcInfo) -> bool:
-        return any(fnmatch.fnmatchcase(n, pat) for n in self._names(proc) for pat in self._cfg.protected_names)
+        return self._any_name(proc, self._cfg.protected_names)
 
     def matches(self, proc: ProcInfo) -> bool:
-        if any(fnmatch.fnmatchcase(n, pat) for n in self._names(proc) for pat in self._cfg.names):
-            return True
-        command = " ".join(proc.cmdline)
-        return any(rx.search(command) for rx in self._cfg.cmdline)
+        command = _command(proc)
+        return self._any_name(proc, self._cfg.names) or any(rx.search(command) for rx in self._cfg.cmdline)
 
     def companion(self, proc: ProcInfo) -> bool:
-        command = " ".join(proc.cmdline)
+        command = _command(proc)
         return any(rx.search(command) for rx in self._cfg.companions)
+
+
+def _command(proc: ProcInfo) -> str:
+    return " ".join(proc.cmdline).replace("\n", " ")
+
+
+def _name_matches(name: str, pattern: str) -> bool:
+    # The kernel keeps 15 characters of a process name (comm): "nvidia-persistenced"
+    # shows as "nvidia-persiste", so a 15-character name also matches a pattern's head.
+    if fnmatch.fnmatchcase(name, pattern):
+        return True
+    return len(name) == COMM_LEN and fnmatch.fnmatchcase(name, pattern[:COMM_LEN])
 
 
 def plan_reap(holders: Iterable[GpuProcess], table: ProcessTable, cfg: ReapConfig, self_pid: int) -> ReapPlan:

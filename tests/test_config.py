@@ -1,0 +1,153 @@
+"""Config: every error class gives one exact line naming file and key; defaults are sane."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kimi_supervisor.config import load_config, parse_config
+from kimi_supervisor.exitcodes import ConfigError, ExitCode
+
+REPO = Path(__file__).resolve().parent.parent
+MINIMAL = '[child]\nargv = ["vllm", "serve", "/m"]\n'
+
+
+def write(tmp_path: Path, text: str | bytes, name: str = "k.toml") -> Path:
+    path = tmp_path / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def error_of(path: Path) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.exit_code == ExitCode.CONFIG
+    message = info.value.message
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", "{p}: the file is empty; required key 'child.argv' is missing"),
+        ('[child]\nargv = ["a",\n', "{p}: invalid TOML: Invalid value (at end of document)"),
+        ('[child]\nargv = ["vllm"]\nx = = 1\n', "{p}: invalid TOML: Invalid value (at line 3, column 5)"),
+        ("[preflight]\ndeadline_s = 3\n", "{p}: child.argv: required key is missing"),
+        (MINIMAL + "[preflight]\ndedline_s = 3\n", "{p}: preflight.dedline_s: unknown key (did you mean 'deadline_s'?)"),
+        (MINIMAL + "[helth]\n", "{p}: helth: unknown key (did you mean 'health'?)"),
+        (MINIMAL + "[preflight.reap]\nzzz = 1\n",
+         "{p}: preflight.reap.zzz: unknown key (known keys: cmdline, companions, enabled, grace_s, names, "
+         "protected_names)"),
+        (MINIMAL + '[preflight]\ndeadline_s = "30"\n',
+         "{p}: preflight.deadline_s: expected a number of seconds, got string '30'"),
+        (MINIMAL + "[preflight]\nmemory_threshold_mib = 1.5\n",
+         "{p}: preflight.memory_threshold_mib: expected an integer, got number 1.5"),
+        (MINIMAL + "[preflight.reap]\nenabled = 1\n", "{p}: preflight.reap.enabled: expected true or false, got integer 1"),
+        ('[child]\nargv = "vllm serve /m"\n', "{p}: child.argv: expected an array of strings, got string 'vllm serve /m'"),
+        ("[child]\nargv = []\n", "{p}: child.argv: expected a non-empty array of strings, got an empty array"),
+        ('[child]\nargv = ["vllm"]\nenv = { A = 1 }\n', "{p}: child.env.A: expected a string, got integer 1"),
+        (MINIMAL + "[health]\nfailures_tolerated = 0\n",
+         "{p}: health.failures_tolerated: expected an integer between 1 and 1000, got 0"),
+        (MINIMAL + "[shutdown]\ngrace_s = -1\n", "{p}: shutdown.grace_s: expected a value > 0 and <= 3600, got -1"),
+        (MINIMAL + "[preflight]\ngpus = [0, 0]\n", "{p}: preflight.gpus: expected distinct GPU indices, got [0, 0]"),
+        (MINIMAL + '[preflight]\ngpus = "some"\n',
+         "{p}: preflight.gpus: expected \"all\" or an array of GPU indices (e.g. [0, 1]), got string 'some'"),
+        (MINIMAL + '[readiness]\nfatal_patterns = ["(("]\n',
+         "{p}: readiness.fatal_patterns: invalid regular expression '((': missing ), unterminated subpattern at "
+         "position 1"),
+        (MINIMAL + '[readiness]\nhealth_url = "localhost:8000"\n',
+         "{p}: readiness.health_url: expected an http:// or https:// URL, got 'localhost:8000'"),
+        ('[child]\nargv = ["vllm", "serve", "/m", "--port", "abc"]\n',
+         "{p}: child.argv: --port expects an integer, got 'abc'"),
+        ('[child]\nargv = ["vllm", "serve", "/m", "--gpu-memory-utilization", "1.5"]\n',
+         "{p}: child.argv: --gpu-memory-utilization expects a fraction in (0, 1], got 1.5"),
+        (MINIMAL + '[preflight.shm]\nglobs = ["*"]\n',
+         "{p}: preflight.shm.globs: expected file-name globs with a fixed part and no '/', got '*'"),
+        (MINIMAL + '[child]\n', "{p}: invalid TOML: Cannot declare ('child',) twice (at line 3, column 7)"),
+    ],
+)
+def test_error_messages(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path, text)
+    assert error_of(path) == expected.format(p=path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.toml"
+    assert error_of(path) == f"{path}: config file not found (use --config PATH)"
+
+
+def test_directory(tmp_path: Path) -> None:
+    assert error_of(tmp_path) == f"{tmp_path}: is a directory, expected a TOML file"
+
+
+def test_unreadable_file() -> None:
+    # Root reads mode-0 files, so use a file every reader gets an I/O error from.
+    path = Path("/proc/self/mem")
+    assert error_of(path) == f"{path}: cannot read config: Input/output error"
+
+
+def test_not_utf8(tmp_path: Path) -> None:
+    path = write(tmp_path, b"[child]\nargv = ['\xff']\n")
+    assert error_of(path) == f"{path}: not valid UTF-8 at byte 17"
+
+
+def test_defaults_from_minimal(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, MINIMAL))
+    assert cfg.child.argv == ("vllm", "serve", "/m")
+    assert cfg.child.vllm.model == "/m"
+    assert cfg.readiness.health_url == "http://127.0.0.1:8000/health"
+    assert cfg.preflight.gpus is None
+    assert cfg.preflight.memory_threshold_mib == 1000
+    assert cfg.preflight.shm.globs == ("psm_*", "sem.mp-*", "nccl-*")
+    assert cfg.health.failures_tolerated == 3
+    assert cfg.shutdown.grace_s == 30.0
+
+
+def test_frozen(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, MINIMAL))
+    with pytest.raises(AttributeError):
+        cfg.health = None  # type: ignore[misc]
+
+
+def test_shipped_config_reproduces_the_seeds() -> None:
+    cfg = load_config(REPO / "etc" / "kimi-supervisor.toml")
+    argv = cfg.child.argv
+    assert cfg.child.vllm.model == "/shared/kimi-k2.5-nvfp4"
+    assert cfg.child.vllm.tensor_parallel_size == 8
+    assert cfg.child.vllm.gpu_memory_utilization == 0.95
+    assert argv[argv.index("--max-model-len") + 1] == "131072"
+    assert "--tool-call-parser" in argv and "--reasoning-parser" in argv
+    assert dict(cfg.child.env) == {"NCCL_PROTO": "LL", "NCCL_P2P_LEVEL": "SYS"}
+    assert cfg.preflight.memory_threshold_mib == 1000
+    assert cfg.preflight.deadline_s == 30
+    assert cfg.readiness.health_url == "http://127.0.0.1:8000/health"
+
+
+def test_demo_profile_parses() -> None:
+    cfg = load_config(REPO / "etc" / "kimi-supervisor.demo.toml")
+    assert cfg.preflight.gpus == ()
+
+
+def test_explicit_health_url_and_gpu_list(tmp_path: Path) -> None:
+    cfg = parse_config({"child": {"argv": ["vllm", "serve", "m", "--host", "::", "--port", "9000"]},
+                        "preflight": {"gpus": [0, 3]}}, tmp_path / "x.toml")
+    assert cfg.readiness.health_url == "http://[::1]:9000/health"
+    assert cfg.preflight.gpus == (0, 3)
+
+
+def test_cli_exit_code_and_single_line(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + "[preflight]\nbogus = 1\n")
+    proc = subprocess.run([sys.executable, "-m", "kimi_supervisor", "check-config", "--config", str(path)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 78
+    assert proc.stdout == ""
+    assert proc.stderr == (f"kimi-supervisor: config error: {path}: preflight.bogus: unknown key "
+                           "(known keys: busy_log_interval_s, check_model, check_port, deadline_s, gpus, "
+                           "memory_threshold_mib, poll_interval_s, reap, shm)\n")
