@@ -187,7 +187,8 @@ def _journal_renderer(
     return (), {"event_dict": event_dict}
 
 
-def configure(fmt: str, level: str = "info", secrets: tuple[str, ...] = (), stream: TextIO | None = None) -> ChildSink:
+def configure(fmt: str, level: str = "info", secrets: tuple[str, ...] = (), stream: TextIO | None = None,
+              journal_socket: str = JOURNAL_SOCKET) -> ChildSink:
     """Set up structlog for `fmt` (already resolved) and return the matching child-line sink."""
     err = stream or sys.stderr
     scrubber = SecretScrubber(secrets)
@@ -200,7 +201,7 @@ def configure(fmt: str, level: str = "info", secrets: tuple[str, ...] = (), stre
 
     processors: list[Any] = [drop_below, structlog.processors.add_log_level, scrubber]
     if fmt == "journal":
-        writer = JournalWriter(fallback=err)
+        writer = JournalWriter(journal_socket, fallback=err)
         processors += [structlog.processors.format_exc_info, _journal_renderer]
         structlog.configure(
             processors=processors, logger_factory=lambda *a: _JournalLogger(writer), cache_logger_on_first_use=False
