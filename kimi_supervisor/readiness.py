@@ -37,6 +37,8 @@ PHASES: tuple[tuple[str, str], ...] = (
     ),
 )
 _PROGRESS = re.compile(r"Loading safetensors checkpoint shards:\s*(\d+)% Completed \|\s*(\d+)/(\d+)")
+# Lines that only point elsewhere ("See root cause above"): never the root cause.
+_SUMMARY = re.compile(r"See root cause above|Engine core initialization failed|EngineCore failed to start")
 _ROOT_CAUSE = re.compile(r"\b(?:\w+Error|\w+Exception|OutOfMemory\w*)\b[:(]|\bCUDA error\b|\bNCCL error\b")
 
 
@@ -81,7 +83,7 @@ class ReadinessTracker:
 
     def feed(self, line: str) -> LineEvent:
         self.tail.append(line)
-        if _ROOT_CAUSE.search(line):
+        if _ROOT_CAUSE.search(line) and not _SUMMARY.search(line):
             self._causes.append(line.strip())
         if not self._any.search(line):
             return _NOTHING
@@ -114,8 +116,7 @@ class ReadinessTracker:
         return f"{text}, {format_duration(elapsed_s)}"
 
     def root_cause(self) -> str:
-        """The line most likely to explain a failure: the last exception-looking line, else the fatal one."""
-        for line in reversed(self._causes):
-            if line != self.fatal_line:
-                return line
+        """The line most likely to explain a failure: the last real exception line, else the fatal one."""
+        if self._causes:
+            return self._causes[-1]
         return self.fatal_line or (self.tail[-1].strip() if self.tail else "(no output)")
