@@ -1,0 +1,296 @@
+"""Quick checks that tests/fakes/fake_vllm.py behaves like `vllm serve`."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+FAKE = Path(__file__).with_name("fake_vllm.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Fake:
+    """A running fake in its own session/process group, output in files."""
+
+    def __init__(self, tmp: Path, *extra: str, tp: int = 2) -> None:
+        self.port = free_port()
+        self.out_path = tmp / "stdout.log"
+        self.err_path = tmp / "stderr.log"
+        argv = [
+            sys.executable,
+            str(FAKE),
+            "serve",
+            str(tmp / "model"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--tensor-parallel-size",
+            str(tp),
+            # real vLLM flags the fake must accept and ignore
+            "--max-model-len",
+            "4096",
+            "--gpu-memory-utilization",
+            "0.95",
+            "--dtype",
+            "bfloat16",
+            "--trust-remote-code",
+            "--max-lifetime",
+            "60",
+            *extra,
+        ]
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.pgid = self.proc.pid
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_bytes().decode("utf-8", "replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_bytes().decode("utf-8", "replace")
+
+    def get(self, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def wait_healthy(self, timeout: float = 10.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, self.stderr
+            with contextlib.suppress(OSError):
+                if self.get("/health", timeout=1.0)[0] == 200:
+                    return
+            time.sleep(0.05)
+        raise AssertionError("fake never became healthy")
+
+    def group_alive(self) -> bool:
+        """Any live (non-zombie) process still in the group we started?"""
+        return bool(group_members(self.pgid))
+
+    def wait_group_gone(self, timeout: float = 3.0) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            self.proc.poll()
+            if not self.group_alive():
+                return True
+            time.sleep(0.02)
+        return False
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+
+@pytest.fixture
+def fakes(tmp_path: Path) -> Iterator[list[Fake]]:
+    started: list[Fake] = []
+    try:
+        yield started
+    finally:
+        for fake in started:
+            fake.kill()
+
+
+def start(fakes: list[Fake], tmp: Path, *extra: str, tp: int = 2) -> Fake:
+    fake = Fake(tmp, *extra, tp=tp)
+    fakes.append(fake)
+    return fake
+
+
+def _stat(pid: int) -> list[bytes]:
+    """Fields of /proc/PID/stat after the comm: [state, ppid, pgrp, ...]."""
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        stat = fh.read()
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+def _ppid(pid: int) -> int:
+    return int(_stat(pid)[1])
+
+
+def group_members(pgid: int) -> list[int]:
+    """Non-zombie processes of process group `pgid` (zombies wait for init)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = _stat(int(entry))
+                if int(fields[2]) == pgid and fields[0] != b"Z":
+                    found.append(int(entry))
+    return found
+
+
+def descendants(root: int) -> dict[int, str]:
+    """pid -> name of every descendant (psutil's name() if installed)."""
+    try:
+        psutil = importlib.import_module("psutil")
+    except ImportError:
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError):
+                    children.setdefault(_ppid(int(entry)), []).append(int(entry))
+        found: dict[int, str] = {}
+        todo = list(children.get(root, []))
+        while todo:
+            pid = todo.pop()
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as fh:
+                found[pid] = fh.read().strip()
+            todo.extend(children.get(pid, []))
+        return found
+    out: dict[int, str] = {}
+    for child in psutil.Process(root).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            out[child.pid] = child.name()
+    return out
+
+
+def test_normal_lifecycle(fakes: list[Fake], tmp_path: Path) -> None:
+    fake = start(fakes, tmp_path, "--load-seconds", "1.0")
+    with pytest.raises(ConnectionRefusedError):
+        fake.get("/health")
+    fake.wait_healthy()
+    assert f"Starting vLLM API server 0 on http://127.0.0.1:{fake.port}" in fake.stdout
+    assert "INFO:     Application startup complete." in fake.stderr
+    assert "Loading safetensors checkpoint shards: 100% Completed" in fake.stderr
+
+    status, body = fake.get("/v1/models")
+    assert status == 200
+    assert json.loads(body)["data"][0]["id"] == str(tmp_path / "model")
+
+    names = sorted(descendants(fake.proc.pid).values())
+    # comm keeps 15 bytes; psutil recovers the full title from the cmdline
+    assert names in (
+        ["VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"],
+        ["VLLM::EngineCor", "VLLM::Worker_TP", "VLLM::Worker_TP"],
+    )
+
+    fake.proc.send_signal(signal.SIGTERM)
+    assert fake.proc.wait(timeout=3) == 0
+    assert fake.wait_group_gone(), "processes left behind after SIGTERM"
+    assert "Shutting down FastAPI HTTP server." in fake.stdout
+    assert "INFO:     Application shutdown complete." in fake.stderr
+
+
+def test_ignore_sigterm_needs_sigkill(fakes: list[Fake], tmp_path: Path) -> None:
+    fake = start(fakes, tmp_path, "--load-seconds", "0.3", "--ignore-sigterm")
+    fake.wait_healthy()
+    tree = descendants(fake.proc.pid)
+    assert len(tree) == 3
+    os.killpg(fake.pgid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert fake.proc.poll() is None
+    assert descendants(fake.proc.pid).keys() == tree.keys()
+    assert fake.get("/health")[0] == 200
+    os.killpg(fake.pgid, signal.SIGKILL)
+    assert fake.proc.wait(timeout=3) == -signal.SIGKILL
+    assert fake.wait_group_gone()
+
+
+def test_crash_during_load(fakes: list[Fake], tmp_path: Path) -> None:
+    fake = start(fakes, tmp_path, "--load-seconds", "0.4", "--crash-during-load")
+    assert fake.proc.wait(timeout=10) == 1
+    assert fake.stderr.rstrip().endswith(
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+    )
+    assert "torch.OutOfMemoryError: CUDA out of memory." in fake.stdout
+    assert "EngineCore failed to start." in fake.stdout
+    assert fake.wait_group_gone()
+
+
+def test_free_memory_error(fakes: list[Fake], tmp_path: Path) -> None:
+    fake = start(fakes, tmp_path, "--free-memory-error", tp=1)
+    assert fake.proc.wait(timeout=10) == 1
+    assert (
+        "ValueError: Free memory on device (12.34/139.81 GiB) on startup is less "
+        "than desired GPU memory utilization (0.95, 132.82 GiB)." in fake.stdout
+    )
+    assert "Engine core initialization failed" in fake.stderr
+
+
+def test_worker_death_exits_zero(fakes: list[Fake], tmp_path: Path) -> None:
+    fake = start(
+        fakes, tmp_path, "--load-seconds", "0.3", "--kill-worker-after-ready", "0.2", "--engine-death-exit-delay", "0.3"
+    )
+    fake.wait_healthy()
+    assert fake.proc.wait(timeout=5) == 0
+    out = fake.stdout
+    assert "Worker proc VllmWorker-0 died unexpectedly, shutting down executor." in out
+    assert "EngineCore encountered a fatal error." in out
+    assert "Engine core proc EngineCore_DP0 died unexpectedly" in out
+    assert "INFO:     Finished server process" in fake.stderr
+    assert fake.wait_group_gone()
+
+
+def test_hang_after_ready(fakes: list[Fake], tmp_path: Path) -> None:
+    fake = start(fakes, tmp_path, "--load-seconds", "0.3", "--hang-after-ready", "0.3", tp=1)
+    fake.wait_healthy()
+    time.sleep(0.4)
+    with pytest.raises(TimeoutError):
+        fake.get("/health", timeout=0.5)
+    assert fake.proc.poll() is None
+
+
+def test_sigterm_during_load(fakes: list[Fake], tmp_path: Path) -> None:
+    fake = start(fakes, tmp_path, "--load-seconds", "3")
+    time.sleep(0.4)
+    os.killpg(fake.pgid, signal.SIGTERM)
+    assert fake.proc.wait(timeout=5) == -signal.SIGINT
+    assert "KeyboardInterrupt: terminated" in fake.stderr
+    assert fake.wait_group_gone()
+
+
+def test_flood_only(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(FAKE),
+            "serve",
+            "m",
+            "--flood-only",
+            "--flood-lines",
+            "20000",
+            "--flood-line-bytes",
+            "100",
+        ],
+        capture_output=True,
+        timeout=20,
+        check=True,
+    ).stdout
+    lines = out.split(b"\n")
+    assert lines[-1] == b""
+    assert len(lines) == 20001
+    assert all(len(line) == 99 for line in lines[:-1])
+    assert b"flood line 000019999 " in lines[-2]

@@ -1,0 +1,143 @@
+"""The lifecycle against real processes: the CLI, the fake vLLM, a real notify socket."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.harness import Run, fake_config, fake_tree_of
+
+
+def test_ready_only_after_health_then_clean_stop(tmp_path: Path) -> None:
+    run = Run(fake_config(tmp_path, ["--load-seconds", "4", "--shards", "8"]), tmp_path)
+    try:
+        ready = run.wait_event("state.ready")
+        assert ready["status"].startswith("ready: serving on http://127.0.0.1:")
+        fields = run.notify.fields()
+        ready_at = run.notify.first("READY", "1")
+        assert ready_at is not None and ready_at[1]["STATUS"] == ready["status"]
+        statuses = [f["STATUS"] for f in fields if "STATUS" in f]
+        assert statuses[0] == "preflight: checking GPUs, stale processes and shared memory"
+        assert statuses[1] == "starting: vLLM spawned"
+        assert any(s.startswith("starting: loading weights ") for s in statuses), statuses
+        assert sum(1 for f in fields if f.get("READY") == "1") == 1
+        assert any("EXTEND_TIMEOUT_USEC" in f for f in fields)
+        # The server said it started before READY, and READY came after the first 200.
+        assert any("Application startup complete" in c["line"] for c in run.child_lines)
+        assert len(fake_tree_of(str(tmp_path))) == 4  # APIServer, EngineCore, 2 workers
+
+        run.signal(signal.SIGTERM)
+        assert run.wait() == 0
+        names = run.names()
+        assert names[names.index("state.stopping"):] == ["state.stopping", "stop.sigterm", "stop.tree_gone",
+                                                         "state.stopped"]
+        after = run.notify.fields()
+        assert after[-2].get("STOPPING") == "1" and after[-1] == {"STATUS": "stopped"}
+        assert fake_tree_of(str(tmp_path)) == []
+    finally:
+        run.kill()
+
+
+def test_crash_during_load_exits_11_quoting_the_root_cause(tmp_path: Path) -> None:
+    run = Run(fake_config(tmp_path, ["--crash-during-load"]), tmp_path)
+    rc = run.wait()
+    assert rc == 11
+    failed = run.event("state.failed")
+    assert failed is not None
+    exit_event = run.event("supervisor.exit")
+    assert exit_event is not None and exit_event["kind"] == "StartupFailed"
+    assert exit_event["error"].startswith("vLLM failed while starting: (Worker_TP0 pid=")
+    assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate" in exit_event["error"]
+    assert run.notify.first("READY") is None
+    assert fake_tree_of(str(tmp_path)) == []
+
+
+def test_free_memory_error_quotes_vllms_message(tmp_path: Path) -> None:
+    run = Run(fake_config(tmp_path, ["--free-memory-error"]), tmp_path)
+    assert run.wait() == 11
+    err = run.event("supervisor.exit")["error"]  # type: ignore[index]
+    assert "ValueError: Free memory on device (12.34/139.81 GiB) on startup is less than desired GPU memory" in err
+
+
+def test_silent_child_is_a_stall(tmp_path: Path) -> None:
+    cfg = fake_config(tmp_path, ["--silent-load", "--load-seconds", "30"], readiness={"stall_timeout_s": 1.5})
+    run = Run(cfg, tmp_path)
+    assert run.wait() == 12
+    assert "printed nothing for 1.5s" in run.event("supervisor.exit")["error"]  # type: ignore[index]
+    assert fake_tree_of(str(tmp_path)) == []
+
+
+def test_child_exit_after_ready_is_a_failure_even_with_status_0(tmp_path: Path) -> None:
+    run = Run(fake_config(tmp_path, ["--kill-worker-after-ready", "0.5"]), tmp_path)
+    run.wait_event("state.ready")
+    assert run.wait() == 13
+    err = run.event("supervisor.exit")["error"]  # type: ignore[index]
+    assert err.startswith("vLLM exited with status 0 after it was ready (not requested)")
+    assert fake_tree_of(str(tmp_path)) == []
+
+
+def test_unhealthy_after_ready_exits_14(tmp_path: Path) -> None:
+    run = Run(fake_config(tmp_path, ["--unhealthy-after", "0.5"]), tmp_path)
+    run.wait_event("state.ready")
+    assert run.wait() == 14
+    assert run.event("supervisor.exit")["error"] == "/health failed 3 times in a row (HTTP 503)"  # type: ignore[index]
+    assert len([e for e in run.events if e["event"] == "health.failed"]) == 3
+
+
+def test_sigterm_ignored_escalates_to_sigkill_within_grace(tmp_path: Path) -> None:
+    run = Run(fake_config(tmp_path, ["--ignore-sigterm"], shutdown={"grace_s": 1.0}), tmp_path)
+    run.wait_event("state.ready")
+    start = run.signal()
+    assert run.wait() == 0
+    elapsed = time.monotonic() - start
+    assert run.event("stop.sigkill") is not None
+    assert elapsed < 1.0 + 2.0
+    assert fake_tree_of(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("flag", ["--orphan-workers", "--worker-setsid"])
+def test_orphaned_or_detached_workers_are_stopped_too(tmp_path: Path, flag: str) -> None:
+    run = Run(fake_config(tmp_path, [flag]), tmp_path)
+    run.wait_event("state.ready")
+    run.signal()
+    assert run.wait() == 0
+    assert fake_tree_of(str(tmp_path)) == []
+
+
+def test_sigterm_during_load_stops_cleanly(tmp_path: Path) -> None:
+    run = Run(fake_config(tmp_path, ["--load-seconds", "20", "--ignore-sigterm-during-load"],
+                          shutdown={"grace_s": 1.0}), tmp_path)
+    wait_for(lambda: run.event("state.starting") and len(fake_tree_of(str(tmp_path))) >= 3, timeout=15)
+    run.signal()
+    assert run.wait() == 0
+    assert run.notify.first("READY") is None
+    assert fake_tree_of(str(tmp_path)) == []
+
+
+def test_watchdog_pings_only_while_healthy(tmp_path: Path) -> None:
+    run = Run(fake_config(tmp_path, ["--hang-after-ready", "1.5"], health={"interval_s": 0.2, "timeout_s": 0.5,
+                                                                              "failures_tolerated": 3}),
+              tmp_path, env={"WATCHDOG_USEC": "600000"})
+    ready = run.wait_event("state.ready")
+    assert ready is not None
+    assert run.wait() == 14
+    pings = [at for at, d in run.notify.datagrams if d == "WATCHDOG=1"]
+    ready_at = run.notify.first("READY", "1")
+    assert ready_at is not None and len(pings) >= 3
+    assert all(at > ready_at[0] for at in pings)  # never before READY
+    first_failure = next(e for e in run.events if e["event"] == "health.failed")
+    assert first_failure is not None
+
+
+def test_abusive_output_does_not_hurt(tmp_path: Path) -> None:
+    run = Run(fake_config(tmp_path, ["--long-line", "1048576", "--long-line-no-newline", "--invalid-utf8"]), tmp_path)
+    run.wait_event("state.ready")
+    cut = [c["line"] for c in run.child_lines if "[line cut:" in c["line"]]
+    assert len(cut) == 1 and len(cut[0]) < 20_000
+    assert any("\ufffd" in c["line"] for c in run.child_lines)
+    run.signal()
+    assert run.wait() == 0
