@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from kimi_supervisor import __version__
+from kimi_supervisor import __version__, unit
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import DEFAULT_PATH, Config, effective_config, load_config
 from kimi_supervisor.exitcodes import DESCRIPTIONS, ConfigError, ExitCode, SupervisorError
@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default): journal under systemd, console on a terminal, else json",
     )
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p.add_argument("--unit-dir", type=Path, default=unit.DEFAULT_UNIT_DIR, metavar="DIR",
+                   help=f"with install-unit: where to write {unit.UNIT_NAME} (default: {unit.DEFAULT_UNIT_DIR})")
+    p.add_argument("--no-reload", action="store_true", help="with install-unit: skip systemctl daemon-reload")
     p.add_argument("--version", action="version", version=f"kimi-supervisor {__version__}")
     return p
 
@@ -177,6 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sink = configure(fmt, args.log_level, secrets=secret_values(cfg))
         if args.command == "check-config":
             return _check_config(cfg, args.json)
+        if args.command == "install-unit":
+            target = unit.install(args.config.resolve(), args.unit_dir, reload=not args.no_reload)
+            print(f"wrote {target}; now: systemctl enable --now {unit.UNIT_NAME}")
+            return ExitCode.OK
         if args.dry_run:
             return _dry_run(cfg, args.json)
         return _run(cfg, sink)
