@@ -20,8 +20,9 @@ class ProcSpawner:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def python(self, code: str, *, title: str | None = None, new_session: bool = True,
-               extra_args: list[str] | None = None) -> subprocess.Popen[bytes]:
+    def python(
+        self, code: str, *, title: str | None = None, new_session: bool = True, extra_args: list[str] | None = None
+    ) -> subprocess.Popen[bytes]:
         prologue = ""
         if title:
             # Like setproctitle: comm (15 chars) and the start of argv.
@@ -36,8 +37,9 @@ class ProcSpawner:
         return p
 
     def sleeper(self, title: str | None = None, extra_args: list[str] | None = None) -> subprocess.Popen[bytes]:
-        p = self.python("import time, sys\nprint('up', flush=True)\ntime.sleep(600)", title=title,
-                        extra_args=extra_args)
+        p = self.python(
+            "import time, sys\nprint('up', flush=True)\ntime.sleep(600)", title=title, extra_args=extra_args
+        )
         assert p.stdout is not None
         assert p.stdout.readline() == b"up\n"
         return p

@@ -56,9 +56,25 @@ def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
 
 def fake_config(tmp_path: Path, fake_args: list[str] | None = None, tp: int = 2, **sections: dict[str, Any]) -> Path:
     port = free_port()
-    argv = [sys.executable, str(FAKE), "serve", str(tmp_path / "model"), "--host", "127.0.0.1", "--port", str(port),
-            "--tensor-parallel-size", str(tp), "--load-seconds", "0.5", "--shards", "4", "--max-lifetime", "120",
-            *(fake_args or [])]
+    argv = [
+        sys.executable,
+        str(FAKE),
+        "serve",
+        str(tmp_path / "model"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(tp),
+        "--load-seconds",
+        "0.5",
+        "--shards",
+        "4",
+        "--max-lifetime",
+        "120",
+        *(fake_args or []),
+    ]
     shm = tmp_path / "shm"
     shm.mkdir(exist_ok=True)
     cfg: dict[str, dict[str, Any]] = {
@@ -77,18 +93,25 @@ def fake_config(tmp_path: Path, fake_args: list[str] | None = None, tp: int = 2,
 class Run:
     """A running supervisor: its JSON events, child lines and notify datagrams."""
 
-    def __init__(self, config: Path, tmp_path: Path, env: dict[str, str] | None = None,
-                 args: list[str] | None = None) -> None:
+    def __init__(
+        self, config: Path, tmp_path: Path, env: dict[str, str] | None = None, args: list[str] | None = None
+    ) -> None:
         self.notify = NotifySocket(tmp_path)
         full_env = {**os.environ, "NOTIFY_SOCKET": self.notify.path, "PYTHONPATH": str(REPO), **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kimi_supervisor", "--config", str(config), "--log-format", "json", *(args or [])],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=REPO)
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=full_env,
+            cwd=REPO,
+        )
         self.events: list[dict[str, Any]] = []
         self.child_lines: list[dict[str, Any]] = []
         self.raw_stderr: list[str] = []
-        self._threads = [threading.Thread(target=self._read, args=(self.proc.stderr, True), daemon=True),
-                         threading.Thread(target=self._read, args=(self.proc.stdout, False), daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._read, args=(self.proc.stderr, True), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stdout, False), daemon=True),
+        ]
         for t in self._threads:
             t.start()
 
@@ -116,8 +139,9 @@ class Run:
                 found = self.event(name)
                 if found:
                     return found
-                raise AssertionError(f"supervisor exited {self.proc.returncode} before {name}: {self.names()}"
-                                     f" {self.raw_stderr[-5:]}")
+                raise AssertionError(
+                    f"supervisor exited {self.proc.returncode} before {name}: {self.names()} {self.raw_stderr[-5:]}"
+                )
             time.sleep(0.02)
         raise AssertionError(f"no {name} within {timeout}s: {self.names()}")
 

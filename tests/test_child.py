@@ -51,8 +51,14 @@ class TestLineSplitter:
 
 
 def test_child_environment_hides_supervisor_variables() -> None:
-    parent = {"PATH": "/bin", "NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "2",
-              "JOURNAL_STREAM": "1:2", "KEEP": "yes"}
+    parent = {
+        "PATH": "/bin",
+        "NOTIFY_SOCKET": "/run/x",
+        "WATCHDOG_USEC": "1",
+        "WATCHDOG_PID": "2",
+        "JOURNAL_STREAM": "1:2",
+        "KEEP": "yes",
+    }
     env = child_environment(spec("x", env={"NCCL_PROTO": "LL"}), parent)
     assert env == {"PATH": "/bin", "KEEP": "yes", "NCCL_PROTO": "LL", "PYTHONUNBUFFERED": "1"}
     clean = child_environment(spec("x", inherit_environment=False), parent)
@@ -63,10 +69,16 @@ def test_child_environment_hides_supervisor_variables() -> None:
     ("kw", "argv0", "message"),
     [
         ({}, "/nonexistent/vllm", "cannot start child: /nonexistent/vllm: no such file or directory"),
-        ({"working_directory": "/nonexistent-dir"}, sys.executable,
-         "cannot start child: /nonexistent-dir: no such file or directory"),
-        ({"user": "no-such-user-kimi"}, sys.executable,
-         "cannot start child as user 'no-such-user-kimi': \"getpwnam(): name not found: 'no-such-user-kimi'\""),
+        (
+            {"working_directory": "/nonexistent-dir"},
+            sys.executable,
+            "cannot start child: /nonexistent-dir: no such file or directory",
+        ),
+        (
+            {"user": "no-such-user-kimi"},
+            sys.executable,
+            "cannot start child as user 'no-such-user-kimi': \"getpwnam(): name not found: 'no-such-user-kimi'\"",
+        ),
         ({}, "/dev/null", "cannot start child: /dev/null: permission denied"),
     ],
 )

@@ -16,8 +16,14 @@ from tests.harness import REPO, fake_config
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kimi_supervisor", *args], capture_output=True, text=True,
-                          cwd=REPO, env={**os.environ, **(env or {})}, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "kimi_supervisor", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        timeout=60,
+    )
 
 
 def test_version_and_help() -> None:
@@ -45,8 +51,10 @@ def test_dry_run_json(tmp_path: Path) -> None:
 
 def test_check_config_prints_effective_config_with_secrets_redacted(tmp_path: Path) -> None:
     cfg = tmp_path / "k.toml"
-    cfg.write_text('[child]\nargv = ["vllm", "serve", "/m", "--api-key", "sk-live-123"]\n'
-                   'env = { HF_TOKEN = "hf_abc", NCCL_PROTO = "LL" }\n')
+    cfg.write_text(
+        '[child]\nargv = ["vllm", "serve", "/m", "--api-key", "sk-live-123"]\n'
+        'env = { HF_TOKEN = "hf_abc", NCCL_PROTO = "LL" }\n'
+    )
     result = cli("check-config", "--config", str(cfg))
     assert result.returncode == 0
     out = result.stdout
@@ -71,8 +79,9 @@ def test_config_writable_by_others_is_refused(tmp_path: Path) -> None:
     cfg.chmod(0o666)
     with pytest.raises(ConfigError) as info:
         check_config_permissions(cfg)
-    assert info.value.message == (f"{cfg}: writable by group or others (mode 0666); refusing it while running "
-                                  f"as root (chmod go-w {cfg})")
+    assert info.value.message == (
+        f"{cfg}: writable by group or others (mode 0666); refusing it while running as root (chmod go-w {cfg})"
+    )
     cfg.chmod(0o644)
     os.chown(cfg, 65534, 0)
     with pytest.raises(ConfigError, match="owned by uid 65534, not root"):

@@ -40,37 +40,66 @@ def error_of(path: Path) -> str:
         ('[child]\nargv = ["a",\n', "{p}: invalid TOML: Invalid value (at end of document)"),
         ('[child]\nargv = ["vllm"]\nx = = 1\n', "{p}: invalid TOML: Invalid value (at line 3, column 5)"),
         ("[preflight]\ndeadline_s = 3\n", "{p}: child.argv: required key is missing"),
-        (MINIMAL + "[preflight]\ndedline_s = 3\n", "{p}: preflight.dedline_s: unknown key (did you mean 'deadline_s'?)"),
+        (
+            MINIMAL + "[preflight]\ndedline_s = 3\n",
+            "{p}: preflight.dedline_s: unknown key (did you mean 'deadline_s'?)",
+        ),
         (MINIMAL + "[helth]\n", "{p}: helth: unknown key (did you mean 'health'?)"),
-        (MINIMAL + "[preflight.reap]\nzzz = 1\n",
-         "{p}: preflight.reap.zzz: unknown key (known keys: cmdline, companions, enabled, grace_s, names, "
-         "protected_names)"),
-        (MINIMAL + '[preflight]\ndeadline_s = "30"\n',
-         "{p}: preflight.deadline_s: expected a number of seconds, got string '30'"),
-        (MINIMAL + "[preflight]\nmemory_threshold_mib = 1.5\n",
-         "{p}: preflight.memory_threshold_mib: expected an integer, got number 1.5"),
-        (MINIMAL + "[preflight.reap]\nenabled = 1\n", "{p}: preflight.reap.enabled: expected true or false, got integer 1"),
-        ('[child]\nargv = "vllm serve /m"\n', "{p}: child.argv: expected an array of strings, got string 'vllm serve /m'"),
+        (
+            MINIMAL + "[preflight.reap]\nzzz = 1\n",
+            "{p}: preflight.reap.zzz: unknown key (known keys: cmdline, companions, enabled, grace_s, names, "
+            "protected_names)",
+        ),
+        (
+            MINIMAL + '[preflight]\ndeadline_s = "30"\n',
+            "{p}: preflight.deadline_s: expected a number of seconds, got string '30'",
+        ),
+        (
+            MINIMAL + "[preflight]\nmemory_threshold_mib = 1.5\n",
+            "{p}: preflight.memory_threshold_mib: expected an integer, got number 1.5",
+        ),
+        (
+            MINIMAL + "[preflight.reap]\nenabled = 1\n",
+            "{p}: preflight.reap.enabled: expected true or false, got integer 1",
+        ),
+        (
+            '[child]\nargv = "vllm serve /m"\n',
+            "{p}: child.argv: expected an array of strings, got string 'vllm serve /m'",
+        ),
         ("[child]\nargv = []\n", "{p}: child.argv: expected a non-empty array of strings, got an empty array"),
         ('[child]\nargv = ["vllm"]\nenv = { A = 1 }\n', "{p}: child.env.A: expected a string, got integer 1"),
-        (MINIMAL + "[health]\nfailures_tolerated = 0\n",
-         "{p}: health.failures_tolerated: expected an integer between 1 and 1000, got 0"),
+        (
+            MINIMAL + "[health]\nfailures_tolerated = 0\n",
+            "{p}: health.failures_tolerated: expected an integer between 1 and 1000, got 0",
+        ),
         (MINIMAL + "[shutdown]\ngrace_s = -1\n", "{p}: shutdown.grace_s: expected a value > 0 and <= 3600, got -1"),
         (MINIMAL + "[preflight]\ngpus = [0, 0]\n", "{p}: preflight.gpus: expected distinct GPU indices, got [0, 0]"),
-        (MINIMAL + '[preflight]\ngpus = "some"\n',
-         "{p}: preflight.gpus: expected \"all\" or an array of GPU indices (e.g. [0, 1]), got string 'some'"),
-        (MINIMAL + '[readiness]\nfatal_patterns = ["(("]\n',
-         "{p}: readiness.fatal_patterns: invalid regular expression '((': missing ), unterminated subpattern at "
-         "position 1"),
-        (MINIMAL + '[readiness]\nhealth_url = "localhost:8000"\n',
-         "{p}: readiness.health_url: expected an http:// or https:// URL, got 'localhost:8000'"),
-        ('[child]\nargv = ["vllm", "serve", "/m", "--port", "abc"]\n',
-         "{p}: child.argv: --port expects an integer, got 'abc'"),
-        ('[child]\nargv = ["vllm", "serve", "/m", "--gpu-memory-utilization", "1.5"]\n',
-         "{p}: child.argv: --gpu-memory-utilization expects a fraction in (0, 1], got 1.5"),
-        (MINIMAL + '[preflight.shm]\nglobs = ["*"]\n',
-         "{p}: preflight.shm.globs: expected file-name globs with a fixed part and no '/', got '*'"),
-        (MINIMAL + '[child]\n', "{p}: invalid TOML: Cannot declare ('child',) twice (at line 3, column 7)"),
+        (
+            MINIMAL + '[preflight]\ngpus = "some"\n',
+            "{p}: preflight.gpus: expected \"all\" or an array of GPU indices (e.g. [0, 1]), got string 'some'",
+        ),
+        (
+            MINIMAL + '[readiness]\nfatal_patterns = ["(("]\n',
+            "{p}: readiness.fatal_patterns: invalid regular expression '((': missing ), unterminated subpattern at "
+            "position 1",
+        ),
+        (
+            MINIMAL + '[readiness]\nhealth_url = "localhost:8000"\n',
+            "{p}: readiness.health_url: expected an http:// or https:// URL, got 'localhost:8000'",
+        ),
+        (
+            '[child]\nargv = ["vllm", "serve", "/m", "--port", "abc"]\n',
+            "{p}: child.argv: --port expects an integer, got 'abc'",
+        ),
+        (
+            '[child]\nargv = ["vllm", "serve", "/m", "--gpu-memory-utilization", "1.5"]\n',
+            "{p}: child.argv: --gpu-memory-utilization expects a fraction in (0, 1], got 1.5",
+        ),
+        (
+            MINIMAL + '[preflight.shm]\nglobs = ["*"]\n',
+            "{p}: preflight.shm.globs: expected file-name globs with a fixed part and no '/', got '*'",
+        ),
+        (MINIMAL + "[child]\n", "{p}: invalid TOML: Cannot declare ('child',) twice (at line 3, column 7)"),
     ],
 )
 def test_error_messages(tmp_path: Path, text: str, expected: str) -> None:
@@ -136,18 +165,26 @@ def test_demo_profile_parses() -> None:
 
 
 def test_explicit_health_url_and_gpu_list(tmp_path: Path) -> None:
-    cfg = parse_config({"child": {"argv": ["vllm", "serve", "m", "--host", "::", "--port", "9000"]},
-                        "preflight": {"gpus": [0, 3]}}, tmp_path / "x.toml")
+    cfg = parse_config(
+        {"child": {"argv": ["vllm", "serve", "m", "--host", "::", "--port", "9000"]}, "preflight": {"gpus": [0, 3]}},
+        tmp_path / "x.toml",
+    )
     assert cfg.readiness.health_url == "http://[::1]:9000/health"
     assert cfg.preflight.gpus == (0, 3)
 
 
 def test_cli_exit_code_and_single_line(tmp_path: Path) -> None:
     path = write(tmp_path, MINIMAL + "[preflight]\nbogus = 1\n")
-    proc = subprocess.run([sys.executable, "-m", "kimi_supervisor", "check-config", "--config", str(path)],
-                          capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kimi_supervisor", "check-config", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert proc.returncode == 78
     assert proc.stdout == ""
-    assert proc.stderr == (f"kimi-supervisor: config error: {path}: preflight.bogus: unknown key "
-                           "(known keys: busy_log_interval_s, check_model, check_port, deadline_s, gpus, "
-                           "memory_threshold_mib, poll_interval_s, reap, shm)\n")
+    assert proc.stderr == (
+        f"kimi-supervisor: config error: {path}: preflight.bogus: unknown key "
+        "(known keys: busy_log_interval_s, check_model, check_port, deadline_s, gpus, "
+        "memory_threshold_mib, poll_interval_s, reap, shm)\n"
+    )

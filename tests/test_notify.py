@@ -28,8 +28,11 @@ def test_datagrams_in_order(notify_socket: NotifySocket) -> None:
     n.send(READY=1, STATUS="ready")
     n.send(WATCHDOG=1)
     wait_for(lambda: len(notify_socket.messages()) == 3)
-    assert notify_socket.messages() == ["STATUS=loading weights 68/119 (57%), 4m12s", "READY=1\nSTATUS=ready",
-                                        "WATCHDOG=1"]
+    assert notify_socket.messages() == [
+        "STATUS=loading weights 68/119 (57%), 4m12s",
+        "READY=1\nSTATUS=ready",
+        "WATCHDOG=1",
+    ]
 
 
 def test_status_newlines_cannot_inject_fields(notify_socket: NotifySocket) -> None:

@@ -28,20 +28,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_cfg(tmp_path: Path, *, tp: int = 2, util: str = "0.9", model: Path | None = None,
-             **preflight: Any) -> Config:
+def make_cfg(tmp_path: Path, *, tp: int = 2, util: str = "0.9", model: Path | None = None, **preflight: Any) -> Config:
     shm = tmp_path / "shm"
     shm.mkdir(exist_ok=True)
-    argv = ["vllm", "serve", str(model or tmp_path), "--tensor-parallel-size", str(tp),
-            "--gpu-memory-utilization", util, "--host", "127.0.0.1", "--port", str(free_port())]
-    pf: dict[str, Any] = {"deadline_s": 20, "poll_interval_s": 1, "busy_log_interval_s": 5,
-                          "check_model": model is not None, "reap": {"grace_s": 1}, "shm": {"directory": str(shm)}}
+    argv = [
+        "vllm",
+        "serve",
+        str(model or tmp_path),
+        "--tensor-parallel-size",
+        str(tp),
+        "--gpu-memory-utilization",
+        util,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+    ]
+    pf: dict[str, Any] = {
+        "deadline_s": 20,
+        "poll_interval_s": 1,
+        "busy_log_interval_s": 5,
+        "check_model": model is not None,
+        "reap": {"grace_s": 1},
+        "shm": {"directory": str(shm)},
+    }
     pf.update(preflight)
     return parse_config({"child": {"argv": argv}, "preflight": pf}, tmp_path / "k.toml")
 
 
-def run(cfg: Config, probe: FakeGpuProbe, *, dry: bool, clock: Clock | None = None,
-        log: RecordingLog | None = None) -> Any:
+def run(
+    cfg: Config, probe: FakeGpuProbe, *, dry: bool, clock: Clock | None = None, log: RecordingLog | None = None
+) -> Any:
     return Preflight(cfg, probe, PsutilProcessTable(), clock or FakeClock(), log or RecordingLog()).run(dry_run=dry)
 
 
@@ -53,8 +70,13 @@ def test_clean_gpus_proceed(tmp_path: Path) -> None:
     probe = FakeGpuProbe([FakeGpu(), FakeGpu()])
     report = run(make_cfg(tmp_path), probe, dry=False)
     assert report.proceed
-    assert statuses(report) == [("gpus", "ok"), ("gpu_wait", "ok"), ("shm", "ok"), ("port", "ok"),
-                                ("gpu_memory_fraction", "ok")]
+    assert statuses(report) == [
+        ("gpus", "ok"),
+        ("gpu_wait", "ok"),
+        ("shm", "ok"),
+        ("port", "ok"),
+        ("gpu_memory_fraction", "ok"),
+    ]
 
 
 def test_stale_workers_are_reaped_and_memory_returns(tmp_path: Path, spawner: ProcSpawner) -> None:
@@ -88,7 +110,8 @@ def test_non_matching_holder_waits_then_fails_naming_it(tmp_path: Path, spawner:
     assert info.value.message == (
         f"preflight failed: gpu_wait: GPUs still busy after 20.0s (preflight.deadline_s = 20): GPU 1: 12000 MiB "
         f"used by PID {trainer.pid} (trainer) 12000 MiB: not killed, does not match preflight.reap.names / "
-        f"preflight.reap.cmdline")
+        f"preflight.reap.cmdline"
+    )
     assert trainer.poll() is None
     busy_logs = log.events("preflight.gpu_busy")
     assert [b["waited_s"] for b in busy_logs] == [5.0, 10.0, 15.0]
@@ -107,8 +130,9 @@ def test_memory_freed_while_waiting(tmp_path: Path) -> None:
 def test_dry_run_kills_and_removes_nothing(tmp_path: Path, spawner: ProcSpawner) -> None:
     w0 = spawner.sleeper(title="VLLM::Worker_TP0")
     trainer = spawner.sleeper(title="trainer")
-    probe = FakeGpuProbe([FakeGpu(holders={w0.pid: 80000}), FakeGpu(holders={trainer.pid: 3000}),
-                          FakeGpu(holders={INVISIBLE_PID: 2000})])
+    probe = FakeGpuProbe(
+        [FakeGpu(holders={w0.pid: 80000}), FakeGpu(holders={trainer.pid: 3000}), FakeGpu(holders={INVISIBLE_PID: 2000})]
+    )
     (tmp_path / "shm").mkdir()
     (tmp_path / "shm" / "nccl-x").write_bytes(b"")
     report = run(make_cfg(tmp_path, tp=3), probe, dry=True)
@@ -116,7 +140,7 @@ def test_dry_run_kills_and_removes_nothing(tmp_path: Path, spawner: ProcSpawner)
     assert not report.proceed
     assert w0.poll() is None and trainer.poll() is None
     assert (tmp_path / "shm" / "nccl-x").exists()
-    by_name = {(c.name, c.status) : c.message for c in report.checks}
+    by_name = {(c.name, c.status): c.message for c in report.checks}
     assert by_name[("reap", Status.KILL)].startswith(f"PID {w0.pid} (VLLM::Worker_TP) on GPU 0, 80000 MiB: ")
     wait = by_name[("gpu_wait", Status.WAIT)]
     assert f"GPU 1: 3000 MiB used > 1000 MiB by PID {trainer.pid} (trainer) 3000 MiB: not killed" in wait
@@ -140,8 +164,9 @@ def test_too_few_gpus_for_tensor_parallel(tmp_path: Path) -> None:
     report = run(make_cfg(tmp_path, tp=8), FakeGpuProbe([FakeGpu()] * 2), dry=True)
     gpus = report.checks[0]
     assert gpus.status is Status.FAIL
-    assert gpus.message == ("--tensor-parallel-size 8 needs 8 GPUs but only 2 are available "
-                            "(NVML sees 2, preflight.gpus selects [0, 1])")
+    assert gpus.message == (
+        "--tensor-parallel-size 8 needs 8 GPUs but only 2 are available (NVML sees 2, preflight.gpus selects [0, 1])"
+    )
 
 
 def test_configured_gpu_missing(tmp_path: Path) -> None:
@@ -167,8 +192,9 @@ def test_model_shards_checked(tmp_path: Path) -> None:
         (model / f"model-{i:05d}-of-00003.safetensors").write_bytes(b"\0" * 10)
     report = run(make_cfg(tmp_path, tp=1, model=model), FakeGpuProbe([FakeGpu()]), dry=True)
     check = next(c for c in report.checks if c.name == "model")
-    assert check.message == ("1 of 3 shards named in model.safetensors.index.json are missing: "
-                             "model-00003-of-00003.safetensors")
+    assert check.message == (
+        "1 of 3 shards named in model.safetensors.index.json are missing: model-00003-of-00003.safetensors"
+    )
     (model / "model-00003-of-00003.safetensors").write_bytes(b"\0" * 10)
     report = run(make_cfg(tmp_path, tp=1, model=model), FakeGpuProbe([FakeGpu()]), dry=True)
     assert next(c for c in report.checks if c.name == "model").status is Status.OK
@@ -177,7 +203,7 @@ def test_model_shards_checked(tmp_path: Path) -> None:
 def test_failed_static_check_kills_nothing(tmp_path: Path, spawner: ProcSpawner) -> None:
     w0 = spawner.sleeper(title="VLLM::Worker_TP0")
     probe = FakeGpuProbe([FakeGpu(holders={w0.pid: 80000})])
-    with pytest.raises(PreflightError, match="model directory .* does not exist"):
+    with pytest.raises(PreflightError, match=r"model directory .* does not exist"):
         run(make_cfg(tmp_path, tp=1, model=tmp_path / "absent"), probe, dry=False)
     assert w0.poll() is None
 

@@ -26,48 +26,61 @@ def test_progress_and_status_text() -> None:
 
 
 def test_phases_only_move_forward() -> None:
-    t = feed_all([
-        "(APIServer pid=1) INFO 11-29 16:40:01 [api_server.py:1] vLLM API server version 0.11.0",
-        "(EngineCore_DP0 pid=2) INFO 11-29 16:40:02 [core.py:1] Initializing a V1 LLM engine (v0.11.0) with config",
-        "(Worker_TP0 pid=3) INFO 11-29 16:40:03 [gpu_model_runner.py:1] Starting to load model /m...",
-        "(Worker_TP0 pid=3) INFO 11-29 16:49:06 [gpu_model_runner.py:2] Model loading took 70.8 GiB and 523.1 seconds",
-        "(EngineCore_DP0 pid=2) INFO 11-29 16:49:10 [kv_cache_utils.py:1] GPU KV cache size: 178,000 tokens",
-        "(Worker_TP0 pid=3) Loading safetensors checkpoint shards: 100% Completed | 119/119",  # a late echo
-    ])
+    t = feed_all(
+        [
+            "(APIServer pid=1) INFO 11-29 16:40:01 [api_server.py:1] vLLM API server version 0.11.0",
+            "(EngineCore_DP0 pid=2) INFO 11-29 16:40:02 [core.py:1] Initializing a V1 LLM engine (v0.11.0) with config",
+            "(Worker_TP0 pid=3) INFO 11-29 16:40:03 [gpu_model_runner.py:1] Starting to load model /m...",
+            "(Worker_TP0 pid=3) INFO 11-29 16:49:06 [gpu_model_runner.py:2] "
+            "Model loading took 70.8 GiB and 523.1 seconds",
+            "(EngineCore_DP0 pid=2) INFO 11-29 16:49:10 [kv_cache_utils.py:1] GPU KV cache size: 178,000 tokens",
+            "(Worker_TP0 pid=3) Loading safetensors checkpoint shards: 100% Completed | 119/119",  # a late echo
+        ]
+    )
     assert t.phase == "profiling KV cache"
     assert not t.server_started
 
 
 def test_started_patterns_of_each_version() -> None:
-    for line in ["(APIServer pid=1) INFO 11-29 16:40:01 [api_server.py:1] Starting vLLM API server 0 on http://0.0.0.0:8000",
-                 "(APIServer pid=1) INFO 11-29 16:40:01 [api_server.py:1] Starting vLLM server on http://0.0.0.0:8000",
-                 "(APIServer pid=1) INFO 11-29 16:40:01 [api_server.py:1] Starting vLLM API server on http://0.0.0.0:8000",
-                 "INFO:     Application startup complete."]:
+    for line in [
+        "(APIServer pid=1) INFO 11-29 16:40:01 [api_server.py:1] Starting vLLM API server 0 on http://0.0.0.0:8000",
+        "(APIServer pid=1) INFO 11-29 16:40:01 [api_server.py:1] Starting vLLM server on http://0.0.0.0:8000",
+        "(APIServer pid=1) INFO 11-29 16:40:01 [api_server.py:1] Starting vLLM API server on http://0.0.0.0:8000",
+        "INFO:     Application startup complete.",
+    ]:
         t = ReadinessTracker(CFG)
         assert t.feed(line).started, line
         assert t.phase == "API server up, waiting for /health"
 
 
 def test_fatal_line_and_root_cause() -> None:
-    t = feed_all([
-        "(EngineCore_DP0 pid=2) ERROR 11-29 16:40:09 [core.py:708] EngineCore failed to start.",
-        "(EngineCore_DP0 pid=2) ERROR 11-29 16:40:09 [core.py:708] ValueError: Free memory on device cuda:0 "
-        "(80.1/95.0 GiB) on startup is less than desired GPU memory utilization (0.95, 90.3 GiB).",
-        "Traceback (most recent call last):",
-        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
-    ])
-    free_memory = ("(EngineCore_DP0 pid=2) ERROR 11-29 16:40:09 [core.py:708] ValueError: Free memory on device "
-                   "cuda:0 (80.1/95.0 GiB) on startup is less than desired GPU memory utilization (0.95, 90.3 GiB).")
+    t = feed_all(
+        [
+            "(EngineCore_DP0 pid=2) ERROR 11-29 16:40:09 [core.py:708] EngineCore failed to start.",
+            "(EngineCore_DP0 pid=2) ERROR 11-29 16:40:09 [core.py:708] ValueError: Free memory on device cuda:0 "
+            "(80.1/95.0 GiB) on startup is less than desired GPU memory utilization (0.95, 90.3 GiB).",
+            "Traceback (most recent call last):",
+            "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+        ]
+    )
+    free_memory = (
+        "(EngineCore_DP0 pid=2) ERROR 11-29 16:40:09 [core.py:708] ValueError: Free memory on device "
+        "cuda:0 (80.1/95.0 GiB) on startup is less than desired GPU memory utilization (0.95, 90.3 GiB)."
+    )
     assert t.fatal_line == free_memory  # the first fatal line
     assert t.root_cause() == free_memory  # "See root cause above" is never the root cause
 
 
 def test_root_cause_prefers_the_exception_over_the_summary() -> None:
-    t = feed_all([
-        "torch.OutOfMemoryError: CUDA error: out of memory on device 3",
-        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
-    ])
-    assert t.fatal_line == "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+    t = feed_all(
+        [
+            "torch.OutOfMemoryError: CUDA error: out of memory on device 3",
+            "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+        ]
+    )
+    assert (
+        t.fatal_line == "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+    )
     assert t.root_cause() == "torch.OutOfMemoryError: CUDA error: out of memory on device 3"
 
 

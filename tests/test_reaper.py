@@ -20,8 +20,9 @@ TABLE = PsutilProcessTable()
 
 
 def reap_cfg(**reap: object):  # type: ignore[no-untyped-def]
-    return parse_config({"child": {"argv": ["vllm", "serve", "/m"]}, "preflight": {"reap": reap}},
-                        Path("t.toml")).preflight.reap
+    return parse_config(
+        {"child": {"argv": ["vllm", "serve", "/m"]}, "preflight": {"reap": reap}}, Path("t.toml")
+    ).preflight.reap
 
 
 def alive(pid: int) -> bool:
@@ -37,9 +38,14 @@ def test_plan_kills_only_matching_gpu_holders(spawner: ProcSpawner) -> None:
     trainer = spawner.sleeper(title="trainer")
     persistenced = spawner.sleeper(title="nvidia-persistenced")
     vllm_named_no_gpu = spawner.sleeper(title="VLLM::Worker_TP9")
-    holders = [GpuProcess(worker.pid, 0, 4000), GpuProcess(engine.pid, 1, 500), GpuProcess(trainer.pid, 1, 9000),
-               GpuProcess(persistenced.pid, 0, 10), GpuProcess(os.getpid(), 0, 300),
-               GpuProcess(INVISIBLE_PID, 1, 7000)]
+    holders = [
+        GpuProcess(worker.pid, 0, 4000),
+        GpuProcess(engine.pid, 1, 500),
+        GpuProcess(trainer.pid, 1, 9000),
+        GpuProcess(persistenced.pid, 0, 10),
+        GpuProcess(os.getpid(), 0, 300),
+        GpuProcess(INVISIBLE_PID, 1, 7000),
+    ]
     plan = plan_reap(holders, TABLE, reap_cfg(), os.getpid())
 
     assert {v.proc.pid for v in plan.victims} == {worker.pid, engine.pid}
@@ -47,7 +53,9 @@ def test_plan_kills_only_matching_gpu_holders(spawner: ProcSpawner) -> None:
     assert reasons[trainer.pid] == "does not match preflight.reap.names / preflight.reap.cmdline"
     assert reasons[persistenced.pid] == "protected name 'nvidia-persiste'"  # comm keeps 15 chars
     assert reasons[os.getpid()] == "is the supervisor itself, one of its ancestors, or PID 1"
-    assert reasons[INVISIBLE_PID].startswith("NVML reports this PID but no such process is visible in this PID namespace")
+    assert reasons[INVISIBLE_PID].startswith(
+        "NVML reports this PID but no such process is visible in this PID namespace"
+    )
     assert vllm_named_no_gpu.pid not in reasons and vllm_named_no_gpu.pid not in {v.proc.pid for v in plan.victims}
 
 
@@ -67,8 +75,7 @@ def test_disabled_reaping_spares_everyone(spawner: ProcSpawner) -> None:
 def test_ancestors_of_the_supervisor_are_never_victims(spawner: ProcSpawner) -> None:
     # Pretend our own parent (pytest's parent shell) holds a context and matches every rule.
     parent = os.getppid()
-    plan = plan_reap([GpuProcess(parent, 0, 1000), GpuProcess(1, 0, 1000)], TABLE,
-                     reap_cfg(names=["*"]), os.getpid())
+    plan = plan_reap([GpuProcess(parent, 0, 1000), GpuProcess(1, 0, 1000)], TABLE, reap_cfg(names=["*"]), os.getpid())
     assert plan.victims == ()
 
 
@@ -82,19 +89,27 @@ def test_execute_terms_then_kills_and_takes_companions(spawner: ProcSpawner) -> 
     )
     worker = spawner.python(code, title="VLLM::Worker_TP0")
     assert worker.stdout is not None and worker.stdout.readline() == b"up\n"
-    stubborn = spawner.python("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                              "print('up', flush=True)\ntime.sleep(600)", title="VLLM::Worker_TP1")
+    stubborn = spawner.python(
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(600)",
+        title="VLLM::Worker_TP1",
+    )
     assert stubborn.stdout is not None and stubborn.stdout.readline() == b"up\n"
-    tracker = wait_for(lambda: [c for c in psutil.Process(worker.pid).children() if "resource_tracker" in " ".join(c.cmdline())])
+    tracker = wait_for(
+        lambda: [c for c in psutil.Process(worker.pid).children() if "resource_tracker" in " ".join(c.cmdline())]
+    )
     tracker_pid = tracker[0].pid  # type: ignore[index]
     foreign_tracker = spawner.sleeper(extra_args=["multiprocessing.resource_tracker"])  # another session: lives
     decoy = spawner.sleeper(title="VLLM::Worker_TP9")
 
-    plan = plan_reap([GpuProcess(worker.pid, 0, 4000), GpuProcess(stubborn.pid, 1, 4000)], TABLE, reap_cfg(),
-                     os.getpid())
+    plan = plan_reap(
+        [GpuProcess(worker.pid, 0, 4000), GpuProcess(stubborn.pid, 1, 4000)], TABLE, reap_cfg(), os.getpid()
+    )
     whys = {v.proc.pid: v.why for v in plan.victims}
-    assert whys == {worker.pid: "holds a CUDA context", stubborn.pid: "holds a CUDA context",
-                    tracker_pid: f"companion of PID {worker.pid}"}
+    assert whys == {
+        worker.pid: "holds a CUDA context",
+        stubborn.pid: "holds a CUDA context",
+        tracker_pid: f"companion of PID {worker.pid}",
+    }
 
     signalled: list[tuple[int, str]] = []
     outcome = execute_reap(plan, TABLE, SystemClock(), 0.5, lambda v, s: signalled.append((v.proc.pid, s.name)))

@@ -24,10 +24,20 @@ def test_happy_path_logs_and_notifies_once_per_transition() -> None:
     sm.to(State.READY, "ready: serving", notify={"READY": 1})
     sm.to(State.STOPPING, "stopping", notify={"STOPPING": 1})
     sm.to(State.STOPPED, "stopped")
-    assert [e for _, e, _ in log.records] == ["state.preflight", "state.starting", "state.ready", "state.stopping",
-                                              "state.stopped"]
-    assert n.sent == [{"STATUS": "preflight"}, {"STATUS": "starting"}, {"READY": 1, "STATUS": "ready: serving"},
-                      {"STOPPING": 1, "STATUS": "stopping"}, {"STATUS": "stopped"}]
+    assert [e for _, e, _ in log.records] == [
+        "state.preflight",
+        "state.starting",
+        "state.ready",
+        "state.stopping",
+        "state.stopped",
+    ]
+    assert n.sent == [
+        {"STATUS": "preflight"},
+        {"STATUS": "starting"},
+        {"READY": 1, "STATUS": "ready: serving"},
+        {"STOPPING": 1, "STATUS": "stopping"},
+        {"STATUS": "stopped"},
+    ]
     assert sm.history == [State.PREFLIGHT, State.STARTING, State.READY, State.STOPPING, State.STOPPED]
 
 
@@ -48,4 +58,8 @@ def test_failure_logs_at_error() -> None:
     log = RecordingLog()
     sm = StateMachine(Recorder(), log)
     sm.to(State.FAILED, "failed: x", exit_code=10)
-    assert log.records[-1] == ("error", "state.failed", {"previous": "preflight", "status": "failed: x", "exit_code": 10})
+    assert log.records[-1] == (
+        "error",
+        "state.failed",
+        {"previous": "preflight", "status": "failed: x", "exit_code": 10},
+    )

@@ -33,8 +33,12 @@ def test_ready_only_after_health_then_clean_stop(tmp_path: Path) -> None:
         run.signal(signal.SIGTERM)
         assert run.wait() == 0
         names = run.names()
-        assert names[names.index("state.stopping"):] == ["state.stopping", "stop.sigterm", "stop.tree_gone",
-                                                         "state.stopped"]
+        assert names[names.index("state.stopping") :] == [
+            "state.stopping",
+            "stop.sigterm",
+            "stop.tree_gone",
+            "state.stopped",
+        ]
         after = run.notify.fields()
         assert after[-2].get("STOPPING") == "1" and after[-1] == {"STATUS": "stopped"}
         assert fake_tree_of(str(tmp_path)) == []
@@ -109,8 +113,10 @@ def test_orphaned_or_detached_workers_are_stopped_too(tmp_path: Path, flag: str)
 
 
 def test_sigterm_during_load_stops_cleanly(tmp_path: Path) -> None:
-    run = Run(fake_config(tmp_path, ["--load-seconds", "20", "--ignore-sigterm-during-load"],
-                          shutdown={"grace_s": 1.0}), tmp_path)
+    run = Run(
+        fake_config(tmp_path, ["--load-seconds", "20", "--ignore-sigterm-during-load"], shutdown={"grace_s": 1.0}),
+        tmp_path,
+    )
     wait_for(lambda: run.event("state.starting") and len(fake_tree_of(str(tmp_path))) >= 3, timeout=15)
     run.signal()
     assert run.wait() == 0
@@ -119,9 +125,15 @@ def test_sigterm_during_load_stops_cleanly(tmp_path: Path) -> None:
 
 
 def test_watchdog_pings_only_while_healthy(tmp_path: Path) -> None:
-    run = Run(fake_config(tmp_path, ["--hang-after-ready", "1.5"], health={"interval_s": 0.2, "timeout_s": 0.5,
-                                                                              "failures_tolerated": 3}),
-              tmp_path, env={"WATCHDOG_USEC": "600000"})
+    run = Run(
+        fake_config(
+            tmp_path,
+            ["--hang-after-ready", "1.5"],
+            health={"interval_s": 0.2, "timeout_s": 0.5, "failures_tolerated": 3},
+        ),
+        tmp_path,
+        env={"WATCHDOG_USEC": "600000"},
+    )
     ready = run.wait_event("state.ready")
     assert ready is not None
     assert run.wait() == 14

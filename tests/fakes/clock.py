@@ -34,6 +34,7 @@ class RecordingLog:
     def _log(self, level: str) -> Callable[..., None]:
         def emit(event: str, **fields: object) -> None:
             self.records.append((level, event, fields))
+
         return emit
 
     def __getattr__(self, level: str) -> Callable[..., None]:

@@ -18,8 +18,8 @@ def decode(datagram: bytes) -> dict[str, str]:
             fields[key.decode()] = value.decode()
             i = nl + 1
         else:
-            (size,) = struct.unpack("<Q", datagram[nl + 1:nl + 9])
-            fields[line.decode()] = datagram[nl + 9:nl + 9 + size].decode()
+            (size,) = struct.unpack("<Q", datagram[nl + 1 : nl + 9])
+            fields[line.decode()] = datagram[nl + 9 : nl + 9 + size].decode()
             i = nl + 9 + size + 1
     return fields
 

@@ -36,7 +36,7 @@ class NotifySocket:
         return [dict(line.split("=", 1) for line in d.split("\n") if "=" in line) for d in self.messages()]
 
     def first(self, key: str, value: str | None = None) -> tuple[float, dict[str, str]] | None:
-        for (at, _), f in zip(self.datagrams, self.fields()):
+        for (at, _), f in zip(self.datagrams, self.fields(), strict=True):
             if key in f and (value is None or f[key] == value):
                 return at, f
         return None
