@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import psutil
 
 from kimi_supervisor.exitcodes import SpawnError
+from kimi_supervisor.proctable import exited
 
 PR_SET_CHILD_SUBREAPER = 36
 F_SETPIPE_SZ = 1031
@@ -228,7 +229,7 @@ class ChildProcess:
         live = []
         for p in found.values():
             try:
-                if p.status() == psutil.STATUS_ZOMBIE:
+                if exited(p.pid):
                     continue
                 self.known.setdefault(p.pid, p.create_time())
                 live.append(p)

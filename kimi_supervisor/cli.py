@@ -71,8 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default): journal under systemd, console on a terminal, else json",
     )
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
-    p.add_argument("--unit-dir", type=Path, default=unit.DEFAULT_UNIT_DIR, metavar="DIR",
-                   help=f"with install-unit: where to write {unit.UNIT_NAME} (default: {unit.DEFAULT_UNIT_DIR})")
+    p.add_argument(
+        "--unit-dir",
+        type=Path,
+        default=unit.DEFAULT_UNIT_DIR,
+        metavar="DIR",
+        help=f"with install-unit: where to write {unit.UNIT_NAME} (default: {unit.DEFAULT_UNIT_DIR})",
+    )
     p.add_argument("--no-reload", action="store_true", help="with install-unit: skip systemctl daemon-reload")
     p.add_argument("--version", action="version", version=f"kimi-supervisor {__version__}")
     return p

@@ -274,7 +274,7 @@ def _parse_gpus(t: _Table) -> tuple[int, ...] | None:
 def _parse_preflight(t: _Table) -> PreflightConfig:
     gpus = _parse_gpus(t)
     threshold = t.integer("memory_threshold_mib", 1000, minimum=0, maximum=1 << 24)
-    poll = t.number("poll_interval_s", 1.0, maximum=60)
+    poll = t.number("poll_interval_s", 0.25, maximum=60)
     deadline = t.number("deadline_s", 30.0, minimum=0, exclusive_min=False, maximum=86400)
     busy_log = t.number("busy_log_interval_s", 5.0, maximum=3600)
     check_model = t.boolean("check_model", True)

@@ -187,8 +187,13 @@ def _journal_renderer(
     return (), {"event_dict": event_dict}
 
 
-def configure(fmt: str, level: str = "info", secrets: tuple[str, ...] = (), stream: TextIO | None = None,
-              journal_socket: str = JOURNAL_SOCKET) -> ChildSink:
+def configure(
+    fmt: str,
+    level: str = "info",
+    secrets: tuple[str, ...] = (),
+    stream: TextIO | None = None,
+    journal_socket: str = JOURNAL_SOCKET,
+) -> ChildSink:
     """Set up structlog for `fmt` (already resolved) and return the matching child-line sink."""
     err = stream or sys.stderr
     scrubber = SecretScrubber(secrets)

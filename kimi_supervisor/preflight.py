@@ -269,6 +269,18 @@ class Preflight:
     # -- shared memory and port ----------------------------------------------
 
     def _shm(self, dry_run: bool, add: Callable[[Check], None]) -> None:
+        directory = self._pf.shm.directory
+        if directory.is_dir() and not os.access(directory, os.W_OK):
+            # NCCL and torch multiprocessing create their segments here: TP cannot start without it.
+            add(
+                Check(
+                    "shm",
+                    Status.FAIL,
+                    f"{directory} is not writable (read-only or no permission): "
+                    "NCCL and torch need it for their shared-memory segments",
+                )
+            )
+            return
         try:
             decisions = plan_shm(self._pf.shm, self._table)
         except OSError as exc:

@@ -1,9 +1,10 @@
 """The process-table boundary: who is running, what they hold open, signals.
 
 Identity is (pid, create_time) so a recycled PID is never signalled by mistake.
-A zombie counts as dead: its memory and files are already released (measured
-on an H200: killed CUDA processes stayed zombies 1.4 s, their memory returned
-in 0.22 s).
+A process counts as dead once every one of its threads is a zombie: a zombie
+leader whose other threads still run may still hold GPU memory (measured on
+an H200: /proc showed the leader Z at once while the driver released its
+memory 90-210 ms after SIGTERM).
 """
 
 from __future__ import annotations
@@ -44,10 +45,28 @@ class ProcessTable(Protocol):
     def signal(self, proc: ProcInfo, sig: signal.Signals) -> bool: ...
 
 
+def exited(pid: int, proc_root: str = "/proc") -> bool:
+    """True when `pid` is gone or every thread of it is a zombie (Z) or dead (X)."""
+    try:
+        tasks = os.listdir(f"{proc_root}/{pid}/task")
+    except OSError:
+        return True
+    for tid in tasks:
+        try:
+            with open(f"{proc_root}/{pid}/task/{tid}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue  # that thread just went away
+        state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+        if state not in (b"Z", b"X"):
+            return False
+    return True
+
+
 def _info(p: psutil.Process) -> ProcInfo | None:
     try:
         with p.oneshot():
-            if p.status() == psutil.STATUS_ZOMBIE:
+            if p.status() == psutil.STATUS_ZOMBIE and exited(p.pid):
                 return None
             try:
                 sid = os.getsid(p.pid)
@@ -129,7 +148,7 @@ class PsutilProcessTable:
             p = psutil.Process(proc.pid)
             if abs(p.create_time() - proc.create_time) > 0.01:
                 return False  # the PID was recycled: our process is gone
-            return p.status() != psutil.STATUS_ZOMBIE
+            return not exited(proc.pid, self._proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return False
 

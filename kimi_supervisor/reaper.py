@@ -113,7 +113,9 @@ def plan_reap(holders: Iterable[GpuProcess], table: ProcessTable, cfg: ReapConfi
         used = sum(known) if known else None
         proc = table.get(pid)
         reason = None
-        if proc is None:
+        if proc is None and os.path.exists(f"/proc/{pid}"):
+            reason = "is exiting; the driver is still releasing its memory"
+        elif proc is None:
             reason = (
                 "NVML reports this PID but no such process is visible in this PID namespace "
                 "(NVML gives host PIDs; is the supervisor in a container?)"

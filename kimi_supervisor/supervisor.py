@@ -291,8 +291,9 @@ class Supervisor:
         """TERM the tree, keep reading its output, KILL what outlives the grace, confirm GPUs are free."""
         scfg = self.cfg.shutdown
         self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
-        if self.child is not None:
-            self._stop_tree(scfg.grace_s, scfg.second_signal_grace_s)
+        if self.child is None:
+            return  # stopped during the preflight: nothing of ours holds a GPU
+        self._stop_tree(scfg.grace_s, scfg.second_signal_grace_s)
         gpus = self._configured_gpus()
         if gpus and scfg.gpu_release_timeout_s > 0:
             self._confirm_gpus_free(gpus, scfg.gpu_release_timeout_s)

@@ -104,8 +104,9 @@ def install(config_path: Path, unit_dir: Path = DEFAULT_UNIT_DIR, reload: bool =
     """Write the unit and reload systemd; returns the unit's path."""
     exe = installed_executable()
     if " " in exe:
-        raise SupervisorError("the kimi-supervisor executable is not on PATH; install the package first "
-                              "(python3 -m pip install .)")
+        raise SupervisorError(
+            "the kimi-supervisor executable is not on PATH; install the package first (python3 -m pip install .)"
+        )
     text = render(exe, config_path)
     target = unit_dir / UNIT_NAME
     try:

@@ -1,0 +1,119 @@
+"""Fault-matrix rows not covered by a module's own tests (see README, "Fault matrix")."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kimi_supervisor.config import parse_config
+from kimi_supervisor.exitcodes import ExitCode, PreflightError
+from kimi_supervisor.journal import ConsoleChildSink
+from kimi_supervisor.preflight import Preflight
+from kimi_supervisor.proctable import PsutilProcessTable
+from kimi_supervisor.state import State
+from kimi_supervisor.supervisor import Deps, Supervisor
+from tests.conftest import ProcSpawner
+from tests.fakes.clock import FakeClock, RecordingLog
+from tests.fakes.gpu import FakeGpu, FakeGpuProbe
+from tests.harness import Run, fake_config, free_port
+
+ROOT = os.geteuid() == 0
+
+
+class Silent:
+    def send(self, **fields: str | int) -> None:
+        return None
+
+
+def test_sigterm_during_preflight_wait_stops_at_once(tmp_path: Path) -> None:
+    cfg = parse_config({"child": {"argv": ["/bin/false", "serve", "/m", "--port", str(free_port())]},
+                        "preflight": {"gpus": [0], "deadline_s": 60, "check_model": False,
+                                      "shm": {"directory": str(tmp_path)}}}, tmp_path / "k.toml")
+    probe = FakeGpuProbe([FakeGpu(hidden_used_mib=50_000)])  # busy, nobody to reap: it would wait 60 s
+    log = RecordingLog()
+    sup = Supervisor(cfg, Deps(probe=probe, table=PsutilProcessTable(), notifier=Silent(), log=log,
+                               sink=ConsoleChildSink(open(os.devnull, "w"))))  # noqa: SIM115
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    start = time.monotonic()
+    assert sup.run() == ExitCode.OK
+    assert time.monotonic() - start < 3
+    assert sup.state.history == [State.PREFLIGHT, State.STOPPING, State.STOPPED]
+    assert sup.child is None
+
+
+def test_sigterm_while_ready_and_second_sigterm_hurries(tmp_path: Path) -> None:
+    run = Run(fake_config(tmp_path, ["--ignore-sigterm"], shutdown={"grace_s": 20, "second_signal_grace_s": 0.5}),
+              tmp_path)
+    run.wait_event("state.ready")
+    start = run.signal()
+    run.wait_event("stop.sigterm")
+    time.sleep(0.3)
+    run.signal()
+    assert run.wait() == 0
+    assert time.monotonic() - start < 4  # not the 20 s grace
+    assert run.event("stop.hurry") is not None and run.event("stop.sigkill") is not None
+
+
+@pytest.mark.skipif(not ROOT, reason="mounting a read-only tmpfs needs root")
+def test_read_only_shm_fails_the_preflight_naming_it(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "kimi-test", str(shm)], check=True)
+    try:
+        (shm / "psm_stale").write_bytes(b"x")
+        subprocess.run(["mount", "-o", "remount,ro", str(shm)], check=True)
+        cfg = parse_config({"child": {"argv": ["vllm", "serve", "/m", "--port", str(free_port())]},
+                            "preflight": {"gpus": [], "check_model": False, "shm": {"directory": str(shm)}}},
+                           tmp_path / "k.toml")
+        with pytest.raises(PreflightError) as info:
+            Preflight(cfg, FakeGpuProbe([]), PsutilProcessTable(), FakeClock(), RecordingLog()).run(dry_run=False)
+        assert info.value.message == (f"preflight failed: shm: {shm} is not writable (read-only or no permission): "
+                                      "NCCL and torch need it for their shared-memory segments")
+        assert (shm / "psm_stale").exists()
+    finally:
+        subprocess.run(["umount", str(shm)], check=True)
+
+
+def test_another_users_processes_survive_every_path(tmp_path: Path, spawner: ProcSpawner) -> None:
+    if not ROOT:
+        pytest.skip("starting a process as another user needs root")
+    other = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "600"])
+    try:
+        vllm_named = spawner.sleeper(title="VLLM::Worker_TP0")  # matches the rules but holds no GPU
+        probe = FakeGpuProbe([FakeGpu(holders={other.pid: 20_000})])
+        cfg = parse_config({"child": {"argv": ["vllm", "serve", "/m", "--port", str(free_port())]},
+                            "preflight": {"gpus": [0], "deadline_s": 2, "check_model": False,
+                                          "shm": {"directory": str(tmp_path)}}}, tmp_path / "k.toml")
+        with pytest.raises(PreflightError, match=f"PID {other.pid} \\(sleep\\) 20000 MiB: not killed, does not match"):
+            Preflight(cfg, probe, PsutilProcessTable(), FakeClock(), RecordingLog()).run(dry_run=False)
+        assert other.poll() is None and vllm_named.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_supervisor_sigkilled_leaves_a_tree_the_next_preflight_names(tmp_path: Path) -> None:
+    """Outside systemd nothing kills the orphaned tree; the next start refuses to double-start, naming it.
+
+    Under systemd, KillMode=mixed kills the cgroup: see tests/systemd (test_supervisor_sigkilled_*).
+    """
+    cfg = fake_config(tmp_path)
+    run = Run(cfg, tmp_path)
+    try:
+        run.wait_event("state.ready")
+        child = run.child_pid
+        run.proc.kill()
+        run.wait()
+        (tmp_path / "second").mkdir()
+        second = Run(cfg, tmp_path / "second")
+        assert second.wait() == 10
+        err = second.event("supervisor.exit")["error"]  # type: ignore[index]
+        assert "is already in use by PID" in err
+    finally:
+        os.killpg(child, signal.SIGKILL)
