@@ -1,0 +1,164 @@
+"""Rows 2, 3 and 5: READY=1 latency, stop time, idle cost; the real CLI under tests.harness.Run."""
+
+from __future__ import annotations
+
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.common import Row, median, ms
+from tests.harness import Run, fake_config, fake_tree_of, free_port, write_config
+
+READY_CHILD = Path(__file__).resolve().parent / "ready_child.py"
+READY_RUNS = 10
+STOP_RUNS = 5
+IDLE_WINDOW_S = 30.0
+
+
+def _ready_once(tmp: Path, poll_s: float, listen_after: float) -> float:
+    """READY=1 arrival at the notify socket minus the child's first 200, in seconds."""
+    marker = tmp / "first-200"
+    port = free_port()
+    argv = [sys.executable, str(READY_CHILD), "--port", str(port), "--listen-after", f"{listen_after:.3f}", str(marker)]
+    shm = tmp / "shm"
+    shm.mkdir()
+    cfg = write_config(
+        tmp / "kimi.toml",
+        {
+            "child": {"argv": argv},
+            "preflight": {"gpus": [], "check_model": False},
+            "preflight.shm": {"directory": str(shm)},
+            "readiness": {"poll_interval_s": poll_s, "deadline_s": 30},
+            "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
+        },
+    )
+    run = Run(cfg, tmp)
+    try:
+        run.wait_event("state.ready", timeout=30)
+        deadline = time.monotonic() + 5
+        while (ready := run.notify.first("READY", "1")) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ready is not None, "state.ready logged but no READY=1 datagram"
+        first_200 = float(marker.read_text())
+        run.signal()
+        rc = run.wait(timeout=15)
+        assert rc == 0, f"supervisor exited {rc}"
+        return ready[0] - first_200
+    finally:
+        run.kill()
+
+
+def ready_rows() -> list[Row]:
+    rng = random.Random(7)
+    rows = []
+    for poll_s in (0.25, 0.05):
+        lat = []
+        for _ in range(READY_RUNS):
+            with tempfile.TemporaryDirectory(prefix="kimi-bench-ready-") as tmp:
+                lat.append(_ready_once(Path(tmp), poll_s, rng.uniform(0.0, 0.3)))
+        never_before = min(lat) >= 0
+        rows.append(
+            Row(
+                f"2. READY=1 after first /health 200, poll {poll_s:g} s ({READY_RUNS} runs)",
+                "<= 100 ms, never before",
+                f"median {ms(median(lat))}, max {ms(max(lat))}, min {ms(min(lat))}",
+                never_before and max(lat) <= 0.100,
+            )
+        )
+    return rows
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _stop_once(tmp: Path, ignore_sigterm: bool, grace_s: float) -> tuple[float, float, int, int, int]:
+    """Seconds from SIGTERM to the tree gone and to the supervisor's exit, tree size, orphans after exit, rc."""
+    fake_args = ["--ignore-sigterm"] if ignore_sigterm else []
+    cfg = fake_config(tmp, fake_args, tp=8, shutdown={"grace_s": grace_s})
+    run = Run(cfg, tmp)
+    try:
+        run.wait_event("state.ready", timeout=60)
+        tree = fake_tree_of(str(tmp))  # after ready the tree is complete: main, EngineCore, 8 workers
+        t0 = run.signal()
+        while not all(_gone(p) for p in tree):
+            if time.monotonic() - t0 > grace_s + 10:
+                break
+            time.sleep(0.005)
+        took = time.monotonic() - t0
+        run.proc.wait(timeout=30)
+        exited = time.monotonic() - t0
+        rc = run.wait(timeout=30)
+        return took, exited, len(tree), len(fake_tree_of(str(tmp))), rc
+    finally:
+        run.kill()
+
+
+def stop_rows() -> list[Row]:
+    rows = []
+    for label, ignore, grace in (("normal", False, 3.0), ("--ignore-sigterm", True, 2.0)):
+        results = []
+        for _ in range(STOP_RUNS):
+            with tempfile.TemporaryDirectory(prefix="kimi-bench-stop-") as tmp:
+                results.append(_stop_once(Path(tmp), ignore, grace))
+        took = [r[0] for r in results]
+        exited = [r[1] for r in results]
+        orphans = sum(r[3] for r in results)
+        rcs = sorted({r[4] for r in results})
+        rows.append(
+            Row(
+                f"3. stop, fake vLLM -tp 8, {label}, grace {grace:g} s ({STOP_RUNS} runs)",
+                f"<= {grace + 1:g} s, 0 orphans",
+                f"tree gone: median {median(took):.2f} s, max {max(took):.2f} s ({results[0][2]} procs); "
+                f"supervisor exit: max {max(exited):.2f} s; orphans {orphans}; exit {rcs}",
+                max(took) <= grace + 1 and orphans == 0,
+            )
+        )
+    return rows
+
+
+def _sched_ns(pid: int) -> int:
+    """CPU time of every thread of `pid` in ns (/proc/PID/task/*/schedstat: exact, not in clock ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+def idle_rows() -> list[Row]:
+    with tempfile.TemporaryDirectory(prefix="kimi-bench-idle-") as tmp_name:
+        tmp = Path(tmp_name)
+        sections: dict[str, Any] = {"health": {"interval_s": 5}}
+        run = Run(fake_config(tmp, **sections), tmp)
+        try:
+            run.wait_event("state.ready", timeout=60)
+            time.sleep(2)  # let the post-ready work settle
+            sup = psutil.Process(run.proc.pid)
+            c0, s0, t0 = sup.cpu_times(), _sched_ns(sup.pid), time.monotonic()
+            time.sleep(IDLE_WINDOW_S)
+            c1, s1, t1 = sup.cpu_times(), _sched_ns(sup.pid), time.monotonic()
+            rss = sup.memory_info().rss
+            probes = sum(1 for line in run.child_lines if "/health" in str(line.get("line", "")))
+            run.signal()
+            run.wait(timeout=30)
+        finally:
+            run.kill()
+    cpu = max(0.0, c1.user + c1.system - c0.user - c0.system) / (t1 - t0)
+    sched = (s1 - s0) / 1e9 / (t1 - t0)
+    return [
+        Row("5. idle RSS of the supervisor, health every 5 s", "<= 60 MB", f"{rss / 1e6:.1f} MB", rss <= 60e6),
+        Row(
+            f"5. idle CPU of the supervisor over {IDLE_WINDOW_S:g} s",
+            "<= 0.5% of a core",
+            f"{cpu * 100:.3f}% (psutil), {sched * 100:.3f}% (schedstat); {probes} /health lines in the run",
+            max(cpu, sched) <= 0.005,
+        ),
+    ]

@@ -1,0 +1,119 @@
+"""Row 1: preflight wall time on 8 clean (fake) GPUs vs the seeds' nvidia-smi bash loop, and its parts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.common import Row, median, ms, p95
+from kimi_supervisor import checks
+from kimi_supervisor.clock import SystemClock
+from kimi_supervisor.config import Config, parse_config
+from kimi_supervisor.gpuwait import busy_gpus, holders, wait_until_free
+from kimi_supervisor.preflight import Preflight
+from kimi_supervisor.proctable import PsutilProcessTable
+from kimi_supervisor.reaper import plan_reap
+from kimi_supervisor.shm import plan_shm
+from tests.fakes.gpu import FakeGpu, FakeGpuProbe
+from tests.harness import free_port
+
+RUNS = 30
+BASH_RUNS = 20
+TARGET_S = 0.150
+SEEDS_LOOP = (
+    "for i in $(seq 1 30); do used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits "
+    '| sort -n | tail -1); [ "$used" -lt 1000 ] && exit 0; sleep 1; done; exit 1'
+)
+
+
+class NullLog:
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def _ignore(*args: object) -> None:
+    return None
+
+
+def _config(shm: Path) -> Config:
+    data: dict[str, Any] = {
+        "child": {"argv": ["vllm", "serve", "/models/kimi", "--port", str(free_port()), "-tp", "8"]},
+        "preflight": {"check_model": False, "shm": {"directory": str(shm)}},
+    }
+    return parse_config(data, Path("bench-preflight.toml"))
+
+
+def _times(fn: Callable[[], object], runs: int) -> list[float]:
+    fn()  # warm-up: imports, psutil caches
+    out = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def _bash_loop(tmp: Path) -> list[float]:
+    bindir = tmp / "bin"
+    bindir.mkdir()
+    smi = bindir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '0\\n0\\n0\\n0\\n0\\n0\\n0\\n0\\n'\n")
+    smi.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+    return _times(lambda: subprocess.run(["bash", "-c", SEEDS_LOOP], env=env, check=True), BASH_RUNS)
+
+
+def run() -> list[Row]:
+    with tempfile.TemporaryDirectory(prefix="kimi-bench-pf-") as tmp_name:
+        tmp = Path(tmp_name)
+        shm = tmp / "shm"
+        shm.mkdir()
+        cfg = _config(shm)
+        probe = FakeGpuProbe([FakeGpu() for _ in range(8)])
+        table = PsutilProcessTable()
+        clock = SystemClock()
+        gpus = tuple(range(8))
+
+        def preflight() -> None:
+            Preflight(cfg, probe, table, clock, NullLog()).run(dry_run=False)
+
+        def preflight_stale_shm() -> None:
+            (shm / "psm_stale").write_bytes(b"x")  # one stale file: plan_shm scans /proc for its users
+            Preflight(cfg, probe, table, clock, NullLog()).run(dry_run=False)
+
+        whole = _times(preflight, RUNS)
+        bash = _bash_loop(tmp)
+        with_shm = _times(preflight_stale_shm, RUNS)
+        vllm = cfg.child.vllm
+        parts: dict[str, list[float]] = {
+            "GPU memory + holders (8 fake GPUs)": _times(lambda: (busy_gpus(probe, gpus, 1000), holders(probe, gpus)), RUNS),
+            "plan_reap (ancestors)": _times(lambda: plan_reap([], table, cfg.preflight.reap, os.getpid()), RUNS),
+            "wait_until_free": _times(lambda: wait_until_free(probe, gpus, 1000, clock, 30, 1, _ignore, 5), RUNS),
+            "plan_shm, empty dir": _times(lambda: plan_shm(cfg.preflight.shm, table), RUNS),
+            "/proc scan (open_paths)": _times(lambda: table.open_paths((str(shm) + "/",)), RUNS),
+            "check_port": _times(lambda: checks.check_port(vllm.host, vllm.port), RUNS),
+        }
+    nproc = sum(name.isdigit() for name in os.listdir("/proc"))
+    rows = [
+        Row(
+            f"1. preflight, 8 clean GPUs ({RUNS} runs)",
+            "median < 150 ms",
+            f"median {ms(median(whole))}, p95 {ms(p95(whole))}",
+            median(whole) < TARGET_S,
+        ),
+        Row(f"1. seeds' bash loop, fake nvidia-smi ({BASH_RUNS} runs)", "-", f"median {ms(median(bash))}", None),
+        Row("1. ratio bash loop / preflight", "-", f"{median(bash) / median(whole):.1f}x", None),
+        Row(
+            "1. preflight with 1 stale shm file",
+            "median < 150 ms",
+            f"median {ms(median(with_shm))}, p95 {ms(p95(with_shm))} ({nproc} processes)",
+            median(with_shm) < TARGET_S,
+        ),
+    ]
+    rows += [Row(f"1.   part: {name}", "-", f"median {ms(median(t))}", None) for name, t in parts.items()]
+    return rows
