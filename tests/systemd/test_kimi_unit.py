@@ -1,0 +1,237 @@
+"""kimi-supervisor under a real systemd (nspawn): the shipped unit, READY, watchdog, restarts, journald.
+
+The unit is the packaged one (kimi_supervisor.unit.render) with ExecStart pointing at this checkout's
+installed executable; a drop-in shortens the timers so each scenario takes seconds.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from nspawn import NspawnMachine
+
+from kimi_supervisor import unit
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE = REPO / "tests" / "fakes" / "fake_vllm.py"
+UNIT = unit.UNIT_NAME
+CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
+DROPIN = f"/etc/systemd/system/{UNIT}.d/test.conf"
+
+
+def executable() -> str:
+    found = shutil.which("kimi-supervisor")
+    assert found, "the package must be installed (python3 -m pip install -e .)"
+    return found
+
+
+def config(fake_args: list[str], *, health: str = "", extra: str = "") -> str:
+    argv = [
+        sys.executable,
+        str(FAKE),
+        "serve",
+        "/tmp/model",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+        "--tensor-parallel-size",
+        "2",
+        "--shards",
+        "6",
+        "--max-lifetime",
+        "120",
+        *fake_args,
+    ]
+    quoted = ", ".join(f'"{a}"' for a in argv)
+    return f"""
+[child]
+argv = [{quoted}]
+[preflight]
+gpus = []
+check_model = false
+[readiness]
+poll_interval_s = 0.1
+stall_timeout_s = 30
+[health]
+{health or "interval_s = 0.5"}
+[shutdown]
+grace_s = 3
+{extra}
+"""
+
+
+DROPIN_TEXT = """[Service]
+RestartSec=1
+WatchdogSec=3
+TimeoutStopSec=15
+"""
+
+
+@pytest.fixture(scope="module")
+def m(machine: NspawnMachine) -> Iterator[NspawnMachine]:
+    machine.install_unit(UNIT, unit.render(executable(), Path(CONFIG)), reload=False)
+    machine.write_file(DROPIN, DROPIN_TEXT)
+    machine.daemon_reload()
+    yield machine
+
+
+def deploy(m: NspawnMachine, text: str, dropin: str = DROPIN_TEXT) -> None:
+    m.systemctl("stop", UNIT, check=False)
+    m.systemctl("reset-failed", UNIT, check=False)
+    m.write_file(CONFIG, text, mode=0o644)
+    m.write_file(DROPIN, dropin)
+    m.daemon_reload()
+    m.run(["journalctl", "--rotate"], check=False)
+
+
+def prop(m: NspawnMachine, name: str) -> str:
+    return m.unit_property(UNIT, name)
+
+
+def cgroup_pids(m: NspawnMachine) -> list[str]:
+    """PIDs in the unit's cgroup (unified or the hybrid name=systemd hierarchy); [] once it is removed."""
+    cg = prop(m, "ControlGroup")
+    if not cg:
+        return []
+    script = (
+        f"for b in /sys/fs/cgroup /sys/fs/cgroup/unified /sys/fs/cgroup/systemd; do "
+        f'f="$b{cg}/cgroup.procs"; if [ -f "$f" ]; then cat "$f"; exit 0; fi; done'
+    )
+    return m.run(["sh", "-c", script]).stdout.split()
+
+
+def events(m: NspawnMachine, since: str) -> list[str]:
+    return [e.get("KIMI_EVENT", "") for e in m.journal_json(UNIT, "--since", since) if e.get("KIMI_EVENT")]
+
+
+def now(m: NspawnMachine) -> str:
+    return m.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
+
+
+def test_start_returns_after_ready_and_stop_leaves_nothing(m: NspawnMachine) -> None:
+    deploy(m, config(["--load-seconds", "4"]))
+    since = now(m)
+    seen: list[tuple[str, str]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.append((prop(m, "ActiveState"), prop(m, "StatusText")))
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    start = time.monotonic()
+    m.systemctl("start", UNIT, timeout=60)
+    took = time.monotonic() - start
+    done.set()
+    watcher.join()
+
+    assert took >= 3.5  # the load takes 4 s: start blocked until READY
+    assert prop(m, "ActiveState") == "active" and prop(m, "SubState") == "running"
+    assert prop(m, "StatusText").startswith("ready: serving on http://127.0.0.1:8000")
+    assert any(state == "activating" and "loading weights" in text for state, text in seen), seen
+    assert ("active", "") not in seen
+    assert m.run(["curl", "-fsS", "http://127.0.0.1:8000/health"], check=False).returncode in (0, 127)
+
+    assert len(cgroup_pids(m)) == 5  # supervisor, APIServer, EngineCore, 2 workers
+    start = time.monotonic()
+    m.systemctl("stop", UNIT, timeout=30)
+    stop_took = time.monotonic() - start
+    assert stop_took < 15
+    assert prop(m, "ActiveState") == "inactive"
+    assert prop(m, "ExecMainStatus") == "0"
+    assert cgroup_pids(m) == []
+    ev = events(m, since)
+    assert ev.index("state.ready") < ev.index("state.stopping") < ev.index("stop.tree_gone") < ev.index("state.stopped")
+
+
+def test_child_crash_after_ready_restarts_the_unit(m: NspawnMachine) -> None:
+    deploy(m, config(["--load-seconds", "1", "--kill-worker-after-ready", "1"]))
+    since = now(m)
+    m.systemctl("start", UNIT, timeout=60)
+    m.wait_for(lambda: int(prop(m, "NRestarts")) >= 1, timeout=30, message="no restart after the crash")
+    journal = m.journal(UNIT, "--since", since)
+    assert "vLLM exited with status 0 after it was ready (not requested)" in journal
+    assert f"{UNIT}: Main process exited, code=exited, status=13/n/a" in journal
+    m.systemctl("stop", UNIT)
+
+
+def test_watchdog_restarts_a_hung_server(m: NspawnMachine) -> None:
+    # The supervisor tolerates many failures, so only the watchdog can notice the hang.
+    deploy(
+        m,
+        config(
+            ["--load-seconds", "1", "--hang-after-ready", "1"],
+            health="interval_s = 0.5\ntimeout_s = 0.5\nfailures_tolerated = 1000",
+        ),
+    )
+    since = now(m)
+    m.systemctl("start", UNIT, timeout=60)
+    m.wait_for(lambda: int(prop(m, "NRestarts")) >= 1, timeout=40, message="no watchdog restart")
+    journal = m.journal(UNIT, "--since", since)
+    assert f"{UNIT}: Watchdog timeout (limit 3s)!" in journal
+    m.systemctl("stop", UNIT)
+
+
+def test_config_error_fails_without_restart_loop(m: NspawnMachine) -> None:
+    deploy(m, "[child]\nargv = []\n")
+    since = now(m)
+    m.systemctl("start", UNIT, check=False, timeout=30)
+    m.wait_for(lambda: prop(m, "ActiveState") == "failed", timeout=20, message="unit did not fail")
+    time.sleep(2.5)  # longer than RestartSec: a restart would have happened
+    assert prop(m, "ActiveState") == "failed"
+    assert prop(m, "ExecMainStatus") == "78"
+    assert prop(m, "NRestarts") == "0"
+    assert "child.argv: expected a non-empty array of strings, got an empty array" in m.journal(UNIT, "--since", since)
+
+
+def test_supervisor_sigkilled_then_next_start_finds_nothing_stale(m: NspawnMachine) -> None:
+    deploy(m, config(["--load-seconds", "1"]))
+    since = now(m)
+    m.systemctl("start", UNIT, timeout=60)
+    main_pid = prop(m, "MainPID")
+    assert len(cgroup_pids(m)) == 5  # supervisor, APIServer, EngineCore, 2 workers
+    m.systemctl("kill", "--kill-whom=main", "--signal=SIGKILL", UNIT)
+    # KillMode=mixed: the rest of the cgroup is killed; Restart=on-failure starts it again.
+    m.wait_for(
+        lambda: prop(m, "MainPID") not in ("0", main_pid) and prop(m, "ActiveState") == "active",
+        timeout=40,
+        message="not restarted after SIGKILL",
+    )
+    ev = events(m, since)
+    assert ev.count("state.ready") == 2
+    assert "preflight.kill" not in ev  # nothing stale: systemd killed the old tree
+    journal = m.journal(UNIT, "--since", since)
+    assert "already in use" not in journal
+    m.systemctl("stop", UNIT)
+    assert cgroup_pids(m) == []
+
+
+def test_journal_priorities_and_fields(m: NspawnMachine) -> None:
+    deploy(m, config(["--crash-during-load", "--load-seconds", "1"]))
+    since = now(m)
+    m.systemctl("start", UNIT, check=False, timeout=60)
+    m.wait_for(lambda: "state.failed" in events(m, since), timeout=30, message="no failure event")
+    m.systemctl("stop", UNIT, check=False)
+    records = m.journal_json(UNIT, "--since", since)
+    child = [r for r in records if r.get("KIMI_SOURCE") == "child"]
+    sup = [r for r in records if r.get("KIMI_SOURCE") == "supervisor"]
+    assert child and sup
+    worker = [r for r in child if r.get("VLLM_COMPONENT") == "Worker" and r.get("VLLM_RANK") == "0"]
+    assert worker and all(r["VLLM_PID"].isdigit() for r in worker)
+    assert any(r["PRIORITY"] == "6" and "INFO" in r["MESSAGE"] for r in child)
+    assert any(r["PRIORITY"] == "3" and "OutOfMemoryError" in r["MESSAGE"] for r in child)
+    failed = next(r for r in sup if r["KIMI_EVENT"] == "state.failed")
+    assert failed["PRIORITY"] == "3" and failed["KIMI_EXIT_CODE"] == "11"
+    err_only = m.journal(UNIT, "--since", since, "-p", "err")
+    assert "OutOfMemoryError" in err_only and "Loading safetensors" not in err_only
+    by_event = m.journal(UNIT, "--since", since, "KIMI_EVENT=state.starting")
+    assert "state.starting" in by_event and "Loading safetensors" not in by_event
