@@ -78,8 +78,16 @@ RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
 # DAC_OVERRIDE: a root child reads model files and caches whatever their mode.
 CapabilityBoundingSet=CAP_KILL CAP_SETUID CAP_SETGID CAP_SYS_PTRACE CAP_DAC_READ_SEARCH CAP_FOWNER CAP_IPC_LOCK \\
     CAP_DAC_OVERRIDE
+# Allow-list of the syscalls ordinary services use, minus groups vLLM never needs; a blocked call
+# fails with EPERM instead of killing the server. (@resources stays: torch sets CPU affinity.)
+SystemCallFilter=@system-service
+SystemCallFilter=~@mount @reboot @swap @module @raw-io @obsolete @cpu-emulation @clock @debug
+SystemCallErrorNumber=EPERM
+# Caches and logs the server writes are not world-readable.
+UMask=0027
 # Not set, because vLLM breaks: MemoryDenyWriteExecute (Triton/torch.compile JIT), PrivateDevices
-# (/dev/nvidia*), ProtectHome (model venv and caches under /root), PrivateNetwork (it serves).
+# (/dev/nvidia*), ProtectHome (model venv and caches under /root), PrivateNetwork and IPAddressDeny (it
+# serves clients), ProtectProc=invisible (the preflight must see stale processes of every user).
 
 [Install]
 WantedBy=multi-user.target

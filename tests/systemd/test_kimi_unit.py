@@ -235,3 +235,10 @@ def test_journal_priorities_and_fields(m: NspawnMachine) -> None:
     assert "OutOfMemoryError" in err_only and "Loading safetensors" not in err_only
     by_event = m.journal(UNIT, "--since", since, "KIMI_EVENT=state.starting")
     assert "state.starting" in by_event and "Loading safetensors" not in by_event
+
+
+def test_security_exposure_at_most_4(m: NspawnMachine) -> None:
+    out = m.run(["systemd-analyze", "security", "--no-pager", UNIT], check=False).stdout
+    line = next(x for x in out.splitlines() if "Overall exposure level" in x)
+    score = float(line.split(":")[1].split()[0])
+    assert score <= 4.0, line
