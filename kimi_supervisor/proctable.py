@@ -17,6 +17,8 @@ from typing import Protocol
 
 import psutil
 
+from kimi_supervisor.redact import redact_argv
+
 
 @dataclasses.dataclass(frozen=True)
 class ProcInfo:
@@ -30,7 +32,8 @@ class ProcInfo:
 
     @property
     def command(self) -> str:
-        return " ".join(self.cmdline) if self.cmdline else f"[{self.name}]"
+        """The command line for logs and reports: a stale server's --api-key never shows."""
+        return " ".join(redact_argv(self.cmdline)) if self.cmdline else f"[{self.name}]"
 
 
 class ProcessTable(Protocol):

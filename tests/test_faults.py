@@ -32,13 +32,25 @@ class Silent:
 
 
 def test_sigterm_during_preflight_wait_stops_at_once(tmp_path: Path) -> None:
-    cfg = parse_config({"child": {"argv": ["/bin/false", "serve", "/m", "--port", str(free_port())]},
-                        "preflight": {"gpus": [0], "deadline_s": 60, "check_model": False,
-                                      "shm": {"directory": str(tmp_path)}}}, tmp_path / "k.toml")
+    cfg = parse_config(
+        {
+            "child": {"argv": ["/bin/false", "serve", "/m", "--port", str(free_port())]},
+            "preflight": {"gpus": [0], "deadline_s": 60, "check_model": False, "shm": {"directory": str(tmp_path)}},
+        },
+        tmp_path / "k.toml",
+    )
     probe = FakeGpuProbe([FakeGpu(hidden_used_mib=50_000)])  # busy, nobody to reap: it would wait 60 s
     log = RecordingLog()
-    sup = Supervisor(cfg, Deps(probe=probe, table=PsutilProcessTable(), notifier=Silent(), log=log,
-                               sink=ConsoleChildSink(open(os.devnull, "w"))))  # noqa: SIM115
+    sup = Supervisor(
+        cfg,
+        Deps(
+            probe=probe,
+            table=PsutilProcessTable(),
+            notifier=Silent(),
+            log=log,
+            sink=ConsoleChildSink(open(os.devnull, "w")),
+        ),
+    )  # noqa: SIM115
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
     start = time.monotonic()
     assert sup.run() == ExitCode.OK
@@ -48,8 +60,9 @@ def test_sigterm_during_preflight_wait_stops_at_once(tmp_path: Path) -> None:
 
 
 def test_sigterm_while_ready_and_second_sigterm_hurries(tmp_path: Path) -> None:
-    run = Run(fake_config(tmp_path, ["--ignore-sigterm"], shutdown={"grace_s": 20, "second_signal_grace_s": 0.5}),
-              tmp_path)
+    run = Run(
+        fake_config(tmp_path, ["--ignore-sigterm"], shutdown={"grace_s": 20, "second_signal_grace_s": 0.5}), tmp_path
+    )
     run.wait_event("state.ready")
     start = run.signal()
     run.wait_event("stop.sigterm")
@@ -68,13 +81,19 @@ def test_read_only_shm_fails_the_preflight_naming_it(tmp_path: Path) -> None:
     try:
         (shm / "psm_stale").write_bytes(b"x")
         subprocess.run(["mount", "-o", "remount,ro", str(shm)], check=True)
-        cfg = parse_config({"child": {"argv": ["vllm", "serve", "/m", "--port", str(free_port())]},
-                            "preflight": {"gpus": [], "check_model": False, "shm": {"directory": str(shm)}}},
-                           tmp_path / "k.toml")
+        cfg = parse_config(
+            {
+                "child": {"argv": ["vllm", "serve", "/m", "--port", str(free_port())]},
+                "preflight": {"gpus": [], "check_model": False, "shm": {"directory": str(shm)}},
+            },
+            tmp_path / "k.toml",
+        )
         with pytest.raises(PreflightError) as info:
             Preflight(cfg, FakeGpuProbe([]), PsutilProcessTable(), FakeClock(), RecordingLog()).run(dry_run=False)
-        assert info.value.message == (f"preflight failed: shm: {shm} is not writable (read-only or no permission): "
-                                      "NCCL and torch need it for their shared-memory segments")
+        assert info.value.message == (
+            f"preflight failed: shm: {shm} is not writable (read-only or no permission): "
+            "NCCL and torch need it for their shared-memory segments"
+        )
         assert (shm / "psm_stale").exists()
     finally:
         subprocess.run(["umount", str(shm)], check=True)
@@ -87,9 +106,13 @@ def test_another_users_processes_survive_every_path(tmp_path: Path, spawner: Pro
     try:
         vllm_named = spawner.sleeper(title="VLLM::Worker_TP0")  # matches the rules but holds no GPU
         probe = FakeGpuProbe([FakeGpu(holders={other.pid: 20_000})])
-        cfg = parse_config({"child": {"argv": ["vllm", "serve", "/m", "--port", str(free_port())]},
-                            "preflight": {"gpus": [0], "deadline_s": 2, "check_model": False,
-                                          "shm": {"directory": str(tmp_path)}}}, tmp_path / "k.toml")
+        cfg = parse_config(
+            {
+                "child": {"argv": ["vllm", "serve", "/m", "--port", str(free_port())]},
+                "preflight": {"gpus": [0], "deadline_s": 2, "check_model": False, "shm": {"directory": str(tmp_path)}},
+            },
+            tmp_path / "k.toml",
+        )
         with pytest.raises(PreflightError, match=f"PID {other.pid} \\(sleep\\) 20000 MiB: not killed, does not match"):
             Preflight(cfg, probe, PsutilProcessTable(), FakeClock(), RecordingLog()).run(dry_run=False)
         assert other.poll() is None and vllm_named.poll() is None
@@ -117,3 +140,12 @@ def test_supervisor_sigkilled_leaves_a_tree_the_next_preflight_names(tmp_path: P
         assert "is already in use by PID" in err
     finally:
         os.killpg(child, signal.SIGKILL)
+
+
+def test_flooding_child_is_never_blocked_and_nothing_is_lost(tmp_path: Path) -> None:
+    run = Run(fake_config(tmp_path, ["--flood-lines", "200000"]), tmp_path)
+    run.wait_event("state.ready", timeout=60)
+    run.signal()
+    assert run.wait() == 0
+    flood = [c for c in run.child_lines if "flood" in c["line"].lower()]
+    assert len(flood) >= 200000
