@@ -91,7 +91,7 @@ def run() -> list[Row]:
         with_shm = _times(preflight_stale_shm, RUNS)
         vllm = cfg.child.vllm
         parts: dict[str, list[float]] = {
-            "GPU memory + holders (8 fake GPUs)": _times(lambda: (busy_gpus(probe, gpus, 1000), holders(probe, gpus)), RUNS),
+            "GPU memory + holders, 8 GPUs": _times(lambda: (busy_gpus(probe, gpus, 1000), holders(probe, gpus)), RUNS),
             "plan_reap (ancestors)": _times(lambda: plan_reap([], table, cfg.preflight.reap, os.getpid()), RUNS),
             "wait_until_free": _times(lambda: wait_until_free(probe, gpus, 1000, clock, 30, 1, _ignore, 5), RUNS),
             "plan_shm, empty dir": _times(lambda: plan_shm(cfg.preflight.shm, table), RUNS),

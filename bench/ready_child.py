@@ -27,7 +27,7 @@ def main() -> None:
     first = [True]
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        def do_GET(self) -> None:
             if self.path != "/health":
                 self.send_error(404)
                 return
@@ -39,7 +39,7 @@ def main() -> None:
             self.send_header("Content-Length", "0")
             self.end_headers()
 
-        def log_message(self, format: str, *a: object) -> None:  # noqa: A002 - signature of the base class
+        def log_message(self, format: str, *a: object) -> None:
             return
 
     print("INFO:     Application startup complete.", flush=True)

@@ -50,9 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "command",
         nargs="?",
-        choices=("run", "check-config"),
+        choices=("run", "check-config", "install-unit"),
         default="run",
-        help="run (default): preflight, start and supervise; check-config: validate and print the config",
+        help="run (default): preflight, start and supervise; check-config: validate and print the config; "
+        "install-unit: write the systemd unit for this config and daemon-reload",
     )
     p.add_argument(
         "--config", type=Path, default=DEFAULT_PATH, metavar="PATH", help=f"TOML config file (default: {DEFAULT_PATH})"

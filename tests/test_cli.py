@@ -92,3 +92,13 @@ def test_config_writable_by_others_is_refused(tmp_path: Path) -> None:
 
 def test_bad_arguments_exit_2() -> None:
     assert cli("--log-format", "xml").returncode == 2
+
+
+def test_install_unit_command(tmp_path: Path) -> None:
+    cfg = tmp_path / "k.toml"
+    cfg.write_text('[child]\nargv = ["vllm"]\n')
+    result = cli("install-unit", "--config", str(cfg), "--unit-dir", str(tmp_path / "units"), "--no-reload")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (f"wrote {tmp_path / 'units' / 'kimi-supervisor.service'}; "
+                             "now: systemctl enable --now kimi-supervisor.service\n")
+    assert f"--config {cfg}" in (tmp_path / "units" / "kimi-supervisor.service").read_text()

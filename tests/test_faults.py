@@ -48,9 +48,9 @@ def test_sigterm_during_preflight_wait_stops_at_once(tmp_path: Path) -> None:
             table=PsutilProcessTable(),
             notifier=Silent(),
             log=log,
-            sink=ConsoleChildSink(open(os.devnull, "w")),
+            sink=ConsoleChildSink(open(os.devnull, "w")),  # noqa: SIM115
         ),
-    )  # noqa: SIM115
+    )
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
     start = time.monotonic()
     assert sup.run() == ExitCode.OK

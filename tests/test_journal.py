@@ -89,3 +89,15 @@ def test_journal_stream_detection(tmp_path: Path) -> None:
     assert not journal_stream_is_stderr({}, f)
     f.close()
     assert resolve_format("json") == "json"
+
+
+def test_json_child_sink_matches_json_dumps() -> None:
+    out = io.StringIO()
+    sink = configure("json", stream=out)
+    text = 'quote " backslash \\ tab \t ctl \x01 é \u2028 done'
+    sink.line(text, 3, {"VLLM_COMPONENT": "Worker", "VLLM_RANK": "3"})
+    sink.flush()
+    expected = json.dumps({"source": "child", "priority": 3, "line": text, "vllm_component": "Worker",
+                           "vllm_rank": "3"}, ensure_ascii=False)
+    assert out.getvalue() == expected + "\n"
+    structlog.reset_defaults()

@@ -16,15 +16,41 @@ from kimi_supervisor.readiness import ReadinessTracker
 from kimi_supervisor.vllm_args import parse_vllm_args
 
 CFG = parse_config({"child": {"argv": ["vllm"]}}, Path("t.toml")).readiness
-KEYS = ["child", "argv", "env", "preflight", "gpus", "reap", "shm", "globs", "deadline_s", "readiness",
-        "health", "interval_s", "shutdown", "grace_s", "names", "user", "health_url", "directory", "x"]
+KEYS = [
+    "child",
+    "argv",
+    "env",
+    "preflight",
+    "gpus",
+    "reap",
+    "shm",
+    "globs",
+    "deadline_s",
+    "readiness",
+    "health",
+    "interval_s",
+    "shutdown",
+    "grace_s",
+    "names",
+    "user",
+    "health_url",
+    "directory",
+    "x",
+]
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=True),
-                    st.text(max_size=30), st.sampled_from(["all", "vllm", "/dev/shm", "http://127.0.0.1:1/h"]))
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**12), 10**12),
+    st.floats(allow_nan=True),
+    st.text(max_size=30),
+    st.sampled_from(["all", "vllm", "/dev/shm", "http://127.0.0.1:1/h"]),
+)
 toml_like = st.recursive(
     scalars.filter(lambda v: v is not None),
-    lambda children: st.one_of(st.lists(children, max_size=4),
-                               st.dictionaries(st.sampled_from(KEYS), children, max_size=5)),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.sampled_from(KEYS), children, max_size=5)
+    ),
     max_leaves=20,
 )
 
@@ -60,11 +86,19 @@ def test_vllm_args_raise_only_value_errors(argv: list[str]) -> None:
 
 lines = st.one_of(
     st.text(max_size=200),
-    st.builds(lambda p, pid, lvl, body: f"({p} pid={pid}) {lvl} {body}",
-              st.sampled_from(["APIServer", "EngineCore_DP0", "Worker_TP3", "VllmWorker TP1", "X_"]),
-              st.integers(0, 10**7), st.sampled_from(["INFO", "WARNING", "ERROR", "", "DEBUG"]), st.text(max_size=80)),
-    st.builds(lambda a, b, c: f"Loading safetensors checkpoint shards: {a}% Completed | {b}/{c}",
-              st.integers(-5, 10**6), st.integers(-5, 10**9), st.integers(-5, 10**9)),
+    st.builds(
+        lambda p, pid, lvl, body: f"({p} pid={pid}) {lvl} {body}",
+        st.sampled_from(["APIServer", "EngineCore_DP0", "Worker_TP3", "VllmWorker TP1", "X_"]),
+        st.integers(0, 10**7),
+        st.sampled_from(["INFO", "WARNING", "ERROR", "", "DEBUG"]),
+        st.text(max_size=80),
+    ),
+    st.builds(
+        lambda a, b, c: f"Loading safetensors checkpoint shards: {a}% Completed | {b}/{c}",
+        st.integers(-5, 10**6),
+        st.integers(-5, 10**9),
+        st.integers(-5, 10**9),
+    ),
 )
 
 

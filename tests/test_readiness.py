@@ -87,3 +87,22 @@ def test_root_cause_prefers_the_exception_over_the_summary() -> None:
 def test_tail_is_bounded() -> None:
     t = feed_all([f"line {i}" for i in range(1000)])
     assert len(t.tail) == 40 and t.tail[-1] == "line 999"
+
+
+def test_prefilter_words_are_required_by_each_pattern() -> None:
+    from kimi_supervisor.readiness import literal_prefilter
+
+    assert literal_prefilter([r"Starting vLLM (?:API )?server", r"torch\.compile|colou?r"]) is not None
+    rx = literal_prefilter([r"Starting vLLM (?:API )?server", r"torch\.compile|colou?r"])
+    assert rx is not None and rx.pattern == "Starting|colo|torch"
+    assert literal_prefilter([r"(?i)error"]) is None  # flags: no safe literal
+    assert literal_prefilter([r"\d+ ok"]) is None  # no word of 4 letters: always run the full search
+
+
+def test_user_patterns_still_match_through_the_prefilter() -> None:
+    cfg = parse_config({"child": {"argv": ["vllm"]},
+                        "readiness": {"fatal_patterns": [r"NCCL (?:error|timeout)", r"\bSegmentation fault\b"]}},
+                       Path("t.toml")).readiness
+    t = ReadinessTracker(cfg)
+    assert t.feed("worker 3: NCCL timeout after 1800 s").fatal
+    assert ReadinessTracker(cfg).feed("Fatal Python error: Segmentation fault").fatal

@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""The CPU benchmark suite of kimi-supervisor: one command, one table, bench/results/cpu.md.
+
+    python3 bench/run.py
+
+Rows: 1 preflight wall time vs the seeds' nvidia-smi loop; 2 READY=1 latency
+after the first /health 200; 3 stop time and orphans; 4 log forwarding
+throughput; 5 idle RSS and CPU.  Exit status 1 when any row misses its target.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench import bench_flood, bench_lifecycle, bench_preflight  # noqa: E402 - needs the repo on sys.path
+from bench.common import Row  # noqa: E402
+
+COMMAND = "python3 bench/run.py"
+BENCHMARKS: tuple[tuple[str, Callable[[], list[Row]]], ...] = (
+    ("1. preflight", bench_preflight.run),
+    ("2. READY=1 latency", bench_lifecycle.ready_rows),
+    ("3. stop", bench_lifecycle.stop_rows),
+    ("4. log forwarding", bench_flood.run),
+    ("5. idle", bench_lifecycle.idle_rows),
+)
+
+
+def table(rows: list[Row]) -> str:
+    head = ("benchmark", "target", "measured", "verdict")
+    cells = [head, *((r.name, r.target, r.measured, r.verdict) for r in rows)]
+    widths = [max(len(c[i]) for c in cells) for i in range(4)]
+    lines = ["| " + " | ".join(c[i].ljust(widths[i]) for i in range(4)) + " |" for c in cells]
+    lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
+    return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> int:
+    os.chdir(REPO)
+    started = time.monotonic()
+    rows: list[Row] = []
+    for name, bench in BENCHMARKS:
+        t0 = time.monotonic()
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        try:
+            rows += bench()
+        except Exception:  # one broken benchmark must not hide the others
+            traceback.print_exc()
+            rows.append(Row(name, "runs", "crashed: " + traceback.format_exc().strip().splitlines()[-1], False))
+        print(f"  {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+    took = time.monotonic() - started
+    text = table(rows)
+    print(text)
+    facts = [
+        f"- command: `{COMMAND}` (from the repository root), {took:.0f} s in all",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M:%S UTC')}",
+        f"- machine: nproc {os.cpu_count()}, {cpu_model()}, Linux {platform.release()}",
+        f"- python: {platform.python_version()} ({sys.executable})",
+    ]
+    out = REPO / "bench" / "results" / "cpu.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("# kimi-supervisor CPU benchmarks\n\n" + "\n".join(facts) + "\n\n" + text + "\n")
+    print(f"\nwrote {out.relative_to(REPO)} ({took:.0f} s)")
+    return 1 if any(r.ok is False for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
