@@ -8,7 +8,6 @@ tree before letting it reach `cli.main`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import selectors
@@ -19,7 +18,7 @@ from typing import Any
 
 from kimi_supervisor.child import ChildProcess, LineSplitter, SpawnSpec
 from kimi_supervisor.childlog import LineClassifier
-from kimi_supervisor.clock import Clock, format_duration
+from kimi_supervisor.clock import Clock, SystemClock, format_duration
 from kimi_supervisor.config import Config
 from kimi_supervisor.exitcodes import (
     ChildDied,
@@ -38,75 +37,11 @@ from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.proctable import ProcessTable
 from kimi_supervisor.readiness import ReadinessTracker
 from kimi_supervisor.redact import redact_text
+from kimi_supervisor.signals import STOP_SIGNALS, InterruptibleClock, SignalRecorder, StopRequested
 from kimi_supervisor.state import State, StateMachine
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC at most this often while output flows
 EXTEND_MARGIN_S = 15.0
-
-
-class StopRequested(Exception):
-    """A stop signal arrived while a blocking step (the preflight wait) was running."""
-
-
-class SignalRecorder:
-    """Handlers append the signal and wake the loop through a pipe; nothing else."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self.handled = 0
-        self.read_fd, self._write_fd = os.pipe()
-        for fd in (self.read_fd, self._write_fd):
-            os.set_blocking(fd, False)
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        for sig in (*STOP_SIGNALS, signal.SIGHUP):
-            self._previous[sig] = signal.signal(sig, self._record)
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _record(self, signum: int, frame: object) -> None:
-        self.received.append(signum)
-        with contextlib.suppress(OSError):
-            os.write(self._write_fd, b"s")
-
-    def wake(self) -> None:
-        self._record(0, None)
-
-    def drain(self) -> None:
-        try:
-            while os.read(self.read_fd, 512):
-                pass
-        except OSError:
-            pass
-
-    def new_signals(self) -> list[int]:
-        """Signals recorded since the last call (0 is a wake-up, not a signal)."""
-        fresh = self.received[self.handled :]
-        self.handled = len(self.received)
-        return [s for s in fresh if s != 0]
-
-
-class InterruptibleClock:
-    """A Clock whose sleep ends early, raising StopRequested, when a stop signal arrives."""
-
-    def __init__(self, signals: SignalRecorder) -> None:
-        self._signals = signals
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        if any(s in STOP_SIGNALS for s in self._signals.received):
-            raise StopRequested
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._signals.read_fd, selectors.EVENT_READ)
-            sel.select(max(0.0, seconds))
-        if any(s in STOP_SIGNALS for s in self._signals.received):
-            raise StopRequested
 
 
 @dataclasses.dataclass
@@ -340,8 +275,9 @@ class Supervisor:
             self.log.info("stop.gpu_wait", gpus=",".join(str(m.index) for m in busy), waited_s=round(elapsed, 1))
 
         try:
+            # SystemClock, not the interruptible one: the stop path finishes even after a second signal.
             busy = wait_until_free(
-                self.deps.probe, gpus, pf.memory_threshold_mib, _PlainClock(), timeout_s, 0.1, busy_note, 5.0
+                self.deps.probe, gpus, pf.memory_threshold_mib, SystemClock(), timeout_s, 0.1, busy_note, 5.0
             )
         except GpuUnavailable as exc:
             self.log.warning("stop.gpu_unknown", error=str(exc))
@@ -443,16 +379,6 @@ class Supervisor:
 
     def _tail(self, lines: int = 15) -> list[str]:
         return [line[:500] for line in list(self.tracker.tail)[-lines:]]
-
-
-class _PlainClock:
-    """The stop path must finish even after a second signal: it sleeps uninterrupted."""
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(max(0.0, seconds))
 
 
 def _usec(seconds: float) -> int:
