@@ -61,5 +61,5 @@ def test_v1_fallback_when_v2_not_supported(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_other_nvml_errors_are_gpu_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_nvml(monkeypatch, pynvml.NVML_ERROR_GPU_IS_LOST)
-    with pytest.raises(GpuUnavailable, match="^GPU 0 memory: "):
+    with pytest.raises(GpuUnavailable, match=r"^GPU 0 memory: "):
         NvmlProbe().memory(0)
