@@ -26,10 +26,11 @@ PHASES: tuple[tuple[str, str], ...] = (
         r"Starting to load model|Loading model from|Loading weights|Loading safetensors checkpoint shards",
     ),
     ("weights loaded", r"Model loading took|Loading weights took"),
-    ("profiling KV cache", r"Memory profiling takes|Available KV cache memory|GPU KV cache size|# GPU blocks"),
+    ("profiling KV cache", r"Memory profiling takes|Available KV cache memory|[GC]PU KV cache size|# GPU blocks"),
+    # Not a bare "torch.compile": vLLM 0.32 warns "Enforce eager set, disabling torch.compile" at the start.
     (
         "compiling / capturing CUDA graphs",
-        r"Capturing CUDA graph|torch\.compile|Compiling a graph|Graph capturing finished",
+        r"Capturing CUDA graph|torch\.compile takes|Compiling a graph for|Graph capturing finished|Dynamo bytecode",
     ),
     (
         "starting API server",
@@ -37,6 +38,10 @@ PHASES: tuple[tuple[str, str], ...] = (
     ),
 )
 _PROGRESS = re.compile(r"Loading safetensors checkpoint shards:\s*(\d+)% Completed \|\s*(\d+)/(\d+)")
+# How far before a fatal line its root cause may be (a worker's traceback is ~30 lines).
+CAUSE_WINDOW = 80
+# vLLM's INFO/WARNING/DEBUG lines mention errors ("can cause fd limit errors like OSError"): never a cause.
+_QUIET_LEVEL = re.compile(r"^(?:\([^)]*pid=\d+\)\s*)?(?:INFO|WARNING|DEBUG)\b")
 # Lines that only point elsewhere ("See root cause above"): never the root cause.
 _SUMMARY = re.compile(r"See root cause above|Engine core initialization failed|EngineCore failed to start")
 _ROOT_CAUSE = re.compile(r"\b(?:\w+Error|\w+Exception|OutOfMemory\w*)\b[:(]|\bCUDA error\b|\bNCCL error\b")
@@ -143,7 +148,10 @@ class ReadinessTracker:
         self.server_started = False
         self.fatal_line: str | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-        self._causes: collections.deque[str] = collections.deque(maxlen=3)
+        # (line number, line) of recent exception-looking lines at error level.
+        self._causes: collections.deque[tuple[int, str]] = collections.deque(maxlen=8)
+        self._line_no = 0
+        self._fatal_no = 0
 
     @property
     def phase(self) -> str:
@@ -153,8 +161,14 @@ class ReadinessTracker:
 
     def feed(self, line: str) -> LineEvent:
         self.tail.append(line)
-        if _might_be_cause(line) and _ROOT_CAUSE.search(line) and not _SUMMARY.search(line):
-            self._causes.append(line.strip())
+        self._line_no += 1
+        if (
+            _might_be_cause(line)
+            and not _QUIET_LEVEL.match(line)
+            and _ROOT_CAUSE.search(line)
+            and not _SUMMARY.search(line)
+        ):
+            self._causes.append((self._line_no, line.strip()))
         if self._prefilter is not None and not self._prefilter.search(line):
             return _NOTHING
         if not self._any.search(line):
@@ -162,6 +176,7 @@ class ReadinessTracker:
         if any(rx.search(line) for rx in self._fatal):
             if self.fatal_line is None:
                 self.fatal_line = line.strip()
+                self._fatal_no = self._line_no
             return LineEvent(fatal=True)
         progress_changed = False
         m = _PROGRESS.search(line)
@@ -188,7 +203,16 @@ class ReadinessTracker:
         return f"{text}, {format_duration(elapsed_s)}"
 
     def root_cause(self) -> str:
-        """The line most likely to explain a failure: the last real exception line, else the fatal one."""
-        if self._causes:
-            return self._causes[-1]
+        """The line that explains a failure best.
+
+        A fatal line that says what happened ("died unexpectedly", "Free memory on device ...") is its own
+        root cause; one that points elsewhere ("See root cause above") yields to the last error-level
+        exception line shortly before it; without a fatal line, the last such exception line.
+        """
+        if self.fatal_line is not None and not _SUMMARY.search(self.fatal_line):
+            return self.fatal_line
+        last = self._fatal_no if self.fatal_line is not None else self._line_no
+        near = [text for n, text in self._causes if last - CAUSE_WINDOW <= n <= last]
+        if near:
+            return near[-1]
         return self.fatal_line or (self.tail[-1].strip() if self.tail else "(no output)")

@@ -191,6 +191,11 @@ class Supervisor:
             self._pump(min(1.0, wd / 4) if wd else 1.0)
             if self._stop_signalled():
                 return
+            if self.tracker.fatal_line is not None:
+                # vLLM's own main lingers for seconds after its engine died, answering 503: don't wait.
+                raise ChildDied(
+                    f"vLLM reported a fatal error after it was ready: {self._root_cause()}", detail=self._tail()
+                )
             if self.child.poll() is not None:
                 self._pump(0)
                 raise ChildDied(
@@ -327,12 +332,9 @@ class Supervisor:
             line = redact_text(line, self._secrets)
         priority, fields = self._classifiers[fd].classify(line)
         self.deps.sink.line(line, priority, fields)
-        if self.state.state is State.STARTING:
-            event = self.tracker.feed(line)
-            if event.phase_changed:
-                self._last_status = 0.0  # a new phase shows at once
-        else:
-            self.tracker.tail.append(line)
+        event = self.tracker.feed(line)  # fatal lines matter after READY too
+        if event.phase_changed and self.state.state is State.STARTING:
+            self._last_status = 0.0  # a new phase shows at once
 
     def _flush_partial_lines(self) -> None:
         for fd, splitter in self._splitters.items():

