@@ -14,8 +14,9 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 VENV = Path(os.environ.get("KIMI_VLLM_VENV", "/opt/kimi-vllm-venv"))
-# Under /var/tmp (on /), so the systemd tier's container sees it through its overlay of /.
-MODEL_DIR = Path(os.environ.get("KIMI_TINY_MODEL", "/var/tmp/kimi-supervisor-tiny-llama"))
+# On / (so the nspawn container sees it through its overlay) but not in /tmp or /var/tmp, which the
+# hardened unit makes private (PrivateTmp=yes).
+MODEL_DIR = Path(os.environ.get("KIMI_TINY_MODEL", "/var/lib/kimi-supervisor-tests/tiny-llama"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

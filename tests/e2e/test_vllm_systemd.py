@@ -1,0 +1,89 @@
+"""One real-vLLM scenario under the real systemd of the nspawn tier, with the shipped (hardened) unit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kimi_supervisor import unit
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "systemd"))
+from conftest import VENV  # noqa: E402  (tests/e2e/conftest.py)
+from nspawn import NspawnMachine, available  # noqa: E402
+
+UNIT = unit.UNIT_NAME
+CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
+
+
+def test_real_vllm_under_systemd(vllm_bin: Path, tiny_model: Path) -> None:
+    ok, why = available()
+    if not ok and os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"nspawn unavailable: {why} (run .ci/install-systemd-tier.sh)")
+    if not ok:
+        pytest.skip(why)
+    exe = shutil.which("kimi-supervisor")
+    assert exe
+    argv = [
+        str(vllm_bin),
+        "serve",
+        str(tiny_model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--enforce-eager",
+    ]
+    cfg = "\n".join(
+        [
+            "[child]",
+            "argv = [" + ", ".join(f'"{a}"' for a in argv) + "]",
+            'env = { VLLM_CPU_KVCACHE_SPACE = "1", HF_HUB_OFFLINE = "1", VLLM_NO_USAGE_STATS = "1" }',
+            "[preflight]",
+            "gpus = []",
+            "[readiness]",
+            "deadline_s = 300",
+            "stall_timeout_s = 120",
+            "[health]",
+            "interval_s = 2",
+            "[shutdown]",
+            "grace_s = 20",
+            "",
+        ]
+    )
+    repo = str(Path(__file__).resolve().parents[2])
+    with NspawnMachine(binds_ro=[repo, str(VENV), str(tiny_model)]) as m:
+        m.write_file(CONFIG, cfg)
+        m.install_unit(UNIT, unit.render(exe, Path(CONFIG)))
+        start = time.monotonic()
+        m.systemctl("start", UNIT, timeout=300)
+        took = time.monotonic() - start
+        assert m.unit_property(UNIT, "ActiveState") == "active"
+        assert m.unit_property(UNIT, "StatusText").startswith("ready: serving on http://127.0.0.1:8000")
+        health = m.run(
+            [
+                "python3",
+                "-c",
+                "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/health', timeout=5).status)",
+            ],
+            check=False,
+        )
+        assert health.stdout.strip() == "200", health.stderr
+        events = [e.get("KIMI_EVENT") for e in m.journal_json(UNIT) if e.get("KIMI_EVENT")]
+        assert "state.ready" in events
+        workers = [e for e in m.journal_json(UNIT) if e.get("VLLM_COMPONENT") in ("Worker", "EngineCore")]
+        assert workers, "vLLM's process prefixes did not reach the journal as fields"
+        m.systemctl("stop", UNIT, timeout=60)
+        assert m.unit_property(UNIT, "ActiveState") == "inactive"
+        assert m.unit_property(UNIT, "ExecMainStatus") == "0"
+        journal = m.journal(UNIT)
+        assert "stop.tree_gone" in journal
+        assert took < 300
