@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from kimi_supervisor import unit
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "systemd"))
-from conftest import VENV  # noqa: E402  (tests/e2e/conftest.py)
-from nspawn import NspawnMachine, available  # noqa: E402
+from tests.e2e.conftest import VENV
+from tests.systemd.nspawn import NspawnMachine, available
 
 UNIT = unit.UNIT_NAME
 CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
