@@ -55,6 +55,8 @@ DEFAULT_FATAL_PATTERNS = (
     r"Engine core initialization failed",
     r"Free memory on device .* is less than desired GPU memory utilization",
     r"died unexpectedly",
+    r"EngineCore encountered a fatal error",
+    r"EngineDeadError",
     r"CUDA out of memory",
 )
 

@@ -38,13 +38,17 @@ PHASES: tuple[tuple[str, str], ...] = (
     ),
 )
 _PROGRESS = re.compile(r"Loading safetensors checkpoint shards:\s*(\d+)% Completed \|\s*(\d+)/(\d+)")
-# How far before a fatal line its root cause may be (a worker's traceback is ~30 lines).
-CAUSE_WINDOW = 80
+# How far before a fatal line its root cause may be (vLLM 0.32 prints ~120 lines of tracebacks after it).
+CAUSE_WINDOW = 300
 # vLLM's INFO/WARNING/DEBUG lines mention errors ("can cause fd limit errors like OSError"): never a cause.
 _QUIET_LEVEL = re.compile(r"^(?:\([^)]*pid=\d+\)\s*)?(?:INFO|WARNING|DEBUG)\b")
 # Lines that only point elsewhere ("See root cause above"): never the root cause.
-_SUMMARY = re.compile(r"See root cause above|Engine core initialization failed|EngineCore failed to start")
-_ROOT_CAUSE = re.compile(r"\b(?:\w+Error|\w+Exception|OutOfMemory\w*)\b[:(]|\bCUDA error\b|\bNCCL error\b")
+_SUMMARY = re.compile(
+    r"See root cause above|See stack trace|Engine core initialization failed|EngineCore failed to start"
+    r"|EngineCore encountered a fatal error"
+)
+# "XxxError: message" (not "raise XxxError(": source lines in a traceback are not the cause).
+_ROOT_CAUSE = re.compile(r"\b(?:\w+Error|\w+Exception|OutOfMemory\w*): |\bCUDA error\b|\bNCCL error\b")
 
 
 def _might_be_cause(line: str) -> bool:
@@ -149,7 +153,7 @@ class ReadinessTracker:
         self.fatal_line: str | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         # (line number, line) of recent exception-looking lines at error level.
-        self._causes: collections.deque[tuple[int, str]] = collections.deque(maxlen=8)
+        self._causes: collections.deque[tuple[int, str]] = collections.deque(maxlen=32)
         self._line_no = 0
         self._fatal_no = 0
 
