@@ -165,3 +165,30 @@ def test_abusive_output_does_not_hurt(tmp_path: Path) -> None:
     assert any("\ufffd" in c["line"] for c in run.child_lines)
     run.signal()
     assert run.wait() == 0
+
+
+def test_exact_notify_datagrams_in_order(tmp_path: Path) -> None:
+    run = Run(fake_config(tmp_path, ["--load-seconds", "2"]), tmp_path, env={"WATCHDOG_USEC": "2000000"})
+    run.wait_event("state.ready")
+    time.sleep(1.5)  # at least one watchdog ping at WATCHDOG_USEC / 2
+    run.signal()
+    assert run.wait() == 0
+
+    def kind(datagram: str) -> str:
+        keys = [line.split("=", 1)[0] for line in datagram.split("\n")]
+        if keys == ["STATUS"]:
+            status = datagram.removeprefix("STATUS=")
+            return "STATUS:" + status.split(":")[0].split(" ")[0]
+        return "+".join(keys)
+
+    kinds = [kind(d) for d in run.notify.messages()]
+    # Collapse repeats of progress and pings, keep the order of everything else.
+    collapsed = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
+    assert collapsed[:4] == ["STATUS:preflight", "EXTEND_TIMEOUT_USEC", "STATUS:starting", "EXTEND_TIMEOUT_USEC"]
+    ready = collapsed.index("READY+STATUS")
+    assert set(collapsed[4:ready]) <= {"STATUS:starting", "EXTEND_TIMEOUT_USEC"}
+    assert collapsed[ready + 1 :] == ["WATCHDOG", "STOPPING+STATUS", "STATUS:stopped"]
+    assert kinds.count("READY+STATUS") == 1
+    messages = run.notify.messages()
+    assert messages[-1] == "STATUS=stopped"
+    assert messages[-2] == "STOPPING=1\nSTATUS=stopping: stop requested"
