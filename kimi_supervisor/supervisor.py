@@ -184,6 +184,11 @@ class Supervisor:
         self.prober.set_interval(hcfg.interval_s)
         self.child.refresh_members()
         wd = self.deps.watchdog_s
+        if wd and hcfg.interval_s + hcfg.timeout_s >= wd:
+            # A passing probe must land within every watchdog period, or systemd kills a healthy server.
+            self.log.warning(
+                "watchdog.too_short", watchdog_s=wd, health_interval_s=hcfg.interval_s, health_timeout_s=hcfg.timeout_s
+            )
         failures = 0
         last_ok = time.monotonic()  # the probe that made us ready
         last_ping = 0.0

@@ -15,7 +15,9 @@ Fully offline (no HuggingFace hub access) and deterministic (fixed seed):
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 # Never touch the network, even by accident.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -25,7 +27,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SEED = 1234
 VOCAB_SIZE = 1024
-MAX_SHARD_SIZE = "1MB"  # ~3.2 MB of float32 weights -> several shards
+MAX_SHARD_SIZE = "1MB"  # 2.4 MB of float32 weights -> 3 shards
+INDEX = "model.safetensors.index.json"
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -126,19 +129,28 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[1] in ("-h", "--help"):
         print(f"usage: {argv[0]} OUTDIR", file=sys.stderr)
         return 2
-    outdir = argv[1]
-    os.makedirs(outdir, exist_ok=True)
+    outdir = os.path.abspath(argv[1])
+    parent = os.path.dirname(outdir)
+    os.makedirs(parent, exist_ok=True)
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
-    model.save_pretrained(outdir, safe_serialization=True, max_shard_size=MAX_SHARD_SIZE)
-    tokenizer.save_pretrained(outdir)
-
-    index = os.path.join(outdir, "model.safetensors.index.json")
-    shards = sorted(f for f in os.listdir(outdir) if f.endswith(".safetensors"))
-    if not os.path.exists(index) or len(shards) < 2:
-        print(f"error: expected a sharded checkpoint in {outdir}, got {shards}", file=sys.stderr)
-        return 1
+    # Build next to OUTDIR, then move the files in with the index last: an index in OUTDIR means a complete model.
+    tmp = tempfile.mkdtemp(prefix=".tiny-model-", dir=parent)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True, max_shard_size=MAX_SHARD_SIZE)
+        tokenizer.save_pretrained(tmp)
+        shards = sorted(f for f in os.listdir(tmp) if f.endswith(".safetensors"))
+        if not os.path.exists(os.path.join(tmp, INDEX)) or len(shards) < 2:
+            print(f"error: expected a sharded checkpoint, got {sorted(os.listdir(tmp))}", file=sys.stderr)
+            return 1
+        os.makedirs(outdir, exist_ok=True)
+        os.chmod(outdir, 0o755)
+        for name in sorted(os.listdir(tmp), key=lambda n: n == INDEX):
+            os.chmod(os.path.join(tmp, name), 0o644)  # safetensors writes 0600; a service user must read them
+            os.replace(os.path.join(tmp, name), os.path.join(outdir, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"tiny model written to {outdir}: vocab={len(tokenizer)} shards={len(shards)}")
     return 0
 
