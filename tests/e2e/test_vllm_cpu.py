@@ -14,7 +14,9 @@ import psutil
 
 from tests.harness import Run, fake_tree_of, free_port, session_members, write_config
 
+# VLLM_HOST_IP: vLLM otherwise picks a non-loopback address of the machine for its engine sockets.
 VLLM_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",

@@ -43,7 +43,8 @@ def test_real_vllm_under_systemd(vllm_bin: Path, tiny_model: Path) -> None:
         [
             "[child]",
             "argv = [" + ", ".join(f'"{a}"' for a in argv) + "]",
-            'env = { VLLM_CPU_KVCACHE_SPACE = "1", HF_HUB_OFFLINE = "1", VLLM_NO_USAGE_STATS = "1" }',
+            'env = { VLLM_CPU_KVCACHE_SPACE = "1", HF_HUB_OFFLINE = "1", VLLM_NO_USAGE_STATS = "1",'
+            ' VLLM_HOST_IP = "127.0.0.1" }',
             "[preflight]",
             "gpus = []",
             "[readiness]",
