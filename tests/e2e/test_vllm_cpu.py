@@ -164,3 +164,30 @@ def test_killed_worker_after_ready_is_reported_and_exits_nonzero(
         for p in tree_of(run, tmp_path):
             p.kill()
         run.kill()
+
+
+def test_sigterm_while_engine_starts_is_escalated(tmp_path: Path, vllm_bin: Path, tiny_model: Path) -> None:
+    """vLLM 0.32 ignores (or deadlocks on) SIGTERM while its engine starts: only the escalation ends it."""
+    cfg = vllm_config(tmp_path, vllm_bin, tiny_model, free_port())
+    cfg.write_text(cfg.read_text().replace("grace_s = 20", "grace_s = 4"))
+    run = Run(cfg, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if run.event("state.ready"):
+                break
+            if "VLLM::EngineCore" in names(tree_of(run, tmp_path)):
+                break
+            time.sleep(0.2)
+        assert run.event("state.ready") is None, "vLLM became ready before its engine was seen starting"
+        sid = run.child_pid
+        start = run.signal(signal.SIGTERM)
+        assert run.wait(timeout=60) == 0
+        took = time.monotonic() - start
+        assert took < 4 + 5 + 2  # grace, then SIGKILL and its wait
+        assert session_members(sid) == [] and tree_of(run, tmp_path) == []
+        assert run.notify.first("READY") is None
+    finally:
+        for p in tree_of(run, tmp_path):
+            p.kill()
+        run.kill()
