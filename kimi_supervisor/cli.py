@@ -114,7 +114,6 @@ def _check_config(cfg: Config, as_json: bool) -> int:
     data = effective_config(cfg)
     data["child"]["argv"] = redact_argv(cfg.child.argv)
     data["child"]["env"] = redact_env(cfg.child.env)
-    data["readiness"]["health_url"] = cfg.readiness.health_url
     if as_json:
         print(json.dumps(data, indent=2))
     else:

@@ -8,7 +8,6 @@ list (never a shell string), so this is a small option scanner.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 # vLLM's own defaults (vllm/engine/arg_utils.py).
 DEFAULT_HOST = "0.0.0.0"
@@ -91,7 +90,3 @@ def parse_vllm_args(argv: list[str] | tuple[str, ...]) -> VllmArgs:
     if not 0 < util <= 1:
         raise ValueError(f"--gpu-memory-utilization expects a fraction in (0, 1], got {util:g}")
     return VllmArgs(model, found.get("host", DEFAULT_HOST), port, tp, util)
-
-
-def program_name(argv: list[str] | tuple[str, ...]) -> str:
-    return os.path.basename(argv[0]) if argv else ""
