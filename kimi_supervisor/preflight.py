@@ -92,11 +92,10 @@ class Preflight:
         if self._pf.check_port:
             add(self._port(plan, dry_run))
         if gpus:
+            # A dry run killed nothing: count what the victims hold as free, as a real start would see it.
             releasable: dict[int, int] = {}
-            if dry_run:
-                for v in plan.victims:
-                    for g in v.gpus:
-                        releasable[g] = releasable.get(g, 0) + (v.used_mib or 0) // max(1, len(v.gpus))
+            for gpu, mib in (pair for v in plan.victims for pair in v.mib_by_gpu) if dry_run else ():
+                releasable[gpu] = releasable.get(gpu, 0) + mib
             memory = [self._probe.memory(i) for i in gpus]
             add(checks.check_free_memory(memory, self._cfg.child.vllm.gpu_memory_utilization, releasable))
         if not dry_run:

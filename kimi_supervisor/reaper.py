@@ -31,6 +31,7 @@ class Victim:
     gpus: tuple[int, ...]
     used_mib: int | None  # summed over GPUs; None when NVML would not say
     why: str  # "holds a CUDA context", "companion of PID n", "parent of PID n"
+    mib_by_gpu: tuple[tuple[int, int], ...] = ()  # what NVML says it holds on each GPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +130,8 @@ def plan_reap(holders: Iterable[GpuProcess], table: ProcessTable, cfg: ReapConfi
         elif not rules.matches(proc):
             reason = "does not match preflight.reap.names / preflight.reap.cmdline"
         if reason is None and proc is not None:
-            victims[pid] = Victim(proc, gpus, used, "holds a CUDA context")
+            by_gpu = tuple((e.gpu, e.used_mib) for e in entries if e.used_mib is not None)
+            victims[pid] = Victim(proc, gpus, used, "holds a CUDA context", by_gpu)
         else:
             spared.append(Spared(pid, gpus, used, proc, reason or ""))
 

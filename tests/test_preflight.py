@@ -147,6 +147,8 @@ def test_dry_run_kills_and_removes_nothing(tmp_path: Path, spawner: ProcSpawner)
     assert f"GPU 2: 2000 MiB used > 1000 MiB by PID {INVISIBLE_PID} 2000 MiB: not killed, NVML reports" in wait
     assert "GPU 0" not in wait  # reaping frees it
     assert by_name[("shm", Status.REMOVE)].endswith("nccl-x: no live process has it open or mapped")
+    # GPU 0's 80000 MiB count as free: a real start would have reaped its holder first.
+    assert by_name[("gpu_memory_fraction", Status.OK)] == "every GPU has >= 0.9 x total free after reaping"
     data = report.to_dict()
     assert data["proceed"] is False and json.dumps(data)
 
