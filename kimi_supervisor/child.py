@@ -265,5 +265,30 @@ class ChildProcess:
                 continue
 
     def alive_members(self) -> list[psutil.Process]:
+        """Members still running, polled cheaply: the remembered ones plus the tree under the child.
+
+        The full scan of every process (for members that left the tree) runs in signal_tree, before
+        each signal; polling between signals only has to watch what was found then.
+        """
         self.reap()
-        return self.refresh_members()
+        found: dict[int, psutil.Process] = {}
+        candidates: list[psutil.Process] = []
+        for pid, created in list(self.known.items()):
+            try:
+                p = psutil.Process(pid)
+                if abs(p.create_time() - created) < 0.01:
+                    candidates.append(p)
+            except psutil.NoSuchProcess:
+                del self.known[pid]
+        with contextlib.suppress(psutil.NoSuchProcess):
+            candidates += psutil.Process(self.pid).children(recursive=True)
+        if self._owns_all:
+            candidates += psutil.Process().children(recursive=True)
+        for p in candidates:
+            try:
+                if p.pid not in found and not exited(p.pid):
+                    self.known.setdefault(p.pid, p.create_time())
+                    found[p.pid] = p
+            except psutil.NoSuchProcess:
+                continue
+        return list(found.values())
