@@ -84,20 +84,28 @@ def _shm_listing(directory: str) -> list[str]:
         return []
 
 
-def sub_worker(a: argparse.Namespace) -> int:
-    """One 'TP worker': comm name, MIB MiB on its GPU, NCCL all_reduce, sleep."""
-    set_comm(a.name)
-    info: dict[str, Any] = {"pid": os.getpid(), "rank": a.rank, "gpu": a.gpu, "comm_set": a.name}
+def hold_gpu_memory(a: argparse.Namespace) -> Any:
+    """Take a.mib MiB on a.gpu (a torch tensor); with --fake-dir, a file the fake probe counts instead."""
     if a.fake_dir:
         d = os.path.join(a.fake_dir, f"gpu{a.gpu}")
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, str(os.getpid())), "w") as fh:
             fh.write(str(a.mib))
-    else:
+        return None
+    import torch
+
+    torch.cuda.set_device(a.gpu)
+    return torch.empty(a.mib * MIB, dtype=torch.uint8, device=f"cuda:{a.gpu}")
+
+
+def sub_worker(a: argparse.Namespace) -> int:
+    """One 'TP worker': comm name, MIB MiB on its GPU, NCCL all_reduce, sleep."""
+    set_comm(a.name)
+    info: dict[str, Any] = {"pid": os.getpid(), "rank": a.rank, "gpu": a.gpu, "comm_set": a.name}
+    hold = hold_gpu_memory(a)
+    if not a.fake_dir:
         import torch
 
-        torch.cuda.set_device(a.gpu)
-        hold = torch.empty(a.mib * MIB, dtype=torch.uint8, device=f"cuda:{a.gpu}")
         info["held_bytes"] = hold.numel()
         if a.world > 1:
             import torch.distributed as dist
@@ -190,16 +198,10 @@ def sub_decoy_ctl(a: argparse.Namespace) -> int:
 def sub_holder(a: argparse.Namespace) -> int:
     """A GPU holder whose name matches no kill rule (a 'trainer')."""
     set_comm("trainer")
-    if a.fake_dir:
-        d = os.path.join(a.fake_dir, f"gpu{a.gpu}")
-        os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, str(os.getpid())), "w") as fh:
-            fh.write(str(a.mib))
-    else:
+    hold = hold_gpu_memory(a)
+    if not a.fake_dir:
         import torch
 
-        torch.cuda.set_device(a.gpu)
-        hold = torch.empty(a.mib * MIB, dtype=torch.uint8, device=f"cuda:{a.gpu}")
         torch.cuda.synchronize()
         assert hold.numel() > 0
     _write_json(a.ready, {"pid": os.getpid()})
