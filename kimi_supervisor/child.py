@@ -198,11 +198,13 @@ class ChildProcess:
 
     def refresh_members(self) -> list[psutil.Process]:
         """Every process of the tree now: descendants, same session, and remembered ones."""
+        return self._members(scan_sessions=True)
+
+    def _members(self, scan_sessions: bool) -> list[psutil.Process]:
         found: dict[int, psutil.Process] = {}
         try:
             root = psutil.Process(self.pid)
-            if root.status() != psutil.STATUS_ZOMBIE:
-                found[root.pid] = root
+            found[root.pid] = root
             for p in root.children(recursive=True):
                 found[p.pid] = p
         except psutil.NoSuchProcess:
@@ -211,13 +213,15 @@ class ChildProcess:
             # Our other children are the tree's orphans (we are a subreaper).
             for p in psutil.Process().children(recursive=True):
                 found.setdefault(p.pid, p)
-        for p in psutil.process_iter():
-            if p.pid not in found:
-                try:
-                    if os.getsid(p.pid) == self.sid:
-                        found[p.pid] = p
-                except OSError:
-                    continue
+        if scan_sessions:
+            # Members that called setsid() or lost their parent: a walk over every process.
+            for p in psutil.process_iter():
+                if p.pid not in found:
+                    try:
+                        if os.getsid(p.pid) == self.sid:
+                            found[p.pid] = p
+                    except OSError:
+                        continue
         for pid, created in list(self.known.items()):
             if pid not in found:
                 try:
@@ -271,24 +275,4 @@ class ChildProcess:
         each signal; polling between signals only has to watch what was found then.
         """
         self.reap()
-        found: dict[int, psutil.Process] = {}
-        candidates: list[psutil.Process] = []
-        for pid, created in list(self.known.items()):
-            try:
-                p = psutil.Process(pid)
-                if abs(p.create_time() - created) < 0.01:
-                    candidates.append(p)
-            except psutil.NoSuchProcess:
-                del self.known[pid]
-        with contextlib.suppress(psutil.NoSuchProcess):
-            candidates += psutil.Process(self.pid).children(recursive=True)
-        if self._owns_all:
-            candidates += psutil.Process().children(recursive=True)
-        for p in candidates:
-            try:
-                if p.pid not in found and not exited(p.pid):
-                    self.known.setdefault(p.pid, p.create_time())
-                    found[p.pid] = p
-            except psutil.NoSuchProcess:
-                continue
-        return list(found.values())
+        return self._members(scan_sessions=False)
