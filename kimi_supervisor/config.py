@@ -127,6 +127,13 @@ class ShutdownConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PathsConfig:
+    # The unit's RuntimeDirectory= (lock, live state) and StateDirectory= (run history).
+    runtime_directory: Path
+    state_directory: Path
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     path: Path
     child: ChildConfig
@@ -134,6 +141,7 @@ class Config:
     readiness: ReadinessConfig
     health: HealthConfig
     shutdown: ShutdownConfig
+    paths: PathsConfig
 
 
 _T = TypeVar("_T")
@@ -343,6 +351,21 @@ def _parse_shutdown(t: _Table) -> ShutdownConfig:
     return cfg
 
 
+def _parse_paths(t: _Table) -> PathsConfig:
+    def absolute(name: str, default: str) -> Path:
+        value = t.string(name, default) or default
+        if not value.startswith("/"):
+            raise t.error(name, f"expected an absolute path, got {value!r}")
+        return Path(value)
+
+    cfg = PathsConfig(
+        runtime_directory=absolute("runtime_directory", "/run/kimi-supervisor"),
+        state_directory=absolute("state_directory", "/var/lib/kimi-supervisor"),
+    )
+    t.done()
+    return cfg
+
+
 def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     """Build a Config from parsed TOML; raises ConfigError naming file and key."""
     root = _Table(data, "", path)
@@ -353,8 +376,9 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     readiness = _parse_readiness(root.table("readiness"), child.vllm)
     health = _parse_health(root.table("health"))
     shutdown = _parse_shutdown(root.table("shutdown"))
+    paths = _parse_paths(root.table("paths"))
     root.done()
-    return Config(path, child, preflight, readiness, health, shutdown)
+    return Config(path, child, preflight, readiness, health, shutdown, paths)
 
 
 def load_config(path: Path) -> Config:

@@ -21,6 +21,10 @@ class ExitCode(enum.IntEnum):
     CHILD_DIED = 13  # child exited after READY without being asked to
     CHILD_UNHEALTHY = 14  # /health failed failures_tolerated times in a row
     SPAWN_FAILED = 15  # argv[0] missing, bad user, bad working directory
+    ANOTHER_INSTANCE = 16  # another kimi-supervisor owns these GPUs; nothing was changed
+    ENGINE_WEDGED = 17  # /health answers but the engine makes no progress (canary or metrics)
+    GPU_FAILED = 18  # NVML reported a critical XID / uncorrectable ECC event on one of our GPUs
+    NO_PERMISSION = 77  # EX_NOPERM: a file or directory the command needs cannot be written
     CONFIG = 78  # EX_CONFIG: the unit must not restart on this
 
 
@@ -33,6 +37,10 @@ DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.CHILD_DIED: "vLLM exited after ready without being asked to (even with status 0)",
     ExitCode.CHILD_UNHEALTHY: "/health failed failures_tolerated consecutive times after ready",
     ExitCode.SPAWN_FAILED: "the child could not be started (argv[0], user or working directory)",
+    ExitCode.ANOTHER_INSTANCE: "another kimi-supervisor owns these GPUs (its PID is named); nothing was changed",
+    ExitCode.ENGINE_WEDGED: "vLLM answers /health but its engine is wedged (canary or token progress failed)",
+    ExitCode.GPU_FAILED: "a GPU of ours reported a critical XID or uncorrectable ECC error while serving",
+    ExitCode.NO_PERMISSION: "permission denied writing a file the command needs (e.g. install-unit without root)",
     ExitCode.INTERNAL: "internal error (a bug): the traceback is in the journal",
     ExitCode.CONFIG: "configuration error (systemd does not restart on it)",
 }

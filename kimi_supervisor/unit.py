@@ -55,6 +55,14 @@ LimitMEMLOCK=infinity
 LimitNOFILE=1048576
 # Journal lines keep their priority (the supervisor sends native journal records).
 SyslogIdentifier=kimi-supervisor
+# /run/kimi-supervisor: the instance lock and the live state file. Preserved across stops: removing it
+# while another instance (started from a shell) holds its lock would let a third one in beside it.
+RuntimeDirectory=kimi-supervisor
+RuntimeDirectoryMode=0755
+RuntimeDirectoryPreserve=yes
+# /var/lib/kimi-supervisor: the run history, kept across restarts and reboots.
+StateDirectory=kimi-supervisor
+StateDirectoryMode=0755
 
 # Hardening that vLLM still runs under (see README, "Hardening").
 NoNewPrivileges=yes
