@@ -7,6 +7,7 @@ error would surface.  The CLI-level rows run the real `kimi-supervisor` in a sub
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -191,7 +192,7 @@ def test_stdout_nobody_reads_never_wedges_the_loop(tmp_path: Path) -> None:
         time.sleep(2.5)  # still nobody reads stdout
         pings = [at for at, d in run.notify.datagrams if d == "WATCHDOG=1"]
         assert len(pings) >= 4
-        gaps = [b - a for a, b in zip(pings, pings[1:])]
+        gaps = [b - a for a, b in itertools.pairwise(pings)]
         assert max(gaps) <= wd / 2 + 0.25, gaps
         assert run.event("child.dropped") is None  # no summary while the stall lasts
         run.read_stdout()  # the reader comes back: one summary
