@@ -135,7 +135,7 @@ def test_client_text_never_fails_the_run() -> None:
 def test_fatal_needs_an_error_record_or_a_traceback() -> None:
     assert ReadinessTracker(CFG).feed("(APIServer pid=7) ERROR 11-29 17:08:21 [a.py:9] EngineDeadError: x").fatal
     t = ReadinessTracker(CFG)
-    lines = ["Traceback (most recent call last):", '  File "x.py", line 1', "torch.OutOfMemoryError: CUDA oom"]
+    lines = ["Traceback (most recent call last):", '  File "x.py", line 1', "OutOfMemoryError: CUDA out of memory"]
     for line in lines:
         event = t.feed(line)
     assert event.fatal
