@@ -113,6 +113,11 @@ class ChildOutput:
             self._splitters[fd] = LineSplitter()
             self._classifiers[fd] = LineClassifier(default_priority=6)
 
+    @property
+    def streams_open(self) -> bool:
+        """Until both of the child's pipes reached end of file."""
+        return any(key.data == "child" for key in self._selector.get_map().values())
+
     def pump(self, timeout: float) -> None:
         """Wait up to `timeout` for output or a wake-up; handle what came; never block on a sink."""
         if self.sink.pending:
