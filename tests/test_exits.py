@@ -222,3 +222,16 @@ def test_broken_stdout_only_disables_that_sink(tmp_path: Path) -> None:
         assert fake_tree_of(str(tmp_path)) == []
     finally:
         run.kill()
+
+
+def test_health_failures_before_ready_are_logged_and_named_at_the_deadline(tmp_path: Path) -> None:
+    """Nothing answers the configured /health: each reason is logged once, and the exit names the last one."""
+    from tests.harness import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/health"
+    run = Run(fake_config(tmp_path, readiness={"health_url": url, "deadline_s": 3}), tmp_path)
+    assert run.wait() == 12
+    not_yet = [e for e in run.events if e["event"] == "health.not_yet"]
+    assert [e["error"] for e in not_yet] == ["connection refused"]  # once, not every 0.1 s
+    assert run.event("supervisor.exit")["error"].endswith("(last /health: connection refused)")  # type: ignore[index]
+    assert fake_tree_of(str(tmp_path)) == []
