@@ -207,7 +207,12 @@ class Supervisor:
         last_ok = time.monotonic()  # the probe that made us ready
         last_ping = 0.0
         while True:
-            self._pump(min(1.0, wd / 4) if wd else 1.0)
+            timeout = min(1.0, wd / 4) if wd else 1.0
+            now = time.monotonic()
+            if wd and failures == 0 and now - last_ok <= wd:
+                # Wake when the next ping is due, not at the next output or probe: a ping was 0.2-0.3 s late.
+                timeout = min(timeout, max(0.0, last_ping + wd / 2 - now))
+            self._pump(timeout)
             if self._stop_signalled():
                 return
             if self.tracker.fatal_line is not None:

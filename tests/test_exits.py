@@ -235,3 +235,20 @@ def test_health_failures_before_ready_are_logged_and_named_at_the_deadline(tmp_p
     assert [e["error"] for e in not_yet] == ["connection refused"]  # once, not every 0.1 s
     assert run.event("supervisor.exit")["error"].endswith("(last /health: connection refused)")  # type: ignore[index]
     assert fake_tree_of(str(tmp_path)) == []
+
+
+def test_watchdog_pings_come_on_time_not_at_the_next_wake_up(tmp_path: Path) -> None:
+    """Each WATCHDOG=1 within 10% of WatchdogSec after WatchdogSec/2 (it used to wait for the next probe)."""
+    wd = 2.0
+    cfg = fake_config(tmp_path, health={"interval_s": 0.45, "timeout_s": 0.4, "failures_tolerated": 3})
+    run = Run(cfg, tmp_path, env={"WATCHDOG_USEC": str(int(wd * 1e6))})
+    try:
+        run.wait_event("state.ready")
+        time.sleep(6)
+        pings = [at for at, d in run.notify.datagrams if d == "WATCHDOG=1"]
+        gaps = [b - a for a, b in itertools.pairwise(pings)]
+        assert len(gaps) >= 4 and max(gaps) <= wd / 2 + 0.1 * wd, gaps
+        run.signal()
+        assert run.wait() == 0
+    finally:
+        run.kill()
