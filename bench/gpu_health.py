@@ -13,9 +13,10 @@ Writes DIR/gpu_health.json and DIR/gpu_health.md and prints a readable summary.
      unmapped address (an MMU fault in our own context: the driver reports an
      XID and tears down that context; nothing is reset, no other process is
      touched).  Is it delivered to the watch, with which number, how soon?
-  d. The real CLI supervising tests/fakes/fake_vllm.py on GPU 0; the same fault
-     in a process beside it: the supervisor must log the XID at crit, stop the
-     tree and exit 18 within 1 s.  The dry-run report on this host is kept too.
+  d. The Supervisor (in-process, as the CLI builds it, over NvmlProbe)
+     supervising tests/fakes/fake_vllm.py on GPU 0; the same fault in a process
+     beside it: it must log the XID at crit, stop the tree and exit 18 within
+     1 s.  The dry-run report on this host is kept too.
 """
 
 from __future__ import annotations
@@ -160,12 +161,52 @@ def part_bc(probe: NvmlProbe, n: int, res: dict[str, Any], do_fault: bool) -> No
     res["dmesg_xid"] = sh(["sh", "-c", "dmesg 2>&1 | grep -i xid | tail -5"])
 
 
+class TimedLog:
+    """A structlog stand-in that records (monotonic time, level, event, fields)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[float, str, str, dict[str, Any]]] = []
+
+    def __getattr__(self, level: str) -> Any:
+        if level not in ("debug", "info", "warning", "error", "critical", "exception"):
+            raise AttributeError(level)
+
+        def emit(event: str, **fields: Any) -> None:
+            self.records.append((time.monotonic(), level, event, fields))
+
+        return emit
+
+    def first(self, event: str) -> tuple[float, str, str, dict[str, Any]] | None:
+        return next((r for r in list(self.records) if r[2] == event), None)
+
+
 def part_d(res: dict[str, Any], do_fault: bool) -> None:
-    from tests.harness import Run, fake_config
+    """The Supervisor itself (in-process: this machine has no structlog wheel) over real NVML."""
+    import importlib
+    import types
+
+    res["stubbed_modules"] = []
+    for name in ("structlog", "sdnotify"):  # imported at module level, used only by the CLI's logging setup
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            sys.modules[name] = types.ModuleType(name)
+            res["stubbed_modules"].append(name)
+    from kimi_supervisor.clock import SystemClock
+    from kimi_supervisor.config import load_config
+    from kimi_supervisor.exitcodes import SupervisorError
+    from kimi_supervisor.journal import ConsoleChildSink
+    from kimi_supervisor.notify import NullNotifier
+    from kimi_supervisor.preflight import Preflight
+    from kimi_supervisor.proctable import PsutilProcessTable
+    from kimi_supervisor.report import render_text
+    from kimi_supervisor.state import State
+    from kimi_supervisor.supervisor import Deps, Supervisor
+    from tests.harness import fake_config
 
     with tempfile.TemporaryDirectory(prefix="kimi-gpu-health-") as name:
         tmp = Path(name)
-        cfg = fake_config(
+        path = fake_config(
             tmp,
             [],
             tp=1,
@@ -173,35 +214,49 @@ def part_d(res: dict[str, Any], do_fault: bool) -> None:
             shutdown={"grace_s": 3, "gpu_release_timeout_s": 0},
             liveness={"canary_interval_s": 0, "stuck_after_s": 0},
         )
-        dry = subprocess.run(
-            [sys.executable, "-m", "kimi_supervisor", "--dry-run", "--config", str(cfg)],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        )
-        res["dry_run"] = {"rc": dry.returncode, "stdout": dry.stdout, "stderr": dry.stderr[-1000:]}
+        cfg = load_config(path)
+        probe = NvmlProbe()
+        log = TimedLog()
+        report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
+        res["dry_run"] = {"stdout": render_text(report, str(path)), "proceed": report.proceed}
         if not do_fault:
             return
-        run = Run(cfg, tmp, env={"PYTHONPATH": os.pathsep.join(sys.path)})
+        devnull = open(os.devnull, "w")  # noqa: SIM115
+        sup = Supervisor(cfg, Deps(probe, PsutilProcessTable(), NullNotifier(), log, ConsoleChildSink(devnull)))
+
+        def trigger() -> None:
+            end = time.monotonic() + 60
+            while time.monotonic() < end and not (sup.state.state is State.READY and log.first("gpu.events_watching")):
+                time.sleep(0.05)
+            res["supervisor_fault"] = fault(0)
+
+        th = threading.Thread(target=trigger)
+        th.start()
         try:
-            run.wait_event("state.ready", timeout=60)
-            watching = run.wait_event("gpu.events_watching", timeout=10)
-            res["supervisor_watching"] = watching.get("registered")
-            f = fault(0)
-            rc = run.wait(timeout=60)
-            exited = time.monotonic()
-            res["supervisor_fault"] = f
-            res["supervisor_rc"] = rc
-            res["supervisor_events"] = [
-                {k: v for k, v in e.items() if k in ("event", "level", "gpu", "xid", "meaning", "seen_ms", "error")}
-                for e in run.events
-                if str(e.get("event", "")).startswith(("gpu.", "state.failed", "supervisor.exit", "stop."))
-            ]
-            if "fault_at" in f:
-                res["supervisor_exit_after_fault_ms"] = round((exited - f["fault_at"]) * 1e3, 1)
-        finally:
-            run.kill()
+            rc = int(sup.run())
+        except SupervisorError as exc:
+            rc = int(exc.exit_code)
+            res["supervisor_error"] = exc.message
+        exited = time.monotonic()
+        th.join()
+        probe.close()
+        res["supervisor_rc"] = rc
+        watching = log.first("gpu.events_watching")
+        res["supervisor_watching"] = watching[3] if watching else None
+        res["supervisor_events"] = [
+            {"t": round(t, 3), "level": lvl, "event": ev, **{k: str(v) for k, v in f.items()}}
+            for t, lvl, ev, f in log.records
+            if ev.startswith(("gpu.", "state.", "stop.", "liveness."))
+        ]
+        f = res["supervisor_fault"]
+        xid = log.first("gpu.xid")
+        for key in ("launch_at", "fault_at"):
+            if key in f:
+                res[f"supervisor_exit_after_{key[:-3]}_ms"] = round((exited - f[key]) * 1e3, 1)
+                if xid:
+                    res[f"supervisor_xid_logged_after_{key[:-3]}_ms"] = round((xid[0] - f[key]) * 1e3, 1)
+        if xid:
+            res["supervisor_exit_after_xid_logged_ms"] = round((exited - xid[0]) * 1e3, 1)
 
 
 def render(res: dict[str, Any]) -> str:
@@ -231,7 +286,13 @@ def render(res: dict[str, Any]) -> str:
         "supervisor_watching",
         "supervisor_fault",
         "supervisor_rc",
+        "supervisor_error",
+        "supervisor_exit_after_launch_ms",
         "supervisor_exit_after_fault_ms",
+        "supervisor_xid_logged_after_launch_ms",
+        "supervisor_xid_logged_after_fault_ms",
+        "supervisor_exit_after_xid_logged_ms",
+        "stubbed_modules",
         "supervisor_events",
         "errors",
     ):
@@ -244,7 +305,8 @@ def render(res: dict[str, Any]) -> str:
             out.append("```")
             out.append("")
     if "dry_run" in res:
-        out += ["## Dry run on this host", "", "```", res["dry_run"]["stdout"].rstrip(), "```", ""]
+        out += ["## Dry run on this host (Preflight.run(dry_run=True), report.render_text)", "", "```"]
+        out += [res["dry_run"]["stdout"].rstrip(), "```", ""]
     out += [
         "## nvidia-smi (cross-check)",
         "",
@@ -294,7 +356,10 @@ def main() -> int:
             "event_direct",
             "event_after_fault_ms",
             "supervisor_rc",
+            "supervisor_error",
+            "supervisor_exit_after_launch_ms",
             "supervisor_exit_after_fault_ms",
+            "supervisor_exit_after_xid_logged_ms",
             "errors",
         )
     }

@@ -42,7 +42,7 @@ XID_MEANINGS = {
     154: "GPU recovery action changed (reset or reboot required)",
 }
 
-WAIT_S = 0.25  # how long one NVML wait blocks: bounds how late stop() returns
+WAIT_S = 0.1  # how long one NVML wait blocks: bounds how long close() waits for the thread
 
 
 def describe(event: GpuEvent) -> str:
@@ -132,6 +132,10 @@ class GpuEventWatcher:
             raise GpuFailed(f"GPU failure while serving: {text}")
 
     def stop(self) -> None:
+        """Stop acting on events; returns at once (the stop path must not wait for an NVML wait)."""
+        self._stop.set()
+
+    def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(WAIT_S * 4)

@@ -161,9 +161,15 @@ class DeepLiveness:
         )
 
     def stop(self) -> None:
+        """Returns at once: the threads notice within their wait; nothing they produce is judged any more."""
         self._stop.set()
         if self.gpu_events is not None:
             self.gpu_events.stop()
+
+    def close(self) -> None:
+        self.stop()
+        if self.gpu_events is not None:
+            self.gpu_events.close()
 
     # -- threads: they only produce results ------------------------------------------
 

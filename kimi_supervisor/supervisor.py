@@ -106,7 +106,7 @@ class Supervisor:
             if self.prober is not None:
                 self.prober.stop()
             if self.deep is not None:
-                self.deep.stop()
+                self.deep.close()
             self.signals.uninstall()
 
     def _preflight(self) -> None:
