@@ -76,6 +76,7 @@ class Config:
     free_memory_error: bool
     hang_after_ready: float | None
     unhealthy_after: float | None
+    wedged_after: float | None
     ignore_sigterm: bool
     ignore_sigterm_during_load: bool
     orphan_workers: bool
@@ -332,6 +333,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--unhealthy-after", type=float, default=None, metavar="S", help="S seconds after ready /health answers 503"
     )
     m.add_argument(
+        "--wedged-after",
+        type=float,
+        default=None,
+        metavar="S",
+        help="S seconds after ready the engine wedges (a GPU page fault, an NCCL hang): /health stays 200, "
+        "completions are accepted and never answered, /metrics freezes with 2 requests running "
+        "(plus the hung ones) and generation_tokens_total unchanged",
+    )
+    m.add_argument(
         "--exit-after-ready",
         type=float,
         default=None,
@@ -490,6 +500,7 @@ def parse_config(argv: Sequence[str]) -> Config:
         free_memory_error=bool(ns.free_memory_error),
         hang_after_ready=ns.hang_after_ready,
         unhealthy_after=ns.unhealthy_after,
+        wedged_after=ns.wedged_after,
         ignore_sigterm=bool(ns.ignore_sigterm),
         ignore_sigterm_during_load=bool(ns.ignore_sigterm_during_load),
         orphan_workers=bool(ns.orphan_workers),
@@ -1236,6 +1247,10 @@ class _AppState:
     hung = False
     unhealthy = False
     engine_dead = False
+    wedged = False
+    running = 0  # requests "in the engine": the wedged ones
+    generation_tokens = 0
+    lock = threading.Lock()
     created = int(time.time())
 
 
@@ -1313,13 +1328,7 @@ class Handler(BaseHTTPRequestHandler):
         elif path == "/version":
             self._json(200, {"version": cfg.version})
         elif path == "/metrics":
-            text = (
-                "# HELP vllm:num_requests_running Number of requests in model "
-                "execution batches.\n# TYPE vllm:num_requests_running gauge\n"
-                f'vllm:num_requests_running{{engine="0",model_name='
-                f'"{cfg.served_name}"}} 0.0\n'
-            )
-            self._send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+            self._send(200, _metrics_page(cfg.served_name).encode(), "text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models":
             self._json(
                 200,
@@ -1371,6 +1380,12 @@ class Handler(BaseHTTPRequestHandler):
                 },
             )
             return
+        if APP.wedged:
+            with APP.lock:
+                APP.running += 1
+            self._hang()
+        with APP.lock:
+            APP.generation_tokens += 5
         text = " Hello from fake vLLM."
         prompt = str(body.get("prompt", body.get("messages", "")))
         usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": 5, "total_tokens": len(prompt.split()) + 5}
@@ -1408,6 +1423,25 @@ class Handler(BaseHTTPRequestHandler):
                     "usage": usage,
                 },
             )
+
+
+def _metrics_page(model: str) -> str:
+    """vLLM 0.32's names and shapes (tests/fixtures/vllm_cpu_0.32/metrics_*.txt), three of its metrics."""
+    labels = f'engine="0",model_name="{model}"'
+    with APP.lock:
+        running, tokens = APP.running, APP.generation_tokens
+    return (
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        f"vllm:num_requests_running{{{labels}}} {float(running)}\n"
+        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
+        "# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
+        "# TYPE vllm:generation_tokens_total counter\n"
+        f"vllm:generation_tokens_total{{{labels}}} {float(tokens)}\n"
+        f"vllm:generation_tokens_created{{{labels}}} {float(APP.created)}\n"
+    )
 
 
 class Server(ThreadingHTTPServer):
@@ -1675,6 +1709,9 @@ class Main:
                 P.quiet = True
             if cfg.unhealthy_after is not None and since >= cfg.unhealthy_after:
                 APP.unhealthy = True
+            if cfg.wedged_after is not None and not APP.wedged and since >= cfg.wedged_after:
+                with APP.lock:
+                    APP.wedged, APP.running = True, APP.running + 2
             if cfg.exit_after_ready is not None and since >= cfg.exit_after_ready:
                 self.uvicorn_exit(cfg.exit_code)
             if cfg.stats_interval > 0 and time.monotonic() >= next_stats:
