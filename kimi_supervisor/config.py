@@ -142,9 +142,7 @@ class LivenessConfig:
     when: str  # "idle": only while /metrics shows nothing in flight; "always"
     stuck_after_s: float  # 0: no token-progress check
     metrics_interval_s: float
-    metrics_url: str
-    completions_url: str
-    model: str | None  # --served-model-name, else the model path
+    metrics_url: str  # /v1/completions and the model name come from child.argv (child.vllm)
 
 
 GPU_HEALTH_POLICIES = ("fail", "warn", "off")
@@ -398,12 +396,11 @@ def _parse_paths(t: _Table) -> PathsConfig:
     return cfg
 
 
-def _parse_liveness(t: _Table, vllm: VllmArgs, health_url: str) -> LivenessConfig:
-    base = health_url.rsplit("/health", 1)[0] if health_url.endswith("/health") else vllm.health_url[: -len("/health")]
+def _parse_liveness(t: _Table, vllm: VllmArgs) -> LivenessConfig:
     when = t.string("when", "idle")
     if when not in ("idle", "always"):
         raise t.error("when", f'expected "idle" or "always", got {when!r}')
-    metrics_url = t.string("metrics_url", "") or f"{base}/metrics"
+    metrics_url = t.string("metrics_url", "") or vllm.api_url("/metrics")
     if not re.match(r"^https?://[^/\s]+(/\S*)?$", metrics_url):
         raise t.error("metrics_url", f"expected an http:// or https:// URL, got {metrics_url!r}")
     cfg = LivenessConfig(
@@ -414,8 +411,6 @@ def _parse_liveness(t: _Table, vllm: VllmArgs, health_url: str) -> LivenessConfi
         stuck_after_s=t.number("stuck_after_s", 120.0, minimum=0, exclusive_min=False, maximum=86400),
         metrics_interval_s=t.number("metrics_interval_s", 5.0, maximum=3600),
         metrics_url=metrics_url,
-        completions_url=f"{base}/v1/completions",
-        model=vllm.served_model_name,
     )
     if 0 < cfg.stuck_after_s < 2 * cfg.metrics_interval_s:
         raise t.error(
@@ -462,7 +457,7 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     health = _parse_health(root.table("health"))
     shutdown = _parse_shutdown(root.table("shutdown"))
     paths = _parse_paths(root.table("paths"))
-    liveness = _parse_liveness(root.table("liveness"), child.vllm, readiness.health_url)
+    liveness = _parse_liveness(root.table("liveness"), child.vllm)
     gpu_health = _parse_gpu_health(root.table("gpu_health"))
     root.done()
     return Config(path, child, preflight, readiness, health, shutdown, paths, liveness, gpu_health)

@@ -113,6 +113,8 @@ class DeepLiveness:
         log: Any,
     ) -> None:
         self.cfg = cfg.liveness
+        self.model = cfg.child.vllm.served_model_name
+        self.completions_url = cfg.child.vllm.api_url("/v1/completions")
         self._wake = wake
         self._notifier = notifier
         self._log = log
@@ -132,7 +134,7 @@ class DeepLiveness:
 
     @property
     def canary_on(self) -> bool:
-        return self.cfg.canary_interval_s > 0 and self.cfg.model is not None
+        return self.cfg.canary_interval_s > 0 and self.model is not None
 
     @property
     def healthy(self) -> bool:
@@ -141,7 +143,7 @@ class DeepLiveness:
 
     def start(self) -> None:
         c = self.cfg
-        if c.canary_interval_s > 0 and c.model is None:
+        if c.canary_interval_s > 0 and self.model is None:
             self._log.warning("liveness.no_canary", why="no model in child.argv to name in a completion")
         if self.canary_on:
             self._threads.append(threading.Thread(target=self._canary_loop, name="canary", daemon=True))
@@ -155,7 +157,7 @@ class DeepLiveness:
             "liveness.started",
             canary_interval_s=c.canary_interval_s if self.canary_on else 0,
             canary_when=c.when,
-            model=c.model,
+            model=self.model,
             stuck_after_s=c.stuck_after_s,
             gpu_events=self.gpu_events is not None,
         )
@@ -175,14 +177,14 @@ class DeepLiveness:
 
     def _canary_loop(self) -> None:
         c = self.cfg
-        assert c.model is not None
+        assert self.model is not None
         wait = c.canary_interval_s
         while not self._stop.wait(wait):
             latest = self._latest
             if c.when == "idle" and latest is not None and (latest.in_flight or 0) > 0:
                 wait = c.canary_interval_s  # busy: token progress is the check that applies
                 continue
-            result = send_canary(c.completions_url, c.model, c.canary_timeout_s)
+            result = send_canary(self.completions_url, self.model, c.canary_timeout_s)
             if self._stop.is_set():
                 return
             self._canaries.put(result)
@@ -222,7 +224,7 @@ class DeepLiveness:
                     self._log.info("liveness.canary_recovered", after_failures=self.canary_failures)
                 self.canaries_ok += 1
                 (self._log.info if self.canaries_ok == 1 else self._log.debug)(
-                    "liveness.canary_ok", latency_ms=latency_ms, model=c.model
+                    "liveness.canary_ok", latency_ms=latency_ms, model=self.model
                 )
                 self.canary_failures = 0
                 continue

@@ -41,11 +41,14 @@ class VllmArgs:
 
     @property
     def health_url(self) -> str:
+        return self.api_url("/health")
+
+    def api_url(self, path: str) -> str:
         # A wildcard bind answers on loopback; probe there, never elsewhere.
         host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
         if ":" in host:
             host = f"[{host}]"
-        return f"http://{host}:{self.port}/health"
+        return f"http://{host}:{self.port}{path}"
 
 
 def _options(argv: list[str] | tuple[str, ...]) -> tuple[dict[str, str], list[str]]:

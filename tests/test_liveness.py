@@ -147,10 +147,10 @@ def test_liveness_defaults_and_derived_urls(tmp_path: Path) -> None:
     assert (lv.canary_interval_s, lv.canary_timeout_s, lv.failures_tolerated, lv.when) == (60, 10, 2, "idle")
     assert (lv.stuck_after_s, lv.metrics_interval_s) == (120, 5)
     assert lv.metrics_url == "http://127.0.0.1:8001/metrics"
-    assert lv.completions_url == "http://127.0.0.1:8001/v1/completions"
-    assert lv.model == "kimi-k2.5"  # the first served name, not the path
+    assert cfg.child.vllm.api_url("/v1/completions") == "http://127.0.0.1:8001/v1/completions"
+    assert cfg.child.vllm.served_model_name == "kimi-k2.5"  # the first served name, not the path
     no_name = parse_config({"child": {"argv": ["vllm", "serve", "/models/kimi"]}}, tmp_path / "k.toml")
-    assert no_name.liveness.model == "/models/kimi"
+    assert no_name.child.vllm.served_model_name == "/models/kimi"
     g = cfg.gpu_health
     assert g.xid_events and g.xid_ignored == (63, 92)
     assert (g.retired_pages, g.remapped_rows, g.ecc_uncorrected) == ("fail", "fail", "fail")
