@@ -266,3 +266,18 @@ def test_a_working_engine_passes_every_canary(tmp_path: Path) -> None:
         assert load_config(cfg).liveness.canary_interval_s == 0.2
     finally:
         run.kill()
+
+
+def test_reading_only_our_families_gives_what_the_whole_page_gives() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens_total")
+    for page in sorted(FIXTURES.glob("metrics_*.txt")):
+        text = page.read_text()
+        full: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in names:
+                    full[sample.name] = full.get(sample.name, 0.0) + sample.value
+        got = parse_metrics(text)
+        assert (got.running, got.waiting, got.generation_tokens) == tuple(full[n] for n in names), page.name
