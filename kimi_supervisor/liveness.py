@@ -18,11 +18,12 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import os
 import queue
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kimi_supervisor.config import Config
@@ -43,20 +44,28 @@ class CanaryResult:
     latency_s: float
 
 
-def send_canary(url: str, model: str, timeout_s: float) -> CanaryResult:
+def api_key(argv: tuple[str, ...], env: Mapping[str, str]) -> str | None:
+    """vLLM's --api-key (or VLLM_API_KEY): with one set, /v1/* refuses requests without it (HTTP 401)."""
+    for i, arg in enumerate(argv):
+        if arg == "--api-key" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--api-key="):
+            return arg.partition("=")[2]
+    return env.get("VLLM_API_KEY") or None
+
+
+def send_canary(url: str, model: str, timeout_s: float, key: str | None = None) -> CanaryResult:
     """POST a 1-token, temperature-0 completion; ok means HTTP 200 with a choice, within `timeout_s`."""
     parts = urllib.parse.urlsplit(url)
     conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     body = json.dumps({"model": model, "prompt": CANARY_PROMPT, "max_tokens": 1, "temperature": 0}).encode()
+    headers = {"Content-Type": "application/json", "User-Agent": "kimi-supervisor canary"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     start = time.monotonic()
     conn = conn_cls(parts.hostname or "127.0.0.1", parts.port, timeout=timeout_s)
     try:
-        conn.request(
-            "POST",
-            parts.path,
-            body=body,
-            headers={"Content-Type": "application/json", "User-Agent": "kimi-supervisor canary"},
-        )
+        conn.request("POST", parts.path, body=body, headers=headers)
         resp = conn.getresponse()
         raw = resp.read(1 << 20)
         took = time.monotonic() - start
@@ -115,6 +124,8 @@ class DeepLiveness:
         self.cfg = cfg.liveness
         self.model = cfg.child.vllm.served_model_name
         self.completions_url = cfg.child.vllm.api_url("/v1/completions")
+        env = {**(os.environ if cfg.child.inherit_environment else {}), **cfg.child.env}
+        self._key = api_key(cfg.child.argv, env)  # never logged
         self._wake = wake
         self._notifier = notifier
         self._log = log
@@ -184,7 +195,7 @@ class DeepLiveness:
             if c.when == "idle" and latest is not None and (latest.in_flight or 0) > 0:
                 wait = c.canary_interval_s  # busy: token progress is the check that applies
                 continue
-            result = send_canary(self.completions_url, self.model, c.canary_timeout_s)
+            result = send_canary(self.completions_url, self.model, c.canary_timeout_s, self._key)
             if self._stop.is_set():
                 return
             self._canaries.put(result)

@@ -14,7 +14,7 @@ import pytest
 
 from kimi_supervisor.config import load_config, parse_config
 from kimi_supervisor.exitcodes import ConfigError
-from kimi_supervisor.liveness import ProgressTracker, send_canary
+from kimi_supervisor.liveness import ProgressTracker, api_key, send_canary
 from kimi_supervisor.vllm_metrics import EngineMetrics, parse_metrics
 from tests.harness import Run, fake_config, fake_tree_of
 
@@ -72,10 +72,12 @@ def test_real_vllm_032_pages_parse_and_feed_the_tracker() -> None:
 class _Completions(http.server.BaseHTTPRequestHandler):
     mode = "ok"
     bodies: ClassVar[list[dict[str, object]]] = []
+    auth: ClassVar[list[str | None]] = []
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         type(self).bodies.append(json.loads(self.rfile.read(length)))
+        type(self).auth.append(self.headers.get("Authorization"))
         if self.mode == "hang":
             time.sleep(3)
             return
@@ -96,7 +98,7 @@ class _Completions(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def completions() -> Iterator[tuple[str, type[_Completions]]]:
-    handler = type("H", (_Completions,), {"bodies": []})
+    handler = type("H", (_Completions,), {"bodies": [], "auth": []})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -113,6 +115,17 @@ def test_canary_is_one_greedy_token_on_the_served_model(completions: tuple[str, 
     result = send_canary(url, "kimi-k2.5", 2)
     assert result.ok and result.error is None
     assert handler.bodies == [{"model": "kimi-k2.5", "prompt": "Hi", "max_tokens": 1, "temperature": 0}]
+    assert handler.auth == [None]
+
+
+def test_canary_carries_vllms_api_key(completions: tuple[str, type[_Completions]]) -> None:
+    url, handler = completions
+    assert api_key(("vllm", "serve", "/m", "--api-key", "s3cret"), {}) == "s3cret"
+    assert api_key(("vllm", "serve", "/m", "--api-key=s3cret"), {}) == "s3cret"
+    assert api_key(("vllm", "serve", "/m"), {"VLLM_API_KEY": "k2"}) == "k2"
+    assert api_key(("vllm", "serve", "/m"), {}) is None
+    assert send_canary(url, "m", 2, "s3cret").ok
+    assert handler.auth == ["Bearer s3cret"]
 
 
 @pytest.mark.parametrize(
