@@ -1,4 +1,4 @@
-"""Row 6: a chatty child under the real systemd and journald (nspawn): lines/s, watchdog lateness, and the
+"""Row 8: a chatty child under the real systemd and journald (nspawn): lines/s, watchdog lateness, and the
 supervisor's own records lost (target 0).  The scenario is tests/systemd/flood_scenario.py, the same one
 tests/systemd/test_flood.py asserts on.
 """
@@ -23,7 +23,7 @@ def run() -> list[Row]:
 
     ok, why = available()
     if not ok:
-        return [Row("6. journal flood under systemd", "-", f"skipped: {why}", None)]
+        return [Row("8. journal flood under systemd", "-", f"skipped: {why}", None)]
     with NspawnMachine(binds_ro=default_binds_ro()) as m:
         install(m)
         m.daemon_reload()
@@ -33,20 +33,20 @@ def run() -> list[Row]:
     lost = len(r.missing) + r.journald_suppressed
     return [
         Row(
-            f"6. {LINES:,} child lines at {RATE // 1000}k lines/s after READY, journal, real systemd",
+            f"8. {LINES:,} child lines at {RATE // 1000}k lines/s after READY, journal, real systemd",
             "-",
             f"child achieved {r.lines_per_s / 1000:.0f}k lines/s; journal got {r.journal_child_lines:,} child lines,"
             f" {r.suppressed:,} counted as suppressed, {r.dropped:,} as dropped",
             None,
         ),
         Row(
-            f"6.   watchdog lateness (WatchdogSec={WATCHDOG_S:g}, ping every {WATCHDOG_S / 2:g} s)",
+            f"8.   watchdog lateness (WatchdogSec={WATCHDOG_S:g}, ping every {WATCHDOG_S / 2:g} s)",
             f"<= {allowed_ms:.0f} ms",
             f"worst {late_ms:.0f} ms over {len(r.watchdog_gaps)} pings",
             late_ms <= allowed_ms,
         ),
         Row(
-            "6.   supervisor records lost (lifecycle records missing + journald suppressed)",
+            "8.   supervisor records lost (lifecycle records missing + journald suppressed)",
             "0",
             f"{lost} (missing: {', '.join(r.missing) or 'none'} of {len(LIFECYCLE)})",
             lost == 0,

@@ -34,6 +34,7 @@ from kimi_supervisor.gpu import GpuProbe, GpuUnavailable
 from kimi_supervisor.gpuwait import wait_until_free
 from kimi_supervisor.health import HealthProber, HealthResult
 from kimi_supervisor.journal import ChildSink
+from kimi_supervisor.liveness import DeepLiveness
 from kimi_supervisor.notify import Notifier
 from kimi_supervisor.output import ChildOutput
 from kimi_supervisor.preflight import Preflight
@@ -44,6 +45,10 @@ from kimi_supervisor.state import State, StateMachine
 
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC at most this often while output flows
 EXTEND_MARGIN_S = 15.0
+# Once vLLM says it started, /health answers within moments: probe it this often (for at most
+# READY_BURST_S) so READY=1 follows the first 200 by tens of ms, not a whole poll interval.
+READY_PROBE_S = 0.02
+READY_BURST_S = 10.0
 
 
 @dataclasses.dataclass
@@ -68,6 +73,7 @@ class Supervisor:
         self.tracker = ReadinessTracker(cfg.readiness)
         self.child: ChildProcess | None = None
         self.prober: HealthProber | None = None
+        self.deep: DeepLiveness | None = None
         self.output = ChildOutput(deps.sink, self.tracker, deps.log, secrets)
         self._tree_stopped = False
         self._last_extend = 0.0
@@ -88,6 +94,8 @@ class Supervisor:
         finally:
             if self.prober is not None:
                 self.prober.stop()
+            if self.deep is not None:
+                self.deep.close()
             self.signals.uninstall()
 
     def _run(self) -> ExitCode:
@@ -197,6 +205,9 @@ class Supervisor:
         hcfg = self.cfg.health
         self.prober.set_interval(hcfg.interval_s)
         self.child.refresh_members()
+        gpus = self._configured_gpus()
+        self.deep = DeepLiveness(self.cfg, self.deps.probe, gpus, self.signals.wake, self.deps.notifier, self.log)
+        self.deep.start()
         wd = self.deps.watchdog_s
         if wd and hcfg.interval_s + hcfg.timeout_s >= wd:
             # A passing probe must land within every watchdog period, or systemd kills a healthy server.
@@ -209,7 +220,7 @@ class Supervisor:
         while True:
             timeout = min(1.0, wd / 4) if wd else 1.0
             now = time.monotonic()
-            if wd and failures == 0 and now - last_ok <= wd:
+            if wd and failures == 0 and self.deep.healthy and now - last_ok <= wd:
                 # Wake when the next ping is due, not at the next output or probe: a ping was 0.2-0.3 s late.
                 timeout = min(timeout, max(0.0, last_ping + wd / 2 - now))
             self._pump(timeout)
@@ -245,15 +256,19 @@ class Supervisor:
                     raise ChildUnhealthy(
                         f"/health failed {failures} times in a row ({result.error})", detail=self._tail()
                     )
+            self.deep.check()  # canary, token progress, GPU events: raises EngineWedged / GpuFailed
             now = time.monotonic()
-            # Pet the watchdog only while the latest probe passed within its period.
-            if wd and failures == 0 and now - last_ok <= wd and now - last_ping >= wd / 2:
+            # Pet the watchdog only while the latest probe passed within its period and no canary is failing.
+            healthy = failures == 0 and self.deep.healthy
+            if wd and healthy and now - last_ok <= wd and now - last_ping >= wd / 2:
                 self.deps.notifier.send(WATCHDOG=1)
                 last_ping = now
 
     def _stop(self, reason: str) -> None:
         """TERM the tree, keep reading its output, KILL what outlives the grace, confirm GPUs are free."""
         scfg = self.cfg.shutdown
+        if self.deep is not None:
+            self.deep.stop()  # no canary or GPU verdict about a tree being stopped
         if self.state.state is not State.STOPPING:
             self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
         if self.child is None:
@@ -352,6 +367,8 @@ class Supervisor:
                 self._status(now)
 
     def _on_line(self, now: float, event: LineEvent) -> None:
+        if event.started and self.prober is not None and self.state.state is State.STARTING:
+            self.prober.burst(READY_PROBE_S, READY_BURST_S)
         if event.phase_changed and self.state.state is State.STARTING:
             self._last_status = 0.0  # a new phase shows at once
 

@@ -252,3 +252,21 @@ def test_watchdog_pings_come_on_time_not_at_the_next_wake_up(tmp_path: Path) -> 
         assert run.wait() == 0
     finally:
         run.kill()
+
+
+def test_trickling_health_fails_the_probe_at_its_deadline(tmp_path: Path) -> None:
+    """/health answering one byte every 0.5 s counts as a failure after timeout_s (it used to hang forever)."""
+    cfg = fake_config(
+        tmp_path, ["--trickle-health-after", "0.5"], health={"interval_s": 0.3, "timeout_s": 1, "failures_tolerated": 2}
+    )
+    run = Run(cfg, tmp_path)
+    try:
+        run.wait_event("state.ready")
+        start = time.monotonic()
+        assert run.wait(timeout=20) == 14
+        assert time.monotonic() - start < 6
+        failed = [e for e in run.events if e["event"] == "health.failed"]
+        assert [e["error"] for e in failed] == ["no answer within 1s", "no answer within 1s"]
+        assert fake_tree_of(str(tmp_path)) == []
+    finally:
+        run.kill()
