@@ -84,3 +84,11 @@ class ChildDied(SupervisorError):
 
 class ChildUnhealthy(SupervisorError):
     exit_code = ExitCode.CHILD_UNHEALTHY
+
+
+class AnotherInstance(SupervisorError):
+    exit_code = ExitCode.ANOTHER_INSTANCE
+
+
+class RuntimeDirectoryError(SupervisorError):
+    exit_code = ExitCode.NO_PERMISSION
