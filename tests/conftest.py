@@ -79,8 +79,10 @@ class ProcSpawner:
         self.procs.append(p)
         return p
 
-    def module(self, module: str, args: list[str] | None = None, uid: int | None = None) -> subprocess.Popen[bytes]:
-        """A real `python -m <module> args...` (e.g. vllm.entrypoints.openai.api_server) that sleeps."""
+    def module(
+        self, module: str, args: list[str] | None = None, uid: int | None = None, code: str = ""
+    ) -> subprocess.Popen[bytes]:
+        """A real `python -m <module> args...` (e.g. vllm.entrypoints.openai.api_server): runs `code`, then sleeps."""
         root = tempfile.mkdtemp(prefix="kimi-mod-")
         self.dirs.append(root)
         os.chmod(root, 0o755)
@@ -90,7 +92,7 @@ class ProcSpawner:
             os.makedirs(package, mode=0o755, exist_ok=True)
             open(os.path.join(package, "__init__.py"), "w").close()
         with open(os.path.join(root, *parts) + ".py", "w") as fh:
-            fh.write("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+            fh.write(code + "\nimport time\nprint('up', flush=True)\ntime.sleep(600)\n")
         env = {**os.environ, "PYTHONPATH": root}
         p = self.start([interpreter(uid), "-m", module, *(args or [])], uid=uid, cwd=root, env=env)
         assert p.stdout is not None and p.stdout.readline() == b"up\n"
