@@ -8,6 +8,7 @@ driver), so reaping real test processes really "returns" memory.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import psutil
 import pynvml
@@ -37,8 +38,11 @@ def _alive(pid: int) -> bool:
 
 
 class FakeGpuProbe:
-    def __init__(self, gpus: list[FakeGpu], init_error: int | None = None) -> None:
+    def __init__(
+        self, gpus: list[FakeGpu], init_error: int | None = None, alive: Callable[[int], bool] | None = None
+    ) -> None:
         self.gpus = gpus
+        self._alive = alive or _alive  # a fake process table's liveness, for scenes without real processes
         self.init_error = init_error  # an NVML return code, e.g. pynvml.NVML_ERROR_DRIVER_NOT_LOADED
         self.calls = 0
         self.closed = False
@@ -60,12 +64,14 @@ class FakeGpuProbe:
         self._check()
         gpu = self.gpus[index]
         used = gpu.base_used_mib + gpu.hidden_used_mib
-        used += sum(mib or 0 for pid, mib in gpu.holders.items() if _alive(pid))
+        used += sum(mib or 0 for pid, mib in gpu.holders.items() if self._alive(pid))
         return GpuMemory(index, gpu.total_mib, used, gpu.total_mib - used)
 
     def processes(self, index: int) -> list[GpuProcess]:
         self._check()
-        return [GpuProcess(pid, index, mib) for pid, mib in sorted(self.gpus[index].holders.items()) if _alive(pid)]
+        return [
+            GpuProcess(pid, index, mib) for pid, mib in sorted(self.gpus[index].holders.items()) if self._alive(pid)
+        ]
 
     def close(self) -> None:
         self.closed = True
