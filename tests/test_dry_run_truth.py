@@ -102,7 +102,9 @@ def build(scene: Scene) -> tuple[SceneTable, FakeGpuProbe]:
     procs = [
         ProcInfo(SELF, 1, "kimi-supervisor", ("/usr/bin/python3", "/usr/local/bin/kimi-supervisor"), 0, SELF, 1.0),
         ProcInfo(SUPERVISOR, 1, "kimi-supervisor", ("kimi-supervisor", "--config", "/etc/b.toml"), 0, SUPERVISOR, 1.0),
-        ProcInfo(WRAPPER, 1, "runuser", ("runuser", "-u", "vllm", "--", "/venv/bin/vllm", "serve", "/m"), 0, WRAPPER, 1.0),
+        ProcInfo(
+            WRAPPER, 1, "runuser", ("runuser", "-u", "vllm", "--", "/venv/bin/vllm", "serve", "/m"), 0, WRAPPER, 1.0
+        ),
     ]
     sid = {SELF: SELF, SUPERVISOR: SUPERVISOR, WRAPPER: WRAPPER, 1: 0}
     stubborn = set()
