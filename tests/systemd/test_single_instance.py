@@ -1,31 +1,29 @@
 """Issue 11 under a real systemd: a second kimi-supervisor from a shell leaves the serving unit alone.
 
-The unit runs this checkout (a wrapper script execs `python -m kimi_supervisor` with this worktree on
-PYTHONPATH), so the test proves the code under review, not whatever `kimi-supervisor` is installed.
+The unit and the shell both run this checkout (tests/systemd/checkout.py's launcher).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from checkout import LAUNCHER
 from nspawn import NspawnMachine
-from test_kimi_unit import CONFIG, DROPIN, DROPIN_TEXT, REPO, UNIT, cgroup_pids, config, deploy, prop
+from test_kimi_unit import CONFIG, DROPIN, DROPIN_TEXT, UNIT, cgroup_pids, config, deploy, executable, prop
 
 from kimi_supervisor import unit
 
-WRAPPER = "/usr/local/bin/kimi-supervisor-worktree"
+WRAPPER = LAUNCHER  # this checkout's `python -m kimi_supervisor`, for the unit and for the shell
 
 
 @pytest.fixture(scope="module")
 def m(machine: NspawnMachine) -> Iterator[NspawnMachine]:
-    machine.write_file(
-        WRAPPER, f'#!/bin/sh\nexec env PYTHONPATH={REPO} {sys.executable} -m kimi_supervisor "$@"\n', 0o755
-    )
-    machine.install_unit(UNIT, unit.render(WRAPPER, CONFIG), reload=False)
+    assert executable(machine) == WRAPPER  # installs the launcher and the unit's bind drop-in
+    machine.install_unit(UNIT, unit.render(WRAPPER, Path(CONFIG)), reload=False)
     machine.write_file(DROPIN, DROPIN_TEXT)
     machine.daemon_reload()
     yield machine
