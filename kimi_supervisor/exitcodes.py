@@ -92,3 +92,11 @@ class AnotherInstance(SupervisorError):
 
 class RuntimeDirectoryError(SupervisorError):
     exit_code = ExitCode.NO_PERMISSION
+
+
+class EngineWedged(SupervisorError):
+    exit_code = ExitCode.ENGINE_WEDGED
+
+
+class GpuFailed(SupervisorError):
+    exit_code = ExitCode.GPU_FAILED
