@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 import psutil
-import pynvml
 
-from kimi_supervisor.gpu import GpuMemory, GpuProcess, GpuUnavailable
+from kimi_supervisor.gpu import GpuMemory, GpuProcess
 
 
 @dataclasses.dataclass
@@ -37,20 +36,12 @@ def _alive(pid: int) -> bool:
 
 
 class FakeGpuProbe:
-    def __init__(self, gpus: list[FakeGpu], init_error: int | None = None) -> None:
+    def __init__(self, gpus: list[FakeGpu]) -> None:
         self.gpus = gpus
-        self.init_error = init_error  # an NVML return code, e.g. pynvml.NVML_ERROR_DRIVER_NOT_LOADED
         self.calls = 0
-        self.closed = False
 
     def _check(self) -> None:
         self.calls += 1
-        if self.init_error is not None:
-            try:
-                # pynvml.NVMLError(code) returns the matching subclass, as the real library raises.
-                raise pynvml.NVMLError(self.init_error)
-            except pynvml.NVMLError as exc:
-                raise GpuUnavailable(f"NVML unavailable: {exc} (is the NVIDIA driver loaded?)") from None
 
     def device_count(self) -> int:
         self._check()
@@ -68,4 +59,4 @@ class FakeGpuProbe:
         return [GpuProcess(pid, index, mib) for pid, mib in sorted(self.gpus[index].holders.items()) if _alive(pid)]
 
     def close(self) -> None:
-        self.closed = True
+        pass
