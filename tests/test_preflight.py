@@ -21,12 +21,7 @@ from kimi_supervisor.proctable import PsutilProcessTable
 from tests.conftest import ProcSpawner
 from tests.fakes.clock import FakeClock, RecordingLog
 from tests.fakes.gpu import INVISIBLE_PID, FakeGpu, FakeGpuProbe
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.procutil import free_port
 
 
 def make_cfg(tmp_path: Path, *, tp: int = 2, util: str = "0.9", model: Path | None = None, **preflight: Any) -> Config:
