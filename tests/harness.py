@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,15 +19,10 @@ from typing import Any
 import psutil
 
 from tests.fakes.notify_socket import NotifySocket
+from tests.procutil import free_port as free_port  # re-exported: tests and benches import it from here
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = REPO / "tests" / "fakes" / "fake_vllm.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def toml_value(value: object) -> str:
@@ -84,6 +78,8 @@ def fake_config(tmp_path: Path, fake_args: list[str] | None = None, tp: int = 2,
         "readiness": {"stall_timeout_s": 20, "deadline_s": 60, "poll_interval_s": 0.1},
         "health": {"interval_s": 0.3, "timeout_s": 1, "failures_tolerated": 3},
         "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
+        # The instance locks live here, not in the host's /run/kimi-supervisor.
+        "paths": {"runtime_directory": str(tmp_path / "run")},
     }
     for key, value in sections.items():
         cfg.setdefault(key.replace("__", "."), {}).update(value)
@@ -100,11 +96,13 @@ class Run:
         env: dict[str, str] | None = None,
         args: list[str] | None = None,
         read_stdout: bool = True,
+        entry: list[str] | None = None,
     ) -> None:
         self.notify = NotifySocket(tmp_path)
         full_env = {**os.environ, "NOTIFY_SOCKET": self.notify.path, "PYTHONPATH": str(REPO), **(env or {})}
+        command = [*(entry or ["-m", "kimi_supervisor"]), "--config", str(config), "--log-format", "json"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kimi_supervisor", "--config", str(config), "--log-format", "json", *(args or [])],
+            [sys.executable, *command, *(args or [])],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=full_env,

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import psutil
-import pynvml
 
 from kimi_supervisor.gpu import GpuEvent, GpuHealth, GpuMemory, GpuProcess, GpuUnavailable
 
@@ -56,11 +55,10 @@ def _alive(pid: int) -> bool:
 
 
 class FakeGpuProbe:
-    def __init__(self, gpus: list[FakeGpu], init_error: int | None = None) -> None:
+    def __init__(self, gpus: list[FakeGpu], alive: Callable[[int], bool] | None = None) -> None:
         self.gpus = gpus
-        self.init_error = init_error  # an NVML return code, e.g. pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+        self._alive = alive or _alive  # a fake process table's liveness, for scenes without real processes
         self.calls = 0
-        self.closed = False
         self.events: queue.SimpleQueue[GpuEvent] = queue.SimpleQueue()
         self.event_kinds: tuple[str, ...] = ("xid", "double_bit_ecc")  # what "the driver" accepts
         self.event_error: str | None = None  # watch_events raises GpuUnavailable with this
@@ -72,12 +70,6 @@ class FakeGpuProbe:
 
     def _check(self) -> None:
         self.calls += 1
-        if self.init_error is not None:
-            try:
-                # pynvml.NVMLError(code) returns the matching subclass, as the real library raises.
-                raise pynvml.NVMLError(self.init_error)
-            except pynvml.NVMLError as exc:
-                raise GpuUnavailable(f"NVML unavailable: {exc} (is the NVIDIA driver loaded?)") from None
 
     def device_count(self) -> int:
         self._check()
@@ -87,12 +79,14 @@ class FakeGpuProbe:
         self._check()
         gpu = self.gpus[index]
         used = gpu.base_used_mib + gpu.hidden_used_mib
-        used += sum(mib or 0 for pid, mib in gpu.holders.items() if _alive(pid))
+        used += sum(mib or 0 for pid, mib in gpu.holders.items() if self._alive(pid))
         return GpuMemory(index, gpu.total_mib, used, gpu.total_mib - used)
 
     def processes(self, index: int) -> list[GpuProcess]:
         self._check()
-        return [GpuProcess(pid, index, mib) for pid, mib in sorted(self.gpus[index].holders.items()) if _alive(pid)]
+        return [
+            GpuProcess(pid, index, mib) for pid, mib in sorted(self.gpus[index].holders.items()) if self._alive(pid)
+        ]
 
     def health(self, index: int) -> GpuHealth:
         self._check()
@@ -107,7 +101,7 @@ class FakeGpuProbe:
         return watch
 
     def close(self) -> None:
-        self.closed = True
+        pass
 
 
 class FakeEventWatch:
