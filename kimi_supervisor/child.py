@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import dataclasses
 import fcntl
 import os
 import signal
@@ -21,8 +20,11 @@ from collections.abc import Mapping
 
 import psutil
 
+from kimi_supervisor.config import SpawnSpec
 from kimi_supervisor.exitcodes import SpawnError
 from kimi_supervisor.procident import CREATE_TIME_TOLERANCE_S, ProcIdent, exited, group_signal, send_signal
+
+__all__ = ["ChildProcess", "LineSplitter", "SpawnSpec", "become_subreaper", "child_environment"]
 
 PR_SET_CHILD_SUBREAPER = 36
 F_SETPIPE_SZ = 1031
@@ -46,15 +48,6 @@ def become_subreaper() -> bool:
         return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
     except OSError:
         return False
-
-
-@dataclasses.dataclass(frozen=True)
-class SpawnSpec:
-    argv: tuple[str, ...]
-    env: Mapping[str, str]
-    inherit_environment: bool
-    working_directory: str | None
-    user: str | None
 
 
 def child_environment(spec: SpawnSpec, parent: Mapping[str, str]) -> dict[str, str]:

@@ -67,12 +67,18 @@ DEFAULT_FATAL_PATTERNS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class ChildConfig:
+class SpawnSpec:
+    """What spawning the child needs (child.ChildProcess.spawn); ChildConfig adds what only vLLM has."""
+
     argv: tuple[str, ...]
     env: Mapping[str, str]
     inherit_environment: bool
     working_directory: str | None
     user: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildConfig(SpawnSpec):
     vllm: VllmArgs
 
 

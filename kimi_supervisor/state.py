@@ -12,6 +12,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
+from kimi_supervisor.boundaries import Logger
 from kimi_supervisor.notify import Notifier
 
 
@@ -39,7 +40,7 @@ class InvalidTransition(RuntimeError):
 
 
 class StateMachine:
-    def __init__(self, notifier: Notifier, log: Any) -> None:
+    def __init__(self, notifier: Notifier, log: Logger) -> None:
         self.state = State.PREFLIGHT
         self._notifier = notifier
         self._log = log

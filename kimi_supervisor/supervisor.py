@@ -14,14 +14,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import selectors
 import signal
-import time
 from collections.abc import Mapping
 from typing import Any
 
-from kimi_supervisor.child import ChildProcess, SpawnSpec
+from kimi_supervisor.boundaries import (
+    Child,
+    Liveness,
+    LivenessFactory,
+    Logger,
+    Prober,
+    ProberFactory,
+    SelectorFactory,
+    Signals,
+    Spawner,
+)
+from kimi_supervisor.child import ChildProcess
 from kimi_supervisor.clock import Clock, SystemClock, format_duration
-from kimi_supervisor.config import Config
+from kimi_supervisor.config import Config, SpawnSpec
 from kimi_supervisor.exitcodes import (
     ChildDied,
     ChildUnhealthy,
@@ -51,15 +62,28 @@ READY_PROBE_S = 0.02
 READY_BURST_S = 10.0
 
 
+def spawn_owned(spec: SpawnSpec, parent_env: Mapping[str, str]) -> Child:
+    """The real spawn: in the supervisor process every child of ours belongs to the tree."""
+    return ChildProcess.spawn(spec, parent_env, owns_all_children=True)
+
+
 @dataclasses.dataclass
 class Deps:
+    """Everything the lifecycle talks to; the defaults are the real ones (boundaries.py has the Protocols)."""
+
     probe: GpuProbe
     table: ProcessTable
     notifier: Notifier
-    log: Any
+    log: Logger
     sink: ChildSink
     watchdog_s: float | None = None
     environ: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(os.environ))
+    signals: Signals = dataclasses.field(default_factory=SignalRecorder)
+    clock: Clock | None = None  # None: an InterruptibleClock over `signals`
+    spawn: Spawner = spawn_owned
+    prober: ProberFactory = HealthProber
+    liveness: LivenessFactory = DeepLiveness
+    selector: SelectorFactory = selectors.DefaultSelector
 
 
 class Supervisor:
@@ -67,14 +91,16 @@ class Supervisor:
         self.cfg = cfg
         self.deps = deps
         self.log = deps.log
-        self.signals = SignalRecorder()
-        self.clock: Clock = InterruptibleClock(self.signals)
+        self.signals = deps.signals
+        self.clock: Clock = deps.clock if deps.clock is not None else InterruptibleClock(deps.signals)
         self.state = StateMachine(deps.notifier, deps.log)
         self.tracker = ReadinessTracker(cfg.readiness)
-        self.child: ChildProcess | None = None
-        self.prober: HealthProber | None = None
-        self.deep: DeepLiveness | None = None
-        self.output = ChildOutput(deps.sink, self.tracker, deps.log, secrets)
+        self.child: Child | None = None
+        self.prober: Prober | None = None
+        self.deep: Liveness | None = None
+        self.output = ChildOutput(
+            deps.sink, self.tracker, deps.log, secrets, clock=self.clock, selector=deps.selector()
+        )
         self._tree_stopped = False
         self._last_extend = 0.0
         self._last_status = 0.0
@@ -125,18 +151,16 @@ class Supervisor:
         self.log.info("preflight.passed", checks=len(report.checks))
 
     def _spawn(self) -> None:
-        child = self.cfg.child
-        spec = SpawnSpec(child.argv, child.env, child.inherit_environment, child.working_directory, child.user)
         if self._stop_signalled():
             raise StopRequested
-        self.child = ChildProcess.spawn(spec, self.deps.environ, owns_all_children=True)
-        self._started_at = time.monotonic()
+        self.child = self.deps.spawn(self.cfg.child, self.deps.environ)
+        self._started_at = self._now()
         self.output.attach(self.child)
         self.output.on_output = self._on_output
         self.output.on_line = self._on_line
         self.state.to(State.STARTING, "starting: vLLM spawned", pid=self.child.pid)
-        self._extend_timeout(time.monotonic())
-        self.prober = HealthProber(
+        self._extend_timeout(self._now())
+        self.prober = self.deps.prober(
             self.cfg.readiness.health_url,
             self.cfg.health.timeout_s,
             self.cfg.readiness.poll_interval_s,
@@ -154,9 +178,8 @@ class Supervisor:
             self._pump(0.25)
             if self._stop_signalled():
                 return False
-            now = time.monotonic()
-            if self.tracker.fatal_line is not None:
-                raise StartupFailed(f"vLLM failed while starting: {self._root_cause()}", detail=self._tail())
+            now = self._now()
+            self._check_child(serving=False)
             for result in self.prober.drain():
                 healthy = result if result.ok else None
                 if result.error != last_error and result.error is not None:
@@ -166,12 +189,6 @@ class Supervisor:
             if self.tracker.server_started and healthy is not None:
                 self._ready(now)
                 return True
-            if self.child.poll() is not None:
-                self._pump(0)
-                raise StartupFailed(
-                    f"vLLM exited with status {self.child.returncode} before it was ready: {self._root_cause()}",
-                    detail=self._tail(),
-                )
             if now - self.output.last_output > rcfg.stall_timeout_s:
                 raise StartupStalled(
                     f"vLLM printed nothing for {rcfg.stall_timeout_s:g}s "
@@ -186,6 +203,21 @@ class Supervisor:
                 )
             if now - self._last_status >= 5.0:
                 self._status(now)
+
+    def _check_child(self, serving: bool) -> None:
+        """Raise when vLLM logged a fatal line or exited: the same two checks while starting and serving."""
+        assert self.child is not None
+        error = ChildDied if serving else StartupFailed
+        if self.tracker.fatal_line is not None:
+            # After READY too: vLLM's own main lingers for seconds after its engine died, answering 503.
+            what = "reported a fatal error after it was ready" if serving else "failed while starting"
+            raise error(f"vLLM {what}: {self._root_cause()}", detail=self._tail())
+        if self.child.poll() is not None:
+            self._pump(0)
+            when = "after it was ready (not requested)" if serving else "before it was ready"
+            raise error(
+                f"vLLM exited with status {self.child.returncode} {when}: {self._root_cause()}", detail=self._tail()
+            )
 
     def _ready(self, now: float) -> None:
         self.tracker.serving = True  # from now on only fatal lines matter
@@ -206,7 +238,7 @@ class Supervisor:
         self.prober.set_interval(hcfg.interval_s)
         self.child.refresh_members()
         gpus = self._configured_gpus()
-        self.deep = DeepLiveness(self.cfg, self.deps.probe, gpus, self.signals.wake, self.deps.notifier, self.log)
+        self.deep = self.deps.liveness(self.cfg, self.deps.probe, gpus, self.signals.wake, self.deps.notifier, self.log)
         self.deep.start()
         wd = self.deps.watchdog_s
         if wd and hcfg.interval_s + hcfg.timeout_s >= wd:
@@ -215,29 +247,18 @@ class Supervisor:
                 "watchdog.too_short", watchdog_s=wd, health_interval_s=hcfg.interval_s, health_timeout_s=hcfg.timeout_s
             )
         failures = 0
-        last_ok = time.monotonic()  # the probe that made us ready
+        last_ok = self._now()  # the probe that made us ready
         last_ping = 0.0
         while True:
             timeout = min(1.0, wd / 4) if wd else 1.0
-            now = time.monotonic()
+            now = self._now()
             if wd and failures == 0 and self.deep.healthy and now - last_ok <= wd:
                 # Wake when the next ping is due, not at the next output or probe: a ping was 0.2-0.3 s late.
                 timeout = min(timeout, max(0.0, last_ping + wd / 2 - now))
             self._pump(timeout)
             if self._stop_signalled():
                 return
-            if self.tracker.fatal_line is not None:
-                # vLLM's own main lingers for seconds after its engine died, answering 503: don't wait.
-                raise ChildDied(
-                    f"vLLM reported a fatal error after it was ready: {self._root_cause()}", detail=self._tail()
-                )
-            if self.child.poll() is not None:
-                self._pump(0)
-                raise ChildDied(
-                    f"vLLM exited with status {self.child.returncode} after it was ready "
-                    f"(not requested): {self._root_cause()}",
-                    detail=self._tail(),
-                )
+            self._check_child(serving=True)
             for result in self.prober.drain():
                 if result.ok:
                     if failures:
@@ -257,7 +278,7 @@ class Supervisor:
                         f"/health failed {failures} times in a row ({result.error})", detail=self._tail()
                     )
             self.deep.check()  # canary, token progress, GPU events: raises EngineWedged / GpuFailed
-            now = time.monotonic()
+            now = self._now()
             # Pet the watchdog only while the latest probe passed within its period and no canary is failing.
             healthy = failures == 0 and self.deep.healthy
             if wd and healthy and now - last_ok <= wd and now - last_ping >= wd / 2:
@@ -280,7 +301,7 @@ class Supervisor:
 
     def _stop_tree(self, grace_s: float, second_grace_s: float) -> None:
         assert self.child is not None
-        start = time.monotonic()
+        start = self._now()
         deadline = start + grace_s
         signalled = self.child.signal_tree(signal.SIGTERM)
         self.log.info("stop.sigterm", pid=self.child.pid, processes=signalled, grace_s=grace_s)
@@ -288,16 +309,16 @@ class Supervisor:
         while alive:
             self._pump(0.05)
             if self._stop_signalled():
-                deadline = min(deadline, time.monotonic() + second_grace_s)
-                self.log.warning("stop.hurry", grace_left_s=round(max(0.0, deadline - time.monotonic()), 2))
+                deadline = min(deadline, self._now() + second_grace_s)
+                self.log.warning("stop.hurry", grace_left_s=round(max(0.0, deadline - self._now()), 2))
             alive = self.child.alive_members()
-            if alive and time.monotonic() >= deadline:
+            if alive and self._now() >= deadline:
                 self.log.warning(
-                    "stop.sigkill", after_s=round(time.monotonic() - start, 2), pids=",".join(str(p.pid) for p in alive)
+                    "stop.sigkill", after_s=round(self._now() - start, 2), pids=",".join(str(p.pid) for p in alive)
                 )
                 self.child.signal_tree(signal.SIGKILL)
-                kill_deadline = time.monotonic() + 5.0
-                while alive and time.monotonic() < kill_deadline:
+                kill_deadline = self._now() + 5.0
+                while alive and self._now() < kill_deadline:
                     self._pump(0.02)
                     alive = self.child.alive_members()
                 break
@@ -309,7 +330,7 @@ class Supervisor:
             self.log.error("stop.survivors", pids=",".join(str(p.pid) for p in alive))
         self.log.info(
             "stop.tree_gone" if not alive else "stop.tree_left",
-            seconds=round(time.monotonic() - start, 3),
+            seconds=round(self._now() - start, 3),
             exit_status=self.child.poll(),
         )
 
@@ -333,7 +354,7 @@ class Supervisor:
 
     def _confirm_gpus_free(self, gpus: tuple[int, ...], timeout_s: float) -> None:
         pf = self.cfg.preflight
-        start = time.monotonic()
+        start = self._now()
 
         def busy_note(busy: list[Any], elapsed: float) -> None:
             self.log.info("stop.gpu_wait", gpus=",".join(str(m.index) for m in busy), waited_s=round(elapsed, 1))
@@ -346,7 +367,7 @@ class Supervisor:
         except GpuUnavailable as exc:
             self.log.warning("stop.gpu_unknown", error=str(exc))
             return
-        took = round(time.monotonic() - start, 3)
+        took = round(self._now() - start, 3)
         if busy:
             self.log.warning(
                 "stop.gpu_still_busy", seconds=took, gpus=", ".join(f"GPU {m.index}: {m.used_mib} MiB" for m in busy)
@@ -383,6 +404,9 @@ class Supervisor:
         rcfg = self.cfg.readiness
         left = max(0.0, rcfg.deadline_s - (now - self._started_at))
         self.deps.notifier.send(EXTEND_TIMEOUT_USEC=_usec(min(rcfg.stall_timeout_s, left) + EXTEND_MARGIN_S))
+
+    def _now(self) -> float:
+        return self.clock.monotonic()
 
     def _stop_signalled(self) -> bool:
         fresh = self.signals.new_signals()
