@@ -235,3 +235,13 @@ def test_a_child_that_obeys_sigterm_is_not_killed(tmp_path: Path) -> None:
     assert w.run() == 0
     assert w.child is not None and [s for _, s in w.child.signals] == [signal.SIGTERM]
     assert w.events("stop.sigkill") == []
+
+
+def test_watchdog_pings_on_time_not_at_the_next_wake_up(tmp_path: Path) -> None:
+    """The loop wakes for a due ping itself: probes every 0.45 s would make each one up to 0.45 s late."""
+    w = serving_world(tmp_path, watchdog_s=2.0, health={"interval_s": 0.45, "timeout_s": 0.4})
+    w.signal_at(12.0)
+    assert w.run() == 0
+    pings = w.notes.times("WATCHDOG", 1)
+    gaps = [b - a for a, b in itertools.pairwise(pings)]
+    assert len(gaps) >= 9 and all(abs(g - 1.0) < 1e-6 for g in gaps), gaps
