@@ -29,6 +29,7 @@ class Status(str, enum.Enum):
     DONE = "done"  # a real run did what the dry run would have said
     KEEP = "keep"
     SKIP = "skip"
+    WARN = "warning"  # a start would proceed, but something will go wrong later (e.g. a stop cut short)
     FAIL = "failed"
 
 

@@ -15,6 +15,7 @@ _MARK = {
     Status.KILL: "would kill",
     Status.REMOVE: "would remove",
     Status.WAIT: "would wait",
+    Status.WARN: "WARNING",
     Status.FAIL: "FAILED",
 }
 

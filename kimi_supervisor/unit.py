@@ -19,6 +19,9 @@ from kimi_supervisor.exitcodes import ExitCode, SupervisorError
 UNIT_NAME = "kimi-supervisor.service"
 DEFAULT_EXEC = "/usr/local/bin/kimi-supervisor"
 DEFAULT_UNIT_DIR = Path("/etc/systemd/system")
+# What `install-unit` derives from etc/kimi-supervisor.toml (timeouts.unit_timeout_stop_s; a test keeps them
+# equal): grace 315 (vLLM drains 300 s + 15 s worker shutdown) + SIGKILL wait 5 + GPU release 30 + exit 10.
+DEFAULT_STOP_S = 360
 
 TEMPLATE = """\
 # kimi-supervisor: vLLM serving Kimi-K2.5-NVFP4 (TP=8) as a Type=notify service.
@@ -40,8 +43,10 @@ NotifyAccess=main
 ExecStart={exec_path} --config {config_path}
 # First window only: the supervisor extends it (EXTEND_TIMEOUT_USEC) while vLLM makes progress.
 TimeoutStartSec=180
-# shutdown.grace_s (30) + vLLM worker shutdown (~8 s) + SIGKILL wait (5) + GPU release check (30) + margin.
-TimeoutStopSec=90
+# Derived from the config by install-unit: shutdown.grace_s (covers vLLM's --shutdown-timeout drain and
+# its worker shutdown) + SIGKILL wait (5) + shutdown.gpu_release_timeout_s + 10 s for the supervisor's exit.
+# Shorter, and systemd SIGKILLs the cgroup while vLLM still drains (check-config and --dry-run warn).
+TimeoutStopSec={stop_s}
 # Pinged only while GET /health passes; a hung server is killed and restarted.
 WatchdogSec=60
 # SIGTERM to the supervisor alone (it stops its tree in order), then SIGKILL to whatever is left.
@@ -102,11 +107,13 @@ WantedBy=multi-user.target
 """
 
 
-def render(exec_path: str = DEFAULT_EXEC, config_path: Path = DEFAULT_PATH) -> str:
+def render(exec_path: str = DEFAULT_EXEC, config_path: Path = DEFAULT_PATH, stop_s: int = DEFAULT_STOP_S) -> str:
     for name, value in (("executable", exec_path), ("config", str(config_path))):
         if any(c.isspace() for c in value) or "%" in value or "$" in value:
             raise SupervisorError(f"{name} path {value!r} contains whitespace, % or $: use a plain path")
-    return TEMPLATE.format(exec_path=exec_path, config_path=config_path, config_exit=int(ExitCode.CONFIG))
+    return TEMPLATE.format(
+        exec_path=exec_path, config_path=config_path, config_exit=int(ExitCode.CONFIG), stop_s=int(stop_s)
+    )
 
 
 def installed_executable() -> str:
@@ -116,14 +123,16 @@ def installed_executable() -> str:
     return f"{sys.executable} -m kimi_supervisor"
 
 
-def install(config_path: Path, unit_dir: Path = DEFAULT_UNIT_DIR, reload: bool = True) -> Path:
+def install(
+    config_path: Path, unit_dir: Path = DEFAULT_UNIT_DIR, reload: bool = True, stop_s: int = DEFAULT_STOP_S
+) -> Path:
     """Write the unit and reload systemd; returns the unit's path."""
     exe = installed_executable()
     if " " in exe:
         raise SupervisorError(
             "the kimi-supervisor executable is not on PATH; install the package first (python3 -m pip install .)"
         )
-    text = render(exe, config_path)
+    text = render(exe, config_path, stop_s)
     target = unit_dir / UNIT_NAME
     try:
         unit_dir.mkdir(parents=True, exist_ok=True)

@@ -72,6 +72,7 @@ def test_clean_gpus_proceed(tmp_path: Path) -> None:
     assert report.proceed
     assert statuses(report) == [
         ("gpus", "ok"),
+        ("shutdown_timeouts", "ok"),
         ("gpu_wait", "ok"),
         ("shm", "ok"),
         ("port", "ok"),
