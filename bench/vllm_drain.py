@@ -8,6 +8,7 @@ Writes bench/results/vllm_drain_cpu.md (and .json) with every run's numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -71,7 +72,7 @@ def stream(url: str, max_tokens: int, out: dict[str, Any]) -> None:
                         out["finish_reason"] = ch["finish_reason"]
                 if "error" in obj:
                     out["error"] = str(obj["error"])[:200]
-    except Exception as exc:  # noqa: BLE001 - record what the client saw
+    except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"[:200]
     out["end"] = time.monotonic()
 
@@ -84,7 +85,9 @@ def one_run(port: int, timeout_s: int, target: str, max_tokens: int, sigterm_aft
     if timeout_s is not None:
         argv += ["--shutdown-timeout", str(timeout_s)]
     log = open(f"/tmp/vllm_drain_{port}_{timeout_s}_{target}_{int(time.time())}.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(argv, env={**os.environ, **ENV}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        argv, env={**os.environ, **ENV}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     base = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     while True:
@@ -111,10 +114,8 @@ def one_run(port: int, timeout_s: int, target: str, max_tokens: int, sigterm_aft
     else:
         os.killpg(proc.pid, signal.SIGTERM)
         for pid in members[1:]:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
     samples: list[tuple[float, float | None]] = []
     main_exit = None
     while True:
