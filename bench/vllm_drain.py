@@ -30,6 +30,7 @@ from kimi_supervisor.vllm_metrics import MetricsError, fetch_metrics  # noqa: E4
 VENV = Path(os.environ.get("KIMI_VLLM_VENV", "/opt/kimi-vllm-venv"))
 MODEL = Path(os.environ.get("KIMI_TINY_MODEL", "/var/lib/kimi-supervisor-tests/tiny-llama"))
 MAX_LEN = 16384
+HANG_S = 75.0  # longer than any --shutdown-timeout measured here plus its teardown
 ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -118,7 +119,15 @@ def one_run(port: int, timeout_s: int, target: str, max_tokens: int, sigterm_aft
                 os.kill(pid, signal.SIGTERM)
     samples: list[tuple[float, float | None]] = []
     main_exit = None
+    hung = False
     while True:
+        if time.monotonic() - t_term > HANG_S:
+            # vLLM did not exit on its own (seen: uvicorn "Waiting for connections to close" forever).
+            hung = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            main_exit = main_exit or time.monotonic() - t_term
+            break
         if main_exit is None and proc.poll() is not None:
             main_exit = time.monotonic() - t_term
         alive = [p for p in members if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
@@ -133,7 +142,7 @@ def one_run(port: int, timeout_s: int, target: str, max_tokens: int, sigterm_aft
                 _ = exc
         time.sleep(0.25)
     tree_gone = time.monotonic() - t_term
-    th.join(30)
+    th.join(5 if hung else 30)
     last_chunk = out["chunk_times"][-1] - t_term if out["chunk_times"] else None
     times = out["chunk_times"][:chunks_at_term]
     rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else None
@@ -153,6 +162,7 @@ def one_run(port: int, timeout_s: int, target: str, max_tokens: int, sigterm_aft
         "stream_end_s": round(stream_end, 2),
         "main_exit_s": round(main_exit, 2),
         "rc": proc.returncode,
+        "hung_sigkilled": hung,
         "tree_gone_s": round(tree_gone, 2),
         "margin_after_stream_s": round(tree_gone - max(0.0, stream_end), 2),
         "metrics_samples": samples[:6] + samples[-2:],
