@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import threading
 import time
@@ -10,7 +12,20 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kimi_supervisor.config import parse_config
+from kimi_supervisor.exitcodes import ExitCode
+from kimi_supervisor.journal import ConsoleChildSink
+from kimi_supervisor.proctable import PsutilProcessTable
+from kimi_supervisor.state import State
+from kimi_supervisor.supervisor import Deps, Supervisor
+from tests.fakes.clock import RecordingLog
+from tests.fakes.gpu import FakeGpu, FakeGpuProbe
 from tests.harness import REPO, Run, fake_tree_of, free_port, write_config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
 
 DRAIN_FAKE = REPO / "tests" / "fakes" / "drain_vllm.py"
 
@@ -100,3 +115,43 @@ def test_without_shutdown_timeout_the_stream_is_aborted_and_vllm_exits(tmp_path:
     assert len(record) == 1
     assert record[0]["in_flight_at_sigterm"] == 1.0 and record[0]["outcome"] == "aborted"
     assert fake_tree_of(str(tmp_path)) == []
+
+
+def test_last_status_says_tree_gone_gpus_free(tmp_path: Path) -> None:
+    """In process, with a GPU (the fake NVML probe): the stop ends on "stopping: tree gone, GPUs free"."""
+    path = drain_config(tmp_path, free_port(), shutdown_timeout=10, grace_s=25)
+    raw = tomllib.loads(path.read_text())
+    raw["preflight"]["gpus"] = [0]
+    raw["shutdown"]["gpu_release_timeout_s"] = 5
+    cfg = parse_config(raw, path)
+    sent: list[dict[str, str | int]] = []
+
+    class Recording:
+        def send(self, **fields: str | int) -> None:
+            sent.append(fields)
+
+    log = RecordingLog()
+    sup = Supervisor(
+        cfg,
+        Deps(
+            probe=FakeGpuProbe([FakeGpu()]),
+            table=PsutilProcessTable(),
+            notifier=Recording(),
+            log=log,
+            sink=ConsoleChildSink(open(os.devnull, "w")),  # noqa: SIM115
+        ),
+    )
+
+    def stop_when_ready() -> None:
+        deadline = time.monotonic() + 30
+        while sup.state.state is not State.READY and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_ready, daemon=True).start()
+    assert sup.run() == ExitCode.OK
+    statuses = [str(f["STATUS"]) for f in sent if "STATUS" in f]
+    assert statuses[-2:] == ["stopping: tree gone, GPUs free", "stopped"]
+    drains = [fields for _, event, fields in log.records if event == "stop.drain"]
+    assert len(drains) == 1 and drains[0]["in_flight_at_sigterm"] == 0.0 and drains[0]["outcome"] == "drained"
+    assert [e for _, e, _ in log.records if e == "stop.gpu_released"]
