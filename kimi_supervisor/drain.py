@@ -8,7 +8,7 @@ alone: a TP worker that gets SIGTERM raises SystemExit at once
 (vllm/v1/executor/multiproc_executor.py, worker_main), the engine then finds
 a dead worker and every stream is cut.  Without a drain (vLLM aborts the
 requests) the group-wide SIGTERM is worse: the API server then waited forever
-for the cut stream's connection ("Waiting for connections to close", 2 of 2
+for the cut stream's connection ("Waiting for connections to close", 4 of 4
 runs) until SIGKILL, where SIGTERM to the main alone exited in 0.5-1.1 s (3
 of 3; bench/results/vllm_drain_cpu.md).  So stopping a serving vLLM SIGTERMs
 its main process only, SIGTERMs whatever outlives it, and leaves SIGKILL at

