@@ -61,7 +61,8 @@ def check_outcome(out: dict[str, Any], drain: bool) -> None:
     if drain:
         # Every token arrived after the stop began: the drain held the supervisor's SIGKILL and systemd's.
         assert out["error"] is None and out["done"], out
-        assert out["finish_reason"] == "length" and out["chunks"] == MAX_TOKENS, out
+        # "length": all MAX_TOKENS were generated (vLLM may put two tokens in one chunk: count chunks loosely).
+        assert out["finish_reason"] == "length" and out["chunks"] > MAX_TOKENS * 0.9, out
     else:
         # vLLM without --shutdown-timeout aborts the request at SIGTERM (measured: finish_reason "abort").
         assert out["chunks"] < MAX_TOKENS, out
