@@ -20,12 +20,11 @@ from kimi_supervisor.config import load_config
 from tests.e2e.conftest import VENV
 from tests.e2e.test_vllm_cpu import VLLM_ENV
 from tests.harness import Run, fake_tree_of, free_port, write_config
+from tests.systemd import checkout
 from tests.systemd.nspawn import NspawnMachine, available
 
 UNIT = unit.UNIT_NAME
 CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
-# This worktree's supervisor inside the container, whatever `kimi-supervisor` the host's PATH holds.
-EXE = "/usr/local/bin/kimi-supervisor-under-test"
 
 CLIENT = Path(__file__).resolve().parent / "drain_client.py"
 MAX_LEN = 16384  # the tiny model knows 512 positions; generations lasting seconds need more
@@ -117,17 +116,17 @@ def test_systemctl_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, 
         pytest.fail(f"nspawn unavailable: {why} (run .ci/install-systemd-tier.sh)")
     if not ok:
         pytest.skip(why)
-    repo = str(Path(__file__).resolve().parents[2])
     port = 8000
     host_cfg = write_config(
         tmp_path / "kimi.toml",
         sections(vllm_argv(vllm_bin, tiny_model, port, drain), VLLM_ENV, GRACE_S if drain else 20),
     )
     stop_s = timeouts.unit_timeout_stop_s(load_config(host_cfg))  # what install-unit writes for this config
-    with NspawnMachine(binds_ro=[repo, str(VENV), str(tiny_model)]) as m:
+    extra = [str(VENV), str(tiny_model)]
+    with NspawnMachine(binds_ro=[*checkout.binds_ro(), *extra]) as m:
         m.write_file(CONFIG, host_cfg.read_text())
-        m.write_file(EXE, f'#!/bin/sh\nPYTHONPATH={repo} exec {sys.executable} -m kimi_supervisor "$@"\n', mode=0o755)
-        m.install_unit(UNIT, unit.render(EXE, Path(CONFIG), stop_s))
+        exe = checkout.install(m, UNIT, extra)  # this checkout's code, not whatever is on PATH
+        m.install_unit(UNIT, unit.render(exe, Path(CONFIG), stop_s))
         assert timeouts.parse_timespan(m.unit_property(UNIT, "TimeoutStopUSec")) == stop_s
         m.systemctl("start", UNIT, timeout=300)
         assert m.unit_property(UNIT, "ActiveState") == "active"
@@ -149,8 +148,8 @@ def test_systemctl_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, 
             assert draining and "stopping: draining 1 request in flight, 0s of 60s" in draining[0], draining
             assert not [e for e in events if e["KIMI_EVENT"] == "stop.sigkill"]
             # The installed unit read back through `systemctl show`: too short a TimeoutStopSec is named.
-            m.install_unit(UNIT, unit.render(EXE, Path(CONFIG), 30))
-            check = m.run([EXE, "check-config", "--config", CONFIG], check=False)
+            m.install_unit(UNIT, unit.render(exe, Path(CONFIG), 30))
+            check = m.run([exe, "check-config", "--config", CONFIG], check=False)
             assert check.returncode == 0, check.stderr
             assert f"warning: {UNIT} has TimeoutStopSec=30s, shorter than shutdown.grace_s 75s" in check.stderr
         else:
