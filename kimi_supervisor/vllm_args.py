@@ -22,6 +22,7 @@ _VALUE_OPTIONS = {
     "--tensor-parallel-size": "tp",
     "-tp": "tp",
     "--gpu-memory-utilization": "gpu_util",
+    "--served-model-name": "served_name",  # takes one or more names; the first is what clients use
     # vLLM >= 0.32: on SIGTERM, reject new requests and let in-flight ones finish for up to this many
     # seconds (0, the default, aborts them at once).
     "--shutdown-timeout": "shutdown_timeout",
@@ -35,15 +36,24 @@ class VllmArgs:
     port: int
     tensor_parallel_size: int
     gpu_memory_utilization: float
+    served_name: str | None = None
     shutdown_timeout: int = 0
 
     @property
+    def served_model_name(self) -> str | None:
+        """The name requests must give as "model": vLLM's first --served-model-name, else the model path."""
+        return self.served_name or self.model
+
+    @property
     def health_url(self) -> str:
+        return self.api_url("/health")
+
+    def api_url(self, path: str) -> str:
         # A wildcard bind answers on loopback; probe there, never elsewhere.
         host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
         if ":" in host:
             host = f"[{host}]"
-        return f"http://{host}:{self.port}/health"
+        return f"http://{host}:{self.port}{path}"
 
     @property
     def drains(self) -> bool:
@@ -107,4 +117,4 @@ def parse_vllm_args(argv: list[str] | tuple[str, ...]) -> VllmArgs:
         ) from None
     if drain < 0:
         raise ValueError(f"--shutdown-timeout expects >= 0 seconds, got {drain}")
-    return VllmArgs(model, found.get("host", DEFAULT_HOST), port, tp, util, drain)
+    return VllmArgs(model, found.get("host", DEFAULT_HOST), port, tp, util, found.get("served_name"), drain)

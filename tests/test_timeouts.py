@@ -123,7 +123,7 @@ def test_check_config_and_dry_run_warn_about_the_installed_unit(
     assert "warning: kimi-supervisor.service has TimeoutStopSec=90s, shorter than shutdown.grace_s 315s" in err
     assert cli.main(["--dry-run", "--config", str(path)]) == 0  # a warning does not block a start
     out = capsys.readouterr().out
-    assert "WARNING] unit_timeout_stop" in out and "verdict: a start would proceed" in out
+    assert "warn] unit_timeout_stop" in out and "verdict: a start would proceed" in out
 
 
 def test_install_unit_writes_timeout_stop_from_the_config(tmp_path: Path) -> None:
