@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import stat
 import sys
 import traceback
 from collections.abc import Sequence
@@ -84,29 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_config_permissions(path: Path) -> None:
-    """Running as root, refuse a config others could have written (like sshd's StrictModes)."""
-    if os.geteuid() != 0:
-        return
-    try:
-        st = path.stat()
-    except OSError:
-        return  # load_config reports it with the right words
-    if not stat.S_ISREG(st.st_mode):
-        return
-    if st.st_uid != 0:
-        raise ConfigError(
-            f"{path}: owned by uid {st.st_uid}, not root; refusing it while running as root (chown root {path})"
-        )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ConfigError(
-            f"{path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
-            f"refusing it while running as root (chmod go-w {path})"
-        )
-
-
 def _load(args: argparse.Namespace) -> Config:
-    check_config_permissions(args.config)
+    # Ownership, mode, file type and size are checked on the open file (configfile.py).
     return load_config(args.config)
 
 

@@ -9,6 +9,7 @@ refuse to restart on the ones a restart cannot fix (config errors: 78).
 from __future__ import annotations
 
 import enum
+import re
 
 
 class ExitCode(enum.IntEnum):
@@ -24,6 +25,7 @@ class ExitCode(enum.IntEnum):
     ANOTHER_INSTANCE = 16  # another kimi-supervisor owns these GPUs; nothing was changed
     ENGINE_WEDGED = 17  # /health answers but the engine makes no progress (canary or metrics)
     GPU_FAILED = 18  # NVML reported a critical XID / uncorrectable ECC event on one of our GPUs
+    UNAVAILABLE = 69  # EX_UNAVAILABLE: a service the command needs failed (install-unit: daemon-reload)
     NO_PERMISSION = 77  # EX_NOPERM: a file or directory the command needs cannot be written
     CONFIG = 78  # EX_CONFIG: the unit must not restart on this
 
@@ -40,6 +42,7 @@ DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.ANOTHER_INSTANCE: "another kimi-supervisor owns these GPUs (its PID is named); nothing was changed",
     ExitCode.ENGINE_WEDGED: "vLLM answers /health but its engine is wedged (canary or token progress failed)",
     ExitCode.GPU_FAILED: "a GPU of ours reported a critical XID or uncorrectable ECC error while serving",
+    ExitCode.UNAVAILABLE: "install-unit wrote the unit, but systemctl daemon-reload failed or is missing",
     ExitCode.NO_PERMISSION: "permission denied writing a file the command needs (e.g. install-unit without root)",
     ExitCode.INTERNAL: "internal error (a bug): the traceback is in the journal",
     ExitCode.CONFIG: "configuration error (systemd does not restart on it)",
@@ -58,8 +61,23 @@ class SupervisorError(Exception):
         self.detail: list[str] = list(detail or [])
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
 class ConfigError(SupervisorError):
     exit_code = ExitCode.CONFIG
+
+    def __init__(self, message: str, *, detail: list[str] | None = None) -> None:
+        # One line, always: a newline in a key, value or path (all attacker-chosen) must not fake a second one.
+        super().__init__(_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", message), detail=detail)
+
+
+class NoPermission(SupervisorError):
+    exit_code = ExitCode.NO_PERMISSION
+
+
+class ServiceUnavailable(SupervisorError):
+    exit_code = ExitCode.UNAVAILABLE
 
 
 class PreflightError(SupervisorError):
