@@ -21,8 +21,16 @@ from collections.abc import Mapping
 
 import psutil
 
+from kimi_supervisor.config import ChildConfig
 from kimi_supervisor.exitcodes import SpawnError
 from kimi_supervisor.proctable import exited
+from kimi_supervisor.spawnplan import (
+    Identity,
+    Unresolvable,
+    identity_environment,
+    resolve_executable,
+    resolve_identity,
+)
 
 PR_SET_CHILD_SUBREAPER = 36
 F_SETPIPE_SZ = 1031
@@ -55,16 +63,45 @@ class SpawnSpec:
     inherit_environment: bool
     working_directory: str | None
     user: str | None
+    group: str | None = None
 
 
-def child_environment(spec: SpawnSpec, parent: Mapping[str, str]) -> dict[str, str]:
+def spawn_spec(child: ChildConfig) -> SpawnSpec:
+    return SpawnSpec(child.argv, child.env, child.inherit_environment, child.working_directory, child.user, child.group)
+
+
+def child_environment(spec: SpawnSpec, parent: Mapping[str, str], identity: Identity | None = None) -> dict[str, str]:
     base = dict(parent) if spec.inherit_environment else {k: parent[k] for k in ("PATH", "LANG", "HOME") if k in parent}
+    base.update(identity_environment(identity))  # root's HOME=/root must not follow the child to its user
     base.update(spec.env)
     for key in PRIVATE_ENV:
         base.pop(key, None)
     # Python children block-buffer a pipe; their lines must arrive as written.
     base.setdefault("PYTHONUNBUFFERED", "1")
     return base
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedSpawn:
+    """Everything a spawn needs that depends on the host: resolved before the preflight acts."""
+
+    identity: Identity | None
+    executable: str
+    env: Mapping[str, str]
+
+
+def prepare_spawn(spec: SpawnSpec, parent_env: Mapping[str, str]) -> PreparedSpawn:
+    """Resolve user, groups, environment and the executable; raises Unresolvable naming the key."""
+    identity = resolve_identity(spec.user, spec.group)
+    env = child_environment(spec, parent_env, identity)
+    executable = resolve_executable(spec.argv[0], env, spec.working_directory, identity)
+    return PreparedSpawn(identity, executable, env)
+
+
+def _switch_to(identity: Identity | None) -> Identity | None:
+    if identity is None or (identity.uid == os.geteuid() != 0):
+        return None  # already that user (an unprivileged supervisor could not setgroups anyway)
+    return identity
 
 
 class LineSplitter:
@@ -148,20 +185,33 @@ class ChildProcess:
 
     @classmethod
     def spawn(
-        cls, spec: SpawnSpec, parent_env: Mapping[str, str] | None = None, owns_all_children: bool = False
+        cls,
+        spec: SpawnSpec,
+        parent_env: Mapping[str, str] | None = None,
+        owns_all_children: bool = False,
+        prepared: PreparedSpawn | None = None,
     ) -> ChildProcess:
-        env = child_environment(spec, os.environ if parent_env is None else parent_env)
+        if prepared is None:
+            try:
+                prepared = prepare_spawn(spec, os.environ if parent_env is None else parent_env)
+            except Unresolvable as exc:
+                raise SpawnError(f"cannot start child: child.{exc.key}: {exc.message}") from None
+        ident = _switch_to(prepared.identity)
         try:
+            # Popen drops privileges between fork and exec in C (setgroups, setregid, setreuid): no preexec_fn.
             popen = subprocess.Popen(
                 list(spec.argv),
-                env=env,
+                executable=prepared.executable,
+                env=dict(prepared.env),
                 cwd=spec.working_directory,
-                user=spec.user,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 close_fds=True,
+                user=None if ident is None else ident.uid,
+                group=None if ident is None else ident.gid,
+                extra_groups=None if ident is None else list(ident.groups),
             )
         except FileNotFoundError as exc:
             missing = spec.working_directory if exc.filename == spec.working_directory else spec.argv[0]

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kimi_supervisor import __version__, unit
+from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.child import prepare_spawn, spawn_spec
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import DEFAULT_PATH, Config, effective_config, load_config
 from kimi_supervisor.exitcodes import DESCRIPTIONS, ConfigError, ExitCode, SupervisorError
@@ -21,6 +23,7 @@ from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.proctable import PsutilProcessTable
 from kimi_supervisor.redact import REDACTED, is_secret_name, redact_argv, redact_env
 from kimi_supervisor.report import render_json, render_text
+from kimi_supervisor.spawnplan import Unresolvable
 from kimi_supervisor.supervisor import Deps, Supervisor
 
 EPILOG = (
@@ -119,6 +122,11 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
         report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
     finally:
         probe.close()
+    try:
+        prepare_spawn(spawn_spec(cfg.child), os.environ)
+    except Unresolvable as exc:
+        # A real start stops here (exit 78) before the preflight acts; the report says so first.
+        report.checks.insert(0, Check("child", Status.FAIL, f"child.{exc.key}: {exc.message}"))
     print(render_json(report, str(cfg.path)) if as_json else render_text(report, str(cfg.path)))
     return ExitCode.OK if report.proceed else ExitCode.PREFLIGHT_FAILED
 

@@ -16,13 +16,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from kimi_supervisor.child import ChildProcess, LineSplitter, SpawnSpec
+from kimi_supervisor.child import ChildProcess, LineSplitter, PreparedSpawn, prepare_spawn, spawn_spec
 from kimi_supervisor.childlog import LineClassifier
 from kimi_supervisor.clock import Clock, SystemClock, format_duration
 from kimi_supervisor.config import Config
 from kimi_supervisor.exitcodes import (
     ChildDied,
     ChildUnhealthy,
+    ConfigError,
     ExitCode,
     StartupFailed,
     StartupStalled,
@@ -38,6 +39,7 @@ from kimi_supervisor.proctable import ProcessTable
 from kimi_supervisor.readiness import ReadinessTracker
 from kimi_supervisor.redact import redact_text
 from kimi_supervisor.signals import STOP_SIGNALS, InterruptibleClock, SignalRecorder, StopRequested
+from kimi_supervisor.spawnplan import Unresolvable
 from kimi_supervisor.state import State, StateMachine
 
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC at most this often while output flows
@@ -66,6 +68,7 @@ class Supervisor:
         self.tracker = ReadinessTracker(cfg.readiness)
         self.child: ChildProcess | None = None
         self.prober: HealthProber | None = None
+        self._prepared: PreparedSpawn | None = None
         self._secrets = secrets
         self._selector = selectors.DefaultSelector()
         self._splitters: dict[int, LineSplitter] = {}
@@ -82,6 +85,7 @@ class Supervisor:
         self._selector.register(self.signals.read_fd, selectors.EVENT_READ, "signal")
         try:
             try:
+                self._prepare_child()  # a start that cannot happen kills nothing
                 self._preflight()
                 self._spawn()
                 if self._wait_until_ready():
@@ -101,6 +105,12 @@ class Supervisor:
                 self.prober.stop()
             self.signals.uninstall()
 
+    def _prepare_child(self) -> None:
+        try:
+            self._prepared = prepare_spawn(spawn_spec(self.cfg.child), self.deps.environ)
+        except Unresolvable as exc:
+            raise ConfigError(f"{self.cfg.path}: child.{exc.key}: {exc.message}") from None
+
     def _preflight(self) -> None:
         pf = self.cfg.preflight
         self.state.enter_initial("preflight: checking GPUs, stale processes and shared memory")
@@ -110,11 +120,10 @@ class Supervisor:
         self.log.info("preflight.passed", checks=len(report.checks))
 
     def _spawn(self) -> None:
-        child = self.cfg.child
-        spec = SpawnSpec(child.argv, child.env, child.inherit_environment, child.working_directory, child.user)
         if self._stop_signalled():
             raise StopRequested
-        self.child = ChildProcess.spawn(spec, self.deps.environ, owns_all_children=True)
+        spec = spawn_spec(self.cfg.child)
+        self.child = ChildProcess.spawn(spec, self.deps.environ, owns_all_children=True, prepared=self._prepared)
         self._started_at = self._last_output = time.monotonic()
         for name, fd in self.child.streams.items():
             self._selector.register(fd, selectors.EVENT_READ, name)
