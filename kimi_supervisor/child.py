@@ -17,13 +17,14 @@ import fcntl
 import os
 import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import psutil
 
 from kimi_supervisor.config import ChildConfig
 from kimi_supervisor.exitcodes import SpawnError
 from kimi_supervisor.proctable import exited
+from kimi_supervisor.redact import REDACTED_BYTES, secret_bytes
 from kimi_supervisor.spawnplan import (
     Identity,
     Unresolvable,
@@ -109,10 +110,14 @@ class LineSplitter:
 
     A longer line is cut: its head is kept with a marker, the rest dropped up
     to the next newline, so a 1 MB line without newline costs max_line of memory.
+    Known secrets are replaced (longest first) *before* the cut: the head is kept
+    with a margin of the longest secret, so no part of a token survives at the cut.
     """
 
-    def __init__(self, max_line: int = 16 * 1024) -> None:
+    def __init__(self, max_line: int = 16 * 1024, secrets: Iterable[str] = ()) -> None:
         self._max = max_line
+        self._secrets = secret_bytes(secrets)
+        self._keep = max_line + max((len(x) for x in self._secrets), default=0)
         self._buf = b""
         self._skipping = 0
 
@@ -128,10 +133,10 @@ class LineSplitter:
         self._append(first, out)
         self._end_line(out)
         for part in parts[1:-1]:
-            if len(part) > self._max:
-                out.append(self._cut(part, len(part)))
+            if len(part) > self._keep:
+                out.append(self._line(part[: self._keep], len(part)))
             elif part:
-                out.append(part.decode("utf-8", "replace"))
+                out.append(self._line(part, len(part)))
         self._append(parts[-1], out)
         return out
 
@@ -140,19 +145,25 @@ class LineSplitter:
             self._skipping += len(data)
             return
         self._buf += data
-        if len(self._buf) > self._max:
+        if len(self._buf) > self._keep:
             self._skipping = len(self._buf)
-            out.append(self._cut(self._buf, None))
+            out.append(self._line(self._buf[: self._keep], None))
             self._buf = b""
 
     def _end_line(self, out: list[str]) -> None:
         if self._skipping:
             self._skipping = 0
         elif self._buf:
-            out.append(self._buf.decode("utf-8", "replace"))
+            out.append(self._line(self._buf, len(self._buf)))
         self._buf = b""
 
-    def _cut(self, data: bytes, total: int | None) -> str:
+    def _line(self, data: bytes, total: int | None) -> str:
+        """`data`: the line's head (up to max + margin); `total`: its full length, None when unknown."""
+        for secret in self._secrets:
+            if secret in data:
+                data = data.replace(secret, REDACTED_BYTES)
+        if total is not None and total <= self._keep and len(data) <= self._max:
+            return data.decode("utf-8", "replace")  # the whole line, and it fits
         size = f"{total} bytes" if total is not None else f"more than {self._max} bytes"
         return data[: self._max].decode("utf-8", "replace") + f" [line cut: {size}]"
 

@@ -21,7 +21,7 @@ from kimi_supervisor.journal import FORMATS, configure, get_logger, resolve_form
 from kimi_supervisor.notify import notifier_from_env, watchdog_interval
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.proctable import PsutilProcessTable
-from kimi_supervisor.redact import REDACTED, is_secret_name, redact_argv, redact_env
+from kimi_supervisor.redact import RedactingNotifier, redact_argv, redact_env, redact_text, secrets_of
 from kimi_supervisor.report import render_json, render_text
 from kimi_supervisor.spawnplan import Unresolvable
 from kimi_supervisor.supervisor import Deps, Supervisor
@@ -96,11 +96,11 @@ def _check_config(cfg: Config, as_json: bool) -> int:
     data["child"]["argv"] = redact_argv(cfg.child.argv)
     data["child"]["env"] = redact_env(cfg.child.env)
     if as_json:
-        print(json.dumps(data, indent=2))
+        text = json.dumps(data, indent=2)
     else:
-        print(f"# {cfg.path}: valid")
-        for key, value in _flatten(data):
-            print(f"{key} = {json.dumps(value)}")
+        text = f"# {cfg.path}: valid\n" + "\n".join(f"{key} = {json.dumps(value)}" for key, value in _flatten(data))
+    # A secret value may also sit where no rule names it (a model path, a URL): remove it everywhere.
+    print(redact_text(text, secret_values(cfg)))
     return ExitCode.OK
 
 
@@ -141,7 +141,7 @@ def _run(cfg: Config, sink: object) -> int:
     deps = Deps(
         probe=probe,
         table=PsutilProcessTable(),
-        notifier=notifier_from_env(),
+        notifier=RedactingNotifier(notifier_from_env(), secret_values(cfg)),
         log=log,
         sink=sink,  # type: ignore[arg-type]
         watchdog_s=watchdog_interval(),
@@ -163,12 +163,14 @@ def _run(cfg: Config, sink: object) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     fmt = resolve_format(args.log_format)
-    sink = configure(fmt, args.log_level)
+    secrets = secrets_of((), os.environ)  # the inherited ones are known before the config is
+    sink = configure(fmt, args.log_level, secrets=secrets)
     log = get_logger()
     try:
         cfg = _load(args)
         # Known secret values (HF_TOKEN=...) are scrubbed from every event from now on.
-        sink = configure(fmt, args.log_level, secrets=secret_values(cfg))
+        secrets = secret_values(cfg)
+        sink = configure(fmt, args.log_level, secrets=secrets)
         if args.command == "check-config":
             return _check_config(cfg, args.json)
         if args.command == "install-unit":
@@ -180,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(cfg, sink)
     except ConfigError as err:
         # Exactly one line an operator can act on; the unit does not restart on 78.
-        print(f"kimi-supervisor: config error: {err.message}", file=sys.stderr)
+        print(f"kimi-supervisor: config error: {redact_text(err.message, secrets)}", file=sys.stderr)
         if fmt == "journal":
             log.error("supervisor.exit", error=err.message, exit_code=int(err.exit_code), kind="ConfigError")
         return int(err.exit_code)
@@ -192,16 +194,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `kimi-supervisor --dry-run | head`: the reader left
         sys.stderr.close()
         return ExitCode.OK
+    except KeyboardInterrupt:  # Ctrl-C in a --dry-run or check-config (a run handles SIGINT itself)
+        return ExitCode.INTERRUPTED
     except Exception:  # a bug: keep the traceback, exit with a code that says so
         log.critical("supervisor.crash", traceback=traceback.format_exc())
         return ExitCode.INTERNAL
 
 
 def secret_values(cfg: Config) -> tuple[str, ...]:
-    values = [v for k, v in cfg.child.env.items() if is_secret_name(k)]
-    for real, shown in zip(cfg.child.argv, redact_argv(cfg.child.argv), strict=False):
-        if shown == REDACTED:
-            values.append(real)
-        elif shown.endswith("=" + REDACTED):
-            values.append(real.partition("=")[2])
-    return tuple(v for v in values if v)
+    # The inherited environment too: a HF_TOKEN in the supervisor's own environment reaches the child.
+    return secrets_of(cfg.child.argv, cfg.child.env, os.environ)

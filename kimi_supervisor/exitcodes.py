@@ -28,6 +28,7 @@ class ExitCode(enum.IntEnum):
     UNAVAILABLE = 69  # EX_UNAVAILABLE: a service the command needs failed (install-unit: daemon-reload)
     NO_PERMISSION = 77  # EX_NOPERM: a file or directory the command needs cannot be written
     CONFIG = 78  # EX_CONFIG: the unit must not restart on this
+    INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C outside a supervised run (a --dry-run), as shells report it
 
 
 DESCRIPTIONS: dict[ExitCode, str] = {
@@ -46,6 +47,7 @@ DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.NO_PERMISSION: "permission denied writing a file the command needs (e.g. install-unit without root)",
     ExitCode.INTERNAL: "internal error (a bug): the traceback is in the journal",
     ExitCode.CONFIG: "configuration error (systemd does not restart on it)",
+    ExitCode.INTERRUPTED: "interrupted by Ctrl-C (SIGINT) during --dry-run or check-config; nothing was changed",
 }
 
 

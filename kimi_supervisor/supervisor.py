@@ -37,7 +37,6 @@ from kimi_supervisor.notify import Notifier
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.proctable import ProcessTable
 from kimi_supervisor.readiness import ReadinessTracker
-from kimi_supervisor.redact import redact_text
 from kimi_supervisor.signals import STOP_SIGNALS, InterruptibleClock, SignalRecorder, StopRequested
 from kimi_supervisor.spawnplan import Unresolvable
 from kimi_supervisor.state import State, StateMachine
@@ -127,7 +126,7 @@ class Supervisor:
         self._started_at = self._last_output = time.monotonic()
         for name, fd in self.child.streams.items():
             self._selector.register(fd, selectors.EVENT_READ, name)
-            self._splitters[fd] = LineSplitter()
+            self._splitters[fd] = LineSplitter(secrets=self._secrets)  # redacts before it cuts
             self._classifiers[fd] = LineClassifier(default_priority=6)
         self.state.to(State.STARTING, "starting: vLLM spawned", pid=self.child.pid)
         self._extend_timeout(time.monotonic())
@@ -342,8 +341,6 @@ class Supervisor:
                     self._status(now)
 
     def _on_line(self, fd: int, line: str) -> None:
-        if self._secrets:
-            line = redact_text(line, self._secrets)
         priority, fields = self._classifiers[fd].classify(line)
         self.deps.sink.line(line, priority, fields)
         event = self.tracker.feed(line)  # fatal lines matter after READY too
