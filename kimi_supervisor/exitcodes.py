@@ -25,7 +25,7 @@ class ExitCode(enum.IntEnum):
     ANOTHER_INSTANCE = 16  # another kimi-supervisor owns these GPUs; nothing was changed
     ENGINE_WEDGED = 17  # /health answers but the engine makes no progress (canary or metrics)
     GPU_FAILED = 18  # NVML reported a critical XID / uncorrectable ECC event on one of our GPUs
-    UNAVAILABLE = 69  # EX_UNAVAILABLE: a service the command needs failed (install-unit: daemon-reload)
+    UNAVAILABLE = 69  # EX_UNAVAILABLE: systemd cannot take the unit (daemon-reload failed, unusable path)
     NO_PERMISSION = 77  # EX_NOPERM: a file or directory the command needs cannot be written
     CONFIG = 78  # EX_CONFIG: the unit must not restart on this
     INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C outside a supervised run (a --dry-run), as shells report it
@@ -43,7 +43,7 @@ DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.ANOTHER_INSTANCE: "another kimi-supervisor owns these GPUs (its PID is named); nothing was changed",
     ExitCode.ENGINE_WEDGED: "vLLM answers /health but its engine is wedged (canary or token progress failed)",
     ExitCode.GPU_FAILED: "a GPU of ours reported a critical XID or uncorrectable ECC error while serving",
-    ExitCode.UNAVAILABLE: "install-unit wrote the unit, but systemctl daemon-reload failed or is missing",
+    ExitCode.UNAVAILABLE: "install-unit: systemctl daemon-reload failed, or systemd cannot run this path",
     ExitCode.NO_PERMISSION: "permission denied writing a file the command needs (e.g. install-unit without root)",
     ExitCode.INTERNAL: "internal error (a bug): the traceback is in the journal",
     ExitCode.CONFIG: "configuration error (systemd does not restart on it)",
