@@ -72,6 +72,12 @@ def test_clean_gpus_proceed(tmp_path: Path) -> None:
     assert report.proceed
     assert statuses(report) == [
         ("gpus", "ok"),
+        ("gpu_retired_pages", "n/a"),  # an H200: row remapping replaced page retirement
+        ("gpu_remapped_rows", "ok"),
+        ("gpu_ecc", "ok"),
+        ("gpu_pcie", "ok"),
+        ("gpu_persistence", "ok"),
+        ("gpu_clocks", "ok"),
         ("gpu_wait", "ok"),
         ("shm", "ok"),
         ("port", "ok"),
