@@ -12,7 +12,6 @@ import queue
 from collections.abc import Mapping
 
 import psutil
-import pynvml
 
 from kimi_supervisor.gpu import GpuEvent, GpuHealth, GpuMemory, GpuProcess, GpuUnavailable
 
@@ -56,11 +55,9 @@ def _alive(pid: int) -> bool:
 
 
 class FakeGpuProbe:
-    def __init__(self, gpus: list[FakeGpu], init_error: int | None = None) -> None:
+    def __init__(self, gpus: list[FakeGpu]) -> None:
         self.gpus = gpus
-        self.init_error = init_error  # an NVML return code, e.g. pynvml.NVML_ERROR_DRIVER_NOT_LOADED
         self.calls = 0
-        self.closed = False
         self.events: queue.SimpleQueue[GpuEvent] = queue.SimpleQueue()
         self.event_kinds: tuple[str, ...] = ("xid", "double_bit_ecc")  # what "the driver" accepts
         self.event_error: str | None = None  # watch_events raises GpuUnavailable with this
@@ -72,12 +69,6 @@ class FakeGpuProbe:
 
     def _check(self) -> None:
         self.calls += 1
-        if self.init_error is not None:
-            try:
-                # pynvml.NVMLError(code) returns the matching subclass, as the real library raises.
-                raise pynvml.NVMLError(self.init_error)
-            except pynvml.NVMLError as exc:
-                raise GpuUnavailable(f"NVML unavailable: {exc} (is the NVIDIA driver loaded?)") from None
 
     def device_count(self) -> int:
         self._check()
@@ -107,7 +98,7 @@ class FakeGpuProbe:
         return watch
 
     def close(self) -> None:
-        self.closed = True
+        pass
 
 
 class FakeEventWatch:
