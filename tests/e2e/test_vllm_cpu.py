@@ -53,6 +53,7 @@ def vllm_config(tmp_path: Path, vllm_bin: Path, model: Path, port: int) -> Path:
             "readiness": {"deadline_s": 300, "stall_timeout_s": 120},
             "health": {"interval_s": 1, "timeout_s": 5},
             "shutdown": {"grace_s": 20, "gpu_release_timeout_s": 0},
+            "paths": {"runtime_directory": str(tmp_path / "run")},  # the instance lock, not the host's /run
         },
     )
 
