@@ -74,3 +74,14 @@ def test_paths_that_systemd_would_mangle_are_quoted() -> None:
     # Before: refused with exit 70 ("a bug"); systemd's own quoting rules express any path.
     d = directives(unit.render(["/opt/my tools/kimi-supervisor"], Path("/etc/k 50%/$x.toml")))
     assert d["ExecStart"] == '"/opt/my tools/kimi-supervisor" --config "/etc/k 50%%/$$x.toml"'
+
+
+def test_journal_rate_limit_leaves_room_for_the_supervisors_records() -> None:
+    """The metered child lines of any rate-limit window (whole seconds it touches) stay under the burst."""
+    from kimi_supervisor.output import CHILD_LINES_PER_S
+
+    d = directives(unit.render())
+    interval = int(d["LogRateLimitIntervalSec"].removesuffix("s"))
+    burst = int(d["LogRateLimitBurst"])
+    child_max = CHILD_LINES_PER_S * (interval + 1) + (interval + 1)  # lines + one summary a second
+    assert burst - child_max >= 10_000  # the supervisor's own records, with room to spare
