@@ -22,6 +22,7 @@ from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.proctable import PsutilProcessTable
 from kimi_supervisor.redact import REDACTED, is_secret_name, redact_argv, redact_env
 from kimi_supervisor.report import render_json, render_text
+from kimi_supervisor.status import run_status
 from kimi_supervisor.supervisor import Deps, Supervisor
 
 EPILOG = (
@@ -32,6 +33,7 @@ EPILOG = (
 examples:
   kimi-supervisor --dry-run                 what a start would do now, changing nothing
   kimi-supervisor check-config              validate and print the effective config
+  kimi-supervisor status --watch            loading progress and ETA until ready
   systemctl start kimi-supervisor           run it as the Type=notify unit
   journalctl -u kimi-supervisor -p warning  what went wrong
 """
@@ -50,10 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "command",
         nargs="?",
-        choices=("run", "check-config", "install-unit"),
+        choices=("run", "check-config", "install-unit", "status"),
         default="run",
         help="run (default): preflight, start and supervise; check-config: validate and print the config; "
-        "install-unit: write the systemd unit for this config and daemon-reload",
+        "install-unit: write the systemd unit for this config and daemon-reload; "
+        "status: what the running service is doing, and its last runs (no root needed)",
     )
     p.add_argument(
         "--config", type=Path, default=DEFAULT_PATH, metavar="PATH", help=f"TOML config file (default: {DEFAULT_PATH})"
@@ -64,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run every preflight check, kill and delete nothing, print a report; "
         "exit 0 only if a real start would proceed",
     )
-    p.add_argument("--json", action="store_true", help="with --dry-run or check-config: print JSON")
+    p.add_argument("--json", action="store_true", help="with --dry-run, check-config or status: print JSON")
+    p.add_argument("--watch", action="store_true", help="with status: refresh every second until ready")
     p.add_argument(
         "--log-format",
         choices=FORMATS,
@@ -180,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sink = configure(fmt, args.log_level)
     log = get_logger()
     try:
+        if args.command == "status":
+            return run_status(args.config, args.json, args.watch)
         cfg = _load(args)
         # Known secret values (HF_TOKEN=...) are scrubbed from every event from now on.
         sink = configure(fmt, args.log_level, secrets=secret_values(cfg))

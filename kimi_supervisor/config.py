@@ -134,6 +134,12 @@ class PathsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    # node_exporter's textfile collector reads *.prom files; None: no metrics file.
+    textfile: Path | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     path: Path
     child: ChildConfig
@@ -142,6 +148,7 @@ class Config:
     health: HealthConfig
     shutdown: ShutdownConfig
     paths: PathsConfig
+    metrics: MetricsConfig
 
 
 _T = TypeVar("_T")
@@ -366,6 +373,16 @@ def _parse_paths(t: _Table) -> PathsConfig:
     return cfg
 
 
+def _parse_metrics(t: _Table) -> MetricsConfig:
+    value = t.string("textfile", None)
+    if value is not None and not (value.startswith("/") and value.endswith(".prom")):
+        raise t.error(
+            "textfile", f"expected an absolute path ending in .prom (node_exporter reads only *.prom), got {value!r}"
+        )
+    t.done()
+    return MetricsConfig(Path(value) if value else None)
+
+
 def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     """Build a Config from parsed TOML; raises ConfigError naming file and key."""
     root = _Table(data, "", path)
@@ -377,8 +394,9 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     health = _parse_health(root.table("health"))
     shutdown = _parse_shutdown(root.table("shutdown"))
     paths = _parse_paths(root.table("paths"))
+    metrics = _parse_metrics(root.table("metrics"))
     root.done()
-    return Config(path, child, preflight, readiness, health, shutdown, paths)
+    return Config(path, child, preflight, readiness, health, shutdown, paths, metrics)
 
 
 def load_config(path: Path) -> Config:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from kimi_supervisor.checks import Status
 from kimi_supervisor.child import ChildProcess, LineSplitter, SpawnSpec
 from kimi_supervisor.childlog import LineClassifier
 from kimi_supervisor.clock import Clock, SystemClock, format_duration
@@ -33,6 +34,7 @@ from kimi_supervisor.gpuwait import wait_until_free
 from kimi_supervisor.health import HealthProber, HealthResult
 from kimi_supervisor.journal import ChildSink
 from kimi_supervisor.notify import Notifier
+from kimi_supervisor.opsview import OperatorView
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.proctable import ProcessTable
 from kimi_supervisor.readiness import ReadinessTracker
@@ -58,12 +60,14 @@ class Deps:
 class Supervisor:
     def __init__(self, cfg: Config, deps: Deps, secrets: tuple[str, ...] = ()) -> None:
         self.cfg = cfg
-        self.deps = deps
         self.log = deps.log
         self.signals = SignalRecorder()
         self.clock: Clock = InterruptibleClock(self.signals)
-        self.state = StateMachine(deps.notifier, deps.log)
         self.tracker = ReadinessTracker(cfg.readiness)
+        # State file, history, ETA, metrics: fed by the state machine, what we tell systemd, and the loop.
+        self.view = OperatorView(cfg, deps.probe, deps.log, self.tracker, deps.watchdog_s)
+        self.deps = deps = dataclasses.replace(deps, notifier=self.view.tap(deps.notifier))
+        self.state = StateMachine(deps.notifier, deps.log, observer=self.view)
         self.child: ChildProcess | None = None
         self.prober: HealthProber | None = None
         self._secrets = secrets
@@ -108,6 +112,8 @@ class Supervisor:
         self.deps.notifier.send(EXTEND_TIMEOUT_USEC=_usec(pf.deadline_s + pf.reap.grace_s + EXTEND_MARGIN_S))
         report = Preflight(self.cfg, self.deps.probe, self.deps.table, self.clock, self.log).run(dry_run=False)
         self.log.info("preflight.passed", checks=len(report.checks))
+        done = [c.name for c in report.checks if c.status is Status.DONE]
+        self.view.on_preflight(kills=done.count("reap"), shm_removed=done.count("shm"))
 
     def _spawn(self) -> None:
         child = self.cfg.child
@@ -143,6 +149,7 @@ class Supervisor:
             if self.tracker.fatal_line is not None:
                 raise StartupFailed(f"vLLM failed while starting: {self._root_cause()}", detail=self._tail())
             for result in self.prober.drain():
+                self.view.on_health(result)
                 healthy = result if result.ok else None
             if self.tracker.server_started and healthy is not None:
                 self._ready(now)
@@ -209,6 +216,7 @@ class Supervisor:
                     detail=self._tail(),
                 )
             for result in self.prober.drain():
+                self.view.on_health(result)
                 if result.ok:
                     if failures:
                         self.log.info("health.recovered", after_failures=failures)
@@ -310,6 +318,7 @@ class Supervisor:
                 continue
             self._read_stream(key.fd)
         self.deps.sink.flush()
+        self.view.tick()
 
     def _read_stream(self, fd: int) -> None:
         assert self.child is not None
@@ -348,7 +357,8 @@ class Supervisor:
 
     def _status(self, now: float) -> None:
         self._last_status = now
-        self.state.status(f"starting: {self.tracker.status_text(now - self._started_at)}")
+        elapsed = now - self._started_at
+        self.state.status(f"starting: {self.tracker.status_text(elapsed, self.view.eta_text(elapsed))}")
 
     def _extend_timeout(self, now: float) -> None:
         if now - self._last_extend < EXTEND_EVERY_S:
