@@ -103,16 +103,16 @@ def parse_history(text: str) -> HistoryData:
 def load_history(path: Path, log: Any | None = None, set_aside: bool = True) -> HistoryData:
     """Read the history; a missing file is an empty history, a corrupt one is set aside (never raised)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         return HistoryData()
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         if log is not None:
             log.warning("history.unreadable", path=str(path), error=str(exc))
         return HistoryData()
     try:
-        return parse_history(text)
-    except (ValueError, TypeError) as exc:
+        return parse_history(raw.decode("utf-8"))
+    except (ValueError, TypeError) as exc:  # UnicodeDecodeError and json's errors are ValueErrors
         aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}")
         if set_aside:
             with contextlib.suppress(OSError):

@@ -235,9 +235,8 @@ class OperatorView:
     def _refresh(self) -> None:
         self._last_refresh = self._mono()
         members = describe_tree(self._child_pid) if self._child_pid else []
-        gpus = self._gpus()
+        gpus, error = self._gpus()
         gpu_rows: list[dict[str, Any]] = []
-        error = None
         if gpus:
             try:
                 members = with_gpu_memory(members, self._probe, gpus)
@@ -249,14 +248,13 @@ class OperatorView:
         self.doc.update(processes=[m.to_dict() for m in members], gpus=gpu_rows, gpu_error=error)
         self._dirty = True
 
-    def _gpus(self) -> tuple[int, ...]:
+    def _gpus(self) -> tuple[tuple[int, ...], str | None]:
         if self._cfg.preflight.gpus is not None:
-            return self._cfg.preflight.gpus
+            return self._cfg.preflight.gpus, None
         try:
-            return tuple(range(self._probe.device_count()))
+            return tuple(range(self._probe.device_count())), None
         except GpuUnavailable as exc:
-            self.doc["gpu_error"] = str(exc)
-            return ()
+            return (), str(exc)
 
     def _last_failure_from_history(self) -> dict[str, Any] | None:
         for run in reversed(self.history.data.runs):

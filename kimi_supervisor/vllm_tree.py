@@ -20,7 +20,7 @@ from kimi_supervisor.gpu import GpuProbe
 
 _WORKER = re.compile(r"VLLM::(Worker(?:_[A-Z]+\d+)*)")
 _RANK = re.compile(r"_TP(\d+)")
-_ENGINE = re.compile(r"VLLM::(EngineCore\w*)")
+_ENGINE = re.compile(r"VLLM::EngineCor(?:e(\w*))?")  # comm alone keeps "VLLM::EngineCor"
 _API = re.compile(r"VLLM::(APIServer\w*)")
 
 ROLE_ORDER = {"api_server": 0, "engine_core": 1, "worker": 2, "resource_tracker": 3, "other": 4}
@@ -48,6 +48,8 @@ class TreeMember:
 
 def classify(pid: int, root_pid: int, name: str, cmdline: str) -> tuple[str, str, int | None]:
     """(role, label, rank) from a process's name and command line."""
+    if pid == root_pid:  # what `vllm serve` itself became, whatever it calls itself
+        return "api_server", "API server", None
     title = f"{cmdline} {name}"
     m = _WORKER.search(title)
     if m:
@@ -55,8 +57,8 @@ def classify(pid: int, root_pid: int, name: str, cmdline: str) -> tuple[str, str
         return "worker", m.group(1), int(rank.group(1)) if rank else 0
     m = _ENGINE.search(title)
     if m:
-        return "engine_core", m.group(1), None
-    if pid == root_pid or _API.search(title):
+        return "engine_core", "EngineCore" + (m.group(1) or ""), None
+    if _API.search(title):
         return "api_server", "API server", None
     if "multiprocessing.resource_tracker" in cmdline:
         return "resource_tracker", "resource_tracker", None
