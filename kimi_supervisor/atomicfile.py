@@ -14,6 +14,24 @@ import os
 from pathlib import Path
 
 
+def ensure_directory(path: Path, mode: int = 0o755) -> None:
+    """Create `path` (and parents) readable by all when missing; an existing directory keeps its mode.
+
+    systemd creates RuntimeDirectory= and StateDirectory= 0755; created here (outside systemd) the
+    umask would decide, and `UMask=0027` makes them 0750: a non-root `status` could not read them.
+    """
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+        except FileExistsError:
+            continue
+        os.chmod(directory, mode)
+
+
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Write `data` to `path` atomically; raises OSError (the target is then untouched)."""
     # Hidden and not ending in .json/.prom: readers globbing the directory never pick it up.

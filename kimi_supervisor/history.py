@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.atomicfile import write_atomic
+from kimi_supervisor.atomicfile import ensure_directory, write_atomic
 
 KEEP = 20
 SCHEMA = 1
@@ -179,7 +179,7 @@ class History:
 
     def save(self) -> None:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            ensure_directory(self.path.parent)
             write_atomic(self.path, dump_history(self.data))
             self._warned = False
         except OSError as exc:

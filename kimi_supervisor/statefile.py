@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 
-from kimi_supervisor.atomicfile import write_atomic
+from kimi_supervisor.atomicfile import ensure_directory, write_atomic
 
 SCHEMA = 1
 FILE_NAME = "state.json"
@@ -63,7 +63,7 @@ class StateFile:
 
     def write(self, doc: dict[str, Any]) -> bool:
         try:
-            self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+            ensure_directory(self.path.parent)
             write_atomic(self.path, (json.dumps(doc, indent=1) + "\n").encode())
         except OSError as exc:
             if not self._warned:

@@ -131,10 +131,8 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
         lines.append(f"{dot} kimi-supervisor - not running ({snap.reason})")
     failure = s.get("last_failure") if s else _failure_from(snap.history)
     if failure:
-        lines.append(
-            f"{'Last failure':>12}: "
-            + c(f"exit {failure.get('exit_code')} at {_when(failure.get('at'))}: {failure.get('root_cause')}", "red")
-        )
+        what = f"exit {failure.get('exit_code')} at {_when(failure.get('at'))}: {_cut(failure.get('root_cause'), 160)}"
+        lines.append(f"{'Last failure':>12}: " + c(what, "red"))
     if snap.note:
         lines.append(f"{'Note':>12}: {snap.note}")
     lines += _runs(snap.history, now)
@@ -278,7 +276,13 @@ def _cause(r: RunRecord) -> str:
         return "(running)"
     if r.exit_code == 0:
         return "stopped on request"
-    return (r.root_cause or "")[:100]
+    return _cut(r.root_cause, 80)
+
+
+def _cut(text: object, width: int) -> str:
+    """One report line stays readable; `--json` has the whole text."""
+    text = str(text or "")
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 # -- the command -------------------------------------------------------------------

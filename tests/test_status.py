@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -278,3 +280,42 @@ def test_watch_refreshes_every_second_until_ready(tmp_path: Path, final: str) ->
     assert rc == (0 if final == "ready" else 3)
     assert out.getvalue().count("kimi-supervisor - starting: loading weights") == 2
     assert len(reports) == (3 if final == "ready" else 2)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+def test_a_non_root_user_can_read_what_the_daemon_wrote(tmp_path: Path) -> None:
+    from kimi_supervisor.history import History
+    from kimi_supervisor.statefile import StateFile
+    from tests.fakes.clock import RecordingLog
+
+    base = Path(tempfile.mkdtemp(prefix="kimi-status-"))  # tmp_path's parents are 0700: nobody could reach it
+    try:
+        base.chmod(0o755)
+        old = os.umask(0o027)  # the unit's UMask=
+        try:
+            StateFile(base / "run", RecordingLog()).write(state_doc())
+            History(base / "state" / "history.json", RecordingLog(), pid=1).begin(T0)
+        finally:
+            os.umask(old)
+        dirs = {"runtime_directory": f"{base}/run", "state_directory": f"{base}/state"}
+        cfg = parse_config({"child": {"argv": ["vllm"]}, "paths": dirs}, base / "k.toml")
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe
+            code = 1
+            try:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                snap = gather(cfg.paths)
+                os.write(write, f"{snap.running} {snap.note} {len(snap.history.runs)}".encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert os.read(read, 1000).decode() == "True None 1"
+        os.close(read)
+    finally:
+        shutil.rmtree(base)
