@@ -36,6 +36,8 @@ HISTORY_FILE = "history.json"
 STARTING_REFRESH_S = 2.0
 STOPPING_REFRESH_S = 1.0
 WRITE_EVERY_S = 1.0
+# The loop wakes for every burst of output; progress lines come seconds apart.
+OBSERVE_EVERY_S = 0.25
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -95,7 +97,7 @@ class OperatorView:
         self._child_pid: int | None = None
         self._spawned_mono: float | None = None
         self._gpu_at_start: dict[int, int] = {}
-        self._last_refresh = self._last_write = self._last_metrics = -1e9
+        self._last_refresh = self._last_write = self._last_metrics = self._last_observe = -1e9
         self._dirty = False
         self.doc: dict[str, Any] = {
             "schema": SCHEMA,
@@ -205,7 +207,7 @@ class OperatorView:
         }.get(phase)
         if every is not None and mono - self._last_refresh >= every:
             self._refresh()
-        if phase == State.STARTING.value:
+        if phase == State.STARTING.value and mono - self._last_observe >= OBSERVE_EVERY_S:
             self._observe_loading()
         if self._dirty and mono - self._last_write >= WRITE_EVERY_S:
             self._write(force_metrics=False)
@@ -215,7 +217,7 @@ class OperatorView:
     def _observe_loading(self) -> None:
         if self.doc["phase"] != State.STARTING.value or self._spawned_mono is None:
             return
-        mono = self._mono()
+        mono = self._last_observe = self._mono()
         t = self._tracker
         self.eta.observe(mono, t.progress, t.weights_loaded)
         elapsed = mono - self._spawned_mono
