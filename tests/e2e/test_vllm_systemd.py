@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from kimi_supervisor import unit
 from tests.e2e.conftest import VENV
+from tests.systemd import checkout
 from tests.systemd.nspawn import NspawnMachine, available
 
 UNIT = unit.UNIT_NAME
@@ -23,8 +23,6 @@ def test_real_vllm_under_systemd(vllm_bin: Path, tiny_model: Path) -> None:
         pytest.fail(f"nspawn unavailable: {why} (run .ci/install-systemd-tier.sh)")
     if not ok:
         pytest.skip(why)
-    exe = shutil.which("kimi-supervisor")
-    assert exe
     argv = [
         str(vllm_bin),
         "serve",
@@ -57,10 +55,11 @@ def test_real_vllm_under_systemd(vllm_bin: Path, tiny_model: Path) -> None:
             "",
         ]
     )
-    repo = str(Path(__file__).resolve().parents[2])
-    with NspawnMachine(binds_ro=[repo, str(VENV), str(tiny_model)]) as m:
+    extra = [str(VENV), str(tiny_model)]
+    with NspawnMachine(binds_ro=[*checkout.binds_ro(), *extra]) as m:
         m.write_file(CONFIG, cfg)
-        m.install_unit(UNIT, unit.render(exe, Path(CONFIG)))
+        # This checkout's code, wherever it is cloned (the unit's PrivateTmp hides /tmp).
+        m.install_unit(UNIT, unit.render(checkout.install(m, UNIT, extra), Path(CONFIG)))
         start = time.monotonic()
         m.systemctl("start", UNIT, timeout=300)
         took = time.monotonic() - start

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.fakes.fake_vllm_output import FIXTURES, as_own, excerpt, identify
+from tests.fakes.fake_vllm_proc import P
+
 FAKE = Path(__file__).with_name("fake_vllm.py")
 
 
@@ -74,10 +77,13 @@ class Fake:
     def stderr(self) -> str:
         return self.err_path.read_bytes().decode("utf-8", "replace")
 
-    def get(self, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    def get(self, path: str, timeout: float = 2.0, body: dict[str, object] | None = None) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
-            conn.request("GET", path)
+            if body is None:
+                conn.request("GET", path)
+            else:
+                conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
             resp = conn.getresponse()
             return resp.status, resp.read()
         finally:
@@ -182,7 +188,8 @@ def test_normal_lifecycle(fakes: list[Fake], tmp_path: Path) -> None:
     with pytest.raises(ConnectionRefusedError):
         fake.get("/health")
     fake.wait_healthy()
-    assert f"Starting vLLM API server 0 on http://127.0.0.1:{fake.port}" in fake.stdout
+    assert f"Starting vLLM server on http://127.0.0.1:{fake.port}" in fake.stdout
+    assert f"'port': {fake.port}" in fake.stdout and str(tmp_path / "model") in fake.stdout
     assert "INFO:     Application startup complete." in fake.stderr
     assert "Loading safetensors checkpoint shards: 100% Completed" in fake.stderr
 
@@ -200,7 +207,7 @@ def test_normal_lifecycle(fakes: list[Fake], tmp_path: Path) -> None:
     fake.proc.send_signal(signal.SIGTERM)
     assert fake.proc.wait(timeout=3) == 0
     assert fake.wait_group_gone(), "processes left behind after SIGTERM"
-    assert "Shutting down FastAPI HTTP server." in fake.stdout
+    assert "[shutdown] API server: shutting down FastAPI HTTP server" in fake.stdout
     assert "INFO:     Application shutdown complete." in fake.stderr
 
 
@@ -223,7 +230,7 @@ def test_crash_during_load(fakes: list[Fake], tmp_path: Path) -> None:
     fake = start(fakes, tmp_path, "--load-seconds", "0.4", "--crash-during-load")
     assert fake.proc.wait(timeout=10) == 1
     assert fake.stderr.rstrip().endswith(
-        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}"
     )
     assert "torch.OutOfMemoryError: CUDA out of memory." in fake.stdout
     assert "EngineCore failed to start." in fake.stdout
@@ -247,9 +254,9 @@ def test_worker_death_exits_zero(fakes: list[Fake], tmp_path: Path) -> None:
     fake.wait_healthy()
     assert fake.proc.wait(timeout=5) == 0
     out = fake.stdout
-    assert "Worker proc VllmWorker-0 died unexpectedly, shutting down executor." in out
+    assert "Worker proc VllmWorker-0 died unexpectedly (exit code: -9), shutting down executor." in out
     assert "EngineCore encountered a fatal error." in out
-    assert "Engine core proc EngineCore_DP0 died unexpectedly" in out
+    assert "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue." in out
     assert "INFO:     Finished server process" in fake.stderr
     assert fake.wait_group_gone()
 
@@ -294,3 +301,50 @@ def test_flood_only(tmp_path: Path) -> None:
     assert len(lines) == 20001
     assert all(len(line) == 99 for line in lines[:-1])
     assert b"flood line 000019999 " in lines[-2]
+
+
+def test_completions_answer_the_served_model_and_fail_once_the_engine_is_dead(
+    fakes: list[Fake], tmp_path: Path
+) -> None:
+    fake = start(fakes, tmp_path, "--load-seconds", "0.3", "--kill-worker-after-ready", "1", tp=1)
+    fake.wait_healthy()
+    model = str(tmp_path / "model")
+    status, body = fake.get("/v1/completions", body={"model": model, "prompt": "hi there", "max_tokens": 3})
+    assert status == 200
+    reply = json.loads(body)
+    assert reply["model"] == model and reply["choices"][0]["text"] == " ok ok ok"
+    assert reply["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert fake.get("/v1/completions", body={"model": "other", "prompt": "x"})[0] == 404
+    assert fake.get("/v1/completions")[0] == 405  # GET
+    end = time.monotonic() + 5
+    while fake.get("/health")[0] == 200 and time.monotonic() < end:
+        time.sleep(0.05)
+    status, body = fake.get("/v1/completions", body={"prompt": "x"})
+    assert status == 500 and json.loads(body)["error"]["type"] == "InternalServerError"
+    assert '"POST /v1/completions HTTP/1.1" 200 OK' in fake.stdout  # uvicorn's access line
+
+
+def test_excerpts_are_cut_from_the_fixtures_by_marker() -> None:
+    lines = excerpt("worker_killed.log", "died unexpectedly", "RuntimeError: Executor failed.", labels=("EngineCore",))
+    assert "Worker proc VllmWorker-0 died unexpectedly" in lines[0]
+    assert lines[-1].endswith("RuntimeError: Executor failed.")
+    assert all(line.startswith("(EngineCore pid=566) ") for line in lines)
+    raw = (FIXTURES / "worker_killed.log").read_bytes().decode()  # CRs kept
+    assert all(line in raw for line in lines)
+    with pytest.raises(LookupError):
+        excerpt("worker_killed.log", "no such marker", "x")
+
+
+def test_a_replayed_line_is_this_processs_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(P, "label", "Worker_TP1")
+    monkeypatch.setattr(P, "pid", 4242)
+    identify("/models/kimi", "http://127.0.0.1:9000", 9000)
+    fd, text = as_own(
+        "(Worker pid=2181) ERROR 11-29 17:10:10 [multiproc_executor.py:953] Starting to load model "
+        "/tmp/kimi-e2e/tiny-llama... on http://127.0.0.1:18000"
+    )
+    assert fd == 1
+    assert text.startswith("(Worker_TP1 pid=4242) ERROR ") and "11-29 17:10:10" not in text
+    assert text.endswith("[multiproc_executor.py:953] Starting to load model /models/kimi... on http://127.0.0.1:9000")
+    assert as_own("INFO:     Finished server process [487]") == (2, "INFO:     Finished server process [4242]")
+    assert as_own("Traceback (most recent call last):")[0] == 2

@@ -23,9 +23,10 @@ _HERE = Path(__file__).resolve().parent
 if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
 
-from nspawn import NspawnMachine, available, needs_bind  # noqa: E402
+from checkout import REPO_ROOT, binds_ro  # noqa: E402
+from nspawn import NspawnMachine, available  # noqa: E402
 
-REPO_ROOT = _HERE.parents[1]
+__all__ = ["REPO_ROOT", "default_binds_ro"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -41,14 +42,7 @@ def _in_ci() -> bool:
 
 
 def default_binds_ro() -> list[str]:
-    """Repo checkout (always: a live, consistent view) + the interpreter's
-    prefixes if they would otherwise be invisible inside the container."""
-    binds = [str(REPO_ROOT)]
-    for prefix in {sys.prefix, sys.base_prefix}:
-        real = os.path.realpath(prefix)
-        if needs_bind(real) and real not in binds:
-            binds.append(real)
-    return binds
+    return binds_ro()
 
 
 def require_nspawn() -> None:

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -40,6 +41,7 @@ __all__ = [
     "NspawnMachine",
     "available",
     "cleanup_stale",
+    "expect_no_restart",
     "needs_bind",
     "wait_for",
 ]
@@ -107,6 +109,41 @@ def wait_for(
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {message}")
         time.sleep(interval)
+
+
+_TIMESPAN_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
+
+
+def timespan_s(text: str) -> float:
+    """A timespan as `systemctl show` prints it ("500ms", "1min 30s", "0") in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*(us|ms|min|s|h)?", text.strip())
+    if not parts or re.sub(r"[\d.\s]|us|ms|min|s|h", "", text):
+        raise ValueError(f"not a systemd timespan: {text!r}")
+    return sum(float(n) * _TIMESPAN_UNITS[u or "s"] for n, u in parts)
+
+
+def expect_no_restart(m: NspawnMachine, unit: str, margin: float = 1.0) -> None:
+    """Assert that systemd decided not to restart ``unit``, which has just failed.
+
+    With a restart pending the unit sits in SubState ``auto-restart``, never ``failed``, so
+    ``failed`` is the decision itself. To catch a restart that comes anyway, keep checking until
+    RestartSec (+ ``margin``) has passed since the unit went inactive by systemd's own timestamp:
+    a bound, not a guess of how slow this host is. The container shares the host's CLOCK_MONOTONIC
+    (nspawn makes no time namespace), so the host's time.monotonic() compares with it.
+    """
+
+    def state() -> tuple[str, ...]:
+        return tuple(m.unit_property(unit, p) for p in ("ActiveState", "SubState", "NRestarts"))
+
+    assert state() == ("failed", "failed", "0"), state()
+    went_inactive = int(m.unit_property(unit, "InactiveEnterTimestampMonotonic")) / 1e6
+    bound = went_inactive + timespan_s(m.unit_property(unit, "RestartUSec")) + margin
+
+    def past_bound() -> bool:
+        assert state() == ("failed", "failed", "0"), f"{unit} restarted after all: {state()}"
+        return time.monotonic() > bound
+
+    wait_for(past_bound, timeout=max(0.0, bound - time.monotonic()) + 10, interval=0.2, message="RestartSec to pass")
 
 
 def needs_bind(path: str) -> bool:
@@ -238,7 +275,49 @@ def cleanup_stale(base_dir: str = DEFAULT_BASE_DIR) -> list[str]:
         if not _umount_all(path):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
+    for mount, own in _cgroup_hierarchies():
+        parent = os.path.join(mount, own.lstrip("/"))
+        with contextlib.suppress(OSError):
+            for entry in os.listdir(parent):
+                owner = entry[len(DIR_PREFIX) :].split("-", 1)[0]
+                stale = entry.startswith(DIR_PREFIX) and owner.isdigit() and not os.path.exists(f"/proc/{owner}")
+                if stale and _rmdir_tree(os.path.join(parent, entry)):
+                    removed.append(os.path.join(parent, entry))
     return removed
+
+
+def _cgroup_hierarchies() -> list[tuple[str, str]]:
+    """(mount point, our cgroup path) for each hierarchy nspawn places containers in: the unified
+    one (cgroup2) and the legacy ``name=systemd`` one, whichever this host has."""
+    mounts: dict[str, str] = {}
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        for line in f:
+            pre, _, post = line.partition(" - ")
+            fstype, _source, options = [*post.split(), "", ""][:3]
+            mnt = pre.split()[4].encode().decode("unicode_escape")
+            if fstype == "cgroup2":
+                mounts.setdefault("", mnt)
+            elif fstype == "cgroup" and "name=systemd" in options.split(","):
+                mounts.setdefault("name=systemd", mnt)
+    found: list[tuple[str, str]] = []
+    with open("/proc/self/cgroup", encoding="utf-8") as f:
+        for line in f:
+            _id, controllers, path = line.rstrip("\n").split(":", 2)
+            if controllers in mounts:
+                found.append((mounts[controllers], path))
+    return found
+
+
+def _pid1_is_systemd() -> bool:
+    return _comm(1) == "systemd"
+
+
+def _rmdir_tree(path: str) -> bool:
+    """Remove an empty cgroup and its descendants (deepest first); True when it is gone."""
+    for dirpath, _dirs, _files in os.walk(path, topdown=False):
+        with contextlib.suppress(OSError):
+            os.rmdir(dirpath)
+    return not os.path.exists(path)
 
 
 def _pid_ns(pid: int | str) -> str:
@@ -304,6 +383,8 @@ class NspawnMachine:
         self._proc: subprocess.Popen[bytes] | None = None
         self._pid1: int | None = None
         self._log_path: Path | None = None
+        #: Host paths of the cgroups made for this container (see _own_cgroup_argv).
+        self.cgroups: list[str] = []
         #: Seconds from starting nspawn to "running"/"degraded".
         self.boot_seconds: float | None = None
         #: `systemctl is-system-running` at the end of boot: running|degraded.
@@ -400,6 +481,7 @@ class NspawnMachine:
         # thread is fine) or pass stop_on_parent_death=False.
         if self.stop_on_parent_death and shutil.which("setpriv"):
             argv = ["setpriv", "--pdeathsig", "TERM", "--", *argv]
+        argv = self._own_cgroup_argv(argv)
 
         self._log_path = self.root / "console.log"
         with open(self._log_path, "wb") as log:
@@ -414,6 +496,31 @@ class NspawnMachine:
         self._pid1 = self._find_pid1(deadline)
         self._wait_running(deadline)
         self.boot_seconds = time.monotonic() - t0
+
+    def _own_cgroup_argv(self, argv: list[str]) -> list[str]:
+        """Wrap ``argv`` so that nspawn starts in a cgroup of its own.
+
+        Without a systemd PID 1 to ask for a scope, nspawn --keep-unit puts itself in
+        ``<our cgroup>/supervisor`` and the container in ``<our cgroup>/payload``: the same two
+        cgroups for every container started from here. The container's systemd sees ``payload`` as
+        its root, so two containers at once share every unit's cgroup (``kimi-supervisor.service`` in
+        one lists the other's processes, and stopping one kills the other's). A fresh cgroup per
+        container, entered before nspawn runs, gives each its own ``supervisor``/``payload``. Under
+        a systemd PID 1 the cgroups are systemd's to hand out (run the tier in a delegated scope).
+        """
+        if _pid1_is_systemd():
+            return argv
+        procs: list[str] = []
+        for mount, own in _cgroup_hierarchies():
+            path = os.path.join(mount, own.lstrip("/"), f"{DIR_PREFIX}{os.getpid()}-{self.name}")
+            os.mkdir(path)
+            self.cgroups.append(path)
+            procs.append(os.path.join(path, "cgroup.procs"))
+        # The shell moves itself, then execs (same PID): nspawn never runs in the shared cgroup.
+        script = (
+            'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n - 1)); done; exec "$@"'
+        )
+        return ["sh", "-c", script, "sh", str(len(procs)), *procs, *argv]
 
     def _prepare_rootfs(self) -> None:
         etc = self.merged / "etc/systemd/system"
@@ -438,7 +545,7 @@ class NspawnMachine:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise self._boot_failure("exited during start")
-            # setpriv execs nspawn in place, so nspawn is self._proc.pid.
+            # sh and setpriv exec nspawn in place, so nspawn is self._proc.pid.
             # Breadth-first search below nspawn for a `systemd` process in a new
             # PID namespace (normally nspawn's direct child).
             todo = _children(self._proc.pid)
@@ -537,6 +644,7 @@ class NspawnMachine:
                 shutil.rmtree(prop)
         if not leftover:
             self.root = None
+        self.cgroups = [cg for cg in self.cgroups if not _rmdir_tree(cg)]
         self._pid1 = None
         return leftover
 
@@ -642,6 +750,18 @@ class NspawnMachine:
     def unit_property(self, unit: str, prop: str) -> str:
         """``systemctl show -p PROP --value UNIT`` (e.g. ActiveState, NRestarts)."""
         return self.systemctl("show", "-p", prop, "--value", unit).stdout.rstrip("\n")
+
+    def unit_pids(self, unit: str) -> list[int]:
+        """PIDs in the unit's cgroup (unified or the legacy name=systemd hierarchy, as the container
+        sees them); [] once the cgroup is gone."""
+        cg = self.unit_property(unit, "ControlGroup")
+        if not cg:
+            return []
+        script = (
+            'for b in /sys/fs/cgroup /sys/fs/cgroup/unified /sys/fs/cgroup/systemd; do f="$b$1/cgroup.procs"; '
+            'if [ -f "$f" ]; then cat "$f"; exit 0; fi; done'
+        )
+        return [int(p) for p in self.run(["sh", "-c", script, "sh", cg]).stdout.split()]
 
     def journal(self, unit: str | None, *extra_args: str, timeout: float = 30.0) -> str:
         """``journalctl [-u UNIT] --no-pager EXTRA...`` output (current boot)."""
