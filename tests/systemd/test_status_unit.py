@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import checkout
 import pytest
 from nspawn import NspawnMachine
 from test_kimi_unit import CONFIG, DROPIN, DROPIN_TEXT, UNIT, config, deploy, executable, prop
@@ -19,14 +20,15 @@ STATE_FILE = "/run/kimi-supervisor/state.json"
 
 @pytest.fixture(scope="module")
 def m(machine: NspawnMachine) -> Iterator[NspawnMachine]:
-    machine.install_unit(UNIT, unit.render(executable(), Path(CONFIG)), reload=False)
+    machine.install_unit(UNIT, unit.render(executable(machine), Path(CONFIG)), reload=False)
     machine.write_file(DROPIN, DROPIN_TEXT)
     machine.daemon_reload()
     yield machine
 
 
 def status(m: NspawnMachine, *args: str) -> subprocess.CompletedProcess[str]:
-    return m.run([executable(), "status", "--config", CONFIG, *args], check=False)
+    # This checkout's code, as the unit runs it (an operator's shell would find the installed one).
+    return m.run([checkout.LAUNCHER, "status", "--config", CONFIG, *args], check=False)
 
 
 def wait_for_report(m: NspawnMachine, needles: tuple[str, ...], timeout: float = 40) -> str:
