@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -29,24 +28,16 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+# Run as a script: the repository is the import root (for the shared process helpers).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.procutil import free_port, set_comm
 
 # Mandatory on the multi-GPU machines: never use NVLink multicast.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(SAFE_ENV)
 MIB = 1024 * 1024
-
-
-def set_comm(name: str) -> None:
-    """prctl(PR_SET_NAME): the kernel keeps 15 bytes of it in /proc/PID/comm."""
-    raw = name.encode()[:15]
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if int(libc.prctl(15, ctypes.c_char_p(raw), 0, 0, 0)) == 0:
-            return
-    except (OSError, AttributeError):
-        pass
-    with contextlib.suppress(OSError), open("/proc/self/comm", "wb") as fh:
-        fh.write(raw)
 
 
 def stamp() -> str:
@@ -104,14 +95,6 @@ def worker(args: argparse.Namespace) -> int:
 
 
 # -- main (API server) ---------------------------------------------------------
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -5,7 +5,8 @@
 
 Rows: 1 preflight wall time vs the seeds' nvidia-smi loop; 2 READY=1 latency
 after the first /health 200; 3 stop time and orphans; 4 log forwarding
-throughput; 5 idle RSS and CPU.  Exit status 1 when any row misses its target.
+throughput; 5 idle RSS and CPU; 6 READY=1 lag after /health can first
+answer; 7 time to detect a wedged engine.  Exit status 1 when any row misses its target.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench import bench_flood, bench_lifecycle, bench_preflight  # noqa: E402 - needs the repo on sys.path
+from bench import bench_flood, bench_lifecycle, bench_liveness, bench_preflight  # noqa: E402 - needs the repo on sys.path
 from bench.common import Row  # noqa: E402
 
 COMMAND = "python3 bench/run.py"
@@ -32,6 +33,8 @@ BENCHMARKS: tuple[tuple[str, Callable[[], list[Row]]], ...] = (
     ("3. stop", bench_lifecycle.stop_rows),
     ("4. log forwarding", bench_flood.run),
     ("5. idle", bench_lifecycle.idle_rows),
+    ("6. READY=1 lag after the first possible 200", bench_liveness.ready_rows),
+    ("7. wedged engine detection", bench_liveness.detection_rows),
 )
 
 

@@ -29,6 +29,8 @@ class Status(str, enum.Enum):
     DONE = "done"  # a real run did what the dry run would have said
     KEEP = "keep"
     SKIP = "skip"
+    WARN = "warn"  # a start proceeds, but someone should look
+    NA = "n/a"  # the hardware does not support this check
     FAIL = "failed"
 
 

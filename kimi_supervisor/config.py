@@ -140,6 +140,34 @@ class MetricsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LivenessConfig:
+    # Deep liveness (liveness.py): /health stays 200 while an engine is wedged.
+    canary_interval_s: float  # 0: no canary
+    canary_timeout_s: float
+    failures_tolerated: int
+    when: str  # "idle": only while /metrics shows nothing in flight; "always"
+    stuck_after_s: float  # 0: no token-progress check
+    metrics_interval_s: float
+    metrics_url: str  # /v1/completions and the model name come from child.argv (child.vllm)
+
+
+GPU_HEALTH_POLICIES = ("fail", "warn", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuHealthConfig:
+    xid_events: bool  # watch NVML XID / double-bit ECC events while serving
+    xid_ignored: tuple[int, ...]  # logged, not acted on
+    # Preflight checks (gpu_health.py): what a problem found by each one is.
+    retired_pages: str
+    remapped_rows: str
+    ecc_uncorrected: str
+    pcie_link: str
+    persistence_mode: str
+    clock_events: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     path: Path
     child: ChildConfig
@@ -149,6 +177,8 @@ class Config:
     shutdown: ShutdownConfig
     paths: PathsConfig
     metrics: MetricsConfig
+    liveness: LivenessConfig
+    gpu_health: GpuHealthConfig
 
 
 _T = TypeVar("_T")
@@ -383,6 +413,56 @@ def _parse_metrics(t: _Table) -> MetricsConfig:
     return MetricsConfig(Path(value) if value else None)
 
 
+def _parse_liveness(t: _Table, vllm: VllmArgs) -> LivenessConfig:
+    when = t.string("when", "idle")
+    if when not in ("idle", "always"):
+        raise t.error("when", f'expected "idle" or "always", got {when!r}')
+    metrics_url = t.string("metrics_url", "") or vllm.api_url("/metrics")
+    if not re.match(r"^https?://[^/\s]+(/\S*)?$", metrics_url):
+        raise t.error("metrics_url", f"expected an http:// or https:// URL, got {metrics_url!r}")
+    cfg = LivenessConfig(
+        canary_interval_s=t.number("canary_interval_s", 60.0, minimum=0, exclusive_min=False, maximum=86400),
+        canary_timeout_s=t.number("canary_timeout_s", 10.0, maximum=600),
+        failures_tolerated=t.integer("failures_tolerated", 2, minimum=1, maximum=1000),
+        when=when or "idle",
+        stuck_after_s=t.number("stuck_after_s", 120.0, minimum=0, exclusive_min=False, maximum=86400),
+        metrics_interval_s=t.number("metrics_interval_s", 5.0, maximum=3600),
+        metrics_url=metrics_url,
+    )
+    if 0 < cfg.stuck_after_s < 2 * cfg.metrics_interval_s:
+        raise t.error(
+            "stuck_after_s",
+            f"expected 0 (off) or at least 2 x liveness.metrics_interval_s ({2 * cfg.metrics_interval_s:g}), "
+            f"got {cfg.stuck_after_s:g}",
+        )
+    t.done()
+    return cfg
+
+
+def _parse_gpu_health(t: _Table) -> GpuHealthConfig:
+    def policy(name: str, default: str) -> str:
+        value = t.string(name, default)
+        if value not in GPU_HEALTH_POLICIES:
+            raise t.error(name, f'expected "fail", "warn" or "off", got {value!r}')
+        return value
+
+    ignored = t.raw("xid_ignored", [63, 92])
+    if not isinstance(ignored, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ignored):
+        raise t.error("xid_ignored", f"expected an array of XID numbers, got {_describe(ignored)}")
+    cfg = GpuHealthConfig(
+        xid_events=t.boolean("xid_events", True),
+        xid_ignored=tuple(ignored),
+        retired_pages=policy("retired_pages", "fail"),
+        remapped_rows=policy("remapped_rows", "fail"),
+        ecc_uncorrected=policy("ecc_uncorrected", "fail"),
+        pcie_link=policy("pcie_link", "warn"),
+        persistence_mode=policy("persistence_mode", "warn"),
+        clock_events=policy("clock_events", "warn"),
+    )
+    t.done()
+    return cfg
+
+
 def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     """Build a Config from parsed TOML; raises ConfigError naming file and key."""
     root = _Table(data, "", path)
@@ -395,8 +475,10 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     shutdown = _parse_shutdown(root.table("shutdown"))
     paths = _parse_paths(root.table("paths"))
     metrics = _parse_metrics(root.table("metrics"))
+    liveness = _parse_liveness(root.table("liveness"), child.vllm)
+    gpu_health = _parse_gpu_health(root.table("gpu_health"))
     root.done()
-    return Config(path, child, preflight, readiness, health, shutdown, paths, metrics)
+    return Config(path, child, preflight, readiness, health, shutdown, paths, metrics, liveness, gpu_health)
 
 
 def load_config(path: Path) -> Config:

@@ -86,3 +86,11 @@ class ChildDied(SupervisorError):
 
 class ChildUnhealthy(SupervisorError):
     exit_code = ExitCode.CHILD_UNHEALTHY
+
+
+class EngineWedged(SupervisorError):
+    exit_code = ExitCode.ENGINE_WEDGED
+
+
+class GpuFailed(SupervisorError):
+    exit_code = ExitCode.GPU_FAILED

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+from collections.abc import Mapping
 from typing import Protocol
 
 MIB = 1024 * 1024
@@ -36,12 +37,58 @@ class GpuProcess:
     used_mib: int | None  # None: the driver would not say (containers, MIG)
 
 
+@dataclasses.dataclass(frozen=True)
+class GpuHealth:
+    """NVML's health counters for one GPU; None where the device does not support a query."""
+
+    index: int
+    retired_pages: int | None = None  # pages retired for single- plus double-bit ECC (before Ampere)
+    retired_pages_pending: bool | None = None  # a retirement waits for a reset
+    remapped_rows_correctable: int | None = None  # Ampere and later: row remapping replaces page retirement
+    remapped_rows_uncorrectable: int | None = None
+    remapped_rows_pending: bool | None = None  # a remap waits for a reset
+    remapped_rows_failed: bool | None = None  # the remapper ran out of spare rows
+    ecc_uncorrected_volatile: int | None = None  # since the driver loaded
+    pcie_width: int | None = None
+    pcie_max_width: int | None = None
+    pcie_gen: int | None = None
+    pcie_max_gen: int | None = None
+    persistence_mode: bool | None = None
+    clock_event_reasons: int | None = None  # NVML's clocks-event (throttle) reason bit mask
+    # Queries that failed for another reason than "not supported": field name -> NVML's words.
+    errors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuEvent:
+    """A critical event NVML delivered for one of our GPUs."""
+
+    gpu: int
+    kind: str  # "xid", "double_bit_ecc" or "gpu_lost"
+    xid: int | None = None
+
+
+class GpuEventWatch(Protocol):
+    # Per watched GPU, the event kinds NVML accepted ("xid", "double_bit_ecc"); () when none is supported.
+    registered: Mapping[int, tuple[str, ...]]
+
+    def wait(self, timeout_s: float) -> GpuEvent | None:
+        """The next event, or None after `timeout_s` without one."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class GpuProbe(Protocol):
     def device_count(self) -> int: ...
 
     def memory(self, index: int) -> GpuMemory: ...
 
     def processes(self, index: int) -> list[GpuProcess]: ...
+
+    def health(self, index: int) -> GpuHealth: ...
+
+    def watch_events(self, indices: tuple[int, ...]) -> GpuEventWatch: ...
 
     def close(self) -> None: ...
 
@@ -136,6 +183,19 @@ class NvmlProbe:
                     mib = int(used) // MIB if isinstance(used, int) and used < (1 << 50) else None
                     found[int(entry.pid)] = GpuProcess(int(entry.pid), index, mib)
             return sorted(found.values(), key=lambda p: p.pid)
+
+    def health(self, index: int) -> GpuHealth:
+        from kimi_supervisor import nvml_health
+
+        with self._lock:
+            return nvml_health.read_health(self._handle(index), index)
+
+    def watch_events(self, indices: tuple[int, ...]) -> GpuEventWatch:
+        from kimi_supervisor import nvml_health
+
+        with self._lock:
+            handles = {i: self._handle(i) for i in indices}
+            return nvml_health.NvmlEventWatch(handles)
 
     def close(self) -> None:
         import pynvml

@@ -61,6 +61,8 @@ class HealthProber:
         self.results: queue.SimpleQueue[HealthResult] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._changed = threading.Event()
+        self._burst_interval = interval_s
+        self._burst_until = 0.0
         self._thread = threading.Thread(target=self._run, name="health-prober", daemon=True)
 
     def start(self) -> None:
@@ -68,6 +70,13 @@ class HealthProber:
 
     def set_interval(self, interval_s: float) -> None:
         self._interval = interval_s
+        self._burst_until = 0.0
+        self._changed.set()
+
+    def burst(self, interval_s: float, for_s: float) -> None:
+        """Probe at once, then every `interval_s` for `for_s` seconds, then at the set interval again."""
+        self._burst_interval = interval_s
+        self._burst_until = time.monotonic() + for_s
         self._changed.set()
 
     def stop(self) -> None:
@@ -79,7 +88,8 @@ class HealthProber:
             self.results.put(probe(self.url, self._timeout))
             self._wake()
             self._changed.clear()
-            self._changed.wait(self._interval)
+            bursting = time.monotonic() < self._burst_until
+            self._changed.wait(self._burst_interval if bursting else self._interval)
 
     def drain(self) -> list[HealthResult]:
         out = []

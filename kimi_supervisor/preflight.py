@@ -18,7 +18,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from kimi_supervisor import checks
+from kimi_supervisor import checks, gpu_health
 from kimi_supervisor.checks import Check, Status
 from kimi_supervisor.clock import Clock
 from kimi_supervisor.config import Config
@@ -80,6 +80,8 @@ class Preflight:
         gpus = self._static_checks(add)
         if self._pf.check_model:
             add(checks.check_model(self._cfg.child.vllm.model))
+        if gpus:  # before anything is killed: a sick GPU fails the start either way
+            report.checks += gpu_health.health_checks(self._probe, gpus, self._cfg.gpu_health, self._log)
         if not dry_run:
             self._raise_if_failed(report)
         plan = ReapPlan((), ())

@@ -15,6 +15,8 @@ _MARK = {
     Status.KILL: "would kill",
     Status.REMOVE: "would remove",
     Status.WAIT: "would wait",
+    Status.WARN: "warn",
+    Status.NA: "n/a",
     Status.FAIL: "FAILED",
 }
 

@@ -33,6 +33,7 @@ from kimi_supervisor.gpu import GpuProbe, GpuUnavailable
 from kimi_supervisor.gpuwait import wait_until_free
 from kimi_supervisor.health import HealthProber, HealthResult
 from kimi_supervisor.journal import ChildSink
+from kimi_supervisor.liveness import DeepLiveness
 from kimi_supervisor.notify import Notifier
 from kimi_supervisor.opsview import OperatorView
 from kimi_supervisor.preflight import Preflight
@@ -44,6 +45,10 @@ from kimi_supervisor.state import State, StateMachine
 
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC at most this often while output flows
 EXTEND_MARGIN_S = 15.0
+# Once vLLM says it started, /health answers within moments: probe it this often (for at most
+# READY_BURST_S) so READY=1 follows the first 200 by tens of ms, not a whole poll interval.
+READY_PROBE_S = 0.02
+READY_BURST_S = 10.0
 
 
 @dataclasses.dataclass
@@ -70,6 +75,7 @@ class Supervisor:
         self.state = StateMachine(deps.notifier, deps.log, observer=self.view)
         self.child: ChildProcess | None = None
         self.prober: HealthProber | None = None
+        self.deep: DeepLiveness | None = None
         self._secrets = secrets
         self._selector = selectors.DefaultSelector()
         self._splitters: dict[int, LineSplitter] = {}
@@ -103,6 +109,8 @@ class Supervisor:
         finally:
             if self.prober is not None:
                 self.prober.stop()
+            if self.deep is not None:
+                self.deep.close()
             self.signals.uninstall()
 
     def _preflight(self) -> None:
@@ -190,6 +198,17 @@ class Supervisor:
         hcfg = self.cfg.health
         self.prober.set_interval(hcfg.interval_s)
         self.child.refresh_members()
+        gpus = self._configured_gpus()
+        self.deep = DeepLiveness(
+            self.cfg,
+            self.deps.probe,
+            gpus,
+            self.signals.wake,
+            self.deps.notifier,
+            self.log,
+            on_canary=lambda r: self.view.on_canary(r.ok, r.latency_s),
+        )
+        self.deep.start()
         wd = self.deps.watchdog_s
         if wd and hcfg.interval_s + hcfg.timeout_s >= wd:
             # A passing probe must land within every watchdog period, or systemd kills a healthy server.
@@ -234,15 +253,19 @@ class Supervisor:
                     raise ChildUnhealthy(
                         f"/health failed {failures} times in a row ({result.error})", detail=self._tail()
                     )
+            self.deep.check()  # canary, token progress, GPU events: raises EngineWedged / GpuFailed
             now = time.monotonic()
-            # Pet the watchdog only while the latest probe passed within its period.
-            if wd and failures == 0 and now - last_ok <= wd and now - last_ping >= wd / 2:
+            # Pet the watchdog only while the latest probe passed within its period and no canary is failing.
+            healthy = failures == 0 and self.deep.healthy
+            if wd and healthy and now - last_ok <= wd and now - last_ping >= wd / 2:
                 self.deps.notifier.send(WATCHDOG=1)
                 last_ping = now
 
     def _stop(self, reason: str) -> None:
         """TERM the tree, keep reading its output, KILL what outlives the grace, confirm GPUs are free."""
         scfg = self.cfg.shutdown
+        if self.deep is not None:
+            self.deep.stop()  # no canary or GPU verdict about a tree being stopped
         self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
         if self.child is None:
             return  # stopped during the preflight: nothing of ours holds a GPU
@@ -347,6 +370,8 @@ class Supervisor:
         priority, fields = self._classifiers[fd].classify(line)
         self.deps.sink.line(line, priority, fields)
         event = self.tracker.feed(line)  # fatal lines matter after READY too
+        if event.started and self.prober is not None and self.state.state is State.STARTING:
+            self.prober.burst(READY_PROBE_S, READY_BURST_S)
         if event.phase_changed and self.state.state is State.STARTING:
             self._last_status = 0.0  # a new phase shows at once
 

@@ -21,6 +21,7 @@ _VALUE_OPTIONS = {
     "--tensor-parallel-size": "tp",
     "-tp": "tp",
     "--gpu-memory-utilization": "gpu_util",
+    "--served-model-name": "served_name",  # takes one or more names; the first is what clients use
 }
 
 
@@ -31,14 +32,23 @@ class VllmArgs:
     port: int
     tensor_parallel_size: int
     gpu_memory_utilization: float
+    served_name: str | None = None
+
+    @property
+    def served_model_name(self) -> str | None:
+        """The name requests must give as "model": vLLM's first --served-model-name, else the model path."""
+        return self.served_name or self.model
 
     @property
     def health_url(self) -> str:
+        return self.api_url("/health")
+
+    def api_url(self, path: str) -> str:
         # A wildcard bind answers on loopback; probe there, never elsewhere.
         host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
         if ":" in host:
             host = f"[{host}]"
-        return f"http://{host}:{self.port}/health"
+        return f"http://{host}:{self.port}{path}"
 
 
 def _options(argv: list[str] | tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
@@ -89,4 +99,4 @@ def parse_vllm_args(argv: list[str] | tuple[str, ...]) -> VllmArgs:
         raise ValueError(f"--gpu-memory-utilization expects a number, got {found['gpu_util']!r}") from None
     if not 0 < util <= 1:
         raise ValueError(f"--gpu-memory-utilization expects a fraction in (0, 1], got {util:g}")
-    return VllmArgs(model, found.get("host", DEFAULT_HOST), port, tp, util)
+    return VllmArgs(model, found.get("host", DEFAULT_HOST), port, tp, util, found.get("served_name"))

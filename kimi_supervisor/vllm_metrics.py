@@ -40,10 +40,24 @@ class MetricsError(Exception):
     """/metrics could not be read or parsed; the message is one line."""
 
 
+_FAMILIES = (RUNNING, WAITING, GENERATION_TOKENS.removesuffix("_total"))
+
+
+def _wanted_lines(text: str) -> str:
+    """Only the lines of the families we read: a real page is ~50 KB, ~600 lines, and parsing all of it costs
+    ~15 ms of CPU every few seconds; the three families parse in well under a millisecond."""
+    keep = []
+    for line in text.splitlines():
+        name = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
+        if name.startswith(_FAMILIES):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
 def parse_metrics(text: str) -> EngineMetrics:
     sums: dict[str, float] = {}
     try:
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(_wanted_lines(text)):
             for sample in family.samples:
                 if sample.name in (RUNNING, WAITING, GENERATION_TOKENS):
                     sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)

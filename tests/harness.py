@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,15 +19,10 @@ from typing import Any
 import psutil
 
 from tests.fakes.notify_socket import NotifySocket
+from tests.procutil import free_port as free_port  # re-exported: tests and benches import it from here
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = REPO / "tests" / "fakes" / "fake_vllm.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def toml_value(value: object) -> str:

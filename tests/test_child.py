@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
@@ -140,14 +139,21 @@ def test_tree_is_terminated_including_detached_members(ignore_term: bool) -> Non
 
 
 def test_signal_tree_never_touches_unrelated_processes() -> None:
+    # The bystander shares this process's group and session: a signal to the wrong group reaches both.
     bystander = psutil.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     child = ChildProcess.spawn(spec(sys.executable, "-c", "import time; time.sleep(600)"))
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
     try:
-        child.signal_tree(signal.SIGKILL)
+        assert child.signal_tree(signal.SIGTERM) == 1  # the child, its only member
         wait_for(lambda: child.poll() is not None)
+        assert child.poll() == -signal.SIGTERM
+        # A signal a process sends to its own group is delivered before kill() returns, and Python runs
+        # the handler at the next bytecode: a stray SIGTERM would be in `received` already.
+        assert received == []
         assert bystander.is_running() and bystander.status() != psutil.STATUS_ZOMBIE
-        assert os.getpid() in {p.pid for p in psutil.process_iter()}
     finally:
+        signal.signal(signal.SIGTERM, previous)
         bystander.kill()
         bystander.wait()
         child.close_pipes()

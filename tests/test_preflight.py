@@ -15,17 +15,13 @@ from kimi_supervisor.checks import Status
 from kimi_supervisor.clock import Clock, SystemClock
 from kimi_supervisor.config import Config, parse_config
 from kimi_supervisor.exitcodes import PreflightError
+from kimi_supervisor.gpu import GpuProbe, NvmlProbe
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.proctable import PsutilProcessTable
 from tests.conftest import ProcSpawner
 from tests.fakes.clock import FakeClock, RecordingLog
 from tests.fakes.gpu import INVISIBLE_PID, FakeGpu, FakeGpuProbe
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.procutil import free_port
 
 
 def make_cfg(tmp_path: Path, *, tp: int = 2, util: str = "0.9", model: Path | None = None, **preflight: Any) -> Config:
@@ -56,9 +52,7 @@ def make_cfg(tmp_path: Path, *, tp: int = 2, util: str = "0.9", model: Path | No
     return parse_config({"child": {"argv": argv}, "preflight": pf}, tmp_path / "k.toml")
 
 
-def run(
-    cfg: Config, probe: FakeGpuProbe, *, dry: bool, clock: Clock | None = None, log: RecordingLog | None = None
-) -> Any:
+def run(cfg: Config, probe: GpuProbe, *, dry: bool, clock: Clock | None = None, log: RecordingLog | None = None) -> Any:
     return Preflight(cfg, probe, PsutilProcessTable(), clock or FakeClock(), log or RecordingLog()).run(dry_run=dry)
 
 
@@ -72,6 +66,12 @@ def test_clean_gpus_proceed(tmp_path: Path) -> None:
     assert report.proceed
     assert statuses(report) == [
         ("gpus", "ok"),
+        ("gpu_retired_pages", "n/a"),  # an H200: row remapping replaced page retirement
+        ("gpu_remapped_rows", "ok"),
+        ("gpu_ecc", "ok"),
+        ("gpu_pcie", "ok"),
+        ("gpu_persistence", "ok"),
+        ("gpu_clocks", "ok"),
         ("gpu_wait", "ok"),
         ("shm", "ok"),
         ("port", "ok"),
@@ -153,8 +153,13 @@ def test_dry_run_kills_and_removes_nothing(tmp_path: Path, spawner: ProcSpawner)
     assert data["proceed"] is False and json.dumps(data)
 
 
-def test_nvml_unavailable_is_a_failed_check(tmp_path: Path) -> None:
-    probe = FakeGpuProbe([FakeGpu()], init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+def test_nvml_unavailable_is_a_failed_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_driver() -> None:
+        # pynvml.NVMLError(code) returns the matching subclass, as the real library raises.
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
+    probe = NvmlProbe()  # the real probe's words, not a fake's
     report = run(make_cfg(tmp_path, tp=1), probe, dry=True)
     assert statuses(report)[0] == ("nvml", "failed")
     assert report.checks[0].message == "NVML unavailable: Driver Not Loaded (is the NVIDIA driver loaded?)"
@@ -222,7 +227,7 @@ def test_port_in_use_names_the_listener(tmp_path: Path) -> None:
 
 
 def test_cpu_deployment_skips_gpus(tmp_path: Path) -> None:
-    probe = FakeGpuProbe([], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    probe = FakeGpuProbe([])
     report = run(make_cfg(tmp_path, tp=1, gpus=[]), probe, dry=False)
     assert report.proceed and probe.calls == 0
     assert statuses(report)[0] == ("gpus", "skip")

@@ -219,3 +219,29 @@ def _subdir(tmp_path: Path, name: str) -> Path:
     path = tmp_path / name
     path.mkdir()
     return path
+
+
+def test_canary_results_reach_the_state_file_the_report_and_the_metrics(tmp_path: Path) -> None:
+    prom = tmp_path / "kimi_supervisor.prom"
+    config = fake_config(
+        tmp_path, liveness={"canary_interval_s": 0.3, "when": "always"}, metrics={"textfile": str(prom)}
+    )
+    run = Run(config, tmp_path)
+    try:
+        run.wait_event("state.ready")
+        canary = wait_for(
+            lambda: (lambda c: c if c["ok"] else None)(status_json(config)["state"]["canary"]), timeout=15
+        )
+        assert isinstance(canary, dict) and 0 < canary["latency_s"] < 5 and canary["at"] is not None
+        assert "      Canary: ok, " in status(config).stdout
+        wait_for(lambda: "kimi_supervisor_canary_latency_seconds" in metrics_or_empty(prom), timeout=10)
+        [(_, value)] = metrics(prom)["kimi_supervisor_canary_latency_seconds"]
+        assert 0 < value < 5
+        run.signal()
+        assert run.wait() == 0
+    finally:
+        run.kill()
+
+
+def metrics_or_empty(path: Path) -> dict[str, list[tuple[dict[str, str], float]]]:
+    return metrics(path) if path.exists() else {}

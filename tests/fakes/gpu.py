@@ -8,11 +8,28 @@ driver), so reaping real test processes really "returns" memory.
 from __future__ import annotations
 
 import dataclasses
+import queue
+from collections.abc import Mapping
 
 import psutil
-import pynvml
 
-from kimi_supervisor.gpu import GpuMemory, GpuProcess, GpuUnavailable
+from kimi_supervisor.gpu import GpuEvent, GpuHealth, GpuMemory, GpuProcess, GpuUnavailable
+
+# An H200 in good shape, as NVML reports it (bench/results/gpu_health_h200.md).
+HEALTHY = GpuHealth(
+    index=0,
+    remapped_rows_correctable=0,
+    remapped_rows_uncorrectable=0,
+    remapped_rows_pending=False,
+    remapped_rows_failed=False,
+    ecc_uncorrected_volatile=0,
+    pcie_width=16,
+    pcie_max_width=16,
+    pcie_gen=5,
+    pcie_max_gen=5,
+    persistence_mode=True,
+    clock_event_reasons=0,
+)
 
 
 @dataclasses.dataclass
@@ -21,6 +38,7 @@ class FakeGpu:
     base_used_mib: int = 0
     holders: dict[int, int | None] = dataclasses.field(default_factory=dict)  # pid -> MiB
     hidden_used_mib: int = 0  # memory used by processes NVML does not list
+    health: GpuHealth = HEALTHY  # its index is replaced by the GPU's
 
 
 # Above the kernel's PID limit: a "host PID" NVML reports that never exists here.
@@ -37,20 +55,20 @@ def _alive(pid: int) -> bool:
 
 
 class FakeGpuProbe:
-    def __init__(self, gpus: list[FakeGpu], init_error: int | None = None) -> None:
+    def __init__(self, gpus: list[FakeGpu]) -> None:
         self.gpus = gpus
-        self.init_error = init_error  # an NVML return code, e.g. pynvml.NVML_ERROR_DRIVER_NOT_LOADED
         self.calls = 0
-        self.closed = False
+        self.events: queue.SimpleQueue[GpuEvent] = queue.SimpleQueue()
+        self.event_kinds: tuple[str, ...] = ("xid", "double_bit_ecc")  # what "the driver" accepts
+        self.event_error: str | None = None  # watch_events raises GpuUnavailable with this
+        self.watches: list[FakeEventWatch] = []
+
+    def inject(self, event: GpuEvent) -> None:
+        """As if the driver reported `event`: a watch over that GPU returns it from wait()."""
+        self.events.put(event)
 
     def _check(self) -> None:
         self.calls += 1
-        if self.init_error is not None:
-            try:
-                # pynvml.NVMLError(code) returns the matching subclass, as the real library raises.
-                raise pynvml.NVMLError(self.init_error)
-            except pynvml.NVMLError as exc:
-                raise GpuUnavailable(f"NVML unavailable: {exc} (is the NVIDIA driver loaded?)") from None
 
     def device_count(self) -> int:
         self._check()
@@ -66,6 +84,36 @@ class FakeGpuProbe:
     def processes(self, index: int) -> list[GpuProcess]:
         self._check()
         return [GpuProcess(pid, index, mib) for pid, mib in sorted(self.gpus[index].holders.items()) if _alive(pid)]
+
+    def health(self, index: int) -> GpuHealth:
+        self._check()
+        return dataclasses.replace(self.gpus[index].health, index=index)
+
+    def watch_events(self, indices: tuple[int, ...]) -> FakeEventWatch:
+        self._check()
+        if self.event_error is not None:
+            raise GpuUnavailable(self.event_error)
+        watch = FakeEventWatch(self, {i: self.event_kinds for i in indices})
+        self.watches.append(watch)
+        return watch
+
+    def close(self) -> None:
+        pass
+
+
+class FakeEventWatch:
+    def __init__(self, probe: FakeGpuProbe, registered: Mapping[int, tuple[str, ...]]) -> None:
+        self._probe = probe
+        self.registered = registered
+        self.closed = False
+
+    def wait(self, timeout_s: float) -> GpuEvent | None:
+        try:
+            event = self._probe.events.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        # NVML delivers only events of the devices registered on the set.
+        return event if event.gpu in self.registered or event.gpu < 0 else None
 
     def close(self) -> None:
         self.closed = True

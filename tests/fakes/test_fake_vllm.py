@@ -4,29 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import importlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.fakes.fake_vllm_output import FIXTURES, as_own, excerpt, identify
 from tests.fakes.fake_vllm_proc import P
+from tests.procutil import free_port, proc_stat
 
 FAKE = Path(__file__).with_name("fake_vllm.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Fake:
@@ -135,47 +129,19 @@ def start(fakes: list[Fake], tmp: Path, *extra: str, tp: int = 2) -> Fake:
     return fake
 
 
-def _stat(pid: int) -> list[bytes]:
-    """Fields of /proc/PID/stat after the comm: [state, ppid, pgrp, ...]."""
-    with open(f"/proc/{pid}/stat", "rb") as fh:
-        stat = fh.read()
-    return stat[stat.rindex(b")") + 2 :].split()
-
-
-def _ppid(pid: int) -> int:
-    return int(_stat(pid)[1])
-
-
 def group_members(pgid: int) -> list[int]:
     """Non-zombie processes of process group `pgid` (zombies wait for init)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = _stat(int(entry))
-                if int(fields[2]) == pgid and fields[0] != b"Z":
-                    found.append(int(entry))
+            fields = proc_stat(int(entry))
+            if fields and int(fields[2]) == pgid and fields[0] != b"Z":
+                found.append(int(entry))
     return found
 
 
 def descendants(root: int) -> dict[int, str]:
-    """pid -> name of every descendant (psutil's name() if installed)."""
-    try:
-        psutil = importlib.import_module("psutil")
-    except ImportError:
-        children: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                with contextlib.suppress(OSError):
-                    children.setdefault(_ppid(int(entry)), []).append(int(entry))
-        found: dict[int, str] = {}
-        todo = list(children.get(root, []))
-        while todo:
-            pid = todo.pop()
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as fh:
-                found[pid] = fh.read().strip()
-            todo.extend(children.get(pid, []))
-        return found
+    """pid -> psutil's name() of every descendant (the full title, from the cmdline)."""
     out: dict[int, str] = {}
     for child in psutil.Process(root).children(recursive=True):
         with contextlib.suppress(psutil.Error):

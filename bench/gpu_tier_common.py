@@ -1,0 +1,68 @@
+"""What every part of the GPU tier shares: paths, the safe environment, small file and number helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+# Mandatory on the multi-GPU machines: NVLink multicast stays off everywhere,
+# also in every process started from here (they inherit os.environ).
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(SAFE_ENV)
+
+REPO = Path(__file__).resolve().parent.parent
+ENTRY = Path(__file__).with_name("gpu_tier.py")  # the subprocess roles run through it
+MIB = 1024 * 1024
+THRESHOLD_MIB = 1000  # the supervisor's default preflight.memory_threshold_mib
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh)
+    os.replace(tmp, path)
+
+
+def shm_listing(directory: str) -> list[str]:
+    try:
+        return sorted(os.listdir(directory))
+    except OSError:
+        return []
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(SAFE_ENV)
+    env["PYTHONUNBUFFERED"] = "1"
+    # NCCL over /dev/shm: no P2P, SHM transport on, legacy (file-backed) host buffers.
+    env.setdefault("NCCL_P2P_DISABLE", "1")
+    env.setdefault("NCCL_SHM_DISABLE", "0")
+    env.setdefault("NCCL_CUMEM_HOST_ENABLE", "0")
+    if extra:
+        env.update(extra)
+    return env
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {
+        "n": len(values),
+        "min": min(values),
+        "median": statistics.median(values),
+        "p95": pct(values, 0.95),
+        "max": max(values),
+        "mean": statistics.fmean(values),
+    }
