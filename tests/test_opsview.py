@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pynvml
 import pytest
 
 from kimi_supervisor.config import Config, parse_config
+from kimi_supervisor.gpu import NvmlProbe
 from kimi_supervisor.health import HealthResult
 from kimi_supervisor.opsview import OperatorView
 from kimi_supervisor.readiness import ReadinessTracker
@@ -148,8 +150,12 @@ def test_tree_gpu_memory_health_watchdog_and_canary_reach_the_state_file(tmp_pat
     assert log.events("operator_view.error") == []
 
 
-def test_nvml_failure_is_shown_not_raised(tmp_path: Path) -> None:
-    probe = FakeGpuProbe([FakeGpu()], init_error=9)  # NVML_ERROR_DRIVER_NOT_LOADED
+def test_nvml_failure_is_shown_not_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_driver() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
+    probe = NvmlProbe()  # the real probe's words
     cfg = config(tmp_path, preflight={"gpus": "all"})
     log = RecordingLog()
     view = OperatorView(cfg, probe, log, ReadinessTracker(cfg.readiness), None)
