@@ -16,6 +16,7 @@ from test_kimi_unit import CONFIG, DROPIN, DROPIN_TEXT, UNIT, config, deploy, ex
 from kimi_supervisor import unit
 
 STATE_FILE = "/run/kimi-supervisor/state.json"
+HISTORY_FILE = "/var/lib/kimi-supervisor/history.json"
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,8 @@ def wait_for_report(m: NspawnMachine, needles: tuple[str, ...], timeout: float =
 
 def test_status_during_a_load_and_after_a_restart(m: NspawnMachine) -> None:
     deploy(m, config(["--load-seconds", "14", "--shards", "40"]))
+    # The machine may have served other tests' runs: start from no state file and no history.
+    m.run(["rm", "-f", STATE_FILE, HISTORY_FILE])
     none = status(m)
     assert none.returncode == 3 and "not running (no state file at /run/kimi-supervisor/state.json)" in none.stdout
 
