@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import psutil
 
 from kimi_supervisor.exitcodes import SpawnError
-from kimi_supervisor.proctable import exited
+from kimi_supervisor.procident import CREATE_TIME_TOLERANCE_S, ProcIdent, exited, group_signal, send_signal
 
 PR_SET_CHILD_SUBREAPER = 36
 F_SETPIPE_SZ = 1031
@@ -226,7 +226,7 @@ class ChildProcess:
             if pid not in found:
                 try:
                     p = psutil.Process(pid)
-                    if abs(p.create_time() - created) < 0.01:
+                    if abs(p.create_time() - created) < CREATE_TIME_TOLERANCE_S:
                         found[pid] = p
                 except psutil.NoSuchProcess:
                     del self.known[pid]
@@ -242,17 +242,18 @@ class ChildProcess:
         return live
 
     def signal_tree(self, sig: signal.Signals) -> int:
-        """Signal the process group and every listed member; returns how many were signalled."""
+        """Signal the process group and every listed member; returns how many were signalled.
+
+        Members are signalled through pidfds (a recycled PID is never hit); the
+        group only while our child, its leader, is unreaped (see group_signal).
+        """
         members = self.refresh_members()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.sid, sig)
+        group_signal(self._popen.returncode is None, self.sid, sig)
         count = 0
         for p in members:
-            try:
-                p.send_signal(sig)  # psutil re-checks identity: no recycled PID is hit
+            created = self.known.get(p.pid)
+            if created is not None and send_signal(ProcIdent(p.pid, created), sig):
                 count += 1
-            except psutil.NoSuchProcess:
-                continue
         return count
 
     def reap(self) -> None:

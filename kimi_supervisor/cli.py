@@ -11,19 +11,18 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from kimi_supervisor import __version__, unit
+from kimi_supervisor import __version__, instance_lock, unit
+from kimi_supervisor.checks import Check, Status
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import DEFAULT_PATH, Config, effective_config, load_config
 from kimi_supervisor.exitcodes import DESCRIPTIONS, ConfigError, ExitCode, SupervisorError
-from kimi_supervisor.gpu import NvmlProbe
+from kimi_supervisor.gpu import GpuProbe, GpuUnavailable, NvmlProbe
 from kimi_supervisor.journal import FORMATS, configure, get_logger, resolve_format
 from kimi_supervisor.notify import notifier_from_env, watchdog_interval
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.proctable import PsutilProcessTable
 from kimi_supervisor.redact import REDACTED, is_secret_name, redact_argv, redact_env
 from kimi_supervisor.report import render_json, render_text
-from kimi_supervisor.status import run_status
-from kimi_supervisor.supervisor import Deps, Supervisor
 
 EPILOG = (
     "exit codes:\n"
@@ -138,24 +137,54 @@ def _flatten(data: object, prefix: str = "") -> list[tuple[str, object]]:
     return [(prefix.rstrip("."), data)]
 
 
+def _gpus_to_lock(cfg: Config, probe: GpuProbe) -> tuple[int, ...]:
+    if cfg.preflight.gpus is not None:
+        return cfg.preflight.gpus
+    try:
+        return tuple(range(probe.device_count()))
+    except GpuUnavailable:
+        return ()  # the preflight fails on NVML before touching anything; the port lock still holds
+
+
 def _dry_run(cfg: Config, as_json: bool) -> int:
     log = get_logger()
     probe = NvmlProbe()
     try:
+        # Never takes the lock (a real start beside us must not refuse because of a dry run): only reads it.
+        owner = instance_lock.find_owner(cfg.paths.runtime_directory, _gpus_to_lock(cfg, probe), cfg.child.vllm.port)
         report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
     finally:
         probe.close()
+    if owner is not None:
+        report.checks.insert(0, Check("instance", Status.FAIL, instance_lock.dry_run_text(owner), {"pid": owner.pid}))
     print(render_json(report, str(cfg.path)) if as_json else render_text(report, str(cfg.path)))
+    if owner is not None:
+        return ExitCode.ANOTHER_INSTANCE
     return ExitCode.OK if report.proceed else ExitCode.PREFLIGHT_FAILED
 
 
-def _run(cfg: Config, sink: object) -> int:
+def _run(cfg: Config, sink: object, probe: GpuProbe) -> int:
+    try:
+        # Before any preflight action: a second supervisor must change nothing (exit 16).
+        lock = instance_lock.acquire(
+            cfg.paths.runtime_directory, _gpus_to_lock(cfg, probe), cfg.child.vllm.port, str(cfg.path)
+        )
+        try:
+            return _supervise(cfg, sink, probe)
+        finally:
+            lock.close()
+    finally:
+        probe.close()
+
+
+def _supervise(cfg: Config, sink: object, probe: GpuProbe) -> int:
+    # Imported here: a refused second instance (exit 16) should not pay for the whole lifecycle.
     from kimi_supervisor.child import become_subreaper
+    from kimi_supervisor.supervisor import Deps, Supervisor
 
     log = get_logger()
     if not become_subreaper():
         log.warning("subreaper.unavailable", why="orphaned workers will be reparented to PID 1")
-    probe = NvmlProbe()
     deps = Deps(
         probe=probe,
         table=PsutilProcessTable(),
@@ -172,10 +201,7 @@ def _run(cfg: Config, sink: object) -> int:
         argv=" ".join(redact_argv(cfg.child.argv)),
         watchdog_s=deps.watchdog_s,
     )
-    try:
-        return Supervisor(cfg, deps, secret_values(cfg)).run()
-    finally:
-        probe.close()
+    return Supervisor(cfg, deps, secret_values(cfg)).run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -185,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = get_logger()
     try:
         if args.command == "status":
+            from kimi_supervisor.status import run_status  # only what reading two files needs
+
             return run_status(args.config, args.json, args.watch)
         cfg = _load(args)
         # Known secret values (HF_TOKEN=...) are scrubbed from every event from now on.
@@ -197,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return ExitCode.OK
         if args.dry_run:
             return _dry_run(cfg, args.json)
-        return _run(cfg, sink)
+        probe = NvmlProbe()
+        return _run(cfg, sink, probe)
     except ConfigError as err:
         # Exactly one line an operator can act on; the unit does not restart on 78.
         print(f"kimi-supervisor: config error: {err.message}", file=sys.stderr)

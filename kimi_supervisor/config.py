@@ -25,14 +25,19 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 DEFAULT_PATH = Path("/etc/kimi-supervisor/kimi-supervisor.toml")
 
-# The defaults cover a vLLM tree: its engine and TP workers (setproctitle
-# names, which the kernel truncates to 15 characters in comm), and python
-# processes whose command line runs vllm.
-DEFAULT_REAP_NAMES = ("VLLM::EngineCore*", "VLLM::EngineCor", "VLLM::Worker*")
+# The defaults match vLLM's own entry points, never a mere "vllm" somewhere in an argument
+# (`python3 eval.py --output-dir /data/vllm-eval` is someone else's job): the titles vLLM gives
+# its processes (setproctitle; the kernel keeps 15 characters in comm), `vllm serve` run
+# directly or through its console script, and `python -m vllm.entrypoints...`.  Each regex is
+# anchored at argv[0], so a wrapper whose argv merely contains such a command line (runuser,
+# sudo, tmux, `bash -c`) never matches.  README, "Kill rules", lists what does and does not match.
+DEFAULT_REAP_NAMES = ("VLLM::*",)
+_PYTHON = r"^(\S*/)?python[0-9.]*( -[WX] \S+| -[^ cm]\S*)*"
 DEFAULT_REAP_CMDLINE = (
-    r"(^|/)vllm( |$)",
-    r"(^|/)python[0-9.]*( -[^ ]+)* .*\bvllm\b",
-    r"(^|/)python[0-9.]*( -[^ ]+)* -m vllm\.",
+    r"^(\S*/)?vllm serve( |$)",
+    _PYTHON + r" (\S*/)?vllm serve( |$)",
+    _PYTHON + r" -m vllm\.entrypoints(\.\S+)?( |$)",
+    _PYTHON + r" -m vllm serve( |$)",
 )
 # Companions hold no CUDA context; they die only with a reaped holder's tree.
 DEFAULT_REAP_COMPANIONS = (r"multiprocessing\.resource_tracker",)
@@ -79,6 +84,8 @@ class ReapConfig:
     cmdline: tuple[re.Pattern[str], ...]
     companions: tuple[re.Pattern[str], ...]
     protected_names: tuple[str, ...]
+    # Only processes of these users may be reaped: root and child.user by default.
+    users: tuple[str, ...] = ("root",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +325,18 @@ def _parse_gpus(t: _Table) -> tuple[int, ...] | None:
     raise t.error("gpus", f'expected "all" or an array of GPU indices (e.g. [0, 1]), got {_describe(value)}')
 
 
-def _parse_preflight(t: _Table) -> PreflightConfig:
+def _reap_users(r: _Table, child_user: str | None) -> tuple[str, ...]:
+    default = ["root"] + ([child_user] if child_user and child_user != "root" else [])
+    users = r.strings("users", default)
+    if not users:
+        raise r.error("users", "expected at least one user name (an empty list would mean nobody, not everyone)")
+    for name in users:
+        if not name.strip():
+            raise r.error("users", f"expected user names, got {name!r}")
+    return users
+
+
+def _parse_preflight(t: _Table, child_user: str | None = None) -> PreflightConfig:
     gpus = _parse_gpus(t)
     threshold = t.integer("memory_threshold_mib", 1000, minimum=0, maximum=1 << 24)
     poll = t.number("poll_interval_s", 0.25, maximum=60)
@@ -334,6 +352,7 @@ def _parse_preflight(t: _Table) -> PreflightConfig:
         cmdline=r.patterns("cmdline", DEFAULT_REAP_CMDLINE),
         companions=r.patterns("companions", DEFAULT_REAP_COMPANIONS),
         protected_names=r.strings("protected_names", list(DEFAULT_PROTECTED)),
+        users=_reap_users(r, child_user),
     )
     r.done()
     s = t.table("shm")
@@ -469,7 +488,7 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     if not data:
         raise ConfigError(f"{path}: the file is empty; required key 'child.argv' is missing")
     child = _parse_child(root.table("child"))
-    preflight = _parse_preflight(root.table("preflight"))
+    preflight = _parse_preflight(root.table("preflight"), child.user)
     readiness = _parse_readiness(root.table("readiness"), child.vllm)
     health = _parse_health(root.table("health"))
     shutdown = _parse_shutdown(root.table("shutdown"))

@@ -88,6 +88,14 @@ class ChildUnhealthy(SupervisorError):
     exit_code = ExitCode.CHILD_UNHEALTHY
 
 
+class AnotherInstance(SupervisorError):
+    exit_code = ExitCode.ANOTHER_INSTANCE
+
+
+class RuntimeDirectoryError(SupervisorError):
+    exit_code = ExitCode.NO_PERMISSION
+
+
 class EngineWedged(SupervisorError):
     exit_code = ExitCode.ENGINE_WEDGED
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from kimi_supervisor.atomicfile import ensure_directory, write_atomic
 
+FILE_NAME = "history.json"
 KEEP = 20
 SCHEMA = 1
 COUNTERS = ("starts_total", "preflight_kills_total", "shm_removed_total")

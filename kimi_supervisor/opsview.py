@@ -24,6 +24,7 @@ from kimi_supervisor.config import Config
 from kimi_supervisor.eta import LoadEta
 from kimi_supervisor.gpu import GpuProbe, GpuUnavailable
 from kimi_supervisor.health import HealthResult
+from kimi_supervisor.history import FILE_NAME as HISTORY_FILE
 from kimi_supervisor.history import History
 from kimi_supervisor.metrics import MetricsSnapshot, MetricsWriter
 from kimi_supervisor.notify import Notifier
@@ -32,7 +33,6 @@ from kimi_supervisor.state import State
 from kimi_supervisor.statefile import SCHEMA, StateFile, process_start_time
 from kimi_supervisor.vllm_tree import describe_tree, with_gpu_memory
 
-HISTORY_FILE = "history.json"
 STARTING_REFRESH_S = 2.0
 STOPPING_REFRESH_S = 1.0
 WRITE_EVERY_S = 1.0

@@ -25,6 +25,7 @@ from kimi_supervisor.config import Config
 from kimi_supervisor.exitcodes import PreflightError
 from kimi_supervisor.gpu import GpuMemory, GpuProbe, GpuProcess, GpuUnavailable
 from kimi_supervisor.gpuwait import busy_gpus, holders, wait_until_free
+from kimi_supervisor.instance_lock import lock_owners
 from kimi_supervisor.proctable import ProcessTable
 from kimi_supervisor.reaper import ReapPlan, Victim, execute_reap, plan_reap
 from kimi_supervisor.shm import plan_shm, remove_stale
@@ -135,7 +136,7 @@ class Preflight:
         except GpuUnavailable as exc:
             add(Check("nvml", Status.FAIL, str(exc)))
             return ReapPlan((), ())
-        plan = plan_reap(found, self._table, self._pf.reap, self._self_pid)
+        plan = self._plan(found)
         if dry_run:
             for v in plan.victims:
                 add(Check("reap", Status.KILL, describe_victim(v), {"pid": v.proc.pid, "gpus": list(v.gpus)}))
@@ -146,18 +147,27 @@ class Preflight:
         self._wait(gpus, add)
         return plan
 
+    def _plan(self, found: list[GpuProcess]) -> ReapPlan:
+        # Every supervisor holding an instance lock is live: its tree is never stale.
+        owners = lock_owners(self._cfg.paths.runtime_directory)
+        return plan_reap(found, self._table, self._pf.reap, self._self_pid, owners)
+
     def _dry_wait(
         self, busy: list[GpuMemory], found: list[GpuProcess], plan: ReapPlan, add: Callable[[Check], None]
     ) -> None:
+        # Predict what the real run's wait sees once the victims are gone: a GPU passes when what
+        # stays is at or below the threshold, whoever holds it (a small agent outside the rules too).
         threshold = self._pf.memory_threshold_mib
         victim_pids = {v.proc.pid for v in plan.victims}
         still: list[str] = []
         for m in busy:
             others = [p for p in found if p.gpu == m.index and p.pid not in victim_pids]
             reaped = [p for p in found if p.gpu == m.index and p.pid in victim_pids]
-            freed = sum(p.used_mib or 0 for p in reaped)
-            unknown = any(p.used_mib is None for p in reaped)  # NVML would not say: assume it all returns
-            if reaped and not others and (unknown or m.used_mib - freed <= threshold):
+            left = m.used_mib - sum(p.used_mib or 0 for p in reaped)
+            if any(p.used_mib is None for p in reaped):
+                # NVML would not say what a victim holds: assume all of it returns, all but the others' share.
+                left = min(left, sum(p.used_mib or 0 for p in others))
+            if left <= threshold:
                 continue
             still.append(
                 f"GPU {m.index}: {m.used_mib} MiB used > {threshold} MiB by {self._holders_text(others, plan)}"
@@ -244,7 +254,7 @@ class Preflight:
         if busy:
             # Recompute the plan: it tells, per holder, why it was not killed.
             found = holders(self._probe, tuple(m.index for m in busy))
-            plan = plan_reap(found, self._table, self._pf.reap, self._self_pid)
+            plan = self._plan(found)
             text = "; ".join(
                 f"GPU {m.index}: {m.used_mib} MiB used by "
                 f"{self._holders_text([p for p in found if p.gpu == m.index], plan)}"

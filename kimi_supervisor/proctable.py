@@ -1,10 +1,7 @@
 """The process-table boundary: who is running, what they hold open, signals.
 
-Identity is (pid, create_time) so a recycled PID is never signalled by mistake.
-A process counts as dead once every one of its threads is a zombie: a zombie
-leader whose other threads still run may still hold GPU memory (measured on
-an H200: /proc showed the leader Z at once while the driver released its
-memory 90-210 ms after SIGTERM).
+Identity is (pid, create_time), and every signal goes through
+`procident.send_signal` (a pidfd), so a recycled PID is never signalled.
 """
 
 from __future__ import annotations
@@ -17,7 +14,11 @@ from typing import Protocol
 
 import psutil
 
+from kimi_supervisor.procident import ProcIdent, exited, send_signal
+from kimi_supervisor.procident import alive as ident_alive
 from kimi_supervisor.redact import redact_argv
+
+__all__ = ["ProcInfo", "ProcessTable", "PsutilProcessTable", "ancestors", "exited"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,10 @@ class ProcInfo:
     uid: int
     sid: int
     create_time: float
+
+    @property
+    def ident(self) -> ProcIdent:
+        return ProcIdent(self.pid, self.create_time)
 
     @property
     def command(self) -> str:
@@ -47,23 +52,7 @@ class ProcessTable(Protocol):
 
     def signal(self, proc: ProcInfo, sig: signal.Signals) -> bool: ...
 
-
-def exited(pid: int, proc_root: str = "/proc") -> bool:
-    """True when `pid` is gone or every thread of it is a zombie (Z) or dead (X)."""
-    try:
-        tasks = os.listdir(f"{proc_root}/{pid}/task")
-    except OSError:
-        return True
-    for tid in tasks:
-        try:
-            with open(f"{proc_root}/{pid}/task/{tid}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue  # that thread just went away
-        state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-        if state not in (b"Z", b"X"):
-            return False
-    return True
+    def cgroup(self, pid: int) -> str | None: ...
 
 
 def _info(p: psutil.Process) -> ProcInfo | None:
@@ -147,23 +136,28 @@ class PsutilProcessTable:
         return paths
 
     def alive(self, proc: ProcInfo) -> bool:
-        try:
-            p = psutil.Process(proc.pid)
-            if abs(p.create_time() - proc.create_time) > 0.01:
-                return False  # the PID was recycled: our process is gone
-            return not exited(proc.pid, self._proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            return False
+        return ident_alive(proc.ident, self._proc)
 
     def signal(self, proc: ProcInfo, sig: signal.Signals) -> bool:
-        """Send `sig` if `proc` is still the same process; False when it is gone."""
-        if not self.alive(proc):
-            return False
+        """Send `sig` if `proc` is still the same process (pidfd); False when it is gone."""
+        return self.alive(proc) and send_signal(proc.ident, sig)
+
+    def cgroup(self, pid: int) -> str | None:
+        """The process's cgroup v2 path (or the name=systemd v1 one), e.g. /system.slice/x.service."""
         try:
-            os.kill(proc.pid, sig)
-            return True
-        except ProcessLookupError:
-            return False
+            with open(f"{self._proc}/{pid}/cgroup", encoding="utf-8", errors="replace") as fh:
+                lines = fh.read().splitlines()
+        except OSError:
+            return None
+        found = None
+        for line in lines:
+            hierarchy, _, rest = line.partition(":")
+            controllers, _, path = rest.partition(":")
+            if hierarchy == "0" and controllers == "":
+                found = found or path
+            elif controllers == "name=systemd":
+                found = path
+        return found
 
 
 def ancestors(table: ProcessTable, pid: int) -> set[int]:

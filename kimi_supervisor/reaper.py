@@ -1,12 +1,15 @@
 """Reaping stale GPU processes: decide who may die, then TERM, poll, KILL.
 
-Only a process that holds a CUDA context on a configured GPU (NVML lists it)
-and matches the kill rules is a victim.  Merely having /dev/nvidia* open
-(nvidia-persistenced, DCGM, monitoring agents, this supervisor after
-nvmlInit) never makes a process a candidate.  PID 1, the supervisor and its
-ancestors, and protected names are never signalled.  A victim's stale tree
-may take along its companions (the multiprocessing resource_tracker) and
-ancestors that match the same rules.
+"Stale" means orphaned from its supervisor, nothing else.  Only a process
+that holds a CUDA context on a configured GPU (NVML lists it), matches the
+kill rules and is owned by one of `preflight.reap.users` is a victim.  Merely
+having /dev/nvidia* open (nvidia-persistenced, DCGM, monitoring agents, this
+supervisor after nvmlInit) never makes a process a candidate.  PID 1, the
+supervisor and its ancestors, protected names, and every process of a live
+kimi-supervisor's tree (a descendant of one, or a process in the cgroup of a
+kimi-supervisor unit whose supervisor lives) are never signalled.  A victim's
+stale tree may take along its companions (the multiprocessing
+resource_tracker) and ancestors that pass the same tests.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import os
+import pwd
+import re
 import signal
 from collections.abc import Callable, Iterable
 
@@ -23,6 +28,15 @@ from kimi_supervisor.gpu import GpuProcess
 from kimi_supervisor.proctable import ProcessTable, ProcInfo, ancestors
 
 COMM_LEN = 15
+MAX_DEPTH = 64  # ancestry walks stop here (a cycle in a racing /proc read must not hang us)
+# A multiprocessing child (spawn or forkserver) before or without setproctitle: it belongs to
+# the vLLM tree it descends from, and matches only through that tree.
+MP_CHILD = re.compile(r"multiprocessing\.(spawn|forkserver)|--multiprocessing-fork")
+# How a running kimi-supervisor looks in the process table (besides holding a lock).
+_SUPERVISOR_ARGV = re.compile(
+    r"^(\S*/)?(kimi-supervisor|python[0-9.]*( -\S+)* ((\S*/)?kimi-supervisor|-m kimi_supervisor))( |$)"
+)
+_SUPERVISOR_UNIT = re.compile(r"/kimi-supervisor[^/]*\.service(/|$)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +95,90 @@ class KillRules:
         command = _command(proc)
         return self._any_name(proc, self._cfg.names) or any(rx.search(command) for rx in self._cfg.cmdline)
 
+    def matches_in_tree(self, proc: ProcInfo, table: ProcessTable) -> bool:
+        """The rules, or a multiprocessing child whose ancestor or session leader matches them."""
+        if self.matches(proc):
+            return True
+        if not MP_CHILD.search(_command(proc)):
+            return False
+        leader = table.get(proc.sid) if proc.sid > 1 else None
+        if leader is not None and leader.pid != proc.pid and self.matches(leader):
+            return True
+        return any(self.matches(a) for a in _ancestry(proc, table))
+
     def companion(self, proc: ProcInfo) -> bool:
         command = _command(proc)
         return any(rx.search(command) for rx in self._cfg.companions)
+
+
+def _ancestry(proc: ProcInfo, table: ProcessTable) -> list[ProcInfo]:
+    found: list[ProcInfo] = []
+    current = table.get(proc.ppid) if proc.ppid > 1 else None
+    while current is not None and len(found) < MAX_DEPTH and current.pid not in {p.pid for p in found}:
+        found.append(current)
+        current = table.get(current.ppid) if current.ppid > 1 else None
+    return found
+
+
+def allowed_uids(users: Iterable[str]) -> dict[int, str]:
+    """preflight.reap.users as uid -> name; a name this host does not know owns nothing."""
+    uids: dict[int, str] = {}
+    for user in users:
+        try:
+            entry = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+            uids[entry.pw_uid] = entry.pw_name
+        except (KeyError, ValueError):
+            if user.isdigit():
+                uids[int(user)] = user
+    return uids
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+class LiveTrees:
+    """The process trees of live kimi-supervisors other than us: never stale, never reaped.
+
+    A live supervisor is one holding an instance lock (`lock_owners`, from the kernel's
+    lock table) or one whose command line is kimi-supervisor's.  Its tree is every
+    descendant, and, when it runs as a kimi-supervisor unit, every process in that
+    unit's cgroup (workers that double-forked away from it stay there).
+    """
+
+    def __init__(self, table: ProcessTable, self_pid: int, lock_owners: Iterable[int]) -> None:
+        self._table = table
+        pids = set(lock_owners)
+        pids |= {p.pid for p in table.all() if _SUPERVISOR_ARGV.search(_command(p))}
+        self.supervisors = {pid for pid in pids - {self_pid, 0, 1} if table.get(pid) is not None}
+        self._units: dict[str, int] = {}
+        for pid in sorted(self.supervisors):
+            cgroup = table.cgroup(pid)
+            if cgroup and _SUPERVISOR_UNIT.search(cgroup):
+                self._units.setdefault(_unit_root(cgroup), pid)
+
+    def owner(self, proc: ProcInfo) -> str | None:
+        """Why `proc` belongs to a live supervisor's tree, or None."""
+        if not self.supervisors:
+            return None
+        for a in _ancestry(proc, self._table):
+            if a.pid in self.supervisors:
+                return f"descends from a live kimi-supervisor (PID {a.pid})"
+        if self._units:
+            cgroup = self._table.cgroup(proc.pid) or ""
+            for unit, pid in self._units.items():
+                if cgroup == unit or cgroup.startswith(unit + "/"):
+                    return f"runs in {unit.rsplit('/', 1)[-1]}, the cgroup of a live kimi-supervisor (PID {pid})"
+        return None
+
+
+def _unit_root(cgroup: str) -> str:
+    match = _SUPERVISOR_UNIT.search(cgroup)
+    assert match is not None
+    return cgroup[: match.end()].rstrip("/")
 
 
 def _command(proc: ProcInfo) -> str:
@@ -98,13 +193,48 @@ def _name_matches(name: str, pattern: str) -> bool:
     return len(name) == COMM_LEN and fnmatch.fnmatchcase(name, pattern[:COMM_LEN])
 
 
-def plan_reap(holders: Iterable[GpuProcess], table: ProcessTable, cfg: ReapConfig, self_pid: int) -> ReapPlan:
-    """Decide, without side effects, which GPU holders (and their companions) would be killed."""
-    rules = KillRules(cfg)
-    untouchable = ancestors(table, self_pid)
+class _Judge:
+    """Why a process may not be killed (None: it may), shared by holders, parents and companions."""
+
+    def __init__(self, table: ProcessTable, cfg: ReapConfig, self_pid: int, lock_owners: Iterable[int]) -> None:
+        self.rules = KillRules(cfg)
+        self.table = table
+        self.untouchable = ancestors(table, self_pid)
+        self.live = LiveTrees(table, self_pid, lock_owners)
+        self.uids = allowed_uids(cfg.users)
+        self.users = cfg.users
+
+    def guard(self, proc: ProcInfo) -> str | None:
+        """The checks every victim passes, whatever made it a candidate."""
+        if proc.pid in self.untouchable:
+            return "is the supervisor itself, one of its ancestors, or PID 1"
+        if self.rules.protected(proc):
+            return f"protected name {proc.name!r}"
+        live = self.live.owner(proc)
+        if live is not None:
+            return live
+        if proc.uid not in self.uids:
+            return f"owned by user {user_name(proc.uid)}, not one of preflight.reap.users {list(self.users)}"
+        return None
+
+
+def plan_reap(
+    holders: Iterable[GpuProcess],
+    table: ProcessTable,
+    cfg: ReapConfig,
+    self_pid: int,
+    lock_owners: Iterable[int] = (),
+) -> ReapPlan:
+    """Decide, without side effects, which GPU holders (and their companions) would be killed.
+
+    `lock_owners`: PIDs holding kimi-supervisor instance locks (live supervisors).
+    """
     by_pid: dict[int, list[GpuProcess]] = {}
     for h in holders:
         by_pid.setdefault(h.pid, []).append(h)
+    if not by_pid:
+        return ReapPlan((), ())
+    judge = _Judge(table, cfg, self_pid, lock_owners)
 
     victims: dict[int, Victim] = {}
     spared: list[Spared] = []
@@ -121,14 +251,12 @@ def plan_reap(holders: Iterable[GpuProcess], table: ProcessTable, cfg: ReapConfi
                 "NVML reports this PID but no such process is visible in this PID namespace "
                 "(NVML gives host PIDs; is the supervisor in a container?)"
             )
-        elif pid in untouchable:
-            reason = "is the supervisor itself, one of its ancestors, or PID 1"
-        elif rules.protected(proc):
-            reason = f"protected name {proc.name!r}"
-        elif not cfg.enabled:
-            reason = "reaping is disabled (preflight.reap.enabled = false)"
-        elif not rules.matches(proc):
-            reason = "does not match preflight.reap.names / preflight.reap.cmdline"
+        else:
+            reason = judge.guard(proc)
+            if reason is None and not cfg.enabled:
+                reason = "reaping is disabled (preflight.reap.enabled = false)"
+            elif reason is None and not judge.rules.matches_in_tree(proc, table):
+                reason = "does not match preflight.reap.names / preflight.reap.cmdline"
         if reason is None and proc is not None:
             by_gpu = tuple((e.gpu, e.used_mib) for e in entries if e.used_mib is not None)
             victims[pid] = Victim(proc, gpus, used, "holds a CUDA context", by_gpu)
@@ -136,27 +264,30 @@ def plan_reap(holders: Iterable[GpuProcess], table: ProcessTable, cfg: ReapConfi
             spared.append(Spared(pid, gpus, used, proc, reason or ""))
 
     if victims:
-        _add_tree_members(victims, table, rules, untouchable)
+        _add_tree_members(victims, judge)
     return ReapPlan(tuple(victims.values()), tuple(spared))
 
 
-def _add_tree_members(victims: dict[int, Victim], table: ProcessTable, rules: KillRules, untouchable: set[int]) -> None:
+def _add_tree_members(victims: dict[int, Victim], judge: _Judge) -> None:
+    table, rules = judge.table, judge.rules
     holders = list(victims.values())
     # Ancestors of a holder that match the kill rules are the stale tree's root
     # (the API server); killing only the workers would leave it half-alive.
+    # The rules are anchored at argv[0]: a wrapper (runuser, sudo, tmux, bash -c)
+    # whose arguments spell a vLLM command line does not match, and the walk stops there.
     for v in holders:
         parent = table.get(v.proc.ppid)
-        while parent is not None and parent.pid not in untouchable and parent.pid not in victims:
-            if rules.protected(parent) or not rules.matches(parent):
+        while parent is not None and parent.pid not in victims:
+            if judge.guard(parent) is not None or not rules.matches(parent):
                 break
             victims[parent.pid] = Victim(parent, (), None, f"parent of PID {v.proc.pid}")
             parent = table.get(parent.ppid)
     pids = set(victims)
     # Our own session (and our ancestors') is never a stale tree's session.
-    ours = {p.sid for p in (table.get(pid) for pid in untouchable) if p is not None}
+    ours = {p.sid for p in (table.get(pid) for pid in judge.untouchable) if p is not None}
     sessions = {v.proc.sid for v in victims.values()} - ours - {-1, 0}
     for proc in table.all():
-        if proc.pid in victims or proc.pid in untouchable or rules.protected(proc) or not rules.companion(proc):
+        if proc.pid in victims or not rules.companion(proc) or judge.guard(proc) is not None:
             continue
         if proc.ppid in pids or proc.sid in sessions:
             owner = proc.ppid if proc.ppid in pids else next(p for p, v in victims.items() if v.proc.sid == proc.sid)

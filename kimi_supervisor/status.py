@@ -21,8 +21,8 @@ from typing import Any, TextIO
 from kimi_supervisor.clock import format_duration
 from kimi_supervisor.config import PathsConfig, load_config
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
+from kimi_supervisor.history import FILE_NAME as HISTORY_FILE
 from kimi_supervisor.history import HistoryData, RunRecord, load_history
-from kimi_supervisor.opsview import HISTORY_FILE
 from kimi_supervisor.statefile import FILE_NAME, read_state, writer_alive
 
 RUNS_SHOWN = 5

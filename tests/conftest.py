@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,14 +16,28 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+def interpreter(uid: int | None) -> str:
+    """A Python another user can run: the test's own may live under root's 0700 home."""
+    if uid is not None and os.path.exists("/usr/bin/python3"):
+        return "/usr/bin/python3"
+    return sys.executable
+
+
 class ProcSpawner:
     """Starts real helper processes for a test and always kills exactly them afterwards."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.dirs: list[str] = []
 
     def python(
-        self, code: str, *, title: str | None = None, new_session: bool = True, extra_args: list[str] | None = None
+        self,
+        code: str,
+        *,
+        title: str | None = None,
+        new_session: bool = True,
+        extra_args: list[str] | None = None,
+        uid: int | None = None,
     ) -> subprocess.Popen[bytes]:
         prologue = ""
         if title:
@@ -31,14 +47,62 @@ class ProcSpawner:
                 "libc = ctypes.CDLL(ctypes.util.find_library('c'))\n"
                 f"libc.prctl(15, {title.encode()!r}, 0, 0, 0)\n"
             )
-        argv = [sys.executable, "-c", prologue + code, *(extra_args or [])]
-        p = subprocess.Popen(argv, start_new_session=new_session, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        argv = [interpreter(uid), "-c", prologue + code, *(extra_args or [])]
+        return self.start(argv, new_session=new_session, uid=uid)
+
+    def start(
+        self,
+        argv: list[str],
+        *,
+        new_session: bool = True,
+        uid: int | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """Any argv; `uid`: run as that user (and group), e.g. 65534 for nobody (needs root)."""
+
+        def become() -> None:
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+
+        p = subprocess.Popen(
+            argv,
+            start_new_session=new_session,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=become if uid is not None else None,
+            cwd=cwd,
+            env=env,
+        )
         self.procs.append(p)
         return p
 
-    def sleeper(self, title: str | None = None, extra_args: list[str] | None = None) -> subprocess.Popen[bytes]:
+    def module(
+        self, module: str, args: list[str] | None = None, uid: int | None = None, code: str = ""
+    ) -> subprocess.Popen[bytes]:
+        """A real `python -m <module> args...` (e.g. vllm.entrypoints.openai.api_server): runs `code`, then sleeps."""
+        root = tempfile.mkdtemp(prefix="kimi-mod-")
+        self.dirs.append(root)
+        os.chmod(root, 0o755)
+        parts = module.split(".")
+        for i in range(1, len(parts)):
+            package = os.path.join(root, *parts[:i])
+            os.makedirs(package, mode=0o755, exist_ok=True)
+            open(os.path.join(package, "__init__.py"), "w").close()
+        with open(os.path.join(root, *parts) + ".py", "w") as fh:
+            fh.write(code + "\nimport time\nprint('up', flush=True)\ntime.sleep(600)\n")
+        env = {**os.environ, "PYTHONPATH": root}
+        p = self.start([interpreter(uid), "-m", module, *(args or [])], uid=uid, cwd=root, env=env)
+        assert p.stdout is not None and p.stdout.readline() == b"up\n"
+        return p
+
+    def sleeper(
+        self, title: str | None = None, extra_args: list[str] | None = None, uid: int | None = None
+    ) -> subprocess.Popen[bytes]:
         p = self.python(
-            "import time, sys\nprint('up', flush=True)\ntime.sleep(600)", title=title, extra_args=extra_args
+            "import time, sys\nprint('up', flush=True)\ntime.sleep(600)", title=title, extra_args=extra_args, uid=uid
         )
         assert p.stdout is not None
         assert p.stdout.readline() == b"up\n"
@@ -55,6 +119,8 @@ class ProcSpawner:
             for stream in (p.stdout, p.stderr):
                 if stream:
                     stream.close()
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -78,7 +78,7 @@ def fake_config(tmp_path: Path, fake_args: list[str] | None = None, tp: int = 2,
         "readiness": {"stall_timeout_s": 20, "deadline_s": 60, "poll_interval_s": 0.1},
         "health": {"interval_s": 0.3, "timeout_s": 1, "failures_tolerated": 3},
         "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
-        # Never the host's /run/kimi-supervisor or /var/lib/kimi-supervisor.
+        # The instance locks, the state file and the history live here, not in the host's /run or /var/lib.
         "paths": {"runtime_directory": str(tmp_path / "run"), "state_directory": str(tmp_path / "state")},
     }
     for key, value in sections.items():
@@ -90,12 +90,18 @@ class Run:
     """A running supervisor: its JSON events, child lines and notify datagrams."""
 
     def __init__(
-        self, config: Path, tmp_path: Path, env: dict[str, str] | None = None, args: list[str] | None = None
+        self,
+        config: Path,
+        tmp_path: Path,
+        env: dict[str, str] | None = None,
+        args: list[str] | None = None,
+        entry: list[str] | None = None,
     ) -> None:
         self.notify = NotifySocket(tmp_path)
         full_env = {**os.environ, "NOTIFY_SOCKET": self.notify.path, "PYTHONPATH": str(REPO), **(env or {})}
+        command = [*(entry or ["-m", "kimi_supervisor"]), "--config", str(config), "--log-format", "json"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kimi_supervisor", "--config", str(config), "--log-format", "json", *(args or [])],
+            [sys.executable, *command, *(args or [])],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=full_env,

@@ -48,7 +48,12 @@ def error_of(path: Path) -> str:
         (
             MINIMAL + "[preflight.reap]\nzzz = 1\n",
             "{p}: preflight.reap.zzz: unknown key (known keys: cmdline, companions, enabled, grace_s, names, "
-            "protected_names)",
+            "protected_names, users)",
+        ),
+        (
+            MINIMAL + "[preflight.reap]\nusers = []\n",
+            "{p}: preflight.reap.users: expected at least one user name (an empty list would mean nobody, "
+            "not everyone)",
         ),
         (
             MINIMAL + '[preflight]\ndeadline_s = "30"\n',

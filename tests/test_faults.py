@@ -103,23 +103,33 @@ def test_read_only_shm_fails_the_preflight_naming_it(tmp_path: Path) -> None:
 def test_another_users_processes_survive_every_path(tmp_path: Path, spawner: ProcSpawner) -> None:
     if not ROOT:
         pytest.skip("starting a process as another user needs root")
-    other = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "600"])
-    try:
-        vllm_named = spawner.sleeper(title="VLLM::Worker_TP0")  # matches the rules but holds no GPU
-        probe = FakeGpuProbe([FakeGpu(holders={other.pid: 20_000})])
-        cfg = parse_config(
-            {
-                "child": {"argv": ["vllm", "serve", "/m", "--port", str(free_port())]},
-                "preflight": {"gpus": [0], "deadline_s": 2, "check_model": False, "shm": {"directory": str(tmp_path)}},
-            },
-            tmp_path / "k.toml",
-        )
-        with pytest.raises(PreflightError, match=f"PID {other.pid} \\(sleep\\) 20000 MiB: not killed, does not match"):
-            Preflight(cfg, probe, PsutilProcessTable(), FakeClock(), RecordingLog()).run(dry_run=False)
-        assert other.poll() is None and vllm_named.poll() is None
-    finally:
-        other.kill()
-        other.wait()
+    # Owned by nobody and holding GPU contexts: one with "vllm" in an argument (someone's eval job),
+    # one that even matches the kill rules by name. Neither may be signalled; both are named.
+    evaluation = spawner.sleeper(extra_args=["eval.py", "--output-dir", "/data/vllm-eval"], uid=65534)
+    lookalike = spawner.sleeper(title="VLLM::Worker_TP0", uid=65534)
+    vllm_named = spawner.sleeper(title="VLLM::Worker_TP1")  # matches the rules but holds no GPU
+    probe = FakeGpuProbe([FakeGpu(holders={evaluation.pid: 20_000, lookalike.pid: 10_000})])
+    cfg = parse_config(
+        {
+            "child": {"argv": ["vllm", "serve", "/m", "--port", str(free_port())]},
+            "preflight": {"gpus": [0], "deadline_s": 2, "check_model": False, "shm": {"directory": str(tmp_path)}},
+        },
+        tmp_path / "k.toml",
+    )
+    log = RecordingLog()
+    for dry in (True, False):
+        if dry:
+            report = Preflight(cfg, probe, PsutilProcessTable(), FakeClock(), log).run(dry_run=True)
+            assert not report.proceed and not [c for c in report.checks if c.status.value == "would kill"]
+            continue
+        with pytest.raises(PreflightError) as info:
+            Preflight(cfg, probe, PsutilProcessTable(), FakeClock(), log).run(dry_run=False)
+        message = info.value.message
+        assert f"PID {evaluation.pid} (python3) 20000 MiB: not killed, owned by user nobody" in message
+        assert f"PID {lookalike.pid} (VLLM::Worker_TP) 10000 MiB: not killed, owned by user nobody" in message
+        assert "not one of preflight.reap.users ['root']" in message
+    assert log.events("preflight.kill") == []
+    assert evaluation.poll() is None and lookalike.poll() is None and vllm_named.poll() is None
 
 
 def test_supervisor_sigkilled_leaves_a_tree_the_next_preflight_names(tmp_path: Path) -> None:

@@ -60,7 +60,7 @@ def test_plan_kills_only_matching_gpu_holders(spawner: ProcSpawner) -> None:
 
 
 def test_plan_matches_python_running_vllm_by_cmdline(spawner: ProcSpawner) -> None:
-    server = spawner.sleeper(extra_args=["-m", "vllm.entrypoints.openai.api_server"])
+    server = spawner.module("vllm.entrypoints.openai.api_server")
     plan = plan_reap([GpuProcess(server.pid, 0, 100)], TABLE, reap_cfg(), os.getpid())
     assert [v.proc.pid for v in plan.victims] == [server.pid]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import psutil
 
@@ -55,8 +55,9 @@ def _alive(pid: int) -> bool:
 
 
 class FakeGpuProbe:
-    def __init__(self, gpus: list[FakeGpu]) -> None:
+    def __init__(self, gpus: list[FakeGpu], alive: Callable[[int], bool] | None = None) -> None:
         self.gpus = gpus
+        self._alive = alive or _alive  # a fake process table's liveness, for scenes without real processes
         self.calls = 0
         self.events: queue.SimpleQueue[GpuEvent] = queue.SimpleQueue()
         self.event_kinds: tuple[str, ...] = ("xid", "double_bit_ecc")  # what "the driver" accepts
@@ -78,12 +79,14 @@ class FakeGpuProbe:
         self._check()
         gpu = self.gpus[index]
         used = gpu.base_used_mib + gpu.hidden_used_mib
-        used += sum(mib or 0 for pid, mib in gpu.holders.items() if _alive(pid))
+        used += sum(mib or 0 for pid, mib in gpu.holders.items() if self._alive(pid))
         return GpuMemory(index, gpu.total_mib, used, gpu.total_mib - used)
 
     def processes(self, index: int) -> list[GpuProcess]:
         self._check()
-        return [GpuProcess(pid, index, mib) for pid, mib in sorted(self.gpus[index].holders.items()) if _alive(pid)]
+        return [
+            GpuProcess(pid, index, mib) for pid, mib in sorted(self.gpus[index].holders.items()) if self._alive(pid)
+        ]
 
     def health(self, index: int) -> GpuHealth:
         self._check()

@@ -1,0 +1,166 @@
+"""One supervisor per GPU set: a second one refuses at once (exit 16) and changes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kimi_supervisor import cli, instance_lock
+from kimi_supervisor.exitcodes import AnotherInstance, ExitCode
+from tests.conftest import REPO, wait_for
+from tests.harness import Run, fake_config, fake_tree_of
+
+GPU_CLI = ["-m", "tests.fakes.gpu_cli"]
+
+
+def hold_lock(directory: Path, gpus: list[int], port: int) -> subprocess.Popen[bytes]:
+    """A real process that takes the locks through the real code and then just holds them."""
+    code = (
+        "import sys, time\nfrom pathlib import Path\nfrom kimi_supervisor import instance_lock\n"
+        f"lock = instance_lock.acquire(Path({str(directory)!r}), {gpus!r}, {port}, 'x.toml')\n"
+        "print('locked', flush=True)\ntime.sleep(600)\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    assert p.stdout is not None and p.stdout.readline() == b"locked\n"
+    return p
+
+
+def test_a_sigkilled_owners_lock_never_blocks(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run" / "kimi"  # missing: created, 0755
+    owner = hold_lock(run_dir, [0, 1], 8123)
+    try:
+        assert (run_dir.stat().st_mode & 0o777) == 0o755
+        with pytest.raises(AnotherInstance) as info:
+            instance_lock.acquire(run_dir, [1, 2], 9000, "y.toml")
+        assert info.value.message == (
+            f"another kimi-supervisor (PID {owner.pid}) owns GPU 1, serving GPUs [0, 1], port 8123 "
+            f"(lock {run_dir / 'gpu-1.lock'}); nothing was changed"
+        )
+        # Nothing of ours was left held: a disjoint set starts beside it.
+        instance_lock.acquire(run_dir, [2, 3], 9001, "z.toml").close()
+        assert instance_lock.lock_owners(run_dir) == {owner.pid}
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    assert (run_dir / "gpu-1.lock").exists()  # the stale file stays; the kernel dropped the lock
+    lock = instance_lock.acquire(run_dir, [0, 1], 8123, "y.toml")
+    try:
+        assert json.loads((run_dir / "gpu-0.lock").read_text())["pid"] == os.getpid()
+    finally:
+        lock.close()
+
+
+def test_lock_fds_are_not_inherited(tmp_path: Path) -> None:
+    lock = instance_lock.acquire(tmp_path, [0], 8124, "x.toml")
+    try:
+        child = subprocess.run(["ls", "-l", "/proc/self/fd/"], capture_output=True, text=True, close_fds=False)
+        assert str(tmp_path) not in child.stdout
+    finally:
+        lock.close()
+
+
+def test_dry_run_never_takes_the_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    taken: list[Any] = []
+    monkeypatch.setattr(instance_lock.fcntl, "flock", lambda *a: taken.append(a))
+    config = fake_config(tmp_path, tp=1)
+    rc = cli.main(["--config", str(config), "--dry-run", "--log-format", "json"])
+    assert rc == ExitCode.OK and taken == []
+
+
+def gpu_file(path: Path, holders: dict[int, int], count: int = 1) -> Path:
+    """`count` GPUs; holder i (in order) holds its MiB on GPU i % count."""
+    gpus: list[dict[str, Any]] = [{"total_mib": 97887, "holders": {}} for _ in range(count)]
+    for i, (pid, mib) in enumerate(holders.items()):
+        gpus[i % count]["holders"][str(pid)] = mib
+    path.write_text(json.dumps(gpus))
+    return path
+
+
+def test_second_supervisor_refuses_at_once_and_the_first_keeps_serving(tmp_path: Path) -> None:
+    gpus = gpu_file(tmp_path / "gpus.json", {}, count=2)
+    config = fake_config(tmp_path, tp=2, preflight={"gpus": [0, 1], "deadline_s": 3})
+    entry = [*GPU_CLI, str(gpus)]
+    (tmp_path / "a").mkdir()
+    first = Run(config, tmp_path / "a", entry=entry)
+    second: Run | None = None
+    try:
+        first.wait_event("state.ready")
+        tree = wait_for(lambda: [p for p in fake_tree_of(str(tmp_path)) if p.name().startswith("VLLM::Worker")])
+        workers = {p.pid: p.create_time() for p in tree}  # type: ignore[attr-defined]
+        assert len(workers) == 2
+        everyone = {p.pid: p.create_time() for p in fake_tree_of(str(tmp_path))}
+        # Now the serving workers hold CUDA contexts on GPU 0 (as vLLM's do): they match every kill rule.
+        gpu_file(gpus, dict.fromkeys(workers, 40_000), count=2)
+        seen = len(first.events)
+
+        # The same command again, from a shell, by mistake.
+        (tmp_path / "b").mkdir()
+        started = time.monotonic()
+        second = Run(config, tmp_path / "b", entry=entry)
+        rc = second.wait()
+        took = time.monotonic() - started
+        assert rc == ExitCode.ANOTHER_INSTANCE
+        assert took < 1.0, f"refused after {took:.2f}s"
+        exit_event = second.event("supervisor.exit")
+        assert exit_event is not None
+        assert exit_event["error"].startswith(f"another kimi-supervisor (PID {first.proc.pid}) owns GPU 0, serving ")
+        assert exit_event["error"].endswith("; nothing was changed")
+        # One line, nothing else: no preflight, no state, no kill, nothing sent to systemd.
+        assert second.names() == ["supervisor.exit"]
+        assert second.notify.messages() == []
+
+        time.sleep(1.0)  # a few health probes later
+        assert first.proc.poll() is None
+        assert {p.pid: p.create_time() for p in fake_tree_of(str(tmp_path))} == everyone
+        assert [e["event"] for e in first.events[seen:] if not e["event"].startswith("health")] == []
+        print(f"second supervisor refused in {took * 1000:.0f} ms")
+    finally:
+        first.signal()
+        assert first.wait() == 0
+        if second is not None and second.proc.poll() is None:
+            second.kill()
+
+
+def test_dry_run_alongside_a_running_supervisor(tmp_path: Path) -> None:
+    gpus = gpu_file(tmp_path / "gpus.json", {})
+    config = fake_config(tmp_path, tp=1, preflight={"gpus": [0]})
+    entry = [*GPU_CLI, str(gpus)]
+    (tmp_path / "a").mkdir()
+    first = Run(config, tmp_path / "a", entry=entry)
+    try:
+        first.wait_event("state.ready")
+        worker = wait_for(lambda: [p for p in fake_tree_of(str(tmp_path)) if p.name().startswith("VLLM::Worker")])
+        pid = worker[0].pid  # type: ignore[index]
+        gpu_file(gpus, {pid: 40_000})
+        dry = subprocess.run(
+            [sys.executable, *entry, "--config", str(config), "--dry-run"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            timeout=30,
+        )
+        print(dry.stdout)
+        assert dry.returncode == ExitCode.ANOTHER_INSTANCE, dry.stdout + dry.stderr
+        port = json.loads((tmp_path / "run" / "gpu-0.lock").read_text())["port"]
+        assert (
+            f"instance            a kimi-supervisor (PID {first.proc.pid}) is running and owns GPUs [0], "
+            f"port {port}; a start now would refuse (exit 16, GPU 0 is taken)"
+        ) in dry.stdout
+        # Its workers are not stale: never on the would-kill list, named with why.
+        assert "would kill" not in dry.stdout
+        assert f"PID {pid} (VLLM::Worker) 40000 MiB: not killed, descends from a live kimi-supervisor" in dry.stdout
+        assert first.proc.poll() is None and worker[0].is_running()  # type: ignore[index]
+    finally:
+        first.signal()
+        assert first.wait() == 0
