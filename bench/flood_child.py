@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Prints N lines of about 100 bytes to stdout as fast as it can; writes its elapsed seconds to a file.
 
-    flood_child.py N ELAPSED_FILE [--port PORT] [--ready] [--rate LINES_PER_S]
+    flood_child.py N ELAPSED_FILE [--port PORT] [--ready] [--rate LINES_PER_S] [--hold]
 
 With --ready it first plays a ready vLLM (stdlib only): prints "Application
 startup complete.", answers GET /health on 127.0.0.1:PORT with 200, and
 floods only once /health has been answered (so the supervisor is past READY).
+With --hold it keeps answering /health after the flood, until SIGTERM (a
+server that was merely chatty), after printing what it achieved.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ LINES_PER_WRITE = 1000
 PACED_BATCH = 100
 
 
-def wait_until_probed(port: int) -> None:
+def wait_until_probed(port: int) -> threading.Event:
     probed = threading.Event()
 
     class Health(http.server.BaseHTTPRequestHandler):
@@ -38,6 +40,7 @@ def wait_until_probed(port: int) -> None:
     print("INFO:     Application startup complete.", flush=True)
     probed.wait(30)
     time.sleep(0.5)  # the supervisor sends READY=1 within milliseconds of the 200
+    return probed
 
 
 def main() -> None:
@@ -47,6 +50,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--ready", action="store_true")
     parser.add_argument("--rate", type=float, default=0.0, help="pace the output at this many lines/s (0: flat out)")
+    parser.add_argument("--hold", action="store_true", help="after the flood, serve /health until SIGTERM")
     args = parser.parse_args()
     if args.ready:
         wait_until_probed(args.port)
@@ -72,6 +76,12 @@ def main() -> None:
     elapsed = time.monotonic() - start
     with open(args.elapsed_file, "w") as fh:
         fh.write(repr(elapsed))
+    if args.hold:
+        # A second later (a fresh metering second), say what was achieved; then serve quietly.
+        time.sleep(1.1)
+        print(f"WARNING flood done: {done} lines in {elapsed:.2f} s ({done / elapsed:.0f} lines/s)", flush=True)
+        while True:  # SIGTERM's default action ends it
+            time.sleep(3600)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@
 Rows: 1 preflight wall time vs the seeds' nvidia-smi loop; 2 READY=1 latency
 after the first /health 200; 3 stop time and orphans; 4 log forwarding
 throughput; 5 idle RSS and CPU; 6 READY=1 lag after /health can first
-answer; 7 time to detect a wedged engine.  Exit status 1 when any row misses its target.
+answer; 7 time to detect a wedged engine; 8 a chatty child under the real
+systemd (watchdog lateness, supervisor records lost).  Exit status 1 when any
+row misses its target.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench import bench_flood, bench_lifecycle, bench_liveness, bench_preflight  # noqa: E402 - needs the repo on sys.path
+from bench import (  # noqa: E402 - needs the repo on sys.path
+    bench_flood,
+    bench_journal_flood,
+    bench_lifecycle,
+    bench_liveness,
+    bench_preflight,
+)
 from bench.common import Row  # noqa: E402
 
 COMMAND = "python3 bench/run.py"
@@ -35,6 +43,7 @@ BENCHMARKS: tuple[tuple[str, Callable[[], list[Row]]], ...] = (
     ("5. idle", bench_lifecycle.idle_rows),
     ("6. READY=1 lag after the first possible 200", bench_liveness.ready_rows),
     ("7. wedged engine detection", bench_liveness.detection_rows),
+    ("8. journal flood (real systemd)", bench_journal_flood.run),
 )
 
 

@@ -8,6 +8,8 @@ journal PRIORITY (INFO 6, WARNING 4, ERROR 3, tracebacks 3) and fields.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import re
 
 _PREFIX = re.compile(
@@ -16,7 +18,41 @@ _PREFIX = re.compile(
 )
 _BARE_LEVEL = re.compile(r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)(?::|\s+\d\d-\d\d )")
 _EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt|Exit)\b(?::|$)")
+# uvicorn's access line, bare (`INFO:     1.2.3.4:5 - "GET /x HTTP/1.1" 404 Not Found`, vLLM 0.32) or inside a
+# vLLM-formatted record (`... INFO 11-29 17:07:32 [h11_impl.py:473] 1.2.3.4:5 - "GET ...`): what follows the
+# client's address is the client's own text.
+_ACCESS = re.compile(r'^:?\s*(?:\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? )?(?:\[[^\]]*\] )?\S+:\d+ - "')
 PRIORITY = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}
+
+
+class Kind(enum.Enum):
+    RECORD = "record"  # a log record of the server itself: `(Comp pid=N) LEVEL ...`, `LEVEL:  ...`
+    ACCESS = "access"  # one request, as uvicorn logs it: client-controlled text
+    TRACEBACK = "traceback"  # an unprefixed traceback, its exception line, or a bare `XxxError: ...` line
+    OTHER = "other"  # anything else: tqdm bars, warnings.warn, a library's print
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildLine:
+    text: str
+    priority: int
+    fields: dict[str, str]
+    kind: Kind
+
+    @property
+    def may_be_fatal(self) -> bool:
+        """Fatal patterns and root causes only ever look at ERROR+ records and tracebacks."""
+        return self.kind is Kind.TRACEBACK or (self.kind is Kind.RECORD and self.priority <= 3)
+
+    @property
+    def may_start(self) -> bool:
+        """ "The server started" is only ever a record of the server itself, never a request line."""
+        return self.kind is Kind.RECORD
+
+    @property
+    def may_show_progress(self) -> bool:
+        """Phases and loading progress: the server's records and its unprefixed progress bars."""
+        return self.kind is Kind.RECORD or self.kind is Kind.OTHER
 
 
 class LineClassifier:
@@ -27,35 +63,44 @@ class LineClassifier:
         self._in_traceback = False
 
     def classify(self, line: str) -> tuple[int, dict[str, str]]:
+        c = self.classify_line(line)
+        return c.priority, c.fields
+
+    def classify_line(self, line: str) -> ChildLine:
         fields: dict[str, str] = {}
         body = line
+        level = None
         m = _PREFIX.match(line)
-        priority = self._default
         if m:
             fields["VLLM_COMPONENT"] = m.group("comp")
             if m.group("rank") is not None:
                 fields["VLLM_RANK"] = m.group("rank")
             fields["VLLM_PID"] = m.group("pid")
             body = line[m.end() :]
-            if m.group("level"):
-                priority = PRIORITY[m.group("level")]
+            level = m.group("level")
         else:
             b = _BARE_LEVEL.match(line)
             if b:
-                priority = PRIORITY[b.group("level")]
+                level = b.group("level")
+                body = line[b.end() :]
+        if level is not None:
+            # A record interleaved into another process's traceback neither ends it nor joins it.
+            priority = PRIORITY[level]
+            kind = Kind.ACCESS if _ACCESS.match(body) else Kind.RECORD
+            return ChildLine(line, priority, fields, kind)
         stripped = body.lstrip()
         if stripped.startswith("Traceback (most recent call last)"):
             self._in_traceback = True
-            return 3, fields
+            return ChildLine(line, 3, fields, Kind.TRACEBACK)
         if self._in_traceback:
             if (
                 body[:1] in (" ", "\t")
                 or not stripped
                 or stripped.startswith(("During handling", "The above exception"))
             ):
-                return 3, fields
+                return ChildLine(line, 3, fields, Kind.TRACEBACK)
             self._in_traceback = False
-            return 3, fields  # the exception line closes the traceback
-        if _EXCEPTION_LINE.match(stripped) and priority > 3:
-            priority = 3
-        return priority, fields
+            return ChildLine(line, 3, fields, Kind.TRACEBACK)  # the exception line closes the traceback
+        if _EXCEPTION_LINE.match(stripped):
+            return ChildLine(line, 3, fields, Kind.TRACEBACK)
+        return ChildLine(line, self._default, fields, Kind.OTHER)

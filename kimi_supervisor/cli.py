@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import stat
@@ -17,7 +18,7 @@ from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import DEFAULT_PATH, Config, effective_config, load_config
 from kimi_supervisor.exitcodes import DESCRIPTIONS, ConfigError, ExitCode, SupervisorError
 from kimi_supervisor.gpu import GpuProbe, GpuUnavailable, NvmlProbe
-from kimi_supervisor.journal import FORMATS, configure, get_logger, resolve_format
+from kimi_supervisor.journal import FORMATS, close_outputs, configure, get_logger, resolve_format
 from kimi_supervisor.notify import notifier_from_env, watchdog_interval
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.proctable import PsutilProcessTable
@@ -188,7 +189,7 @@ def _supervise(cfg: Config, sink: object, probe: GpuProbe) -> int:
     deps = Deps(
         probe=probe,
         table=PsutilProcessTable(),
-        notifier=notifier_from_env(),
+        notifier=notifier_from_env(log=log),
         log=log,
         sink=sink,  # type: ignore[arg-type]
         watchdog_s=watchdog_interval(),
@@ -238,12 +239,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in err.detail:
             log.error("supervisor.detail", line=line)
         return int(err.exit_code)
-    except BrokenPipeError:  # `kimi-supervisor --dry-run | head`: the reader left
-        sys.stderr.close()
+    except GpuUnavailable as err:  # NVML lost a GPU (or its driver) outside the preflight's checks
+        log.error("supervisor.exit", error=str(err), exit_code=int(ExitCode.PREFLIGHT_FAILED), kind="GpuUnavailable")
+        return int(ExitCode.PREFLIGHT_FAILED)
+    except BrokenPipeError:  # `kimi-supervisor --dry-run | head`: the reader left (a run stopped its tree first)
+        # Python's docs' recipe: point stdout at /dev/null so the flush at exit does not raise again.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return ExitCode.OK
-    except Exception:  # a bug: keep the traceback, exit with a code that says so
+    except KeyboardInterrupt:  # only outside the run's handlers (while loading the config)
+        return 130
+    except Exception:  # a bug: keep the traceback, exit with a code that says so (the tree is stopped already)
         log.critical("supervisor.crash", traceback=traceback.format_exc())
         return ExitCode.INTERNAL
+    finally:
+        close_outputs()
 
 
 def secret_values(cfg: Config) -> tuple[str, ...]:

@@ -10,16 +10,20 @@ quiet, but a chatty child must never be slowed by its supervisor.
 
 from __future__ import annotations
 
+import collections
+import errno
 import json
 import os
 import socket
 import struct
 import sys
+import time
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Protocol, TextIO
+from typing import Any, Protocol, TextIO, cast
 
 import structlog
 
+from kimi_supervisor.fdwriter import RECORD_BUFFER, RecordStream, Writer, writer_for
 from kimi_supervisor.redact import is_secret_name, redact_text
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
@@ -67,44 +71,139 @@ def encode_journal(fields: Mapping[str, object]) -> bytes:
 
 
 class JournalWriter:
-    """Sends records to journald's native socket; falls back to `<N>`-prefixed stderr."""
+    """Sends records to journald's native socket without ever blocking; falls back to `<N>`-prefixed stderr.
 
-    def __init__(self, path: str = JOURNAL_SOCKET, fallback: TextIO | None = None) -> None:
+    The socket is non-blocking: when journald stalls (its queue full), the supervisor's own records wait in
+    a bounded backlog and go first once it takes datagrams again; child lines are dropped and counted
+    (`take_dropped`), never queued.
+    """
+
+    def __init__(
+        self, path: str = JOURNAL_SOCKET, fallback: TextIO | RecordStream | None = None, backlog: int = 10_000
+    ) -> None:
         self._path = path
         self._fallback = fallback or sys.stderr
-        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._backlog: collections.deque[bytes] = collections.deque()
+        self._backlog_max = backlog
+        self.dropped = 0  # child lines dropped while journald stalled, not yet reported
+        self.lost_records = 0  # supervisor records lost (backlog full): the bench's "target 0"
+        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         try:
             self._sock.connect(path)
+            self._sock.setblocking(False)
         except OSError:
             self._sock.close()
             self._sock = None
 
     def send(self, priority: int, message: str, fields: Mapping[str, object]) -> None:
+        """A supervisor record: sent now, or queued behind a stall; never dropped while the backlog has room."""
+        data = self._encode(priority, message, fields)
+        if self._sock is None:
+            self._to_fallback(priority, message)
+            return
+        self.flush()
+        if self._backlog:
+            self._queue(data)
+            return
+        result = self._try(data)
+        if result == "stalled":
+            self._queue(data)
+        elif result == "failed":
+            self._to_fallback(priority, message)
+
+    def send_child(self, priority: int, message: str, fields: Mapping[str, object]) -> None:
+        """A child line: sent now if journald takes it and no record is waiting, else dropped and counted."""
+        if self._sock is None:
+            self._to_fallback(priority, message)
+            return
+        if self._backlog:
+            self.dropped += 1
+            return
+        result = self._try(self._encode(priority, message, fields))
+        if result == "stalled":
+            self.dropped += 1
+        elif result == "failed":
+            self._to_fallback(priority, message)
+
+    def flush(self) -> None:
+        while self._backlog:
+            result = self._try(self._backlog[0])
+            if result == "stalled":
+                return
+            self._backlog.popleft()  # sent, or failed for good (too large): not retried forever
+
+    @property
+    def pending(self) -> int:
+        return len(self._backlog)
+
+    def take_dropped(self, final: bool = False) -> int:
+        if not self.dropped or (self._backlog and not final):
+            return 0
+        n, self.dropped = self.dropped, 0
+        return n
+
+    def _encode(self, priority: int, message: str, fields: Mapping[str, object]) -> bytes:
         record: dict[str, object] = {"MESSAGE": message, "PRIORITY": priority, "SYSLOG_IDENTIFIER": IDENTIFIER}
         record.update(fields)
-        if self._sock is not None:
-            try:
-                self._sock.send(encode_journal(record))
-                return
-            except OSError:
-                pass  # journald restarting or message too large: keep the line on stderr
-        self._fallback.write(f"<{priority}>{message}\n")
-        self._fallback.flush()
+        return encode_journal(record)
+
+    def _try(self, data: bytes) -> str:
+        assert self._sock is not None
+        try:
+            self._sock.send(data)
+            return "sent"
+        except (BlockingIOError, InterruptedError):
+            return "stalled"
+        except OSError as exc:
+            # ENOBUFS is the kernel's "queue full" for some datagram sockets: a stall too.
+            return "stalled" if exc.errno == errno.ENOBUFS else "failed"
+
+    def _queue(self, data: bytes) -> None:
+        if len(self._backlog) >= self._backlog_max:
+            self.lost_records += 1
+            return
+        self._backlog.append(data)
+
+    def _to_fallback(self, priority: int, message: str) -> None:
+        # journald restarting or the record too large: keep it on stderr (its stream goes to the journal too).
+        try:
+            self._fallback.write(f"<{priority}>{message}\n")
+            self._fallback.flush()
+        except (OSError, ValueError):
+            pass
 
 
 class ChildSink(Protocol):
-    """Where the child's output lines go."""
+    """Where the child's output lines go; never blocks (output.py meters and reports what it drops)."""
+
+    name: str
+    # journald rate-limits per unit and priority: what goes there is metered so the supervisor's own
+    # records always fit (see output.LineMeter).
+    metered: bool
 
     def line(self, text: str, priority: int, fields: Mapping[str, str]) -> None: ...
 
     def flush(self) -> None: ...
 
+    @property
+    def pending(self) -> int: ...
+
+    def take_dropped(self, final: bool = False) -> int:
+        """Child lines dropped because the reader stalled, once it reads again (`final`: now, at exit)."""
+        ...
+
+    def close(self, timeout_s: float) -> None: ...
+
 
 class ConsoleChildSink:
-    """Child lines as they are (vLLM's own prefixes already say who spoke)."""
+    """Child lines as they are (vLLM's own prefixes already say who spoke), to stdout."""
 
-    def __init__(self, stream: TextIO | None = None) -> None:
-        self._stream = stream or sys.stdout
+    name = "stdout"
+    metered = False
+
+    def __init__(self, stream: TextIO | None = None, records: Writer | None = None) -> None:
+        self._writer = writer_for(stream or sys.stdout)
+        self._records = records  # the supervisor's records: flushed with the lines
         self._pending: list[str] = []
 
     def line(self, text: str, priority: int, fields: Mapping[str, str]) -> None:
@@ -114,9 +213,24 @@ class ConsoleChildSink:
 
     def flush(self) -> None:
         if self._pending:
-            self._stream.write("\n".join(self._pending) + "\n")
+            self._writer.write(("\n".join(self._pending) + "\n").encode("utf-8", "replace"), len(self._pending))
             self._pending.clear()
-            self._stream.flush()
+        else:
+            self._writer.flush()
+        if self._records is not None:
+            self._records.flush()
+
+    @property
+    def pending(self) -> int:
+        return self._writer.pending + (self._records.pending if self._records is not None else 0)
+
+    def take_dropped(self, final: bool = False) -> int:
+        return self._writer.take_dropped(final)
+
+    def close(self, timeout_s: float) -> None:
+        self.flush()
+        self._writer.drain(timeout_s)
+        self._writer.close()
 
 
 class JsonChildSink(ConsoleChildSink):
@@ -134,14 +248,30 @@ def _json_str(value: str) -> str:
 
 
 class JournalChildSink:
+    name = "journal"
+    metered = True
+
     def __init__(self, writer: JournalWriter) -> None:
         self._writer = writer
 
     def line(self, text: str, priority: int, fields: Mapping[str, str]) -> None:
-        self._writer.send(priority, text, {"KIMI_SOURCE": "child", **fields})
+        self._writer.send_child(priority, text, {"KIMI_SOURCE": "child", **fields})
 
     def flush(self) -> None:
-        pass
+        self._writer.flush()
+
+    @property
+    def pending(self) -> int:
+        return self._writer.pending
+
+    def take_dropped(self, final: bool = False) -> int:
+        return self._writer.take_dropped(final)
+
+    def close(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._writer.pending and time.monotonic() < deadline:
+            self._writer.flush()
+            time.sleep(0.01)
 
 
 class SecretScrubber:
@@ -202,7 +332,7 @@ def configure(
     journal_socket: str = JOURNAL_SOCKET,
 ) -> ChildSink:
     """Set up structlog for `fmt` (already resolved) and return the matching child-line sink."""
-    err = stream or sys.stderr
+    err = RecordStream(_records_writer(stream or sys.stderr))
     scrubber = SecretScrubber(secrets)
     threshold = _LEVEL_ORDER[level]
 
@@ -222,14 +352,34 @@ def configure(
     processors.append(structlog.processors.TimeStamper(fmt="iso", utc=True))
     if fmt == "json":
         processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
-        sink: ChildSink = JsonChildSink(sys.stdout if stream is None else stream)
+        sink: ChildSink = JsonChildSink(sys.stdout if stream is None else stream, err.writer)
     else:
         processors.append(structlog.dev.ConsoleRenderer(colors=err.isatty()))
-        sink = ConsoleChildSink(sys.stdout if stream is None else stream)
+        sink = ConsoleChildSink(sys.stdout if stream is None else stream, err.writer)
     structlog.configure(
-        processors=processors, logger_factory=structlog.PrintLoggerFactory(err), cache_logger_on_first_use=False
+        processors=processors,
+        logger_factory=structlog.PrintLoggerFactory(cast(TextIO, err)),
+        cache_logger_on_first_use=False,
     )
     return sink
+
+
+_RECORD_WRITERS: dict[int, Writer] = {}
+
+
+def _records_writer(stream: TextIO) -> Writer:
+    """One writer per stream (configure runs twice: before and after the config names the secrets)."""
+    key = id(stream)
+    if key not in _RECORD_WRITERS:
+        _RECORD_WRITERS[key] = writer_for(stream, RECORD_BUFFER)
+    return _RECORD_WRITERS[key]
+
+
+def close_outputs(timeout_s: float = 1.0) -> None:
+    """At exit: let readers take what is buffered (bounded), then give blocking fds back as they were."""
+    for writer in _RECORD_WRITERS.values():
+        writer.drain(timeout_s)
+        writer.close()
 
 
 def get_logger() -> Any:

@@ -3,15 +3,23 @@
 Without NOTIFY_SOCKET (a terminal, the tests' plain runs) every call is a
 no-op that never errors.  The watchdog is ours only when WATCHDOG_USEC is set
 and WATCHDOG_PID, if set, names this process.
+
+The sender is our own ~15 lines of systemd's documented protocol (sd_notify(3):
+one AF_UNIX datagram of newline-separated KEY=value, UTF-8, to the path in
+NOTIFY_SOCKET, '@' meaning the abstract namespace) instead of the `sdnotify`
+package: 0.3.2 encodes as Latin-1 and swallows every error, so a STATUS with
+"–", "✗" or U+FFFD silently lost the whole datagram, READY=1 included.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
-import sdnotify
+# A datagram systemd has not taken within this long is reported, not waited for (the loop must go on).
+SEND_TIMEOUT_S = 1.0
 
 
 class Notifier(Protocol):
@@ -23,19 +31,50 @@ class NullNotifier:
         return None
 
 
+def encode(fields: Mapping[str, str | int]) -> bytes:
+    """One datagram: systemd applies its fields together (STATUS with READY); newlines cannot inject fields."""
+    return "\n".join(f"{k}={str(v).replace(chr(10), ' ')}" for k, v in fields.items()).encode("utf-8", "replace")
+
+
+def socket_address(value: str) -> str | bytes:
+    # '@name' is a Linux abstract-namespace socket: a leading NUL byte, no file.
+    return b"\0" + value[1:].encode() if value.startswith("@") else value
+
+
 class SdNotifier:
-    def __init__(self) -> None:
-        self._n = sdnotify.SystemdNotifier()
+    """Sends each datagram at once; the first failure is logged, later ones counted until one succeeds."""
+
+    def __init__(self, address: str, log: Any = None) -> None:
+        self.address = address
+        self._log = log
+        self.failures = 0
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self._sock.settimeout(SEND_TIMEOUT_S)
 
     def send(self, **fields: str | int) -> None:
-        # One datagram: systemd applies its fields together (STATUS with READY).
-        text = "\n".join(f"{k}={str(v).replace(chr(10), ' ')}" for k, v in fields.items())
-        self._n.notify(text)
+        data = encode(fields)
+        try:
+            self._sock.sendto(data, socket_address(self.address))
+        except OSError as exc:
+            self.failures += 1
+            if self.failures == 1 and self._log is not None:
+                self._log.error(
+                    "notify.failed", socket=self.address, error=f"{type(exc).__name__}: {exc}", fields=",".join(fields)
+                )
+            return
+        if self.failures:
+            if self._log is not None:
+                self._log.warning("notify.recovered", socket=self.address, lost=self.failures)
+            self.failures = 0
+
+    def close(self) -> None:
+        self._sock.close()
 
 
-def notifier_from_env(environ: Mapping[str, str] | None = None) -> Notifier:
+def notifier_from_env(environ: Mapping[str, str] | None = None, log: Any = None) -> Notifier:
     env = os.environ if environ is None else environ
-    return SdNotifier() if env.get("NOTIFY_SOCKET") else NullNotifier()
+    address = env.get("NOTIFY_SOCKET")
+    return SdNotifier(address, log) if address else NullNotifier()
 
 
 def watchdog_interval(environ: Mapping[str, str] | None = None, pid: int | None = None) -> float | None:

@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import re
 
+from kimi_supervisor.childlog import ChildLine, LineClassifier
 from kimi_supervisor.clock import format_duration
 from kimi_supervisor.config import ReadinessConfig
 
@@ -157,6 +158,9 @@ class ReadinessTracker:
         self._causes: collections.deque[tuple[int, str]] = collections.deque(maxlen=32)
         self._line_no = 0
         self._fatal_no = 0
+        # Set at READY: from then on only fatal lines matter.
+        self.serving = False
+        self._classifier = LineClassifier()
 
     @property
     def phase(self) -> str:
@@ -164,39 +168,53 @@ class ReadinessTracker:
             return "API server up, waiting for /health"
         return PHASES[self.phase_index][0] if self.phase_index >= 0 else "spawning"
 
-    def feed(self, line: str) -> LineEvent:
-        self.tail.append(line)
+    def feed(self, line: ChildLine | str) -> LineEvent:
+        """What `line` changes.  Which patterns may see it depends on what kind of line it is (childlog.Kind):
+        fatal patterns and root causes only ERROR+ records and tracebacks; "started" only the server's own
+        records; phases and progress its records and progress bars.  A request line (uvicorn's access log:
+        the path, query and client address are the client's words) and any INFO/DEBUG record never fail
+        the run, and nothing after READY moves the phase: no client text changes the supervisor's state.
+        """
+        if isinstance(line, str):
+            line = self._classifier.classify_line(line)  # one stream (the tests, the fixtures)
+        text = line.text
+        self.tail.append(text)
         self._line_no += 1
+        if not line.may_be_fatal and not (line.may_show_progress and not self.serving):
+            return _NOTHING
         if (
-            _might_be_cause(line)
-            and not _QUIET_LEVEL.match(line)
-            and _ROOT_CAUSE.search(line)
-            and not _SUMMARY.search(line)
+            line.may_be_fatal
+            and _might_be_cause(text)
+            and not _QUIET_LEVEL.match(text)
+            and _ROOT_CAUSE.search(text)
+            and not _SUMMARY.search(text)
         ):
-            self._causes.append((self._line_no, line.strip()))
-        if self._prefilter is not None and not self._prefilter.search(line):
+            self._causes.append((self._line_no, text.strip()))
+        if self._prefilter is not None and not self._prefilter.search(text):
             return _NOTHING
-        if not self._any.search(line):
+        if not self._any.search(text):
             return _NOTHING
-        if any(rx.search(line) for rx in self._fatal):
+        if line.may_be_fatal and any(rx.search(text) for rx in self._fatal):
             if self.fatal_line is None:
-                self.fatal_line = line.strip()
+                self.fatal_line = text.strip()
                 self._fatal_no = self._line_no
             return LineEvent(fatal=True)
+        if self.serving or not line.may_show_progress:
+            return _NOTHING
         progress_changed = False
-        m = _PROGRESS.search(line)
+        m = _PROGRESS.search(text)
         if m:
             new = Progress(int(m.group(2)), int(m.group(3)), int(m.group(1)))
             progress_changed = new != self.progress
             self.progress = new
         phase_changed = False
         for index in range(len(PHASES) - 1, self.phase_index, -1):
-            if self._phase_rx[index].search(line):
+            if self._phase_rx[index].search(text):
                 self.phase_index = index
                 phase_changed = True
                 break
         started = False
-        if not self.server_started and any(rx.search(line) for rx in self._started):
+        if line.may_start and not self.server_started and any(rx.search(text) for rx in self._started):
             self.server_started = started = phase_changed = True
         return LineEvent(phase_changed, progress_changed, started)
 

@@ -3,22 +3,24 @@
 Like gunicorn's arbiter: signal handlers only record, this loop acts.  One
 thread owns all state; the health prober thread only produces results.  Every
 failure is a SupervisorError carrying its exit code; `run` stops the child
-tree before letting it reach `cli.main`.
+tree before letting it reach `cli.main`, and so does every other way out
+(a bug, KeyboardInterrupt, SystemExit, a broken pipe, psutil.AccessDenied, a
+lost GPU): the tree never outlives the supervisor.  The child's output is
+output.ChildOutput's business, end to end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-import selectors
 import signal
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from kimi_supervisor.checks import Status
-from kimi_supervisor.child import ChildProcess, LineSplitter, SpawnSpec
-from kimi_supervisor.childlog import LineClassifier
+from kimi_supervisor.child import ChildProcess, SpawnSpec
 from kimi_supervisor.clock import Clock, SystemClock, format_duration
 from kimi_supervisor.config import Config
 from kimi_supervisor.exitcodes import (
@@ -36,11 +38,11 @@ from kimi_supervisor.journal import ChildSink
 from kimi_supervisor.liveness import DeepLiveness
 from kimi_supervisor.notify import Notifier
 from kimi_supervisor.opsview import OperatorView
+from kimi_supervisor.output import ChildOutput
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.proctable import ProcessTable
-from kimi_supervisor.readiness import ReadinessTracker
-from kimi_supervisor.redact import redact_text
-from kimi_supervisor.signals import STOP_SIGNALS, InterruptibleClock, SignalRecorder, StopRequested
+from kimi_supervisor.readiness import LineEvent, ReadinessTracker
+from kimi_supervisor.signals import STOP_SIGNALS, InterruptibleClock, SignalRecorder, StopRequested, signal_name
 from kimi_supervisor.state import State, StateMachine
 
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC at most this often while output flows
@@ -76,11 +78,8 @@ class Supervisor:
         self.child: ChildProcess | None = None
         self.prober: HealthProber | None = None
         self.deep: DeepLiveness | None = None
-        self._secrets = secrets
-        self._selector = selectors.DefaultSelector()
-        self._splitters: dict[int, LineSplitter] = {}
-        self._classifiers: dict[int, LineClassifier] = {}
-        self._last_output = 0.0
+        self.output = ChildOutput(deps.sink, self.tracker, deps.log, secrets)
+        self._tree_stopped = False
         self._last_extend = 0.0
         self._last_status = 0.0
         self._started_at = 0.0
@@ -89,7 +88,21 @@ class Supervisor:
 
     def run(self) -> ExitCode:
         self.signals.install()
-        self._selector.register(self.signals.read_fd, selectors.EVENT_READ, "signal")
+        self.output.add_wakeup(self.signals.read_fd, self.signals.drain)
+        try:
+            return self._run()
+        except BaseException as exc:
+            if self.child is not None and not self._tree_stopped:
+                self._emergency_stop(exc)
+            raise
+        finally:
+            if self.prober is not None:
+                self.prober.stop()
+            if self.deep is not None:
+                self.deep.close()
+            self.signals.uninstall()
+
+    def _run(self) -> ExitCode:
         try:
             try:
                 self._preflight()
@@ -106,12 +119,6 @@ class Supervisor:
                 self._stop(err.message)
             self.state.to(State.FAILED, f"failed: {err.message}"[:400], exit_code=int(err.exit_code))
             raise
-        finally:
-            if self.prober is not None:
-                self.prober.stop()
-            if self.deep is not None:
-                self.deep.close()
-            self.signals.uninstall()
 
     def _preflight(self) -> None:
         pf = self.cfg.preflight
@@ -129,11 +136,10 @@ class Supervisor:
         if self._stop_signalled():
             raise StopRequested
         self.child = ChildProcess.spawn(spec, self.deps.environ, owns_all_children=True)
-        self._started_at = self._last_output = time.monotonic()
-        for name, fd in self.child.streams.items():
-            self._selector.register(fd, selectors.EVENT_READ, name)
-            self._splitters[fd] = LineSplitter()
-            self._classifiers[fd] = LineClassifier(default_priority=6)
+        self._started_at = time.monotonic()
+        self.output.attach(self.child)
+        self.output.on_output = self._on_output
+        self.output.on_line = self._on_line
         self.state.to(State.STARTING, "starting: vLLM spawned", pid=self.child.pid)
         self._extend_timeout(time.monotonic())
         self.prober = HealthProber(
@@ -149,6 +155,7 @@ class Supervisor:
         rcfg = self.cfg.readiness
         assert self.child is not None and self.prober is not None
         healthy: HealthResult | None = None
+        last_error: str | None = None
         while True:
             self._pump(0.25)
             if self._stop_signalled():
@@ -159,6 +166,10 @@ class Supervisor:
             for result in self.prober.drain():
                 self.view.on_health(result)
                 healthy = result if result.ok else None
+                if result.error != last_error and result.error is not None:
+                    # Each new reason once ("connection refused" while vLLM loads is normal, a timeout is not).
+                    self.log.info("health.not_yet", error=result.error, phase=self.tracker.phase)
+                last_error = result.error
             if self.tracker.server_started and healthy is not None:
                 self._ready(now)
                 return True
@@ -168,7 +179,7 @@ class Supervisor:
                     f"vLLM exited with status {self.child.returncode} before it was ready: {self._root_cause()}",
                     detail=self._tail(),
                 )
-            if now - self._last_output > rcfg.stall_timeout_s:
+            if now - self.output.last_output > rcfg.stall_timeout_s:
                 raise StartupStalled(
                     f"vLLM printed nothing for {rcfg.stall_timeout_s:g}s "
                     f"(readiness.stall_timeout_s) while {self.tracker.phase}",
@@ -176,13 +187,16 @@ class Supervisor:
                 )
             if now - self._started_at > rcfg.deadline_s:
                 raise StartupStalled(
-                    f"vLLM not ready after {rcfg.deadline_s:g}s (readiness.deadline_s) while {self.tracker.phase}",
+                    f"vLLM not ready after {rcfg.deadline_s:g}s (readiness.deadline_s) while {self.tracker.phase}"
+                    + (f" (last /health: {last_error})" if last_error else ""),
                     detail=self._tail(),
                 )
             if now - self._last_status >= 5.0:
                 self._status(now)
 
     def _ready(self, now: float) -> None:
+        self.tracker.serving = True  # from now on only fatal lines matter
+        self.output.on_line = self.output.on_output = None
         took = format_duration(now - self._started_at)
         url = self.cfg.readiness.health_url.rsplit("/health", 1)[0]
         self.state.to(
@@ -219,7 +233,12 @@ class Supervisor:
         last_ok = time.monotonic()  # the probe that made us ready
         last_ping = 0.0
         while True:
-            self._pump(min(1.0, wd / 4) if wd else 1.0)
+            timeout = min(1.0, wd / 4) if wd else 1.0
+            now = time.monotonic()
+            if wd and failures == 0 and self.deep.healthy and now - last_ok <= wd:
+                # Wake when the next ping is due, not at the next output or probe: a ping was 0.2-0.3 s late.
+                timeout = min(timeout, max(0.0, last_ping + wd / 2 - now))
+            self._pump(timeout)
             if self._stop_signalled():
                 return
             if self.tracker.fatal_line is not None:
@@ -266,7 +285,8 @@ class Supervisor:
         scfg = self.cfg.shutdown
         if self.deep is not None:
             self.deep.stop()  # no canary or GPU verdict about a tree being stopped
-        self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
+        if self.state.state is not State.STOPPING:
+            self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
         if self.child is None:
             return  # stopped during the preflight: nothing of ours holds a GPU
         self._stop_tree(scfg.grace_s, scfg.second_signal_grace_s)
@@ -298,8 +318,9 @@ class Supervisor:
                     alive = self.child.alive_members()
                 break
         self._pump(0)
-        self._flush_partial_lines()
+        self.output.finish()
         self.child.reap()
+        self._tree_stopped = not alive
         if alive:
             self.log.error("stop.survivors", pids=",".join(str(p.pid) for p in alive))
         self.log.info(
@@ -307,6 +328,24 @@ class Supervisor:
             seconds=round(time.monotonic() - start, 3),
             exit_status=self.child.poll(),
         )
+
+    def _emergency_stop(self, exc: BaseException) -> None:
+        """Something other than a SupervisorError is ending the run: stop the tree before it propagates."""
+        reason = f"{type(exc).__name__}: {exc}"[:300]
+        with contextlib.suppress(BaseException):
+            self.log.error("supervisor.emergency_stop", error=reason, state=self.state.state.value)
+        with contextlib.suppress(BaseException):
+            if self.state.state is not State.STOPPING:
+                self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
+        try:
+            self._stop_tree(self.cfg.shutdown.grace_s, self.cfg.shutdown.second_signal_grace_s)
+        except BaseException:
+            # The orderly stop failed too (the same broken sink, psutil again): no grace, no output.
+            assert self.child is not None
+            with contextlib.suppress(BaseException):
+                self.child.signal_tree(signal.SIGKILL)
+            with contextlib.suppress(BaseException):
+                self.child.reap()
 
     def _confirm_gpus_free(self, gpus: tuple[int, ...], timeout_s: float) -> None:
         pf = self.cfg.preflight
@@ -335,50 +374,20 @@ class Supervisor:
 
     def _pump(self, timeout: float) -> None:
         """Wait up to `timeout` for output, signals or health results; handle what came."""
-        for key, _ in self._selector.select(timeout):
-            if key.data == "signal":
-                self.signals.drain()
-                continue
-            self._read_stream(key.fd)
-        self.deps.sink.flush()
+        self.output.pump(timeout)
         self.view.tick()
 
-    def _read_stream(self, fd: int) -> None:
-        assert self.child is not None
-        # Bounded per wake-up so one flooding stream cannot starve signals.
-        for _ in range(64):
-            data = self.child.read(fd)
-            if data is None:
-                for line in self._splitters[fd].close():
-                    self._on_line(fd, line)
-                self._selector.unregister(fd)
-                return
-            if not data:
-                return
-            now = time.monotonic()
-            self._last_output = now
-            for line in self._splitters[fd].feed(data):
-                self._on_line(fd, line)
-            if self.state.state is State.STARTING:
-                self._extend_timeout(now)
-                if now - self._last_status >= 1.0:
-                    self._status(now)
+    def _on_output(self, now: float) -> None:
+        if self.state.state is State.STARTING:
+            self._extend_timeout(now)
+            if now - self._last_status >= 1.0:
+                self._status(now)
 
-    def _on_line(self, fd: int, line: str) -> None:
-        if self._secrets:
-            line = redact_text(line, self._secrets)
-        priority, fields = self._classifiers[fd].classify(line)
-        self.deps.sink.line(line, priority, fields)
-        event = self.tracker.feed(line)  # fatal lines matter after READY too
+    def _on_line(self, now: float, event: LineEvent) -> None:
         if event.started and self.prober is not None and self.state.state is State.STARTING:
             self.prober.burst(READY_PROBE_S, READY_BURST_S)
         if event.phase_changed and self.state.state is State.STARTING:
             self._last_status = 0.0  # a new phase shows at once
-
-    def _flush_partial_lines(self) -> None:
-        for fd, splitter in self._splitters.items():
-            for line in splitter.close():
-                self._on_line(fd, line)
 
     def _status(self, now: float) -> None:
         self._last_status = now
@@ -395,11 +404,12 @@ class Supervisor:
 
     def _stop_signalled(self) -> bool:
         fresh = self.signals.new_signals()
-        for sig in fresh:
-            if sig == signal.SIGHUP:
-                self.log.warning("signal.ignored", signal="SIGHUP", why="reload is not supported; restart the unit")
+        for sig, count in fresh.items():
+            if sig in STOP_SIGNALS:
+                self.log.info("signal.received", signal=signal_name(sig), state=self.state.state.value, count=count)
             else:
-                self.log.info("signal.received", signal=signal.Signals(sig).name, state=self.state.state.value)
+                why = "reload is not supported; restart the unit" if sig == signal.SIGHUP else "not a stop request"
+                self.log.warning("signal.ignored", signal=signal_name(sig), count=count, why=why)
         return any(s in STOP_SIGNALS for s in fresh)
 
     # -- helpers -----------------------------------------------------------------------

@@ -55,6 +55,12 @@ LimitMEMLOCK=infinity
 LimitNOFILE=1048576
 # Journal lines keep their priority (the supervisor sends native journal records).
 SyslogIdentifier=kimi-supervisor
+# journald rate-limits per unit and priority; a chatty vLLM used up the default (10000 per 30 s) and the
+# supervisor's own records (state.*, stop.*) were dropped. The supervisor forwards at most 4000 child lines
+# a second per priority (the rest are counted in "child.suppressed" records): at most 44000 in any 10 s
+# window, so this burst always leaves room for its own records.
+LogRateLimitIntervalSec=10s
+LogRateLimitBurst=60000
 # /run/kimi-supervisor: the instance lock and the live state file. Preserved across stops: removing it
 # while another instance (started from a shell) holds its lock would let a third one in beside it.
 RuntimeDirectory=kimi-supervisor

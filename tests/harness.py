@@ -95,6 +95,7 @@ class Run:
         tmp_path: Path,
         env: dict[str, str] | None = None,
         args: list[str] | None = None,
+        read_stdout: bool = True,
         entry: list[str] | None = None,
     ) -> None:
         self.notify = NotifySocket(tmp_path)
@@ -110,12 +111,15 @@ class Run:
         self.events: list[dict[str, Any]] = []
         self.child_lines: list[dict[str, Any]] = []
         self.raw_stderr: list[str] = []
-        self._threads = [
-            threading.Thread(target=self._read, args=(self.proc.stderr, True), daemon=True),
-            threading.Thread(target=self._read, args=(self.proc.stdout, False), daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._threads = [threading.Thread(target=self._read, args=(self.proc.stderr, True), daemon=True)]
+        self._threads[0].start()
+        if read_stdout:  # else stdout is a pipe nobody reads (a stalled reader) until read_stdout()
+            self.read_stdout()
+
+    def read_stdout(self) -> None:
+        t = threading.Thread(target=self._read, args=(self.proc.stdout, False), daemon=True)
+        self._threads.append(t)
+        t.start()
 
     def _read(self, stream: Any, events: bool) -> None:
         for raw in stream:

@@ -71,3 +71,32 @@ def test_prober_thread_queues_results_and_wakes(server: tuple[str, type[Handler]
         assert len(results) >= 3 and all(r.ok for r in results)
     finally:
         prober.stop()
+
+
+def test_trickling_server_fails_at_the_overall_deadline() -> None:
+    """One byte every 0.5 s never trips a per-recv timeout; the probe's deadline still ends it."""
+    stop = threading.Event()
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+
+        def trickle() -> None:
+            conn, _ = srv.accept()
+            with conn:
+                for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n":
+                    if stop.wait(0.5):
+                        return
+                    try:
+                        conn.sendall(bytes([byte]))
+                    except OSError:
+                        return
+
+        t = threading.Thread(target=trickle, daemon=True)
+        t.start()
+        start = time.monotonic()
+        r = probe(f"http://127.0.0.1:{srv.getsockname()[1]}/health", 1.5)
+        took = time.monotonic() - start
+        stop.set()
+        t.join(5)
+    assert (r.ok, r.error) == (False, "no answer within 1.5s")
+    assert 1.4 < took < 2.0

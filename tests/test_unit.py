@@ -73,3 +73,14 @@ def test_install_writes_the_unit(tmp_path: Path) -> None:
 def test_paths_that_systemd_would_mangle_are_refused() -> None:
     with pytest.raises(SupervisorError, match="contains whitespace, % or \\$"):
         unit.render("/opt/my tools/kimi-supervisor")
+
+
+def test_journal_rate_limit_leaves_room_for_the_supervisors_records() -> None:
+    """The metered child lines of any rate-limit window (whole seconds it touches) stay under the burst."""
+    from kimi_supervisor.output import CHILD_LINES_PER_S
+
+    d = directives(unit.render())
+    interval = int(d["LogRateLimitIntervalSec"].removesuffix("s"))
+    burst = int(d["LogRateLimitBurst"])
+    child_max = CHILD_LINES_PER_S * (interval + 1) + (interval + 1)  # lines + one summary a second
+    assert burst - child_max >= 10_000  # the supervisor's own records, with room to spare

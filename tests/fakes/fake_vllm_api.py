@@ -147,6 +147,7 @@ class Main:
         rows: list[tuple[float | None, Callable[[], None]]] = [
             (cfg.hang_after_ready, self.hang),
             (cfg.unhealthy_after, self.unhealthy),
+            (cfg.trickle_health_after, self.trickle),
             (cfg.wedged_after, self.wedge),
             (cfg.exit_after_ready, lambda: self.uvicorn_exit(cfg.exit_code)),
         ]
@@ -158,6 +159,9 @@ class Main:
 
     def unhealthy(self) -> None:
         APP.unhealthy = True
+
+    def trickle(self) -> None:
+        APP.trickle = True
 
     def wedge(self) -> None:
         with APP.lock:

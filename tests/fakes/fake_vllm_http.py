@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +23,7 @@ class _AppState:
     cfg: Config
     hung = False  # --hang-after-ready: accept, never answer
     unhealthy = False  # --unhealthy-after: /health 503
+    trickle = False  # --trickle-health-after: /health's answer one byte every 0.5 s
     engine_dead = False  # after engine death: /health 503, completions 500
     wedged = False  # --wedged-after: /health 200, completions never answered, /metrics frozen
     running = 0  # requests in the (wedged) engine
@@ -64,6 +66,16 @@ class Handler(BaseHTTPRequestHandler):
     # ---------------------------------------------------------------------------------------- routes
 
     def health(self) -> None:
+        if APP.trickle:
+            for byte in b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\ncontent-length: 0\r\n\r\n":
+                time.sleep(0.5)
+                try:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                except OSError:
+                    return  # the client gave up
+            self._access_line(200)
+            return
         self._send(503 if APP.unhealthy or APP.engine_dead else 200, b"", None)
 
     def version(self) -> None:
@@ -151,9 +163,15 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("content-length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+        self._access_line(status)
+
+    def _access_line(self, status: int) -> None:
+        """uvicorn's access log, every request: the path percent-decoded then quoted again, the query as sent."""
         host, port = self.client_address[:2]
         phrase = self.responses.get(status, ("",))[0]
-        plain(f'INFO:     {host}:{port} - "{self.command} {self.path} HTTP/1.1" {status} {phrase}', fd=1)
+        path, _, query = self.path.partition("?")
+        shown = urllib.parse.quote(urllib.parse.unquote(path)) + (f"?{query}" if query else "")
+        plain(f'INFO:     {host}:{port} - "{self.command} {shown} HTTP/1.1" {status} {phrase}', fd=1)
 
     def _json(self, status: int, obj: object) -> None:
         self._send(status, json.dumps(obj).encode(), "application/json")

@@ -29,6 +29,7 @@ class Config:
     # failures after ready
     hang_after_ready: float | None
     unhealthy_after: float | None
+    trickle_health_after: float | None
     wedged_after: float | None
     exit_after_ready: float | None
     exit_code: int
@@ -125,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     after.add_argument("--hang-after-ready", type=float, metavar="S", help="HTTP requests never answered, output stops")
     after.add_argument("--unhealthy-after", type=float, metavar="S", help="/health answers 503")
     after.add_argument(
+        "--trickle-health-after",
+        type=float,
+        metavar="S",
+        help="/health sends its 200 response one byte every 0.5 s (a per-recv timeout never trips)",
+    )
+    after.add_argument(
         "--wedged-after",
         type=float,
         metavar="S",
@@ -186,6 +193,7 @@ def parse_config(argv: Sequence[str]) -> Config:
         free_memory_error=bool(ns.free_memory_error),
         hang_after_ready=ns.hang_after_ready,
         unhealthy_after=ns.unhealthy_after,
+        trickle_health_after=ns.trickle_health_after,
         wedged_after=ns.wedged_after,
         exit_after_ready=ns.exit_after_ready,
         exit_code=int(ns.exit_code),

@@ -9,8 +9,8 @@ from pathlib import Path
 
 
 class NotifySocket:
-    def __init__(self, directory: Path) -> None:
-        self.path = str(directory / "notify.sock")
+    def __init__(self, directory: Path, name: str = "notify.sock") -> None:
+        self.path = str(directory / name)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.path)
         self.sock.settimeout(0.1)

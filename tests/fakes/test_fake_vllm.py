@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -314,3 +315,29 @@ def test_a_replayed_line_is_this_processs_own(monkeypatch: pytest.MonkeyPatch) -
     assert text.endswith("[multiproc_executor.py:953] Starting to load model /models/kimi... on http://127.0.0.1:9000")
     assert as_own("INFO:     Finished server process [487]") == (2, "INFO:     Finished server process [4242]")
     assert as_own("Traceback (most recent call last):")[0] == 2
+
+
+def test_access_log_every_request_like_uvicorn(fakes: list[Fake], tmp_path: Path) -> None:
+    fake = start(fakes, tmp_path, "--load-seconds", "0.3", tp=1)
+    fake.wait_healthy()
+    assert fake.get("/Application%20startup%20complete.")[0] == 404
+    assert fake.get("/EngineDeadError?x=1")[0] == 404
+    time.sleep(0.2)
+    lines = [line for line in fake.stdout.splitlines() if line.startswith("INFO:     127.0.0.1:")]
+    assert any(line.endswith('"GET /health HTTP/1.1" 200 OK') for line in lines)
+    # uvicorn quotes the decoded path and keeps the query as sent
+    assert any('"GET /Application%20startup%20complete. HTTP/1.1" 404 Not Found' in line for line in lines)
+    assert any('"GET /EngineDeadError?x=1 HTTP/1.1" 404 Not Found' in line for line in lines)
+
+
+def test_trickle_health_after(fakes: list[Fake], tmp_path: Path) -> None:
+    fake = start(fakes, tmp_path, "--load-seconds", "0.3", "--trickle-health-after", "0.2", tp=1)
+    fake.wait_healthy()
+    time.sleep(0.4)
+    with socket.create_connection(("127.0.0.1", fake.port), timeout=2) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        start_at = time.monotonic()
+        first = s.recv(100)
+        second = s.recv(100)
+        took = time.monotonic() - start_at
+    assert first == b"H" and second == b"T" and 0.8 < took < 1.6  # one byte every 0.5 s
