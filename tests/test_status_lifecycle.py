@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kimi_supervisor.statefile import TOP_LEVEL_KEYS
@@ -180,20 +183,39 @@ def test_supervisor_killed_leaves_a_stale_state_file_status_calls_out(tmp_path: 
         run2.kill()
 
 
-def test_unwritable_runtime_directory_warns_and_keeps_serving(tmp_path: Path) -> None:
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("")
-    config = fake_config(tmp_path, paths={"runtime_directory": str(blocker / "run")})
-    run = Run(config, tmp_path)
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_runtime_directory_full_warns_and_keeps_serving(tmp_path: Path) -> None:
+    # The instance lock needs the directory at start (exit 77 otherwise); what can happen later is /run
+    # filling up under a serving supervisor.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "kimi-test-run", str(run_dir)], check=True)
     try:
-        run.wait_event("state.ready")
-        run.signal()
-        assert run.wait() == 0
+        config = fake_config(tmp_path)
+        run = Run(config, tmp_path)
+        try:
+            run.wait_event("state.ready")
+            wait_for(lambda: status_json(config)["state"]["phase"] == "ready")
+            filler = run_dir / "filler"
+            with filler.open("wb") as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            warning = run.wait_event("state_file.unwritable", timeout=10)
+            assert "No space left on device" in warning["error"]
+            time.sleep(1.5)  # more health results, more writes due: still one warning, still serving
+            assert status_json(config)["state"]["phase"] == "ready"
+            filler.unlink()
+            run.wait_event("state_file.writable_again", timeout=10)
+            run.signal()
+            assert run.wait() == 0
+        finally:
+            run.kill()
+        assert [e["event"] for e in run.events].count("state_file.unwritable") == 1
+        assert run.event("supervisor.exit") is None
+        assert status_json(config)["state"]["phase"] == "stopped"
     finally:
-        run.kill()
-    warnings = [e for e in run.events if e["event"] == "state_file.unwritable"]
-    assert len(warnings) == 1 and "Not a directory" in warnings[0]["error"]
-    assert status(config).returncode == 3
+        subprocess.run(["umount", "-l", str(run_dir)], check=False)
 
 
 def test_corrupt_history_is_set_aside_and_the_run_goes_on(tmp_path: Path) -> None:
