@@ -34,6 +34,7 @@ EPILOG = (
 examples:
   kimi-supervisor --dry-run                 what a start would do now, changing nothing
   kimi-supervisor check-config              validate and print the effective config
+  kimi-supervisor status --watch            loading progress and ETA until ready
   systemctl start kimi-supervisor           run it as the Type=notify unit
   journalctl -u kimi-supervisor -p warning  what went wrong
 """
@@ -52,10 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "command",
         nargs="?",
-        choices=("run", "check-config", "install-unit"),
+        choices=("run", "check-config", "install-unit", "status"),
         default="run",
         help="run (default): preflight, start and supervise; check-config: validate and print the config; "
-        "install-unit: write the systemd unit for this config and daemon-reload",
+        "install-unit: write the systemd unit for this config and daemon-reload; "
+        "status: what the running service is doing, and its last runs (no root needed)",
     )
     p.add_argument(
         "--config", type=Path, default=DEFAULT_PATH, metavar="PATH", help=f"TOML config file (default: {DEFAULT_PATH})"
@@ -66,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run every preflight check, kill and delete nothing, print a report; "
         "exit 0 only if a real start would proceed",
     )
-    p.add_argument("--json", action="store_true", help="with --dry-run or check-config: print JSON")
+    p.add_argument("--json", action="store_true", help="with --dry-run, check-config or status: print JSON")
+    p.add_argument("--watch", action="store_true", help="with status: refresh every second until ready")
     p.add_argument(
         "--log-format",
         choices=FORMATS,
@@ -194,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sink = configure(fmt, args.log_level, secrets=secrets)
     log = get_logger()
     try:
+        if args.command == "status":
+            from kimi_supervisor.status import run_status  # only what reading two files needs
+
+            return run_status(args.config, args.json, args.watch)
         cfg = _load(args)
         # Known secret values (HF_TOKEN=...) are scrubbed from every event from now on.
         secrets = secret_values(cfg)

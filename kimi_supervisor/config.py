@@ -144,6 +144,12 @@ class PathsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    # node_exporter's textfile collector reads *.prom files; None: no metrics file.
+    textfile: Path | None
+
+
+@dataclasses.dataclass(frozen=True)
 class LivenessConfig:
     # Deep liveness (liveness.py): /health stays 200 while an engine is wedged.
     canary_interval_s: float  # 0: no canary
@@ -180,6 +186,7 @@ class Config:
     health: HealthConfig
     shutdown: ShutdownConfig
     paths: PathsConfig
+    metrics: MetricsConfig
     liveness: LivenessConfig
     gpu_health: GpuHealthConfig
 
@@ -454,6 +461,16 @@ def _parse_paths(t: _Table) -> PathsConfig:
     return cfg
 
 
+def _parse_metrics(t: _Table) -> MetricsConfig:
+    value = t.string("textfile", None)
+    if value is not None and not (value.startswith("/") and value.endswith(".prom")):
+        raise t.error(
+            "textfile", f"expected an absolute path ending in .prom (node_exporter reads only *.prom), got {value!r}"
+        )
+    t.done()
+    return MetricsConfig(Path(value) if value else None)
+
+
 def _parse_liveness(t: _Table, vllm: VllmArgs) -> LivenessConfig:
     when = t.string("when", "idle")
     if when not in ("idle", "always"):
@@ -515,10 +532,11 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     health = _parse_health(root.table("health"))
     shutdown = _parse_shutdown(root.table("shutdown"))
     paths = _parse_paths(root.table("paths"))
+    metrics = _parse_metrics(root.table("metrics"))
     liveness = _parse_liveness(root.table("liveness"), child.vllm)
     gpu_health = _parse_gpu_health(root.table("gpu_health"))
     root.done()
-    return Config(path, child, preflight, readiness, health, shutdown, paths, liveness, gpu_health)
+    return Config(path, child, preflight, readiness, health, shutdown, paths, metrics, liveness, gpu_health)
 
 
 def load_config(path: Path) -> Config:

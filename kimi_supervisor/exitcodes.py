@@ -16,6 +16,7 @@ class ExitCode(enum.IntEnum):
     OK = 0  # stopped on request, or a dry run that would start
     INTERNAL = 70  # EX_SOFTWARE: a bug; the traceback is logged
     USAGE = 2  # bad command line (argparse's own code)
+    NOT_RUNNING = 3  # `status`: the supervisor is not running (as `systemctl status` says of an inactive unit)
     PREFLIGHT_FAILED = 10  # GPUs never freed, deployment cannot start
     STARTUP_FAILED = 11  # child printed a fatal line or exited while loading
     STARTUP_STALLED = 12  # no output for stall_timeout_s, or past deadline_s
@@ -34,6 +35,7 @@ class ExitCode(enum.IntEnum):
 DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.OK: "stopped on request; or --dry-run: a start would proceed",
     ExitCode.USAGE: "bad command-line arguments",
+    ExitCode.NOT_RUNNING: "status: the supervisor is not running",
     ExitCode.PREFLIGHT_FAILED: "preflight failed: GPUs busy past the deadline, or a deployment check failed",
     ExitCode.STARTUP_FAILED: "vLLM failed while starting (fatal log line or exit before ready)",
     ExitCode.STARTUP_STALLED: "vLLM printed nothing for stall_timeout_s, or was not ready by deadline_s",

@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from kimi_supervisor.checks import Status
 from kimi_supervisor.child import ChildProcess, PreparedSpawn, prepare_spawn, spawn_spec
 from kimi_supervisor.clock import Clock, SystemClock, format_duration
 from kimi_supervisor.config import Config
@@ -37,6 +38,7 @@ from kimi_supervisor.health import HealthProber, HealthResult
 from kimi_supervisor.journal import ChildSink
 from kimi_supervisor.liveness import DeepLiveness
 from kimi_supervisor.notify import Notifier
+from kimi_supervisor.opsview import OperatorView
 from kimi_supervisor.output import ChildOutput
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.proctable import ProcessTable
@@ -67,12 +69,14 @@ class Deps:
 class Supervisor:
     def __init__(self, cfg: Config, deps: Deps, secrets: tuple[str, ...] = ()) -> None:
         self.cfg = cfg
-        self.deps = deps
         self.log = deps.log
         self.signals = SignalRecorder()
         self.clock: Clock = InterruptibleClock(self.signals)
-        self.state = StateMachine(deps.notifier, deps.log)
         self.tracker = ReadinessTracker(cfg.readiness)
+        # State file, history, ETA, metrics: fed by the state machine, what we tell systemd, and the loop.
+        self.view = OperatorView(cfg, deps.probe, deps.log, self.tracker, deps.watchdog_s)
+        self.deps = deps = dataclasses.replace(deps, notifier=self.view.tap(deps.notifier))
+        self.state = StateMachine(deps.notifier, deps.log, observer=self.view)
         self.child: ChildProcess | None = None
         self.prober: HealthProber | None = None
         self._prepared: PreparedSpawn | None = None
@@ -133,6 +137,8 @@ class Supervisor:
         self.deps.notifier.send(EXTEND_TIMEOUT_USEC=_usec(pf.deadline_s + pf.reap.grace_s + EXTEND_MARGIN_S))
         report = Preflight(self.cfg, self.deps.probe, self.deps.table, self.clock, self.log).run(dry_run=False)
         self.log.info("preflight.passed", checks=len(report.checks))
+        done = [c.name for c in report.checks if c.status is Status.DONE]
+        self.view.on_preflight(kills=done.count("reap"), shm_removed=done.count("shm"))
 
     def _spawn(self) -> None:
         if self._stop_signalled():
@@ -167,6 +173,7 @@ class Supervisor:
             if self.tracker.fatal_line is not None:
                 raise StartupFailed(f"vLLM failed while starting: {self._root_cause()}", detail=self._tail())
             for result in self.prober.drain():
+                self.view.on_health(result)
                 healthy = result if result.ok else None
                 if result.error != last_error and result.error is not None:
                     # Each new reason once ("connection refused" while vLLM loads is normal, a timeout is not).
@@ -215,7 +222,15 @@ class Supervisor:
         self.prober.set_interval(hcfg.interval_s)
         self.child.refresh_members()
         gpus = self._configured_gpus()
-        self.deep = DeepLiveness(self.cfg, self.deps.probe, gpus, self.signals.wake, self.deps.notifier, self.log)
+        self.deep = DeepLiveness(
+            self.cfg,
+            self.deps.probe,
+            gpus,
+            self.signals.wake,
+            self.deps.notifier,
+            self.log,
+            on_canary=lambda r: self.view.on_canary(r.ok, r.latency_s),
+        )
         self.deep.start()
         wd = self.deps.watchdog_s
         if wd and hcfg.interval_s + hcfg.timeout_s >= wd:
@@ -248,6 +263,7 @@ class Supervisor:
                     detail=self._tail(),
                 )
             for result in self.prober.drain():
+                self.view.on_health(result)
                 if result.ok:
                     if failures:
                         self.log.info("health.recovered", after_failures=failures)
@@ -368,6 +384,7 @@ class Supervisor:
     def _pump(self, timeout: float) -> None:
         """Wait up to `timeout` for output, signals or health results; handle what came."""
         self.output.pump(timeout)
+        self.view.tick()
 
     def _on_output(self, now: float) -> None:
         if self.state.state is State.STARTING:
@@ -383,7 +400,8 @@ class Supervisor:
 
     def _status(self, now: float) -> None:
         self._last_status = now
-        self.state.status(f"starting: {self.tracker.status_text(now - self._started_at)}")
+        elapsed = now - self._started_at
+        self.state.status(f"starting: {self.tracker.status_text(elapsed, self.view.eta_text(elapsed))}")
 
     def _extend_timeout(self, now: float) -> None:
         if now - self._last_extend < EXTEND_EVERY_S:

@@ -240,3 +240,24 @@ def test_cli_exit_code_and_single_line(tmp_path: Path) -> None:
         "(known keys: busy_log_interval_s, check_model, check_port, deadline_s, gpus, "
         "memory_threshold_mib, poll_interval_s, reap, shm)\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ('"metrics.prom"', "{p}: metrics.textfile: expected an absolute path ending in .prom "
+         "(node_exporter reads only *.prom), got 'metrics.prom'"),
+        ('"/var/lib/node_exporter/kimi.txt"', "{p}: metrics.textfile: expected an absolute path ending in .prom "
+         "(node_exporter reads only *.prom), got '/var/lib/node_exporter/kimi.txt'"),
+        ("1", "{p}: metrics.textfile: expected a string, got integer 1"),
+    ],
+)  # fmt: skip
+def test_metrics_textfile_is_checked(tmp_path: Path, value: str, expected: str) -> None:
+    path = write(tmp_path, MINIMAL + f"[metrics]\ntextfile = {value}\n")
+    assert error_of(path) == expected.format(p=path)
+
+
+def test_metrics_off_unless_set(tmp_path: Path) -> None:
+    assert parse_config({"child": {"argv": ["vllm"]}}, tmp_path / "k.toml").metrics.textfile is None
+    cfg = parse_config({"child": {"argv": ["vllm"]}, "metrics": {"textfile": "/t/k.prom"}}, tmp_path / "k.toml")
+    assert cfg.metrics.textfile == Path("/t/k.prom")
