@@ -111,7 +111,7 @@ def test_inherited_token_never_in_child_lines_failure_status_or_logs(tmp_path: P
         "t = os.environ['HF_TOKEN']\n"
         "print('loading with token=' + t, flush=True)\n"
         "print('x' * (16 * 1024 - 6) + t + 'tail', flush=True)\n"
-        "print('Engine core initialization failed: bad token ' + t, flush=True)\n"
+        "print('ERROR 11-29 21:00:00 [core.py:700] Engine core initialization failed: bad token ' + t, flush=True)\n"
         "sys.exit(1)\n"
     )
     cfg = write_config(
@@ -135,7 +135,7 @@ def test_inherited_token_never_in_child_lines_failure_status_or_logs(tmp_path: P
     )
     assert TOKEN[:6] not in everything
     failed = [f["STATUS"] for f in run.notify.fields() if f.get("STATUS", "").startswith("failed")]
-    assert failed == ["failed: vLLM failed while starting: Engine core initialization failed: bad token <redacted>"]
+    assert failed == ["failed: vLLM failed while starting: ERROR 11-29 21:00:00 [core.py:700] Engine core initialization failed: bad token <redacted>"]
 
 
 def test_check_config_hides_argv_assignments_and_inherited_values(tmp_path: Path) -> None:
