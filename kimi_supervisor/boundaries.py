@@ -10,12 +10,15 @@ from __future__ import annotations
 import selectors
 import signal
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kimi_supervisor.config import Config, SpawnSpec
 from kimi_supervisor.gpu import GpuProbe
 from kimi_supervisor.health import HealthResult
 from kimi_supervisor.notify import Notifier
+
+if TYPE_CHECKING:
+    from kimi_supervisor.child import PreparedSpawn
 
 
 class Logger(Protocol):
@@ -60,7 +63,11 @@ class Child(Protocol):
 
 
 class Spawner(Protocol):
-    def __call__(self, spec: SpawnSpec, parent_env: Mapping[str, str]) -> Child: ...
+    """Resolves user, groups and executable before the preflight acts (`prepare`), then spawns."""
+
+    def prepare(self, spec: SpawnSpec, parent_env: Mapping[str, str]) -> PreparedSpawn | None: ...
+
+    def spawn(self, spec: SpawnSpec, parent_env: Mapping[str, str], prepared: PreparedSpawn | None) -> Child: ...
 
 
 class Prober(Protocol):
@@ -122,6 +129,7 @@ class LivenessFactory(Protocol):
         wake: Callable[[], None],
         notifier: Notifier,
         log: Logger,
+        on_canary: Callable[[Any], None] | None = None,
     ) -> Liveness: ...
 
 

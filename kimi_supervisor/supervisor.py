@@ -16,7 +16,7 @@ import dataclasses
 import os
 import selectors
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kimi_supervisor.boundaries import (
@@ -30,12 +30,15 @@ from kimi_supervisor.boundaries import (
     Signals,
     Spawner,
 )
-from kimi_supervisor.child import ChildProcess
+from kimi_supervisor.checks import Status
+from kimi_supervisor.child import ChildProcess, PreparedSpawn, prepare_spawn
 from kimi_supervisor.clock import Clock, SystemClock, format_duration
 from kimi_supervisor.config import Config, SpawnSpec
+from kimi_supervisor.drain import Drain, stopped_status
 from kimi_supervisor.exitcodes import (
     ChildDied,
     ChildUnhealthy,
+    ConfigError,
     ExitCode,
     StartupFailed,
     StartupStalled,
@@ -47,12 +50,15 @@ from kimi_supervisor.health import HealthProber, HealthResult
 from kimi_supervisor.journal import ChildSink
 from kimi_supervisor.liveness import DeepLiveness
 from kimi_supervisor.notify import Notifier
+from kimi_supervisor.opsview import OperatorView
 from kimi_supervisor.output import ChildOutput
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.proctable import ProcessTable
 from kimi_supervisor.readiness import LineEvent, ReadinessTracker
 from kimi_supervisor.signals import STOP_SIGNALS, InterruptibleClock, SignalRecorder, StopRequested, signal_name
+from kimi_supervisor.spawnplan import Unresolvable
 from kimi_supervisor.state import State, StateMachine
+from kimi_supervisor.timeouts import SIGKILL_WAIT_S
 
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC at most this often while output flows
 EXTEND_MARGIN_S = 15.0
@@ -62,9 +68,14 @@ READY_PROBE_S = 0.02
 READY_BURST_S = 10.0
 
 
-def spawn_owned(spec: SpawnSpec, parent_env: Mapping[str, str]) -> Child:
-    """The real spawn: in the supervisor process every child of ours belongs to the tree."""
-    return ChildProcess.spawn(spec, parent_env, owns_all_children=True)
+class ProcessSpawner:
+    """The real spawn: resolved before the preflight acts; every child of this process belongs to the tree."""
+
+    def prepare(self, spec: SpawnSpec, parent_env: Mapping[str, str]) -> PreparedSpawn:
+        return prepare_spawn(spec, parent_env)
+
+    def spawn(self, spec: SpawnSpec, parent_env: Mapping[str, str], prepared: PreparedSpawn | None) -> Child:
+        return ChildProcess.spawn(spec, parent_env, owns_all_children=True, prepared=prepared)
 
 
 @dataclasses.dataclass
@@ -80,23 +91,28 @@ class Deps:
     environ: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(os.environ))
     signals: Signals = dataclasses.field(default_factory=SignalRecorder)
     clock: Clock | None = None  # None: an InterruptibleClock over `signals`
-    spawn: Spawner = spawn_owned
+    spawn: Spawner = dataclasses.field(default_factory=ProcessSpawner)
     prober: ProberFactory = HealthProber
     liveness: LivenessFactory = DeepLiveness
     selector: SelectorFactory = selectors.DefaultSelector
+    # The graceful stop of a serving vLLM (its /metrics, a SIGTERM to its main alone); None: the tree at once.
+    drain: Callable[[str, int, Notifier, Logger], Drain | None] = Drain
 
 
 class Supervisor:
     def __init__(self, cfg: Config, deps: Deps, secrets: tuple[str, ...] = ()) -> None:
         self.cfg = cfg
-        self.deps = deps
         self.log = deps.log
         self.signals = deps.signals
         self.clock: Clock = deps.clock if deps.clock is not None else InterruptibleClock(deps.signals)
-        self.state = StateMachine(deps.notifier, deps.log)
         self.tracker = ReadinessTracker(cfg.readiness)
+        # State file, history, ETA, metrics: fed by the state machine, what we tell systemd, and the loop.
+        self.view = OperatorView(cfg, deps.probe, deps.log, self.tracker, deps.watchdog_s)
+        self.deps = deps = dataclasses.replace(deps, notifier=self.view.tap(deps.notifier))
+        self.state = StateMachine(deps.notifier, deps.log, observer=self.view)
         self.child: Child | None = None
         self.prober: Prober | None = None
+        self._prepared: PreparedSpawn | None = None
         self.deep: Liveness | None = None
         self.output = ChildOutput(
             deps.sink, self.tracker, deps.log, secrets, clock=self.clock, selector=deps.selector()
@@ -127,13 +143,14 @@ class Supervisor:
     def _run(self) -> ExitCode:
         try:
             try:
+                self._prepare_child()  # a start that cannot happen kills nothing
                 self._preflight()
                 self._spawn()
                 if self._wait_until_ready():
                     self._serve()
             except StopRequested:
                 pass
-            self._stop("stop requested")
+            self._stop("stop requested", requested=True)
             self.state.to(State.STOPPED, "stopped")
             return ExitCode.OK
         except SupervisorError as err:
@@ -142,6 +159,12 @@ class Supervisor:
             self.state.to(State.FAILED, f"failed: {err.message}"[:400], exit_code=int(err.exit_code))
             raise
 
+    def _prepare_child(self) -> None:
+        try:
+            self._prepared = self.deps.spawn.prepare(self.cfg.child, self.deps.environ)
+        except Unresolvable as exc:
+            raise ConfigError(f"{self.cfg.path}: child.{exc.key}: {exc.message}") from None
+
     def _preflight(self) -> None:
         pf = self.cfg.preflight
         self.state.enter_initial("preflight: checking GPUs, stale processes and shared memory")
@@ -149,11 +172,13 @@ class Supervisor:
         self.deps.notifier.send(EXTEND_TIMEOUT_USEC=_usec(pf.deadline_s + pf.reap.grace_s + EXTEND_MARGIN_S))
         report = Preflight(self.cfg, self.deps.probe, self.deps.table, self.clock, self.log).run(dry_run=False)
         self.log.info("preflight.passed", checks=len(report.checks))
+        done = [c.name for c in report.checks if c.status is Status.DONE]
+        self.view.on_preflight(kills=done.count("reap"), shm_removed=done.count("shm"))
 
     def _spawn(self) -> None:
         if self._stop_signalled():
             raise StopRequested
-        self.child = self.deps.spawn(self.cfg.child, self.deps.environ)
+        self.child = self.deps.spawn.spawn(self.cfg.child, self.deps.environ, self._prepared)
         self._started_at = self._now()
         self.output.attach(self.child)
         self.output.on_output = self._on_output
@@ -181,6 +206,7 @@ class Supervisor:
             now = self._now()
             self._check_child(serving=False)
             for result in self.prober.drain():
+                self.view.on_health(result)
                 healthy = result if result.ok else None
                 if result.error != last_error and result.error is not None:
                     # Each new reason once ("connection refused" while vLLM loads is normal, a timeout is not).
@@ -238,7 +264,15 @@ class Supervisor:
         self.prober.set_interval(hcfg.interval_s)
         self.child.refresh_members()
         gpus = self._configured_gpus()
-        self.deep = self.deps.liveness(self.cfg, self.deps.probe, gpus, self.signals.wake, self.deps.notifier, self.log)
+        self.deep = self.deps.liveness(
+            self.cfg,
+            self.deps.probe,
+            gpus,
+            self.signals.wake,
+            self.deps.notifier,
+            self.log,
+            on_canary=lambda r: self.view.on_canary(r.ok, r.latency_s),
+        )
         self.deep.start()
         wd = self.deps.watchdog_s
         if wd and hcfg.interval_s + hcfg.timeout_s >= wd:
@@ -260,6 +294,7 @@ class Supervisor:
                 return
             self._check_child(serving=True)
             for result in self.prober.drain():
+                self.view.on_health(result)
                 if result.ok:
                     if failures:
                         self.log.info("health.recovered", after_failures=failures)
@@ -285,29 +320,38 @@ class Supervisor:
                 self.deps.notifier.send(WATCHDOG=1)
                 last_ping = now
 
-    def _stop(self, reason: str) -> None:
+    def _stop(self, reason: str, requested: bool = False) -> None:
         """TERM the tree, keep reading its output, KILL what outlives the grace, confirm GPUs are free."""
         scfg = self.cfg.shutdown
         if self.deep is not None:
             self.deep.stop()  # no canary or GPU verdict about a tree being stopped
+        drain = None
+        if requested and self.state.state is State.READY:  # a serving vLLM may have requests in flight
+            drain = self.deps.drain(
+                self.cfg.readiness.health_url, self.cfg.child.vllm.shutdown_timeout, self.deps.notifier, self.log
+            )
         if self.state.state is not State.STOPPING:
             self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
         if self.child is None:
             return  # stopped during the preflight: nothing of ours holds a GPU
-        self._stop_tree(scfg.grace_s, scfg.second_signal_grace_s)
+        tree_gone = self._stop_tree(scfg.grace_s, scfg.second_signal_grace_s, drain)
         gpus = self._configured_gpus()
+        gpus_free = None
         if gpus and scfg.gpu_release_timeout_s > 0:
-            self._confirm_gpus_free(gpus, scfg.gpu_release_timeout_s)
+            gpus_free = self._confirm_gpus_free(gpus, scfg.gpu_release_timeout_s)
+        self.state.status(stopped_status(tree_gone, gpus_free))
 
-    def _stop_tree(self, grace_s: float, second_grace_s: float) -> None:
+    def _stop_tree(self, grace_s: float, second_grace_s: float, drain: Drain | None = None) -> bool:
         assert self.child is not None
         start = self._now()
         deadline = start + grace_s
-        signalled = self.child.signal_tree(signal.SIGTERM)
+        signalled = drain.sigterm(self.child) if drain else self.child.signal_tree(signal.SIGTERM)
         self.log.info("stop.sigterm", pid=self.child.pid, processes=signalled, grace_s=grace_s)
         alive = self.child.alive_members()
         while alive:
             self._pump(0.05)
+            if drain:
+                drain.tick(self.child)
             if self._stop_signalled():
                 deadline = min(deadline, self._now() + second_grace_s)
                 self.log.warning("stop.hurry", grace_left_s=round(max(0.0, deadline - self._now()), 2))
@@ -317,7 +361,7 @@ class Supervisor:
                     "stop.sigkill", after_s=round(self._now() - start, 2), pids=",".join(str(p.pid) for p in alive)
                 )
                 self.child.signal_tree(signal.SIGKILL)
-                kill_deadline = self._now() + 5.0
+                kill_deadline = self._now() + SIGKILL_WAIT_S
                 while alive and self._now() < kill_deadline:
                     self._pump(0.02)
                     alive = self.child.alive_members()
@@ -333,6 +377,9 @@ class Supervisor:
             seconds=round(self._now() - start, 3),
             exit_status=self.child.poll(),
         )
+        if drain:
+            drain.finish(tree_gone=not alive)
+        return not alive
 
     def _emergency_stop(self, exc: BaseException) -> None:
         """Something other than a SupervisorError is ending the run: stop the tree before it propagates."""
@@ -352,7 +399,7 @@ class Supervisor:
             with contextlib.suppress(BaseException):
                 self.child.reap()
 
-    def _confirm_gpus_free(self, gpus: tuple[int, ...], timeout_s: float) -> None:
+    def _confirm_gpus_free(self, gpus: tuple[int, ...], timeout_s: float) -> bool | None:
         pf = self.cfg.preflight
         start = self._now()
 
@@ -366,7 +413,7 @@ class Supervisor:
             )
         except GpuUnavailable as exc:
             self.log.warning("stop.gpu_unknown", error=str(exc))
-            return
+            return None
         took = round(self._now() - start, 3)
         if busy:
             self.log.warning(
@@ -374,12 +421,14 @@ class Supervisor:
             )
         else:
             self.log.info("stop.gpu_released", seconds=took, gpus=",".join(map(str, gpus)))
+        return not busy
 
     # -- the event loop -------------------------------------------------------------
 
     def _pump(self, timeout: float) -> None:
         """Wait up to `timeout` for output, signals or health results; handle what came."""
         self.output.pump(timeout)
+        self.view.tick()
 
     def _on_output(self, now: float) -> None:
         if self.state.state is State.STARTING:
@@ -395,7 +444,8 @@ class Supervisor:
 
     def _status(self, now: float) -> None:
         self._last_status = now
-        self.state.status(f"starting: {self.tracker.status_text(now - self._started_at)}")
+        elapsed = now - self._started_at
+        self.state.status(f"starting: {self.tracker.status_text(elapsed, self.view.eta_text(elapsed))}")
 
     def _extend_timeout(self, now: float) -> None:
         if now - self._last_extend < EXTEND_EVERY_S:

@@ -355,14 +355,18 @@ class World:
                 environ={},
                 signals=self.signals,
                 clock=self.clock,
-                spawn=self._spawn,
+                spawn=self,
                 prober=self._prober,
-                liveness=lambda *args: self.liveness,
+                liveness=lambda *args, **kw: self.liveness,
                 selector=lambda: FakeSelector(self.clock),
+                drain=lambda *args: None,  # the drain talks to a real /metrics: stop the tree at once
             ),
         )
 
-    def _spawn(self, spec: SpawnSpec, parent_env: Mapping[str, str]) -> FakeChild:
+    def prepare(self, spec: SpawnSpec, parent_env: Mapping[str, str]) -> None:
+        return None
+
+    def spawn(self, spec: SpawnSpec, parent_env: Mapping[str, str], prepared: object) -> FakeChild:
         self.child = FakeChild(self.clock, self.term_exit_after)
         self.script(self.child)
         return self.child
