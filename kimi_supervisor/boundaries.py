@@ -1,8 +1,9 @@
 """What the lifecycle talks to, as small Protocols: `Supervisor` gets each through `Deps`.
 
-cli builds the real ones (a spawned `ChildProcess`, a threaded `HealthProber`, the `SignalRecorder`,
-`DeepLiveness`, an `InterruptibleClock`, a selector); tests pass fakes and drive the whole lifecycle on
-a fake clock in milliseconds, without patching anything.
+`Deps`' defaults are the real ones (a spawned `ChildProcess`, a threaded `HealthProber`, `DeepLiveness`,
+`drain.Drain`, a `DefaultSelector`); cli passes the `SignalRecorder` and the `InterruptibleClock` over it.
+tests/fakes/lifecycle.py passes fakes and drives the whole lifecycle on a fake clock in milliseconds,
+without patching anything.
 """
 
 from __future__ import annotations
@@ -35,13 +36,6 @@ class Logger(Protocol):
     def critical(self, event: str, **fields: Any) -> Any: ...
 
 
-class Member(Protocol):
-    """One process of the child's tree (a psutil.Process in production)."""
-
-    @property
-    def pid(self) -> int: ...
-
-
 class Child(Protocol):
     """The spawned vLLM and its process tree (child.ChildProcess)."""
 
@@ -55,7 +49,7 @@ class Child(Protocol):
 
     def refresh_members(self) -> Any: ...
 
-    def alive_members(self) -> list[Any]: ...
+    def alive_members(self) -> list[Any]: ...  # psutil.Process in production: the loop reads only .pid
 
     def signal_tree(self, sig: signal.Signals) -> int: ...
 
