@@ -52,7 +52,7 @@ def step_orphans(ctx: Ctx) -> None:
     from kimi_supervisor.clock import SystemClock
     from kimi_supervisor.journal import get_logger
     from kimi_supervisor.preflight import Preflight
-    from kimi_supervisor.report import render_text
+    from kimi_supervisor.preflight.report import render_text
 
     print("\n== b. orphans + decoys ==", flush=True)
     res: dict[str, Any] = {}
@@ -274,7 +274,7 @@ def step_holder(ctx: Ctx) -> None:
     from kimi_supervisor.exitcodes import PreflightError
     from kimi_supervisor.journal import get_logger
     from kimi_supervisor.preflight import Preflight
-    from kimi_supervisor.report import render_text
+    from kimi_supervisor.preflight.report import render_text
 
     print("\n== b(ii). a GPU holder that matches no kill rule ==", flush=True)
     res: dict[str, Any] = {}

@@ -30,8 +30,7 @@ from kimi_supervisor.exitcodes import (
     StartupStalled,
     SupervisorError,
 )
-from kimi_supervisor.gpu import GpuProbe, GpuUnavailable
-from kimi_supervisor.gpuwait import wait_until_free
+from kimi_supervisor.gpu import GpuProbe, GpuUnavailable, wait_until_free
 from kimi_supervisor.health import HealthProber, HealthResult
 from kimi_supervisor.journal import ChildSink
 from kimi_supervisor.liveness import DeepLiveness

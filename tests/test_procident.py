@@ -16,11 +16,11 @@ from kimi_supervisor import procident
 from kimi_supervisor.child import ChildProcess, SpawnSpec
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.gpu import GpuProcess
+from kimi_supervisor.preflight.reaper import execute_reap, plan_reap
 from kimi_supervisor.procident import ProcIdent, identify, send_signal
 from kimi_supervisor.proctable import PsutilProcessTable
-from kimi_supervisor.reaper import execute_reap, plan_reap
 from tests.conftest import ProcSpawner, wait_for
-from tests.test_kill_rules import reap_cfg
+from tests.preflight.test_kill_rules import reap_cfg
 
 
 class SignalLog:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from kimi_supervisor.checks import Status
-from kimi_supervisor.preflight import PreflightReport
+from kimi_supervisor.preflight.checks import Status
+from kimi_supervisor.preflight.run import PreflightReport
 
 _MARK = {
     Status.OK: "ok",
