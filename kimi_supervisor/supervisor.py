@@ -19,12 +19,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from kimi_supervisor.child import ChildProcess, SpawnSpec
+from kimi_supervisor.child import ChildProcess, PreparedSpawn, prepare_spawn, spawn_spec
 from kimi_supervisor.clock import Clock, SystemClock, format_duration
 from kimi_supervisor.config import Config
 from kimi_supervisor.exitcodes import (
     ChildDied,
     ChildUnhealthy,
+    ConfigError,
     ExitCode,
     StartupFailed,
     StartupStalled,
@@ -35,11 +36,14 @@ from kimi_supervisor.health import HealthProber, HealthResult
 from kimi_supervisor.journal import ChildSink
 from kimi_supervisor.liveness import DeepLiveness
 from kimi_supervisor.notify import Notifier
+from kimi_supervisor.opsview import OperatorView
 from kimi_supervisor.output import ChildOutput
 from kimi_supervisor.preflight import Preflight
+from kimi_supervisor.preflight.checks import Status
 from kimi_supervisor.proctable import ProcessTable
 from kimi_supervisor.readiness import LineEvent, ReadinessTracker
 from kimi_supervisor.signals import STOP_SIGNALS, InterruptibleClock, SignalRecorder, StopRequested, signal_name
+from kimi_supervisor.spawnplan import Unresolvable
 from kimi_supervisor.state import State, StateMachine
 
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC at most this often while output flows
@@ -64,14 +68,17 @@ class Deps:
 class Supervisor:
     def __init__(self, cfg: Config, deps: Deps, secrets: tuple[str, ...] = ()) -> None:
         self.cfg = cfg
-        self.deps = deps
         self.log = deps.log
         self.signals = SignalRecorder()
         self.clock: Clock = InterruptibleClock(self.signals)
-        self.state = StateMachine(deps.notifier, deps.log)
         self.tracker = ReadinessTracker(cfg.readiness)
+        # State file, history, ETA, metrics: fed by the state machine, what we tell systemd, and the loop.
+        self.view = OperatorView(cfg, deps.probe, deps.log, self.tracker, deps.watchdog_s)
+        self.deps = deps = dataclasses.replace(deps, notifier=self.view.tap(deps.notifier))
+        self.state = StateMachine(deps.notifier, deps.log, observer=self.view)
         self.child: ChildProcess | None = None
         self.prober: HealthProber | None = None
+        self._prepared: PreparedSpawn | None = None
         self.deep: DeepLiveness | None = None
         self.output = ChildOutput(deps.sink, self.tracker, deps.log, secrets)
         self._tree_stopped = False
@@ -100,6 +107,7 @@ class Supervisor:
     def _run(self) -> ExitCode:
         try:
             try:
+                self._prepare_child()  # a start that cannot happen kills nothing
                 self._preflight()
                 self._spawn()
                 if self._wait_until_ready():
@@ -115,6 +123,12 @@ class Supervisor:
             self.state.to(State.FAILED, f"failed: {err.message}"[:400], exit_code=int(err.exit_code))
             raise
 
+    def _prepare_child(self) -> None:
+        try:
+            self._prepared = prepare_spawn(spawn_spec(self.cfg.child), self.deps.environ)
+        except Unresolvable as exc:
+            raise ConfigError(f"{self.cfg.path}: child.{exc.key}: {exc.message}") from None
+
     def _preflight(self) -> None:
         pf = self.cfg.preflight
         self.state.enter_initial("preflight: checking GPUs, stale processes and shared memory")
@@ -122,13 +136,14 @@ class Supervisor:
         self.deps.notifier.send(EXTEND_TIMEOUT_USEC=_usec(pf.deadline_s + pf.reap.grace_s + EXTEND_MARGIN_S))
         report = Preflight(self.cfg, self.deps.probe, self.deps.table, self.clock, self.log).run(dry_run=False)
         self.log.info("preflight.passed", checks=len(report.checks))
+        done = [c.name for c in report.checks if c.status is Status.DONE]
+        self.view.on_preflight(kills=done.count("reap"), shm_removed=done.count("shm"))
 
     def _spawn(self) -> None:
-        child = self.cfg.child
-        spec = SpawnSpec(child.argv, child.env, child.inherit_environment, child.working_directory, child.user)
         if self._stop_signalled():
             raise StopRequested
-        self.child = ChildProcess.spawn(spec, self.deps.environ, owns_all_children=True)
+        spec = spawn_spec(self.cfg.child)
+        self.child = ChildProcess.spawn(spec, self.deps.environ, owns_all_children=True, prepared=self._prepared)
         self._started_at = time.monotonic()
         self.output.attach(self.child)
         self.output.on_output = self._on_output
@@ -157,6 +172,7 @@ class Supervisor:
             if self.tracker.fatal_line is not None:
                 raise StartupFailed(f"vLLM failed while starting: {self._root_cause()}", detail=self._tail())
             for result in self.prober.drain():
+                self.view.on_health(result)
                 healthy = result if result.ok else None
                 if result.error != last_error and result.error is not None:
                     # Each new reason once ("connection refused" while vLLM loads is normal, a timeout is not).
@@ -205,7 +221,15 @@ class Supervisor:
         self.prober.set_interval(hcfg.interval_s)
         self.child.refresh_members()
         gpus = self._configured_gpus()
-        self.deep = DeepLiveness(self.cfg, self.deps.probe, gpus, self.signals.wake, self.deps.notifier, self.log)
+        self.deep = DeepLiveness(
+            self.cfg,
+            self.deps.probe,
+            gpus,
+            self.signals.wake,
+            self.deps.notifier,
+            self.log,
+            on_canary=lambda r: self.view.on_canary(r.ok, r.latency_s),
+        )
         self.deep.start()
         wd = self.deps.watchdog_s
         if wd and hcfg.interval_s + hcfg.timeout_s >= wd:
@@ -238,6 +262,7 @@ class Supervisor:
                     detail=self._tail(),
                 )
             for result in self.prober.drain():
+                self.view.on_health(result)
                 if result.ok:
                     if failures:
                         self.log.info("health.recovered", after_failures=failures)
@@ -358,6 +383,7 @@ class Supervisor:
     def _pump(self, timeout: float) -> None:
         """Wait up to `timeout` for output, signals or health results; handle what came."""
         self.output.pump(timeout)
+        self.view.tick()
 
     def _on_output(self, now: float) -> None:
         if self.state.state is State.STARTING:
@@ -373,7 +399,8 @@ class Supervisor:
 
     def _status(self, now: float) -> None:
         self._last_status = now
-        self.state.status(f"starting: {self.tracker.status_text(now - self._started_at)}")
+        elapsed = now - self._started_at
+        self.state.status(f"starting: {self.tracker.status_text(elapsed, self.view.eta_text(elapsed))}")
 
     def _extend_timeout(self, now: float) -> None:
         if now - self._last_extend < EXTEND_EVERY_S:
