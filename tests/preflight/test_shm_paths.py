@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.test_preflight import make_cfg
 
 from kimi_supervisor.config import ShmConfig
 from kimi_supervisor.preflight import Preflight
@@ -22,6 +21,7 @@ from kimi_supervisor.proctable import PsutilProcessTable
 from tests.conftest import ProcSpawner
 from tests.fakes.clock import FakeClock, RecordingLog
 from tests.fakes.gpu import FakeGpuProbe
+from tests.preflight.test_preflight import make_cfg
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="switching to nobody needs root")
