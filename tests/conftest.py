@@ -161,3 +161,14 @@ def close_pipes(child: ChildProcess) -> None:
     for stream in (child._popen.stdout, child._popen.stderr):
         if stream is not None:
             stream.close()
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory every user can reach (tmp_path's parents are closed to nobody)."""
+    path = Path(tempfile.mkdtemp(prefix="kimi-open-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,17 +33,6 @@ def cfg(directory: Path | str) -> ShmConfig:
 
 def decisions(directory: Path | str, table: PsutilProcessTable = TABLE) -> dict[str, tuple[bool, str]]:
     return {d.path.name: (d.remove, d.reason) for d in plan_shm(cfg(directory), table)}
-
-
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A directory every user can reach (tmp_path's parents are closed to nobody)."""
-    path = Path(tempfile.mkdtemp(prefix="kimi13-shm-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path)
 
 
 def hold(spawner: ProcSpawner, path: Path, *, mapped_only: bool = False, as_nobody: bool = False) -> int:
