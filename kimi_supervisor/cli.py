@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from kimi_supervisor import __version__, instance_lock, unit
+from kimi_supervisor import __version__, instance_lock, timeouts, unit
 from kimi_supervisor.child import prepare_spawn, spawn_spec
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import DEFAULT_PATH, Config, effective_config, load_config
@@ -91,13 +91,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace) -> Config:
     # Ownership, mode, file type and size are checked on the open file (configfile.py).
-    return load_config(args.config)
+    cfg = load_config(args.config)
+    grace = timeouts.check_grace(cfg)
+    if grace.blocking and not args.dry_run:  # the dry run shows it as a FAILED check instead
+        raise ConfigError(grace.message)
+    return cfg
+
+
+def _unit_stop_check(cfg: Config) -> Check | None:
+    if not timeouts.systemd_running():
+        return None
+    return timeouts.check_unit_stop(cfg, timeouts.installed_stop_timeout_s(unit.UNIT_NAME), unit.UNIT_NAME)
 
 
 def _check_config(cfg: Config, as_json: bool) -> int:
     data = effective_config(cfg)
     data["child"]["argv"] = redact_argv(cfg.child.argv)
     data["child"]["env"] = redact_env(cfg.child.env)
+    stop = _unit_stop_check(cfg)
+    if stop is not None and stop.status is Status.WARN:
+        print(f"kimi-supervisor: warning: {stop.message}", file=sys.stderr)
     if as_json:
         text = json.dumps(data, indent=2)
     else:
@@ -136,6 +149,9 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
         report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
     finally:
         probe.close()
+    stop = _unit_stop_check(cfg)
+    if stop is not None:
+        report.checks.append(stop)
     try:
         prepare_spawn(spawn_spec(cfg.child), os.environ)
     except Unresolvable as exc:
@@ -187,6 +203,9 @@ def _supervise(cfg: Config, sink: object, probe: GpuProbe) -> int:
         argv=" ".join(redact_argv(cfg.child.argv)),
         watchdog_s=deps.watchdog_s,
     )
+    stop = _unit_stop_check(cfg)
+    if stop is not None and stop.status is Status.WARN:
+        log.warning("unit.timeout_stop_short", why=stop.message, **stop.data)
     return Supervisor(cfg, deps, secret_values(cfg)).run()
 
 
@@ -208,7 +227,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "check-config":
             return _check_config(cfg, args.json)
         if args.command == "install-unit":
-            target = unit.install(args.config.resolve(), args.unit_dir, reload=not args.no_reload)
+            target = unit.install(
+                args.config.resolve(),
+                args.unit_dir,
+                reload=not args.no_reload,
+                stop_s=timeouts.unit_timeout_stop_s(cfg),
+            )
             print(f"wrote {target}; now: systemctl enable --now {unit.UNIT_NAME}")
             return ExitCode.OK
         if args.dry_run:

@@ -22,6 +22,7 @@ from typing import Any
 from kimi_supervisor.child import ChildProcess, PreparedSpawn, prepare_spawn, spawn_spec
 from kimi_supervisor.clock import Clock, SystemClock, format_duration
 from kimi_supervisor.config import Config
+from kimi_supervisor.drain import Drain, stopped_status
 from kimi_supervisor.exitcodes import (
     ChildDied,
     ChildUnhealthy,
@@ -45,6 +46,7 @@ from kimi_supervisor.readiness import LineEvent, ReadinessTracker
 from kimi_supervisor.signals import STOP_SIGNALS, InterruptibleClock, SignalRecorder, StopRequested, signal_name
 from kimi_supervisor.spawnplan import Unresolvable
 from kimi_supervisor.state import State, StateMachine
+from kimi_supervisor.timeouts import SIGKILL_WAIT_S
 
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC at most this often while output flows
 EXTEND_MARGIN_S = 15.0
@@ -114,7 +116,7 @@ class Supervisor:
                     self._serve()
             except StopRequested:
                 pass
-            self._stop("stop requested")
+            self._stop("stop requested", requested=True)
             self.state.to(State.STOPPED, "stopped")
             return ExitCode.OK
         except SupervisorError as err:
@@ -288,29 +290,38 @@ class Supervisor:
                 self.deps.notifier.send(WATCHDOG=1)
                 last_ping = now
 
-    def _stop(self, reason: str) -> None:
+    def _stop(self, reason: str, requested: bool = False) -> None:
         """TERM the tree, keep reading its output, KILL what outlives the grace, confirm GPUs are free."""
         scfg = self.cfg.shutdown
         if self.deep is not None:
             self.deep.stop()  # no canary or GPU verdict about a tree being stopped
+        drain = None
+        if requested and self.state.state is State.READY:  # a serving vLLM may have requests in flight
+            drain = Drain(
+                self.cfg.readiness.health_url, self.cfg.child.vllm.shutdown_timeout, self.deps.notifier, self.log
+            )
         if self.state.state is not State.STOPPING:
             self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
         if self.child is None:
             return  # stopped during the preflight: nothing of ours holds a GPU
-        self._stop_tree(scfg.grace_s, scfg.second_signal_grace_s)
+        tree_gone = self._stop_tree(scfg.grace_s, scfg.second_signal_grace_s, drain)
         gpus = self._configured_gpus()
+        gpus_free = None
         if gpus and scfg.gpu_release_timeout_s > 0:
-            self._confirm_gpus_free(gpus, scfg.gpu_release_timeout_s)
+            gpus_free = self._confirm_gpus_free(gpus, scfg.gpu_release_timeout_s)
+        self.state.status(stopped_status(tree_gone, gpus_free))
 
-    def _stop_tree(self, grace_s: float, second_grace_s: float) -> None:
+    def _stop_tree(self, grace_s: float, second_grace_s: float, drain: Drain | None = None) -> bool:
         assert self.child is not None
         start = time.monotonic()
         deadline = start + grace_s
-        signalled = self.child.signal_tree(signal.SIGTERM)
+        signalled = drain.sigterm(self.child) if drain else self.child.signal_tree(signal.SIGTERM)
         self.log.info("stop.sigterm", pid=self.child.pid, processes=signalled, grace_s=grace_s)
         alive = self.child.alive_members()
         while alive:
             self._pump(0.05)
+            if drain:
+                drain.tick(self.child)
             if self._stop_signalled():
                 deadline = min(deadline, time.monotonic() + second_grace_s)
                 self.log.warning("stop.hurry", grace_left_s=round(max(0.0, deadline - time.monotonic()), 2))
@@ -320,7 +331,7 @@ class Supervisor:
                     "stop.sigkill", after_s=round(time.monotonic() - start, 2), pids=",".join(str(p.pid) for p in alive)
                 )
                 self.child.signal_tree(signal.SIGKILL)
-                kill_deadline = time.monotonic() + 5.0
+                kill_deadline = time.monotonic() + SIGKILL_WAIT_S
                 while alive and time.monotonic() < kill_deadline:
                     self._pump(0.02)
                     alive = self.child.alive_members()
@@ -336,6 +347,9 @@ class Supervisor:
             seconds=round(time.monotonic() - start, 3),
             exit_status=self.child.poll(),
         )
+        if drain:
+            drain.finish(tree_gone=not alive)
+        return not alive
 
     def _emergency_stop(self, exc: BaseException) -> None:
         """Something other than a SupervisorError is ending the run: stop the tree before it propagates."""
@@ -355,7 +369,7 @@ class Supervisor:
             with contextlib.suppress(BaseException):
                 self.child.reap()
 
-    def _confirm_gpus_free(self, gpus: tuple[int, ...], timeout_s: float) -> None:
+    def _confirm_gpus_free(self, gpus: tuple[int, ...], timeout_s: float) -> bool | None:
         pf = self.cfg.preflight
         start = time.monotonic()
 
@@ -369,7 +383,7 @@ class Supervisor:
             )
         except GpuUnavailable as exc:
             self.log.warning("stop.gpu_unknown", error=str(exc))
-            return
+            return None
         took = round(time.monotonic() - start, 3)
         if busy:
             self.log.warning(
@@ -377,6 +391,7 @@ class Supervisor:
             )
         else:
             self.log.info("stop.gpu_released", seconds=took, gpus=",".join(map(str, gpus)))
+        return not busy
 
     # -- the event loop -------------------------------------------------------------
 

@@ -20,6 +20,9 @@ from kimi_supervisor.exitcodes import ExitCode, NoPermission, ServiceUnavailable
 UNIT_NAME = "kimi-supervisor.service"
 DEFAULT_EXEC = "/usr/local/bin/kimi-supervisor"
 DEFAULT_UNIT_DIR = Path("/etc/systemd/system")
+# What `install-unit` derives from etc/kimi-supervisor.toml (timeouts.unit_timeout_stop_s; a test keeps them
+# equal): grace 315 (vLLM drains 300 s + 15 s worker shutdown) + SIGKILL wait 5 + GPU release 30 + exit 10.
+DEFAULT_STOP_S = 360
 
 TEMPLATE = """\
 # kimi-supervisor: vLLM serving Kimi-K2.5-NVFP4 (TP=8) as a Type=notify service.
@@ -41,8 +44,10 @@ NotifyAccess=main
 ExecStart={command}
 # First window only: the supervisor extends it (EXTEND_TIMEOUT_USEC) while vLLM makes progress.
 TimeoutStartSec=180
-# shutdown.grace_s (30) + vLLM worker shutdown (~8 s) + SIGKILL wait (5) + GPU release check (30) + margin.
-TimeoutStopSec=90
+# Derived from the config by install-unit: shutdown.grace_s (covers vLLM's --shutdown-timeout drain and
+# its worker shutdown) + SIGKILL wait (5) + shutdown.gpu_release_timeout_s + 10 s for the supervisor's exit.
+# Shorter, and systemd SIGKILLs the cgroup while vLLM still drains (check-config and --dry-run warn).
+TimeoutStopSec={stop_s}
 # Pinged only while GET /health passes; a hung server is killed and restarted.
 WatchdogSec=60
 # SIGTERM to the supervisor alone (it stops its tree in order), then SIGKILL to whatever is left.
@@ -135,13 +140,15 @@ def systemd_quote(word: str, *, executable: bool = False) -> str:
     return text if plain else f'"{text}"'
 
 
-def render(exec_argv: Sequence[str] | str = (DEFAULT_EXEC,), config_path: Path = DEFAULT_PATH) -> str:
+def render(
+    exec_argv: Sequence[str] | str = (DEFAULT_EXEC,), config_path: Path = DEFAULT_PATH, stop_s: int = DEFAULT_STOP_S
+) -> str:
     if isinstance(exec_argv, str):
         exec_argv = [exec_argv]
     words = [systemd_quote(exec_argv[0], executable=True)]
     words += [systemd_quote(w) for w in [*exec_argv[1:], "--config", str(config_path)]]
     command = " ".join(words)
-    return TEMPLATE.format(command=command, config_exit=int(ExitCode.CONFIG))
+    return TEMPLATE.format(command=command, config_exit=int(ExitCode.CONFIG), stop_s=int(stop_s))
 
 
 def running_executable(argv0: str | None = None, python: str | None = None) -> list[str]:
@@ -157,10 +164,14 @@ def running_executable(argv0: str | None = None, python: str | None = None) -> l
 
 
 def install(
-    config_path: Path, unit_dir: Path = DEFAULT_UNIT_DIR, reload: bool = True, exec_argv: Sequence[str] | None = None
+    config_path: Path,
+    unit_dir: Path = DEFAULT_UNIT_DIR,
+    reload: bool = True,
+    exec_argv: Sequence[str] | None = None,
+    stop_s: int = DEFAULT_STOP_S,
 ) -> Path:
     """Write the unit and reload systemd; returns the unit's path."""
-    text = render(running_executable() if exec_argv is None else exec_argv, config_path)
+    text = render(running_executable() if exec_argv is None else exec_argv, config_path, stop_s)
     target = unit_dir / UNIT_NAME
     tmp = target.with_suffix(".tmp")
     try:

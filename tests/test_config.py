@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.config import load_config, parse_config
+from kimi_supervisor.config import effective_config, load_config, parse_config
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
 
 REPO = Path(__file__).resolve().parent.parent
@@ -240,6 +240,28 @@ def test_cli_exit_code_and_single_line(tmp_path: Path) -> None:
         "(known keys: busy_log_interval_s, check_model, check_port, deadline_s, gpus, "
         "memory_threshold_mib, poll_interval_s, reap, shm)\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [
+        (
+            '"--shutdown-timeout", "1.5"',
+            "{p}: child.argv: --shutdown-timeout expects an integer number of seconds, got '1.5'",
+        ),
+        ('"--shutdown-timeout=-5"', "{p}: child.argv: --shutdown-timeout expects >= 0 seconds, got -5"),
+        ('"--shutdown-timeout"', "{p}: child.argv: option --shutdown-timeout has no value"),
+    ],
+)
+def test_shutdown_timeout_errors(tmp_path: Path, flag: str, expected: str) -> None:
+    path = write(tmp_path, f'[child]\nargv = ["vllm", "serve", "/m", {flag}]\n')
+    assert error_of(path) == expected.format(p=path)
+
+
+def test_shutdown_timeout_is_part_of_the_effective_config(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, '[child]\nargv = ["vllm", "serve", "/m", "--shutdown-timeout=120"]\n'))
+    assert cfg.child.vllm.shutdown_timeout == 120
+    assert effective_config(cfg)["child"]["vllm"]["shutdown_timeout"] == 120
 
 
 @pytest.mark.parametrize(
