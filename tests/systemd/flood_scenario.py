@@ -83,7 +83,7 @@ grace_s = 3
 
 
 def install(m: NspawnMachine) -> None:
-    m.write_file(WRAPPER, f"#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} -m kimi_supervisor \"$@\"\n", 0o755)
+    m.write_file(WRAPPER, f'#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} -m kimi_supervisor "$@"\n', 0o755)
     m.install_unit(UNIT, unit.render(WRAPPER, Path(CONFIG)), reload=False)
 
 
