@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -12,46 +11,11 @@ from typing import Any
 import psutil
 
 from bench.common import Row, median, ms
-from tests.harness import Run, fake_config, fake_tree_of, free_port, write_config
+from tests.harness import Run, fake_config, fake_tree_of, ready_child_times
 
-READY_CHILD = Path(__file__).resolve().parent / "ready_child.py"
 READY_RUNS = 10
 STOP_RUNS = 5
 IDLE_WINDOW_S = 30.0
-
-
-def _ready_once(tmp: Path, poll_s: float, listen_after: float) -> float:
-    """READY=1 arrival at the notify socket minus the child's first 200, in seconds."""
-    marker = tmp / "first-200"
-    port = free_port()
-    argv = [sys.executable, str(READY_CHILD), "--port", str(port), "--listen-after", f"{listen_after:.3f}", str(marker)]
-    shm = tmp / "shm"
-    shm.mkdir()
-    cfg = write_config(
-        tmp / "kimi.toml",
-        {
-            "child": {"argv": argv},
-            "preflight": {"gpus": [], "check_model": False},
-            "preflight.shm": {"directory": str(shm)},
-            "readiness": {"poll_interval_s": poll_s, "deadline_s": 30},
-            "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
-            "paths": {"runtime_directory": str(tmp / "run"), "state_directory": str(tmp / "state")},
-        },
-    )
-    run = Run(cfg, tmp)
-    try:
-        run.wait_event("state.ready", timeout=30)
-        deadline = time.monotonic() + 5
-        while (ready := run.notify.first("READY", "1")) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert ready is not None, "state.ready logged but no READY=1 datagram"
-        first_200 = float(marker.read_text())
-        run.signal()
-        rc = run.wait(timeout=15)
-        assert rc == 0, f"supervisor exited {rc}"
-        return ready[0] - first_200
-    finally:
-        run.kill()
 
 
 def ready_rows() -> list[Row]:
@@ -61,7 +25,8 @@ def ready_rows() -> list[Row]:
         lat = []
         for _ in range(READY_RUNS):
             with tempfile.TemporaryDirectory(prefix="kimi-bench-ready-") as tmp:
-                lat.append(_ready_once(Path(tmp), poll_s, rng.uniform(0.0, 0.3)))
+                times = ready_child_times(Path(tmp), poll_s, rng.uniform(0.0, 0.3))
+                lat.append(times.ready - times.first_200)
         never_before = min(lat) >= 0
         rows.append(
             Row(

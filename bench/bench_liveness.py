@@ -24,8 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.common import Row, median, ms  # noqa: E402
-from tests.harness import Run, fake_config  # noqa: E402
-from tests.test_ready_probe import ready_lag  # noqa: E402
+from tests.harness import Run, fake_config, ready_child_times  # noqa: E402
 
 READY_RUNS = 20
 WEDGE_RUNS = 3
@@ -37,7 +36,8 @@ def ready_rows() -> list[Row]:
     lags = []
     for _ in range(READY_RUNS):
         with tempfile.TemporaryDirectory(prefix="kimi-bench-ready15-") as tmp:
-            lags.append(ready_lag(Path(tmp), 0.25, rng.uniform(0.0, 0.3)))
+            times = ready_child_times(Path(tmp), 0.25, rng.uniform(0.0, 0.3))
+            lags.append(times.ready - times.listening)
     return [
         Row(
             f"6. READY=1 after /health can first answer 200, poll 0.25 s ({READY_RUNS} starts)",

@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Row, median, ms, p95
-from kimi_supervisor import checks
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import Config, parse_config
-from kimi_supervisor.gpuwait import busy_gpus, holders, wait_until_free
-from kimi_supervisor.preflight import Preflight
+from kimi_supervisor.gpu import busy_gpus, holders, wait_until_free
+from kimi_supervisor.preflight import Preflight, checks
+from kimi_supervisor.preflight.reaper import plan_reap
+from kimi_supervisor.preflight.shm import plan_shm
 from kimi_supervisor.proctable import PsutilProcessTable
-from kimi_supervisor.reaper import plan_reap
-from kimi_supervisor.shm import plan_shm
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe
 from tests.harness import free_port
 

@@ -40,9 +40,9 @@ os.environ.update(SAFE_ENV)
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kimi_supervisor import gpu_health  # noqa: E402
 from kimi_supervisor.config import parse_config  # noqa: E402
 from kimi_supervisor.gpu import NvmlProbe  # noqa: E402
+from kimi_supervisor.preflight import gpu_health  # noqa: E402
 
 # A store to an address no allocation maps: the MMU faults in our own context only.
 FAULT_CODE = r"""
@@ -198,8 +198,8 @@ def part_d(res: dict[str, Any], do_fault: bool) -> None:
     from kimi_supervisor.journal import ConsoleChildSink
     from kimi_supervisor.notify import NullNotifier
     from kimi_supervisor.preflight import Preflight
+    from kimi_supervisor.preflight.report import render_text
     from kimi_supervisor.proctable import PsutilProcessTable
-    from kimi_supervisor.report import render_text
     from kimi_supervisor.state import State
     from kimi_supervisor.supervisor import Deps, Supervisor
     from tests.harness import fake_config

@@ -46,6 +46,20 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def gpu_child_section(port: int, ngpu: int, mib: int, rundir: str, **env: str) -> list[str]:
+    """The config's [child] lines: bench/gpu_child.py as `vllm serve`, one MIB-MiB worker per GPU, NCCL over /dev/shm."""
+    argv = ["python3", str(REPO / "bench" / "gpu_child.py"), "serve", "/tmp/x", "--port", str(port)]
+    argv += ["--host", "127.0.0.1", "--tensor-parallel-size", str(ngpu)]
+    child = {**SAFE_ENV, "GPU_CHILD_MIB": str(mib), "GPU_CHILD_RUNDIR": rundir}
+    child.update({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "0", **env})
+    return [
+        "[child]",
+        "argv = [" + ", ".join(json.dumps(a) for a in argv) + "]",
+        "[child.env]",
+        *(f"{k} = {json.dumps(v)}" for k, v in child.items()),
+    ]
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")

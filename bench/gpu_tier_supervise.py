@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_tier_common import REPO, SAFE_ENV, THRESHOLD_MIB, child_env, shm_listing
+from bench.gpu_tier_common import REPO, THRESHOLD_MIB, child_env, gpu_child_section, shm_listing
 from bench.gpu_tier_ctx import Ctx
 from bench.gpu_tier_gpus import Monitor, comm
 from tests.procutil import free_port
@@ -35,27 +35,9 @@ def step_supervisor(ctx: Ctx) -> None:
 
 def _write_config(ctx: Ctx, res: dict[str, Any]) -> Path:
     port = free_port()
-    argv = [
-        "python3",
-        str(REPO / "bench" / "gpu_child.py"),
-        "serve",
-        "/tmp/x",
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--tensor-parallel-size",
-        str(ctx.ngpu),
-    ]
-    env = {**SAFE_ENV, "GPU_CHILD_MIB": str(ctx.mib), "GPU_CHILD_RUNDIR": str(ctx.state / "child")}
-    env.update({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "0"})
-    if ctx.fake_dir:
-        env.update(GPU_CHILD_FAKE="1", GPU_CHILD_FAKE_DIR=ctx.fake_dir)
+    fake_env = {"GPU_CHILD_FAKE": "1", "GPU_CHILD_FAKE_DIR": ctx.fake_dir} if ctx.fake_dir else {}
     toml = [
-        "[child]",
-        "argv = [" + ", ".join(json.dumps(a) for a in argv) + "]",
-        "[child.env]",
-        *(f"{k} = {json.dumps(v)}" for k, v in env.items()),
+        *gpu_child_section(port, ctx.ngpu, ctx.mib, str(ctx.state / "child"), **fake_env),
         "[preflight]",
         "check_model = false",
         "deadline_s = 30",

@@ -34,7 +34,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+sys.path.insert(0, str(REPO))
+
+from bench.gpu_tier_common import SAFE_ENV, gpu_child_section  # noqa: E402 - needs the repo on sys.path
+
 CHECKS: list[tuple[str, bool, str]] = []
 
 
@@ -123,17 +126,8 @@ def health(port: int) -> int:
 
 
 def write_config(path: Path, port: int, run_dir: Path, shm: Path, mib: int, ngpu: int, child_dir: Path) -> None:
-    argv = [
-        "python3", str(REPO / "bench" / "gpu_child.py"), "serve", "/tmp/x",
-        "--port", str(port), "--host", "127.0.0.1", "--tensor-parallel-size", str(ngpu),
-    ]  # fmt: skip
-    env = {**SAFE_ENV, "GPU_CHILD_MIB": str(mib), "GPU_CHILD_RUNDIR": str(child_dir)}
-    env.update({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "0", "NCCL_CUMEM_HOST_ENABLE": "0"})
     lines = [
-        "[child]",
-        "argv = [" + ", ".join(json.dumps(a) for a in argv) + "]",
-        "[child.env]",
-        *(f"{k} = {json.dumps(v)}" for k, v in env.items()),
+        *gpu_child_section(port, ngpu, mib, str(child_dir), NCCL_CUMEM_HOST_ENABLE="0"),
         "[preflight]",
         "check_model = false",
         "deadline_s = 5",

@@ -233,11 +233,6 @@ class ChildProcess:
             return None
         return data if data else None
 
-    def close_pipes(self) -> None:
-        for stream in (self._popen.stdout, self._popen.stderr):
-            if stream is not None:
-                stream.close()
-
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = self._popen.poll()

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kimi_supervisor import __version__, instance_lock, timeouts, unit
-from kimi_supervisor.checks import Check, Status
 from kimi_supervisor.child import prepare_spawn
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import DEFAULT_PATH, Config, effective_config, load_config
@@ -21,9 +20,10 @@ from kimi_supervisor.gpu import GpuProbe, GpuUnavailable, NvmlProbe
 from kimi_supervisor.journal import FORMATS, ChildSink, close_outputs, configure, get_logger, resolve_format
 from kimi_supervisor.notify import notifier_from_env, watchdog_interval
 from kimi_supervisor.preflight import Preflight
+from kimi_supervisor.preflight.checks import Check, Status
+from kimi_supervisor.preflight.report import render_json, render_text
 from kimi_supervisor.proctable import PsutilProcessTable
 from kimi_supervisor.redact import RedactingNotifier, redact_argv, redact_env, redact_text, secrets_of
-from kimi_supervisor.report import render_json, render_text
 from kimi_supervisor.spawnplan import Unresolvable
 
 EPILOG = (

@@ -174,7 +174,7 @@ GPU_HEALTH_POLICIES = ("fail", "warn", "off")
 class GpuHealthConfig:
     xid_events: bool  # watch NVML XID / double-bit ECC events while serving
     xid_ignored: tuple[int, ...]  # logged, not acted on
-    # Preflight checks (gpu_health.py): what a problem found by each one is.
+    # Preflight checks (preflight/gpu_health.py): what a problem found by each one is.
     retired_pages: str
     remapped_rows: str
     ecc_uncorrected: str

@@ -26,7 +26,6 @@ class FdWriter:
         self.limit = limit
         self.broken = False
         self.dropped = 0  # lines dropped while stalled, not yet reported
-        self.lost = 0  # lines lost for good (a broken reader, or records past the bound)
         self._buf = bytearray()
         self._was_blocking: bool | None = None
         try:
@@ -43,13 +42,10 @@ class FdWriter:
     def write(self, data: bytes, lines: int = 1, droppable: bool = True) -> bool:
         """Queue `data` (`lines` lines of it) and write what the fd takes now; False if dropped."""
         if self.broken:
-            self.lost += lines
             return False
         if self._buf and len(self._buf) + len(data) > (self.limit if droppable else RECORD_BUFFER):
             if droppable:
                 self.dropped += lines
-            else:
-                self.lost += lines
             return False
         self._buf += data
         self.flush()
@@ -100,12 +96,10 @@ class StreamWriter:
         self._stream = stream
         self.broken = False
         self.dropped = 0
-        self.lost = 0
         self.pending = 0
 
     def write(self, data: bytes, lines: int = 1, droppable: bool = True) -> bool:
         if self.broken:
-            self.lost += lines
             return False
         try:
             self._stream.write(data.decode("utf-8", "replace"))

@@ -1,4 +1,4 @@
-"""The GPU boundary: a small Protocol and its NVML implementation.
+"""The GPU boundary: a small Protocol, its NVML implementation, and waiting for memory.
 
 Memory is counted the way nvidia-smi shows it: NVML's v2 memory info, whose
 `used` leaves out the driver-reserved part (an idle H200 reads v1 used=615 MiB,
@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
+
+from kimi_supervisor.clock import Clock
 
 MIB = 1024 * 1024
 
@@ -91,6 +93,41 @@ class GpuProbe(Protocol):
     def watch_events(self, indices: tuple[int, ...]) -> GpuEventWatch: ...
 
     def close(self) -> None: ...
+
+
+# Waiting for memory: shared by the preflight and by the supervisor's stop path.
+
+
+def busy_gpus(probe: GpuProbe, gpus: tuple[int, ...], threshold_mib: int) -> list[GpuMemory]:
+    return [m for m in (probe.memory(i) for i in gpus) if m.used_mib > threshold_mib]
+
+
+def holders(probe: GpuProbe, gpus: tuple[int, ...]) -> list[GpuProcess]:
+    return [p for i in gpus for p in probe.processes(i)]
+
+
+def wait_until_free(
+    probe: GpuProbe,
+    gpus: tuple[int, ...],
+    threshold_mib: int,
+    clock: Clock,
+    timeout_s: float,
+    poll_s: float,
+    on_still_busy: Callable[[list[GpuMemory], float], None],
+    report_every_s: float,
+) -> list[GpuMemory]:
+    """Poll until every GPU's used memory <= threshold; return those still busy at the deadline."""
+    start = clock.monotonic()
+    last_report = start
+    while True:
+        busy = busy_gpus(probe, gpus, threshold_mib)
+        now = clock.monotonic()
+        if not busy or now - start >= timeout_s:
+            return busy
+        if now - last_report >= report_every_s:
+            on_still_busy(busy, now - start)
+            last_report = now
+        clock.sleep(min(poll_s, max(0.0, start + timeout_s - now)))
 
 
 class NvmlProbe:

@@ -84,7 +84,6 @@ class JournalWriter:
     def __init__(
         self, path: str = JOURNAL_SOCKET, fallback: TextIO | RecordStream | None = None, backlog: int = 10_000
     ) -> None:
-        self._path = path
         self._fallback = fallback or sys.stderr
         self._backlog: collections.deque[bytes] = collections.deque()
         self._backlog_max = backlog

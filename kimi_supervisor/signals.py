@@ -38,7 +38,6 @@ IGNORED_SIGNALS = frozenset(
     [getattr(signal, n) for n in _IGNORED_NAMES if hasattr(signal, n)]
     + list(range(signal.SIGRTMIN, signal.SIGRTMAX + 1))
 )
-WAKE = 0  # not a signal: the health prober's "a result is waiting"
 
 
 def signal_name(signum: int) -> str:

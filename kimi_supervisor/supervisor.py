@@ -30,7 +30,6 @@ from kimi_supervisor.boundaries import (
     Signals,
     Spawner,
 )
-from kimi_supervisor.checks import Status
 from kimi_supervisor.child import ChildProcess, PreparedSpawn, prepare_spawn
 from kimi_supervisor.clock import Clock, SystemClock, format_duration
 from kimi_supervisor.config import Config, SpawnSpec
@@ -44,8 +43,7 @@ from kimi_supervisor.exitcodes import (
     StartupStalled,
     SupervisorError,
 )
-from kimi_supervisor.gpu import GpuProbe, GpuUnavailable
-from kimi_supervisor.gpuwait import wait_until_free
+from kimi_supervisor.gpu import GpuProbe, GpuUnavailable, wait_until_free
 from kimi_supervisor.health import HealthProber, HealthResult
 from kimi_supervisor.journal import ChildSink
 from kimi_supervisor.liveness import DeepLiveness
@@ -53,6 +51,7 @@ from kimi_supervisor.notify import Notifier
 from kimi_supervisor.opsview import OperatorView
 from kimi_supervisor.output import ChildOutput
 from kimi_supervisor.preflight import Preflight
+from kimi_supervisor.preflight.checks import Status
 from kimi_supervisor.proctable import ProcessTable
 from kimi_supervisor.readiness import LineEvent, ReadinessTracker
 from kimi_supervisor.signals import STOP_SIGNALS, InterruptibleClock, SignalRecorder, StopRequested, signal_name

@@ -9,11 +9,15 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+if TYPE_CHECKING:
+    from kimi_supervisor.child import ChildProcess
 
 
 def interpreter(uid: int | None) -> str:
@@ -149,3 +153,22 @@ if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
 
     _hyp_settings.register_profile("ci", derandomize=True, print_blob=True)
     _hyp_settings.load_profile("ci")
+
+
+def close_pipes(child: ChildProcess) -> None:
+    """Close a test's ChildProcess pipes.  The supervisor never needs to (it exits after its one child);
+    a test runner that spawns hundreds would otherwise collect unclosed-file warnings."""
+    for stream in (child._popen.stdout, child._popen.stderr):
+        if stream is not None:
+            stream.close()
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory every user can reach (tmp_path's parents are closed to nobody)."""
+    path = Path(tempfile.mkdtemp(prefix="kimi-open-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)

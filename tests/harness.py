@@ -5,6 +5,9 @@ Shared by the lifecycle tests, the fault matrix and the benchmarks.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import http.server
 import json
 import os
 import signal
@@ -12,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -214,3 +217,69 @@ def fake_tree_of(marker: str) -> list[psutil.Process]:
             return False
 
     return processes_matching(ours)
+
+
+@contextlib.contextmanager
+def http_server(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A threaded loopback HTTP server for `handler` while the block runs; yields its base URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+READY_CHILD = REPO / "bench" / "ready_child.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadyTimes:
+    """When READY=1 reached the notify socket, the child started listening, and it sent its first 200."""
+
+    ready: float
+    listening: float
+    first_200: float
+
+
+def ready_child_times(tmp: Path, poll_s: float, listen_after: float) -> ReadyTimes:
+    """One real supervisor run around bench/ready_child.py, listening `listen_after` s after its start line."""
+    argv = [
+        sys.executable,
+        str(READY_CHILD),
+        "--port",
+        str(free_port()),
+        "--listen-after",
+        f"{listen_after:.3f}",
+        "--listening-marker",
+        str(tmp / "listening"),
+        str(tmp / "first-200"),
+    ]
+    shm = tmp / "shm"
+    shm.mkdir()
+    cfg = write_config(
+        tmp / "kimi.toml",
+        {
+            "child": {"argv": argv},
+            "preflight": {"gpus": [], "check_model": False},
+            "preflight.shm": {"directory": str(shm)},
+            "readiness": {"poll_interval_s": poll_s, "deadline_s": 30},
+            "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
+            "paths": {"runtime_directory": str(tmp / "run"), "state_directory": str(tmp / "state")},
+        },
+    )
+    run = Run(cfg, tmp)
+    try:
+        run.wait_event("state.ready", timeout=30)
+        deadline = time.monotonic() + 5
+        while (ready := run.notify.first("READY", "1")) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ready is not None, "state.ready logged but no READY=1 datagram"
+        run.signal()
+        rc = run.wait(timeout=15)
+        assert rc == 0, f"supervisor exited {rc}"
+        return ReadyTimes(ready[0], float((tmp / "listening").read_text()), float((tmp / "first-200").read_text()))
+    finally:
+        run.kill()

@@ -11,7 +11,7 @@ import pytest
 
 from kimi_supervisor.child import ChildProcess, LineSplitter, SpawnSpec, child_environment
 from kimi_supervisor.exitcodes import ExitCode, SpawnError
-from tests.conftest import wait_for
+from tests.conftest import close_pipes, wait_for
 
 
 def spec(*argv: str, **kw: object) -> SpawnSpec:
@@ -139,7 +139,7 @@ def test_tree_is_terminated_including_detached_members(ignore_term: bool) -> Non
     finally:
         for p in child.refresh_members():
             p.kill()
-        child.close_pipes()
+        close_pipes(child)
 
 
 def test_signal_tree_never_touches_unrelated_processes() -> None:
@@ -160,4 +160,4 @@ def test_signal_tree_never_touches_unrelated_processes() -> None:
         signal.signal(signal.SIGTERM, previous)
         bystander.kill()
         bystander.wait()
-        child.close_pipes()
+        close_pipes(child)

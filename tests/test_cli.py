@@ -99,6 +99,7 @@ def test_install_unit_command(tmp_path: Path) -> None:
     cfg.write_text('[child]\nargv = ["vllm"]\n')
     result = cli("install-unit", "--config", str(cfg), "--unit-dir", str(tmp_path / "units"), "--no-reload")
     assert result.returncode == 0, result.stderr
-    assert result.stdout == (f"wrote {tmp_path / 'units' / 'kimi-supervisor.service'}; "
-                             "now: systemctl enable --now kimi-supervisor.service\n")
+    assert result.stdout == (
+        f"wrote {tmp_path / 'units' / 'kimi-supervisor.service'}; now: systemctl enable --now kimi-supervisor.service\n"
+    )
     assert f"--config {cfg}" in (tmp_path / "units" / "kimi-supervisor.service").read_text()

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from kimi_supervisor.health import HealthProber, probe
-from tests.harness import free_port
+from tests.harness import free_port, http_server
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -29,11 +29,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def server() -> Iterator[tuple[str, type[Handler]]]:
     handler = type("H", (Handler,), {"status": 200})
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}/health", handler
-    srv.shutdown()
-    srv.server_close()
+    with http_server(handler) as base:
+        yield f"{base}/health", handler
 
 
 def test_refused_is_a_quiet_failure() -> None:

@@ -6,8 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -128,16 +126,6 @@ def test_daemon_reload_failure_is_its_own_exit_code(tmp_path: Path) -> None:
     assert result.returncode == 69
     assert "systemctl daemon-reload failed: Failed to connect to bus: Host is down" in result.stderr
     assert "Traceback" not in result.stderr and (tmp_path / unit.UNIT_NAME).exists()
-
-
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="kimi13-unit-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path)
 
 
 @pytest.mark.skipif(not ROOT, reason="drops to nobody")

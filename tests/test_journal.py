@@ -97,7 +97,9 @@ def test_json_child_sink_matches_json_dumps() -> None:
     text = 'quote " backslash \\ tab \t ctl \x01 é \u2028 done'
     sink.line(text, 3, {"VLLM_COMPONENT": "Worker", "VLLM_RANK": "3"})
     sink.flush()
-    expected = json.dumps({"source": "child", "priority": 3, "line": text, "vllm_component": "Worker",
-                           "vllm_rank": "3"}, ensure_ascii=False)
+    expected = json.dumps(
+        {"source": "child", "priority": 3, "line": text, "vllm_component": "Worker", "vllm_rank": "3"},
+        ensure_ascii=False,
+    )
     assert out.getvalue() == expected + "\n"
     structlog.reset_defaults()

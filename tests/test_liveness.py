@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ from kimi_supervisor.config import load_config, parse_config
 from kimi_supervisor.exitcodes import ConfigError
 from kimi_supervisor.liveness import ProgressTracker, api_key, send_canary
 from kimi_supervisor.vllm_metrics import EngineMetrics, parse_metrics
-from tests.harness import Run, fake_config, fake_tree_of
+from tests.harness import Run, fake_config, fake_tree_of, http_server
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm_cpu_0.32"
 
@@ -99,15 +98,8 @@ class _Completions(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def completions() -> Iterator[tuple[str, type[_Completions]]]:
     handler = type("H", (_Completions,), {"bodies": [], "auth": []})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1/completions", handler
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(handler) as base:
+        yield f"{base}/v1/completions", handler
 
 
 def test_canary_is_one_greedy_token_on_the_served_model(completions: tuple[str, type[_Completions]]) -> None:

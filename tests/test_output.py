@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from kimi_supervisor.journal import JournalChildSink, JournalWriter
 from kimi_supervisor.output import ChildOutput, LineMeter
 from kimi_supervisor.readiness import ReadinessTracker
 from tests.fakes.clock import RecordingLog
-from tests.fakes.journal_socket import decode
+from tests.fakes.journal_socket import JournalSocket
 from tests.harness import FAKE
 
 CFG = parse_config({"child": {"argv": ["vllm"]}}, Path("t.toml")).readiness
@@ -41,26 +40,8 @@ def test_meter_budget_per_second_and_pool() -> None:
     assert meter.take_suppressed() == 0
 
 
-class Listener:
-    """A journald stand-in that reads only when asked (a stalled journald until then)."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.path = str(tmp_path / "journal.sock")
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.sock.setblocking(False)
-
-    def records(self) -> list[dict[str, str]]:
-        out = []
-        while True:
-            try:
-                out.append(decode(self.sock.recv(1 << 20)))
-            except BlockingIOError:
-                return out
-
-
 def test_stalled_journal_drops_child_lines_and_keeps_every_supervisor_record(tmp_path: Path) -> None:
-    journal = Listener(tmp_path)
+    journal = JournalSocket(tmp_path)  # reads only when asked: a stalled journald until then
     writer = JournalWriter(journal.path)
     sink = JournalChildSink(writer)
     sent = 0
@@ -88,7 +69,7 @@ def test_stalled_journal_drops_child_lines_and_keeps_every_supervisor_record(tmp
 
 def test_pump_meters_child_lines_toward_journald_and_counts_the_rest(tmp_path: Path) -> None:
     """A real flooding child through the real pump: per second at most the budget; nothing uncounted."""
-    journal = Listener(tmp_path)
+    journal = JournalSocket(tmp_path)
     writer = JournalWriter(journal.path)
     log = RecordingLog()
     lines = 60_000

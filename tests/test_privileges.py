@@ -20,7 +20,7 @@ from kimi_supervisor.proctable import PsutilProcessTable
 from kimi_supervisor.spawnplan import Unresolvable, resolve_identity
 from kimi_supervisor.state import State
 from kimi_supervisor.supervisor import Deps, Supervisor
-from tests.conftest import ProcSpawner
+from tests.conftest import ProcSpawner, close_pipes
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe
 from tests.harness import REPO, free_port, write_config
@@ -46,7 +46,7 @@ def output_of(child: ChildProcess, timeout: float = 10) -> str:
         out += data
         if not data:
             time.sleep(0.01)
-    child.close_pipes()
+    close_pipes(child)
     return out.decode()
 
 

@@ -16,11 +16,11 @@ from kimi_supervisor import procident
 from kimi_supervisor.child import ChildProcess, SpawnSpec
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.gpu import GpuProcess
+from kimi_supervisor.preflight.reaper import execute_reap, plan_reap
 from kimi_supervisor.procident import ProcIdent, identify, send_signal
 from kimi_supervisor.proctable import PsutilProcessTable
-from kimi_supervisor.reaper import execute_reap, plan_reap
-from tests.conftest import ProcSpawner, wait_for
-from tests.test_kill_rules import reap_cfg
+from tests.conftest import ProcSpawner, close_pipes, wait_for
+from tests.preflight.test_kill_rules import reap_cfg
 
 
 class SignalLog:
@@ -130,6 +130,6 @@ def test_stop_signals_members_by_pidfd_and_the_group_only_while_its_leader_is_un
         assert log.pidfd == [worker]
         wait_for(lambda: procident.exited(worker))
     finally:
-        child.close_pipes()
+        close_pipes(child)
         if worker and not procident.exited(worker):
             subprocess.run(["kill", "-9", str(worker)], check=False)  # os.kill is patched to refuse here

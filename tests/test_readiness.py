@@ -100,9 +100,13 @@ def test_prefilter_words_are_required_by_each_pattern() -> None:
 
 
 def test_user_patterns_still_match_through_the_prefilter() -> None:
-    cfg = parse_config({"child": {"argv": ["vllm"]},
-                        "readiness": {"fatal_patterns": [r"NCCL (?:error|timeout)", r"\bSegmentation fault\b"]}},
-                       Path("t.toml")).readiness
+    cfg = parse_config(
+        {
+            "child": {"argv": ["vllm"]},
+            "readiness": {"fatal_patterns": [r"NCCL (?:error|timeout)", r"\bSegmentation fault\b"]},
+        },
+        Path("t.toml"),
+    ).readiness
     t = ReadinessTracker(cfg)
     assert t.feed("(Worker_TP3 pid=9) ERROR 11-29 17:08:21 [x.py:1] worker 3: NCCL timeout after 1800 s").fatal
     assert ReadinessTracker(cfg).feed("ERROR:    Fatal Python error: Segmentation fault").fatal

@@ -13,7 +13,7 @@ from tests.conftest import ProcSpawner
 from tests.fakes.clock import FakeClock, RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe
 from tests.harness import FAKE, Run, fake_config, free_port
-from tests.test_preflight import make_cfg
+from tests.preflight.test_preflight import make_cfg
 
 SECRET = "sk-live-5ecret-value"
 TOKEN = "hf_T0kenValue1234"

@@ -80,9 +80,22 @@ def test_every_terminating_signal_is_a_stop_or_ignored() -> None:
     """Catchable signals whose default would end the process: none is left at its default."""
     from kimi_supervisor.signals import IGNORED_SIGNALS, STOP_SIGNALS
 
-    terminating = {signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM,
-                   signal.SIGTERM, signal.SIGIO, signal.SIGPROF, signal.SIGVTALRM, signal.SIGXCPU, signal.SIGPWR,
-                   signal.SIGSTKFLT, *range(signal.SIGRTMIN, signal.SIGRTMAX + 1)}
+    terminating = {
+        signal.SIGHUP,
+        signal.SIGINT,
+        signal.SIGQUIT,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+        signal.SIGALRM,
+        signal.SIGTERM,
+        signal.SIGIO,
+        signal.SIGPROF,
+        signal.SIGVTALRM,
+        signal.SIGXCPU,
+        signal.SIGPWR,
+        signal.SIGSTKFLT,
+        *range(signal.SIGRTMIN, signal.SIGRTMAX + 1),
+    }
     assert terminating <= STOP_SIGNALS | IGNORED_SIGNALS
     rec = SignalRecorder()
     rec.install()

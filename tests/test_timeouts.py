@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kimi_supervisor import cli, timeouts, unit
-from kimi_supervisor.checks import Status
 from kimi_supervisor.config import load_config
+from kimi_supervisor.preflight.checks import Status
 from tests.harness import REPO, fake_config
 from tests.test_cli import cli as run_cli
 from tests.test_unit import PACKAGED, directives

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import http.server
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from kimi_supervisor.vllm_metrics import EngineMetrics, MetricsError, fetch_metrics, parse_metrics
+from tests.harness import http_server
 
 PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -69,15 +69,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def server() -> Iterator[tuple[str, type[_Handler]]]:
     handler = type("H", (_Handler,), {})
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    srv.daemon_threads = True
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}/metrics", handler
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with http_server(handler) as base:
+        yield f"{base}/metrics", handler
 
 
 def test_fetch_reads_a_real_http_answer(server: tuple[str, type[_Handler]]) -> None:

@@ -6,8 +6,8 @@ import json
 import socket
 from pathlib import Path
 
-from kimi_supervisor.checks import Status, check_free_memory, check_gpu_count, check_model, check_port
 from kimi_supervisor.gpu import GpuMemory
+from kimi_supervisor.preflight.checks import Status, check_free_memory, check_gpu_count, check_model, check_port
 
 
 def test_model_forms(tmp_path: Path) -> None:

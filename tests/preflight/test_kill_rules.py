@@ -14,12 +14,12 @@ from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import parse_config
 from kimi_supervisor.gpu import GpuProcess
 from kimi_supervisor.instance_lock import lock_owners
+from kimi_supervisor.preflight.reaper import KillRules, execute_reap, plan_reap
 from kimi_supervisor.proctable import ProcInfo, PsutilProcessTable
-from kimi_supervisor.reaper import KillRules, execute_reap, plan_reap
 from tests.conftest import REPO, ProcSpawner, wait_for
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe
-from tests.test_preflight import make_cfg, run
+from tests.preflight.test_preflight import make_cfg, run
 
 TABLE = PsutilProcessTable()
 # `exec -a NAME python` makes Python look for its library next to NAME on PATH: point it home.

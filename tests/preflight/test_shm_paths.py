@@ -4,24 +4,21 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kimi_supervisor.config import ShmConfig
 from kimi_supervisor.preflight import Preflight
+from kimi_supervisor.preflight.report import render_text
+from kimi_supervisor.preflight.shm import plan_shm, remove_stale, write_lease_granted
 from kimi_supervisor.procfiles import maps_names
 from kimi_supervisor.proctable import PsutilProcessTable
-from kimi_supervisor.report import render_text
-from kimi_supervisor.shm import plan_shm, remove_stale, write_lease_granted
 from tests.conftest import ProcSpawner
 from tests.fakes.clock import FakeClock, RecordingLog
 from tests.fakes.gpu import FakeGpuProbe
-from tests.test_preflight import make_cfg
+from tests.preflight.test_preflight import make_cfg
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="switching to nobody needs root")
@@ -36,17 +33,6 @@ def cfg(directory: Path | str) -> ShmConfig:
 
 def decisions(directory: Path | str, table: PsutilProcessTable = TABLE) -> dict[str, tuple[bool, str]]:
     return {d.path.name: (d.remove, d.reason) for d in plan_shm(cfg(directory), table)}
-
-
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A directory every user can reach (tmp_path's parents are closed to nobody)."""
-    path = Path(tempfile.mkdtemp(prefix="kimi13-shm-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path)
 
 
 def hold(spawner: ProcSpawner, path: Path, *, mapped_only: bool = False, as_nobody: bool = False) -> int:

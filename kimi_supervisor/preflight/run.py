@@ -18,17 +18,17 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from kimi_supervisor import checks, gpu_health, timeouts
-from kimi_supervisor.checks import Check, Status
+from kimi_supervisor import timeouts
 from kimi_supervisor.clock import Clock
 from kimi_supervisor.config import Config
 from kimi_supervisor.exitcodes import PreflightError
-from kimi_supervisor.gpu import GpuMemory, GpuProbe, GpuProcess, GpuUnavailable
-from kimi_supervisor.gpuwait import busy_gpus, holders, wait_until_free
+from kimi_supervisor.gpu import GpuMemory, GpuProbe, GpuProcess, GpuUnavailable, busy_gpus, holders, wait_until_free
 from kimi_supervisor.instance_lock import lock_owners
+from kimi_supervisor.preflight import checks, gpu_health
+from kimi_supervisor.preflight.checks import Check, Status
+from kimi_supervisor.preflight.reaper import ReapPlan, Victim, execute_reap, plan_reap
+from kimi_supervisor.preflight.shm import plan_shm, remove_stale
 from kimi_supervisor.proctable import ProcessTable
-from kimi_supervisor.reaper import ReapPlan, Victim, execute_reap, plan_reap
-from kimi_supervisor.shm import plan_shm, remove_stale
 
 
 @dataclasses.dataclass

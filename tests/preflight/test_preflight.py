@@ -11,12 +11,12 @@ from typing import Any
 import pynvml
 import pytest
 
-from kimi_supervisor.checks import Status
 from kimi_supervisor.clock import Clock, SystemClock
 from kimi_supervisor.config import Config, parse_config
 from kimi_supervisor.exitcodes import PreflightError
 from kimi_supervisor.gpu import GpuProbe, NvmlProbe
 from kimi_supervisor.preflight import Preflight
+from kimi_supervisor.preflight.checks import Status
 from kimi_supervisor.proctable import PsutilProcessTable
 from tests.conftest import ProcSpawner
 from tests.fakes.clock import FakeClock, RecordingLog
