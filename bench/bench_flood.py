@@ -54,6 +54,7 @@ def _supervised(tmp: Path, fmt: str, after_ready: bool, lines: int = LINES, rate
             "preflight.shm": {"directory": str(shm)},
             "readiness": {"poll_interval_s": 0.05},
             "shutdown": {"gpu_release_timeout_s": 0},
+            "paths": {"runtime_directory": str(tmp / "run"), "state_directory": str(tmp / "state")},
         },
     )
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}

@@ -35,6 +35,7 @@ def _ready_once(tmp: Path, poll_s: float, listen_after: float) -> float:
             "preflight.shm": {"directory": str(shm)},
             "readiness": {"poll_interval_s": poll_s, "deadline_s": 30},
             "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
+            "paths": {"runtime_directory": str(tmp / "run"), "state_directory": str(tmp / "state")},
         },
     )
     run = Run(cfg, tmp)

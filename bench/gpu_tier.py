@@ -17,6 +17,10 @@ Writes DIR/gpu_tier.json and DIR/gpu_tier.md and prints a readable report.
   d. Preflight wall time on clean GPUs vs the seeds' nvidia-smi bash loop;
      NVML and nvidia-smi call latency.
 
+Modules: gpu_tier_roles (the processes started as `gpu_tier.py _<role>`), gpu_tier_gpus (NVML or the
+fake GPUs, the monitor), gpu_tier_ctx (the run's context and teardown), gpu_tier_preflight (a, b),
+gpu_tier_supervise (c), gpu_tier_bench (d), gpu_tier_report (the JSON and Markdown).
+
 --fake runs the same orchestration with no GPU (a probe that counts live
 worker PIDs as memory) to test this script's logic on a CPU machine.
 Every process this script signals is one it started (or one the supervisor's
@@ -48,11 +52,12 @@ from bench.gpu_tier_roles import sub_decoy_ctl, sub_holder, sub_parent, sub_work
 
 def main_bench(a: argparse.Namespace) -> int:
     # Imported here: the subprocess roles need none of this (nor the supervisor).
+    from bench.gpu_tier_bench import step_bench
     from bench.gpu_tier_ctx import Ctx, Tee, cleanup, end_decoys
     from bench.gpu_tier_gpus import FakeProbe, Gpus
     from bench.gpu_tier_preflight import step_facts_idle, step_holder, step_orphans
     from bench.gpu_tier_report import write_outputs
-    from bench.gpu_tier_supervise import step_bench, step_supervisor
+    from bench.gpu_tier_supervise import step_supervisor
     from kimi_supervisor.journal import configure
 
     t0 = time.monotonic()

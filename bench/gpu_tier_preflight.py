@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,11 +50,22 @@ def _pkg_version(name: str) -> str | None:
 # -- b: orphans -------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class Scene:
+    """What step b sets up and reports on: shm files, decoys, the stale tree; `res` is its section."""
+
+    res: dict[str, Any]
+    shm_before: set[str]
+    held: Path
+    stale: Path
+    decoys: dict[str, int] = dataclasses.field(default_factory=dict)
+    parent: subprocess.Popen[bytes] | None = None
+    workers: list[int] = dataclasses.field(default_factory=list)
+    winfo: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
 def step_orphans(ctx: Ctx) -> None:
-    from kimi_supervisor.clock import SystemClock
     from kimi_supervisor.journal import get_logger
-    from kimi_supervisor.preflight import Preflight
-    from kimi_supervisor.report import render_text
 
     print("\n== b. orphans + decoys ==", flush=True)
     res: dict[str, Any] = {}
@@ -60,11 +73,24 @@ def step_orphans(ctx: Ctx) -> None:
     shm = Path(ctx.shm_dir)
     shm_before = set(shm_listing(ctx.shm_dir))
     res["shm_before"] = sorted(shm_before)
+    sc = Scene(res, shm_before, shm / "psm_test_held", shm / "psm_test_stale")
+    _start_decoys(ctx, sc)
+    _start_stale_tree(ctx, sc)
+    _record_names(sc)
+    _check_nvml_lists_the_tree(ctx, sc)
+    _orphan_the_workers(ctx, sc)
+    cfg = make_config(ctx)
+    log = get_logger()
+    _dry_run(ctx, sc, cfg, log)
+    table, mon, t_start, baseline = _real_run(ctx, sc, cfg, log)
+    _timeline(sc, table, mon, t_start, baseline)
+    ctx.result["orphans_ctx"] = {"decoys": sc.decoys, "held": str(sc.held)}
 
+
+def _start_decoys(ctx: Ctx, sc: Scene) -> None:
+    held, stale = sc.held, sc.stale
     # Decoys, each in its own session (as unrelated services would be).
     devs = ["/dev/nvidiactl", "/dev/nvidia0"] if not ctx.fake else ["/dev/null"]
-    held = shm / "psm_test_held"
-    stale = shm / "psm_test_stale"
     d_ctl = ctx.spawn(
         [sys.executable, str(ENTRY), "_decoy_ctl", "--ready", str(ctx.state / "decoy_ctl.ready"), "--hold", str(held)]
         + [x for d in devs for x in ("--dev", d)],
@@ -79,7 +105,11 @@ def step_orphans(ctx: Ctx) -> None:
     wait_file(ctx.state / "decoy_ctl.ready", 30, [d_ctl])
     wait_file(ctx.state / "decoy_vllm.ready", 30, [d_vllm])
     decoys = {"decoy_ctl": d_ctl.pid, "decoy_vllm": d_vllm.pid}
+    sc.decoys = decoys
 
+
+def _start_stale_tree(ctx: Ctx, sc: Scene) -> None:
+    res, decoys = sc.res, sc.decoys
     # The stale tree.
     t0 = time.monotonic()
     cmd = [sys.executable, str(ENTRY), "_parent", "--world", str(ctx.ngpu), "--mib", str(ctx.mib)]
@@ -100,7 +130,11 @@ def step_orphans(ctx: Ctx) -> None:
     res["parent_pid"] = parent.pid
     res["decoys"] = decoys
     print(f"  tree up in {res['tree_start_s']}s: parent {parent.pid}, workers {workers}", flush=True)
+    sc.parent, sc.workers, sc.winfo = parent, workers, winfo
 
+
+def _record_names(sc: Scene) -> None:
+    res, workers, decoys = sc.res, sc.workers, sc.decoys
     # What psutil and /proc show for the workers and decoys.
     import psutil
 
@@ -117,6 +151,9 @@ def step_orphans(ctx: Ctx) -> None:
     for pid, n in names.items():
         print(f"  PID {pid} {n['role']}: name()={n['psutil_name']!r} comm={n['comm']!r} cmdline={n['cmdline'][:4]}")
 
+
+def _check_nvml_lists_the_tree(ctx: Ctx, sc: Scene) -> None:
+    res, workers, winfo, decoys, shm_before = sc.res, sc.workers, sc.winfo, sc.decoys, sc.shm_before
     # a (under load): NVML lists our PIDs?
     ctx.result["facts"]["loaded"] = ctx.gpus.facts("loaded")
     listed: dict[int, list[int]] = {}
@@ -141,6 +178,10 @@ def step_orphans(ctx: Ctx) -> None:
     res["nccl_transport_lines"] = _nccl_transport(ctx)
     print(f"  new /dev/shm files while the tree runs: {new_shm}", flush=True)
 
+
+def _orphan_the_workers(ctx: Ctx, sc: Scene) -> None:
+    res, parent, workers, shm_before = sc.res, sc.parent, sc.workers, sc.shm_before
+    assert parent is not None
     # Orphan them.
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
@@ -153,9 +194,13 @@ def step_orphans(ctx: Ctx) -> None:
     ctx.expect("orphans keep their memory", all(u > THRESHOLD_MIB for u in used), f"used={used}")
     ctx.expect("orphans alive", all(live(w) for w in workers))
 
-    cfg = make_config(ctx)
-    log = get_logger()
 
+def _dry_run(ctx: Ctx, sc: Scene, cfg: Any, log: Any) -> None:
+    from kimi_supervisor.clock import SystemClock
+    from kimi_supervisor.preflight import Preflight
+    from kimi_supervisor.report import render_text
+
+    res, workers, held, stale = sc.res, sc.workers, sc.held, sc.stale
     # Dry run.
     table = TimingTable()
     t = time.monotonic()
@@ -173,6 +218,13 @@ def step_orphans(ctx: Ctx) -> None:
     ctx.expect("dry run: held shm 'keep'", _shm_status(dry, held) == "keep")
     ctx.expect("orphans still alive after dry run", all(live(w) for w in workers))
 
+
+def _real_run(ctx: Ctx, sc: Scene, cfg: Any, log: Any) -> tuple[TimingTable, Monitor, float, list[int]]:
+    from kimi_supervisor.clock import SystemClock
+    from kimi_supervisor.preflight import Preflight
+    from kimi_supervisor.report import render_text
+
+    res, workers, decoys, held, stale, shm_before = sc.res, sc.workers, sc.decoys, sc.held, sc.stale, sc.shm_before
     # Real run, watched.
     watch = workers + list(decoys.values())
     baseline = [r.get("v2_used_mib", 0) for r in ctx.result["facts"]["idle"]]
@@ -213,7 +265,11 @@ def step_orphans(ctx: Ctx) -> None:
     used_after = [ctx.gpus.used_mib(i) for i in range(ctx.ngpu)]
     res["used_mib_after"] = used_after
     ctx.expect("memory returned on every GPU", all(u <= THRESHOLD_MIB for u in used_after), f"used={used_after}")
+    return table, mon, t_start, baseline
 
+
+def _timeline(sc: Scene, table: TimingTable, mon: Monitor, t_start: float, baseline: list[int]) -> None:
+    res, workers = sc.res, sc.workers
     # Timeline per GPU.
     term = {pid: t for t, pid, s in table.sent if s == "SIGTERM"}
     per_gpu = []
@@ -246,7 +302,6 @@ def step_orphans(ctx: Ctx) -> None:
     res["monitor_errors"] = mon.errors
     for row in per_gpu:
         print(f"  GPU {row['gpu']}: {json.dumps({k: v for k, v in row.items() if k != 'states'})}", flush=True)
-    ctx.result["orphans_ctx"] = {"decoys": decoys, "held": str(held)}
 
 
 def _ms(v: float | None) -> float | None:

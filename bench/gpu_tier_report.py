@@ -28,6 +28,11 @@ def _f(v: Any, nd: int = 1) -> str:
 
 
 def render_md(r: dict[str, Any]) -> str:
+    sections = (_summary_md, _facts_md, _orphans_md, _holder_md, _supervisor_md, _bench_md)
+    return "\n".join(line for section in sections for line in section(r)) + "\n"
+
+
+def _summary_md(r: dict[str, Any]) -> list[str]:
     m = r.get("meta", {})
     out = [
         "# kimi-supervisor GPU tier",
@@ -51,6 +56,11 @@ def render_md(r: dict[str, Any]) -> str:
     ]
     if r.get("errors"):
         out += ["", "## Errors", "", "```", *r["errors"], "```"]
+    return out
+
+
+def _facts_md(r: dict[str, Any]) -> list[str]:
+    out: list[str] = []
     f = r.get("facts", {})
     if f:
         out += [
@@ -76,6 +86,11 @@ def render_md(r: dict[str, Any]) -> str:
                     f"{_f(row.get('v2_reserved_mib'))} | {_f(row.get('v2_total_mib', row.get('v1_total_mib')))} | "
                     f"{procs} |"
                 )
+    return out
+
+
+def _orphans_md(r: dict[str, Any]) -> list[str]:
+    out: list[str] = []
     o = r.get("orphans", {})
     if o:
         out += ["", "## b. Orphans + decoys", ""]
@@ -142,6 +157,11 @@ def render_md(r: dict[str, Any]) -> str:
             "State timelines (ms after SIGTERM, /proc state letter, '-' = reaped): "
             + "; ".join(f"PID {g['pid']}: {g.get('states')}" for g in o.get("per_gpu", [])),
         ]
+    return out
+
+
+def _holder_md(r: dict[str, Any]) -> list[str]:
+    out: list[str] = []
     h = r.get("holder", {})
     if h:
         out += [
@@ -159,6 +179,11 @@ def render_md(r: dict[str, Any]) -> str:
             *h.get("dry_run_report", []),
             "```",
         ]
+    return out
+
+
+def _supervisor_md(r: dict[str, Any]) -> list[str]:
+    out: list[str] = []
     s = r.get("supervisor", {})
     if s:
         out += [
@@ -180,6 +205,11 @@ def render_md(r: dict[str, Any]) -> str:
             fields = {a: b for a, b in v.items() if a not in ("at_s", "event", "timestamp", "level")}
             out.append(f"| {k} | {v.get('at_s')} | {json.dumps(fields)[:200]} |")
         out += ["", "Config:", "", "```toml", *s.get("config", []), "```"]
+    return out
+
+
+def _bench_md(r: dict[str, Any]) -> list[str]:
+    out: list[str] = []
     b = r.get("bench", {})
     if b.get("table"):
         out += [
@@ -209,4 +239,4 @@ def render_md(r: dict[str, Any]) -> str:
                     out.append(f"| {k} | {v['median']} | {v['p95']} | {v['mean']} |")
                 else:
                     out.append(f"| {k} | {v} (ms) | | |")
-    return "\n".join(out) + "\n"
+    return out

@@ -17,12 +17,21 @@ import fcntl
 import os
 import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import psutil
 
+from kimi_supervisor.config import ChildConfig
 from kimi_supervisor.exitcodes import SpawnError
 from kimi_supervisor.procident import CREATE_TIME_TOLERANCE_S, ProcIdent, exited, group_signal, send_signal
+from kimi_supervisor.redact import REDACTED_BYTES, secret_bytes
+from kimi_supervisor.spawnplan import (
+    Identity,
+    Unresolvable,
+    identity_environment,
+    resolve_executable,
+    resolve_identity,
+)
 
 PR_SET_CHILD_SUBREAPER = 36
 F_SETPIPE_SZ = 1031
@@ -55,10 +64,16 @@ class SpawnSpec:
     inherit_environment: bool
     working_directory: str | None
     user: str | None
+    group: str | None = None
 
 
-def child_environment(spec: SpawnSpec, parent: Mapping[str, str]) -> dict[str, str]:
+def spawn_spec(child: ChildConfig) -> SpawnSpec:
+    return SpawnSpec(child.argv, child.env, child.inherit_environment, child.working_directory, child.user, child.group)
+
+
+def child_environment(spec: SpawnSpec, parent: Mapping[str, str], identity: Identity | None = None) -> dict[str, str]:
     base = dict(parent) if spec.inherit_environment else {k: parent[k] for k in ("PATH", "LANG", "HOME") if k in parent}
+    base.update(identity_environment(identity))  # root's HOME=/root must not follow the child to its user
     base.update(spec.env)
     for key in PRIVATE_ENV:
         base.pop(key, None)
@@ -67,15 +82,42 @@ def child_environment(spec: SpawnSpec, parent: Mapping[str, str]) -> dict[str, s
     return base
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedSpawn:
+    """Everything a spawn needs that depends on the host: resolved before the preflight acts."""
+
+    identity: Identity | None
+    executable: str
+    env: Mapping[str, str]
+
+
+def prepare_spawn(spec: SpawnSpec, parent_env: Mapping[str, str]) -> PreparedSpawn:
+    """Resolve user, groups, environment and the executable; raises Unresolvable naming the key."""
+    identity = resolve_identity(spec.user, spec.group)
+    env = child_environment(spec, parent_env, identity)
+    executable = resolve_executable(spec.argv[0], env, spec.working_directory, identity)
+    return PreparedSpawn(identity, executable, env)
+
+
+def _switch_to(identity: Identity | None) -> Identity | None:
+    if identity is None or (identity.uid == os.geteuid() != 0):
+        return None  # already that user (an unprivileged supervisor could not setgroups anyway)
+    return identity
+
+
 class LineSplitter:
     """Bytes to lines, on \\n and \\r (tqdm redraws with \\r), each at most `max_line` bytes.
 
     A longer line is cut: its head is kept with a marker, the rest dropped up
     to the next newline, so a 1 MB line without newline costs max_line of memory.
+    Known secrets are replaced (longest first) *before* the cut: the head is kept
+    with a margin of the longest secret, so no part of a token survives at the cut.
     """
 
-    def __init__(self, max_line: int = 16 * 1024) -> None:
+    def __init__(self, max_line: int = 16 * 1024, secrets: Iterable[str] = ()) -> None:
         self._max = max_line
+        self._secrets = secret_bytes(secrets)
+        self._keep = max_line + max((len(x) for x in self._secrets), default=0)
         self._buf = b""
         self._skipping = 0
 
@@ -91,10 +133,10 @@ class LineSplitter:
         self._append(first, out)
         self._end_line(out)
         for part in parts[1:-1]:
-            if len(part) > self._max:
-                out.append(self._cut(part, len(part)))
+            if len(part) > self._keep:
+                out.append(self._line(part[: self._keep], len(part)))
             elif part:
-                out.append(part.decode("utf-8", "replace"))
+                out.append(self._line(part, len(part)))
         self._append(parts[-1], out)
         return out
 
@@ -103,19 +145,25 @@ class LineSplitter:
             self._skipping += len(data)
             return
         self._buf += data
-        if len(self._buf) > self._max:
+        if len(self._buf) > self._keep:
             self._skipping = len(self._buf)
-            out.append(self._cut(self._buf, None))
+            out.append(self._line(self._buf[: self._keep], None))
             self._buf = b""
 
     def _end_line(self, out: list[str]) -> None:
         if self._skipping:
             self._skipping = 0
         elif self._buf:
-            out.append(self._buf.decode("utf-8", "replace"))
+            out.append(self._line(self._buf, len(self._buf)))
         self._buf = b""
 
-    def _cut(self, data: bytes, total: int | None) -> str:
+    def _line(self, data: bytes, total: int | None) -> str:
+        """`data`: the line's head (up to max + margin); `total`: its full length, None when unknown."""
+        for secret in self._secrets:
+            if secret in data:
+                data = data.replace(secret, REDACTED_BYTES)
+        if total is not None and total <= self._keep and len(data) <= self._max:
+            return data.decode("utf-8", "replace")  # the whole line, and it fits
         size = f"{total} bytes" if total is not None else f"more than {self._max} bytes"
         return data[: self._max].decode("utf-8", "replace") + f" [line cut: {size}]"
 
@@ -148,20 +196,33 @@ class ChildProcess:
 
     @classmethod
     def spawn(
-        cls, spec: SpawnSpec, parent_env: Mapping[str, str] | None = None, owns_all_children: bool = False
+        cls,
+        spec: SpawnSpec,
+        parent_env: Mapping[str, str] | None = None,
+        owns_all_children: bool = False,
+        prepared: PreparedSpawn | None = None,
     ) -> ChildProcess:
-        env = child_environment(spec, os.environ if parent_env is None else parent_env)
+        if prepared is None:
+            try:
+                prepared = prepare_spawn(spec, os.environ if parent_env is None else parent_env)
+            except Unresolvable as exc:
+                raise SpawnError(f"cannot start child: child.{exc.key}: {exc.message}") from None
+        ident = _switch_to(prepared.identity)
         try:
+            # Popen drops privileges between fork and exec in C (setgroups, setregid, setreuid): no preexec_fn.
             popen = subprocess.Popen(
                 list(spec.argv),
-                env=env,
+                executable=prepared.executable,
+                env=dict(prepared.env),
                 cwd=spec.working_directory,
-                user=spec.user,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 close_fds=True,
+                user=None if ident is None else ident.uid,
+                group=None if ident is None else ident.gid,
+                extra_groups=None if ident is None else list(ident.groups),
             )
         except FileNotFoundError as exc:
             missing = spec.working_directory if exc.filename == spec.working_directory else spec.argv[0]

@@ -6,14 +6,14 @@ import argparse
 import contextlib
 import json
 import os
-import stat
 import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from kimi_supervisor import __version__, instance_lock, unit
+from kimi_supervisor import __version__, instance_lock, timeouts, unit
 from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.child import prepare_spawn, spawn_spec
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import DEFAULT_PATH, Config, effective_config, load_config
 from kimi_supervisor.exitcodes import DESCRIPTIONS, ConfigError, ExitCode, SupervisorError
@@ -22,8 +22,9 @@ from kimi_supervisor.journal import FORMATS, close_outputs, configure, get_logge
 from kimi_supervisor.notify import notifier_from_env, watchdog_interval
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.proctable import PsutilProcessTable
-from kimi_supervisor.redact import REDACTED, is_secret_name, redact_argv, redact_env
+from kimi_supervisor.redact import RedactingNotifier, redact_argv, redact_env, redact_text, secrets_of
 from kimi_supervisor.report import render_json, render_text
+from kimi_supervisor.spawnplan import Unresolvable
 
 EPILOG = (
     "exit codes:\n"
@@ -33,6 +34,7 @@ EPILOG = (
 examples:
   kimi-supervisor --dry-run                 what a start would do now, changing nothing
   kimi-supervisor check-config              validate and print the effective config
+  kimi-supervisor status --watch            loading progress and ETA until ready
   systemctl start kimi-supervisor           run it as the Type=notify unit
   journalctl -u kimi-supervisor -p warning  what went wrong
 """
@@ -51,10 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "command",
         nargs="?",
-        choices=("run", "check-config", "install-unit"),
+        choices=("run", "check-config", "install-unit", "status"),
         default="run",
         help="run (default): preflight, start and supervise; check-config: validate and print the config; "
-        "install-unit: write the systemd unit for this config and daemon-reload",
+        "install-unit: write the systemd unit for this config and daemon-reload; "
+        "status: what the running service is doing, and its last runs (no root needed)",
     )
     p.add_argument(
         "--config", type=Path, default=DEFAULT_PATH, metavar="PATH", help=f"TOML config file (default: {DEFAULT_PATH})"
@@ -65,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run every preflight check, kill and delete nothing, print a report; "
         "exit 0 only if a real start would proceed",
     )
-    p.add_argument("--json", action="store_true", help="with --dry-run or check-config: print JSON")
+    p.add_argument("--json", action="store_true", help="with --dry-run, check-config or status: print JSON")
+    p.add_argument("--watch", action="store_true", help="with status: refresh every second until ready")
     p.add_argument(
         "--log-format",
         choices=FORMATS,
@@ -85,42 +89,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_config_permissions(path: Path) -> None:
-    """Running as root, refuse a config others could have written (like sshd's StrictModes)."""
-    if os.geteuid() != 0:
-        return
-    try:
-        st = path.stat()
-    except OSError:
-        return  # load_config reports it with the right words
-    if not stat.S_ISREG(st.st_mode):
-        return
-    if st.st_uid != 0:
-        raise ConfigError(
-            f"{path}: owned by uid {st.st_uid}, not root; refusing it while running as root (chown root {path})"
-        )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ConfigError(
-            f"{path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
-            f"refusing it while running as root (chmod go-w {path})"
-        )
-
-
 def _load(args: argparse.Namespace) -> Config:
-    check_config_permissions(args.config)
-    return load_config(args.config)
+    # Ownership, mode, file type and size are checked on the open file (configfile.py).
+    cfg = load_config(args.config)
+    grace = timeouts.check_grace(cfg)
+    if grace.blocking and not args.dry_run:  # the dry run shows it as a FAILED check instead
+        raise ConfigError(grace.message)
+    return cfg
+
+
+def _unit_stop_check(cfg: Config) -> Check | None:
+    if not timeouts.systemd_running():
+        return None
+    return timeouts.check_unit_stop(cfg, timeouts.installed_stop_timeout_s(unit.UNIT_NAME), unit.UNIT_NAME)
 
 
 def _check_config(cfg: Config, as_json: bool) -> int:
     data = effective_config(cfg)
     data["child"]["argv"] = redact_argv(cfg.child.argv)
     data["child"]["env"] = redact_env(cfg.child.env)
+    stop = _unit_stop_check(cfg)
+    if stop is not None and stop.status is Status.WARN:
+        print(f"kimi-supervisor: warning: {stop.message}", file=sys.stderr)
     if as_json:
-        print(json.dumps(data, indent=2))
+        text = json.dumps(data, indent=2)
     else:
-        print(f"# {cfg.path}: valid")
-        for key, value in _flatten(data):
-            print(f"{key} = {json.dumps(value)}")
+        text = f"# {cfg.path}: valid\n" + "\n".join(f"{key} = {json.dumps(value)}" for key, value in _flatten(data))
+    # A secret value may also sit where no rule names it (a model path, a URL): remove it everywhere.
+    print(redact_text(text, secret_values(cfg)))
     return ExitCode.OK
 
 
@@ -153,6 +149,14 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
         report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
     finally:
         probe.close()
+    stop = _unit_stop_check(cfg)
+    if stop is not None:
+        report.checks.append(stop)
+    try:
+        prepare_spawn(spawn_spec(cfg.child), os.environ)
+    except Unresolvable as exc:
+        # A real start stops here (exit 78) before the preflight acts; the report says so first.
+        report.checks.insert(0, Check("child", Status.FAIL, f"child.{exc.key}: {exc.message}"))
     if owner is not None:
         report.checks.insert(0, Check("instance", Status.FAIL, instance_lock.dry_run_text(owner), {"pid": owner.pid}))
     print(render_json(report, str(cfg.path)) if as_json else render_text(report, str(cfg.path)))
@@ -186,7 +190,7 @@ def _supervise(cfg: Config, sink: object, probe: GpuProbe) -> int:
     deps = Deps(
         probe=probe,
         table=PsutilProcessTable(),
-        notifier=notifier_from_env(log=log),
+        notifier=RedactingNotifier(notifier_from_env(log=log), secret_values(cfg)),
         log=log,
         sink=sink,  # type: ignore[arg-type]
         watchdog_s=watchdog_interval(),
@@ -199,22 +203,36 @@ def _supervise(cfg: Config, sink: object, probe: GpuProbe) -> int:
         argv=" ".join(redact_argv(cfg.child.argv)),
         watchdog_s=deps.watchdog_s,
     )
+    stop = _unit_stop_check(cfg)
+    if stop is not None and stop.status is Status.WARN:
+        log.warning("unit.timeout_stop_short", why=stop.message, **stop.data)
     return Supervisor(cfg, deps, secret_values(cfg)).run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     fmt = resolve_format(args.log_format)
-    sink = configure(fmt, args.log_level)
+    secrets = secrets_of((), os.environ)  # the inherited ones are known before the config is
+    sink = configure(fmt, args.log_level, secrets=secrets)
     log = get_logger()
     try:
+        if args.command == "status":
+            from kimi_supervisor.status import run_status  # only what reading two files needs
+
+            return run_status(args.config, args.json, args.watch)
         cfg = _load(args)
         # Known secret values (HF_TOKEN=...) are scrubbed from every event from now on.
-        sink = configure(fmt, args.log_level, secrets=secret_values(cfg))
+        secrets = secret_values(cfg)
+        sink = configure(fmt, args.log_level, secrets=secrets)
         if args.command == "check-config":
             return _check_config(cfg, args.json)
         if args.command == "install-unit":
-            target = unit.install(args.config.resolve(), args.unit_dir, reload=not args.no_reload)
+            target = unit.install(
+                args.config.resolve(),
+                args.unit_dir,
+                reload=not args.no_reload,
+                stop_s=timeouts.unit_timeout_stop_s(cfg),
+            )
             print(f"wrote {target}; now: systemctl enable --now {unit.UNIT_NAME}")
             return ExitCode.OK
         if args.dry_run:
@@ -223,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(cfg, sink, probe)
     except ConfigError as err:
         # Exactly one line an operator can act on; the unit does not restart on 78.
-        print(f"kimi-supervisor: config error: {err.message}", file=sys.stderr)
+        print(f"kimi-supervisor: config error: {redact_text(err.message, secrets)}", file=sys.stderr)
         if fmt == "journal":
             log.error("supervisor.exit", error=err.message, exit_code=int(err.exit_code), kind="ConfigError")
         return int(err.exit_code)
@@ -240,8 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return ExitCode.OK
-    except KeyboardInterrupt:  # only outside the run's handlers (while loading the config)
-        return 130
+    except KeyboardInterrupt:  # Ctrl-C in a --dry-run or check-config (a run handles SIGINT itself)
+        return ExitCode.INTERRUPTED
     except Exception:  # a bug: keep the traceback, exit with a code that says so (the tree is stopped already)
         log.critical("supervisor.crash", traceback=traceback.format_exc())
         return ExitCode.INTERNAL
@@ -250,10 +268,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def secret_values(cfg: Config) -> tuple[str, ...]:
-    values = [v for k, v in cfg.child.env.items() if is_secret_name(k)]
-    for real, shown in zip(cfg.child.argv, redact_argv(cfg.child.argv), strict=False):
-        if shown == REDACTED:
-            values.append(real)
-        elif shown.endswith("=" + REDACTED):
-            values.append(real.partition("=")[2])
-    return tuple(v for v in values if v)
+    # The inherited environment too: a HF_TOKEN in the supervisor's own environment reaches the child.
+    return secrets_of(cfg.child.argv, cfg.child.env, os.environ)

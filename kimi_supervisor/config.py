@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kimi_supervisor.configfile import read_config_bytes
 from kimi_supervisor.exitcodes import ConfigError
 from kimi_supervisor.vllm_args import VllmArgs, parse_vllm_args
 
@@ -74,6 +75,8 @@ class ChildConfig:
     working_directory: str | None
     user: str | None
     vllm: VllmArgs
+    # Resolved to a gid, with the user's supplementary groups, when the child is spawned (spawnuser.py).
+    group: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +144,12 @@ class PathsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    # node_exporter's textfile collector reads *.prom files; None: no metrics file.
+    textfile: Path | None
+
+
+@dataclasses.dataclass(frozen=True)
 class LivenessConfig:
     # Deep liveness (liveness.py): /health stays 200 while an engine is wedged.
     canary_interval_s: float  # 0: no canary
@@ -177,6 +186,7 @@ class Config:
     health: HealthConfig
     shutdown: ShutdownConfig
     paths: PathsConfig
+    metrics: MetricsConfig
     liveness: LivenessConfig
     gpu_health: GpuHealthConfig
 
@@ -185,11 +195,27 @@ _T = TypeVar("_T")
 _MISSING = object()
 
 
+# Shortest accepted interval or timeout: 1e-300 would make a poll loop spin a core.
+MIN_SECONDS = 0.01
+
+
 def _describe(value: object) -> str:
     kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "table"}
     name = kind.get(type(value), type(value).__name__)
-    shown = repr(value) if not isinstance(value, (list, dict)) else ""
+    shown = _short_repr(value) if not isinstance(value, (list, dict)) else ""
     return f"{name} {shown}".strip()
+
+
+def _short_repr(value: object, limit: int = 80) -> str:
+    if isinstance(value, int) and value.bit_length() > 200:
+        return f"<an integer of {value.bit_length()} bits>"  # repr() of a 5000-digit int raises
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 5] + "...'"
+
+
+def _show_name(name: str) -> str:
+    # TOML quoted keys may hold anything (spaces, newlines, 1 MiB): show those quoted and short.
+    return name if re.fullmatch(r"[A-Za-z0-9_.\[\]-]{1,80}", name) else _short_repr(name, 40)
 
 
 class _Table:
@@ -202,7 +228,7 @@ class _Table:
         self._seen: set[str] = set()
 
     def key(self, name: str) -> str:
-        return f"{self._prefix}{name}"
+        return f"{self._prefix}{_show_name(name)}"
 
     def error(self, name: str, message: str) -> ConfigError:
         return ConfigError(f"{self._file}: {self.key(name)}: {message}")
@@ -225,17 +251,16 @@ class _Table:
     def boolean(self, name: str, default: bool) -> bool:
         return bool(self._typed(name, default, lambda v: isinstance(v, bool), "true or false"))
 
-    def number(
-        self, name: str, default: float, *, minimum: float = 0.0, maximum: float = 1e9, exclusive_min: bool = True
-    ) -> float:
+    def number(self, name: str, default: float, *, maximum: float = 1e9, zero_ok: bool = False) -> float:
+        """Seconds: at least MIN_SECONDS (or exactly 0 where `zero_ok` means "skip"), at most `maximum`."""
+
         def ok(v: object) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
         value = float(self._typed(name, default, ok, "a number of seconds" if name.endswith("_s") else "a number"))  # type: ignore[arg-type]
-        low_ok = value > minimum if exclusive_min else value >= minimum
-        if not low_ok or value > maximum or value != value:
-            bound = f"> {minimum:g}" if exclusive_min else f">= {minimum:g}"
-            raise self.error(name, f"expected a value {bound} and <= {maximum:g}, got {value:g}")
+        if not (value == 0 and zero_ok) and not MIN_SECONDS <= value <= maximum:
+            bound = f"0 or a value >= {MIN_SECONDS:g}" if zero_ok else f"a value >= {MIN_SECONDS:g}"
+            raise self.error(name, f"expected {bound} and <= {maximum:g}, got {value:g}")
         return value
 
     def integer(self, name: str, default: int, *, minimum: int, maximum: int) -> int:
@@ -288,23 +313,44 @@ def _parse_child(t: _Table) -> ChildConfig:
     argv = t.strings("argv", _MISSING, non_empty=True)
     if not argv[0].strip():
         raise t.error("argv", "argv[0] must name the program to run, got an empty string")
+    for i, arg in enumerate(argv):
+        # execve() takes C strings: a NUL would fail only at spawn, after the preflight killed things.
+        if "\0" in arg:
+            raise t.error(f"argv[{i}]", f"contains a NUL byte: {_short_repr(arg)}")
     env_table = t.raw("env", {})
     if not isinstance(env_table, dict):
         raise t.error("env", f"expected a table of strings, got {_describe(env_table)}")
     for key, value in env_table.items():
+        if not key or "=" in key or "\0" in key:
+            raise t.error("env", f"invalid variable name {_short_repr(key)}: it must be non-empty, without '=' or NUL")
         if not isinstance(value, str):
             raise t.error(f"env.{key}", f"expected a string, got {_describe(value)}")
+        if "\0" in value:
+            raise t.error(f"env.{key}", "contains a NUL byte")
     inherit = t.boolean("inherit_environment", True)
     cwd = t.string("working_directory", None)
-    if cwd is not None and not cwd.startswith("/"):
-        raise t.error("working_directory", f"expected an absolute path, got {cwd!r}")
-    user = t.string("user", None) or None
+    if cwd is not None and (not cwd.startswith("/") or "\0" in cwd):
+        raise t.error("working_directory", f"expected an absolute path, got {_short_repr(cwd)}")
+    user = _account_name(t, "user")
+    group = _account_name(t, "group")
+    if group is not None and user is None:
+        raise t.error("group", "is set without child.user: the child would keep root's user with another group")
     try:
         vllm = parse_vllm_args(argv)
     except ValueError as exc:
         raise t.error("argv", str(exc)) from None
     t.done()
-    return ChildConfig(tuple(argv), dict(env_table), inherit, cwd, user, vllm)
+    return ChildConfig(tuple(argv), dict(env_table), inherit, cwd, user, vllm, group)
+
+
+def _account_name(t: _Table, name: str) -> str | None:
+    """A user or group name (or numeric id); whether it exists is checked on the host, before the preflight."""
+    value = t.string(name, None)
+    if value is None:
+        return None
+    if not re.fullmatch(r"[A-Za-z0-9_.][A-Za-z0-9_.@-]{0,255}\$?", value):
+        raise t.error(name, f"expected a {name} name or numeric id, got {_short_repr(value)}")
+    return value
 
 
 def _parse_gpus(t: _Table) -> tuple[int, ...] | None:
@@ -333,7 +379,7 @@ def _parse_preflight(t: _Table, child_user: str | None = None) -> PreflightConfi
     gpus = _parse_gpus(t)
     threshold = t.integer("memory_threshold_mib", 1000, minimum=0, maximum=1 << 24)
     poll = t.number("poll_interval_s", 0.25, maximum=60)
-    deadline = t.number("deadline_s", 30.0, minimum=0, exclusive_min=False, maximum=86400)
+    deadline = t.number("deadline_s", 30.0, maximum=86400, zero_ok=True)
     busy_log = t.number("busy_log_interval_s", 5.0, maximum=3600)
     check_model = t.boolean("check_model", True)
     check_port = t.boolean("check_port", True)
@@ -393,8 +439,8 @@ def _parse_health(t: _Table) -> HealthConfig:
 def _parse_shutdown(t: _Table) -> ShutdownConfig:
     cfg = ShutdownConfig(
         grace_s=t.number("grace_s", 30.0, maximum=3600),
-        second_signal_grace_s=t.number("second_signal_grace_s", 2.0, minimum=0, exclusive_min=False, maximum=3600),
-        gpu_release_timeout_s=t.number("gpu_release_timeout_s", 30.0, minimum=0, exclusive_min=False, maximum=3600),
+        second_signal_grace_s=t.number("second_signal_grace_s", 2.0, maximum=3600, zero_ok=True),
+        gpu_release_timeout_s=t.number("gpu_release_timeout_s", 30.0, maximum=3600, zero_ok=True),
     )
     t.done()
     return cfg
@@ -415,6 +461,16 @@ def _parse_paths(t: _Table) -> PathsConfig:
     return cfg
 
 
+def _parse_metrics(t: _Table) -> MetricsConfig:
+    value = t.string("textfile", None)
+    if value is not None and not (value.startswith("/") and value.endswith(".prom")):
+        raise t.error(
+            "textfile", f"expected an absolute path ending in .prom (node_exporter reads only *.prom), got {value!r}"
+        )
+    t.done()
+    return MetricsConfig(Path(value) if value else None)
+
+
 def _parse_liveness(t: _Table, vllm: VllmArgs) -> LivenessConfig:
     when = t.string("when", "idle")
     if when not in ("idle", "always"):
@@ -423,11 +479,11 @@ def _parse_liveness(t: _Table, vllm: VllmArgs) -> LivenessConfig:
     if not re.match(r"^https?://[^/\s]+(/\S*)?$", metrics_url):
         raise t.error("metrics_url", f"expected an http:// or https:// URL, got {metrics_url!r}")
     cfg = LivenessConfig(
-        canary_interval_s=t.number("canary_interval_s", 60.0, minimum=0, exclusive_min=False, maximum=86400),
+        canary_interval_s=t.number("canary_interval_s", 60.0, maximum=86400, zero_ok=True),
         canary_timeout_s=t.number("canary_timeout_s", 10.0, maximum=600),
         failures_tolerated=t.integer("failures_tolerated", 2, minimum=1, maximum=1000),
         when=when or "idle",
-        stuck_after_s=t.number("stuck_after_s", 120.0, minimum=0, exclusive_min=False, maximum=86400),
+        stuck_after_s=t.number("stuck_after_s", 120.0, maximum=86400, zero_ok=True),
         metrics_interval_s=t.number("metrics_interval_s", 5.0, maximum=3600),
         metrics_url=metrics_url,
     )
@@ -476,22 +532,16 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     health = _parse_health(root.table("health"))
     shutdown = _parse_shutdown(root.table("shutdown"))
     paths = _parse_paths(root.table("paths"))
+    metrics = _parse_metrics(root.table("metrics"))
     liveness = _parse_liveness(root.table("liveness"), child.vllm)
     gpu_health = _parse_gpu_health(root.table("gpu_health"))
     root.done()
-    return Config(path, child, preflight, readiness, health, shutdown, paths, liveness, gpu_health)
+    return Config(path, child, preflight, readiness, health, shutdown, paths, metrics, liveness, gpu_health)
 
 
 def load_config(path: Path) -> Config:
-    """Read and validate the TOML file at `path`."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found (use --config PATH)") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, expected a TOML file") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    """Read (configfile.py: regular file, size cap, StrictModes as root) and validate the TOML file."""
+    raw = read_config_bytes(path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -501,6 +551,10 @@ def load_config(path: Path) -> Config:
     except tomllib.TOMLDecodeError as exc:
         # tomllib ends its message with "(at line L, column C)"; keep one line.
         raise ConfigError(f"{path}: invalid TOML: {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid TOML: arrays or tables nested too deeply") from None
+    except Exception as exc:  # whatever the parser trips on (MemoryError aside) is the file's fault
+        raise ConfigError(f"{path}: invalid TOML: {type(exc).__name__}: {str(exc)[:200]}") from None
     return parse_config(data, path)
 
 

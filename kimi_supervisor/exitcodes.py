@@ -9,12 +9,14 @@ refuse to restart on the ones a restart cannot fix (config errors: 78).
 from __future__ import annotations
 
 import enum
+import re
 
 
 class ExitCode(enum.IntEnum):
     OK = 0  # stopped on request, or a dry run that would start
     INTERNAL = 70  # EX_SOFTWARE: a bug; the traceback is logged
     USAGE = 2  # bad command line (argparse's own code)
+    NOT_RUNNING = 3  # `status`: the supervisor is not running (as `systemctl status` says of an inactive unit)
     PREFLIGHT_FAILED = 10  # GPUs never freed, deployment cannot start
     STARTUP_FAILED = 11  # child printed a fatal line or exited while loading
     STARTUP_STALLED = 12  # no output for stall_timeout_s, or past deadline_s
@@ -24,13 +26,16 @@ class ExitCode(enum.IntEnum):
     ANOTHER_INSTANCE = 16  # another kimi-supervisor owns these GPUs; nothing was changed
     ENGINE_WEDGED = 17  # /health answers but the engine makes no progress (canary or metrics)
     GPU_FAILED = 18  # NVML reported a critical XID / uncorrectable ECC event on one of our GPUs
+    UNAVAILABLE = 69  # EX_UNAVAILABLE: systemd cannot take the unit (daemon-reload failed, unusable path)
     NO_PERMISSION = 77  # EX_NOPERM: a file or directory the command needs cannot be written
     CONFIG = 78  # EX_CONFIG: the unit must not restart on this
+    INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C outside a supervised run (a --dry-run), as shells report it
 
 
 DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.OK: "stopped on request; or --dry-run: a start would proceed",
     ExitCode.USAGE: "bad command-line arguments",
+    ExitCode.NOT_RUNNING: "status: the supervisor is not running",
     ExitCode.PREFLIGHT_FAILED: "preflight failed: GPUs busy past the deadline, or a deployment check failed",
     ExitCode.STARTUP_FAILED: "vLLM failed while starting (fatal log line or exit before ready)",
     ExitCode.STARTUP_STALLED: "vLLM printed nothing for stall_timeout_s, or was not ready by deadline_s",
@@ -40,9 +45,11 @@ DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.ANOTHER_INSTANCE: "another kimi-supervisor owns these GPUs (its PID is named); nothing was changed",
     ExitCode.ENGINE_WEDGED: "vLLM answers /health but its engine is wedged (canary or token progress failed)",
     ExitCode.GPU_FAILED: "a GPU of ours reported a critical XID or uncorrectable ECC error while serving",
+    ExitCode.UNAVAILABLE: "install-unit: systemctl daemon-reload failed, or systemd cannot run this path",
     ExitCode.NO_PERMISSION: "permission denied writing a file the command needs (e.g. install-unit without root)",
     ExitCode.INTERNAL: "internal error (a bug): the traceback is in the journal",
     ExitCode.CONFIG: "configuration error (systemd does not restart on it)",
+    ExitCode.INTERRUPTED: "interrupted by Ctrl-C (SIGINT) during --dry-run or check-config; nothing was changed",
 }
 
 
@@ -58,8 +65,23 @@ class SupervisorError(Exception):
         self.detail: list[str] = list(detail or [])
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
 class ConfigError(SupervisorError):
     exit_code = ExitCode.CONFIG
+
+    def __init__(self, message: str, *, detail: list[str] | None = None) -> None:
+        # One line, always: a newline in a key, value or path (all attacker-chosen) must not fake a second one.
+        super().__init__(_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", message), detail=detail)
+
+
+class NoPermission(SupervisorError):
+    exit_code = ExitCode.NO_PERMISSION
+
+
+class ServiceUnavailable(SupervisorError):
+    exit_code = ExitCode.UNAVAILABLE
 
 
 class PreflightError(SupervisorError):

@@ -120,8 +120,10 @@ class DeepLiveness:
         wake: Callable[[], None],
         notifier: Notifier,
         log: Any,
+        on_canary: Callable[[CanaryResult], None] | None = None,
     ) -> None:
         self.cfg = cfg.liveness
+        self._on_canary = on_canary  # the operator's view: the state file and metrics show each result
         self.model = cfg.child.vllm.served_model_name
         self.completions_url = cfg.child.vllm.api_url("/v1/completions")
         env = {**(os.environ if cfg.child.inherit_environment else {}), **cfg.child.env}
@@ -229,6 +231,8 @@ class DeepLiveness:
                 r = self._canaries.get_nowait()
             except queue.Empty:
                 return
+            if self._on_canary is not None:
+                self._on_canary(r)
             latency_ms = round(r.latency_s * 1000, 1)
             if r.ok:
                 if self.canary_failures:

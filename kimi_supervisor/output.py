@@ -110,7 +110,7 @@ class ChildOutput:
         self.last_output = time.monotonic()
         for fd in child.streams.values():
             self._selector.register(fd, selectors.EVENT_READ, "child")
-            self._splitters[fd] = LineSplitter()
+            self._splitters[fd] = LineSplitter(secrets=self._secrets)  # redacts before it cuts
             self._classifiers[fd] = LineClassifier(default_priority=6)
 
     @property

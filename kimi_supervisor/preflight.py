@@ -18,7 +18,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from kimi_supervisor import checks, gpu_health
+from kimi_supervisor import checks, gpu_health, timeouts
 from kimi_supervisor.checks import Check, Status
 from kimi_supervisor.clock import Clock
 from kimi_supervisor.config import Config
@@ -79,6 +79,7 @@ class Preflight:
         report = PreflightReport(dry_run)
         add = report.checks.append
         gpus = self._static_checks(add)
+        add(timeouts.check_grace(self._cfg))
         if self._pf.check_model:
             add(checks.check_model(self._cfg.child.vllm.model))
         if gpus:  # before anything is killed: a sick GPU fails the start either way

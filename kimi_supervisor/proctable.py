@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-from collections.abc import Iterable
 from typing import Protocol
 
 import psutil
 
+from kimi_supervisor.procfiles import OpenPaths, scan_open_paths
 from kimi_supervisor.procident import ProcIdent, exited, send_signal
 from kimi_supervisor.procident import alive as ident_alive
 from kimi_supervisor.redact import redact_argv
@@ -46,7 +46,7 @@ class ProcessTable(Protocol):
 
     def all(self) -> list[ProcInfo]: ...
 
-    def open_paths(self, prefixes: tuple[str, ...]) -> dict[str, set[int]]: ...
+    def open_paths(self, prefixes: tuple[str, ...]) -> OpenPaths: ...
 
     def alive(self, proc: ProcInfo) -> bool: ...
 
@@ -92,48 +92,9 @@ class PsutilProcessTable:
     def all(self) -> list[ProcInfo]:
         return [i for i in (_info(p) for p in psutil.process_iter()) if i is not None]
 
-    def open_paths(self, prefixes: tuple[str, ...]) -> dict[str, set[int]]:
-        """Paths starting with a prefix that a live process has open (fd) or mapped (maps)."""
-        users: dict[str, set[int]] = {}
-        for entry in self._pids():
-            for path in self._fds(entry) + self._maps(entry):
-                if path.startswith(prefixes):
-                    users.setdefault(path, set()).add(entry)
-        return users
-
-    def _pids(self) -> Iterable[int]:
-        try:
-            names = os.listdir(self._proc)
-        except OSError:
-            return []
-        return [int(n) for n in names if n.isdigit()]
-
-    def _fds(self, pid: int) -> list[str]:
-        base = f"{self._proc}/{pid}/fd"
-        try:
-            fds = os.listdir(base)
-        except OSError:
-            return []
-        paths = []
-        for fd in fds:
-            try:
-                paths.append(os.readlink(f"{base}/{fd}"))
-            except OSError:
-                continue
-        return paths
-
-    def _maps(self, pid: int) -> list[str]:
-        paths = []
-        try:
-            with open(f"{self._proc}/{pid}/maps", encoding="utf-8", errors="replace") as fh:
-                for line in fh:
-                    # address perms offset dev inode [path]; anonymous maps have no path.
-                    fields = line.rstrip("\n").split(None, 5)
-                    if len(fields) == 6 and fields[5].startswith("/"):
-                        paths.append(fields[5])
-        except OSError:
-            pass
-        return paths
+    def open_paths(self, prefixes: tuple[str, ...]) -> OpenPaths:
+        """Paths starting with a prefix that a live process has open (fd) or mapped (maps); see procfiles."""
+        return scan_open_paths(prefixes, self._proc)
 
     def alive(self, proc: ProcInfo) -> bool:
         return ident_alive(proc.ident, self._proc)

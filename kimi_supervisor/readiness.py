@@ -38,6 +38,7 @@ PHASES: tuple[tuple[str, str], ...] = (
         r"Starting vLLM (?:API )?server|Started server process|Waiting for application startup|Route: /",
     ),
 )
+LOADING_WEIGHTS = 1  # index of "loading weights" in PHASES
 _PROGRESS = re.compile(r"Loading safetensors checkpoint shards:\s*(\d+)% Completed \|\s*(\d+)/(\d+)")
 # How far before a fatal line its root cause may be (vLLM 0.32 prints ~120 lines of tracebacks after it).
 CAUSE_WINDOW = 300
@@ -217,12 +218,17 @@ class ReadinessTracker:
             self.server_started = started = phase_changed = True
         return LineEvent(phase_changed, progress_changed, started)
 
-    def status_text(self, elapsed_s: float) -> str:
+    @property
+    def weights_loaded(self) -> bool:
+        return self.phase_index > LOADING_WEIGHTS
+
+    def status_text(self, elapsed_s: float, eta: str | None = None) -> str:
+        """`loading weights 68/119 (57%), 4m12s, ~3m10s left` (the ETA only when one is known)."""
         text = self.phase
         if self.progress is not None and self.phase == "loading weights":
             p = self.progress
             text += f" {p.done}/{p.total} ({p.percent}%)"
-        return f"{text}, {format_duration(elapsed_s)}"
+        return f"{text}, {format_duration(elapsed_s)}" + (f", {eta}" if eta else "")
 
     def root_cause(self) -> str:
         """The line that explains a failure best.

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
 
 from kimi_supervisor.checks import Status
 from kimi_supervisor.preflight import PreflightReport
+
+# A file or process name may hold a newline: it must not fake a report line (e.g. a verdict).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def printable(text: str) -> str:
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
 
 _MARK = {
     Status.OK: "ok",
@@ -25,10 +34,10 @@ def render_text(report: PreflightReport, config_path: str) -> str:
     width = max(len(m) for m in _MARK.values())
     lines = [
         f"kimi-supervisor preflight ({'dry run: nothing was killed or removed' if report.dry_run else 'real'})",
-        f"config: {config_path}",
+        f"config: {printable(config_path)}",
     ]
     for c in report.checks:
-        lines.append(f"  [{_MARK[c.status]:>{width}}] {c.name:<19} {c.message}")
+        lines.append(f"  [{_MARK[c.status]:>{width}}] {c.name:<19} {printable(c.message)}")
     failures = report.failures()
     if report.proceed:
         lines.append("verdict: a start would proceed")

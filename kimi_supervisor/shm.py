@@ -7,7 +7,9 @@ open or mapped; every decision is reported.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import fnmatch
 import os
 import stat
@@ -15,6 +17,8 @@ from pathlib import Path
 
 from kimi_supervisor.config import ShmConfig
 from kimi_supervisor.proctable import ProcessTable
+
+F_SETLEASE = 1024  # fcntl.F_SETLEASE, which Python exposes only from 3.13 on some builds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,20 +38,24 @@ class ShmOutcome:
 
 def plan_shm(cfg: ShmConfig, table: ProcessTable) -> list[ShmDecision]:
     """Which matching files would be removed, and why the others are kept."""
+    # /proc shows canonical paths: a directory given through a symlink or `..` (or /dev/shm being a
+    # symlink to /run/shm) must be compared in that form, or no holder is ever found.
+    directory = Path(os.path.realpath(cfg.directory))
     try:
-        names = sorted(os.listdir(cfg.directory))
+        names = sorted(os.listdir(directory))
     except FileNotFoundError:
         return []
     except OSError as exc:
-        raise OSError(f"cannot list {cfg.directory}: {exc.strerror}") from None
+        raise OSError(f"cannot list {directory}: {exc.strerror}") from None
     candidates = [n for n in names if any(fnmatch.fnmatchcase(n, g) for g in cfg.globs)]
     if not candidates:
         return []
-    prefix = str(cfg.directory).rstrip("/") + "/"
+    prefix = str(directory).rstrip("/") + "/"
     users = table.open_paths((prefix,))
+    blind = _blind_reason(users.unreadable)
     decisions = []
     for name in candidates:
-        path = cfg.directory / name
+        path = directory / name
         try:
             st = path.lstat()
         except FileNotFoundError:
@@ -61,7 +69,7 @@ def plan_shm(cfg: ShmConfig, table: ProcessTable) -> list[ShmDecision]:
             more = f" and {len(holders) - 5} more" if len(holders) > 5 else ""
             decisions.append(ShmDecision(path, False, f"in use by {who}{more}", st.st_size))
         else:
-            decisions.append(ShmDecision(path, True, "no live process has it open or mapped", st.st_size))
+            decisions.append(_unseen_holders(path, st.st_size, blind))
     return decisions
 
 
@@ -79,6 +87,54 @@ def remove_stale(decisions: list[ShmDecision]) -> ShmOutcome:
         except OSError as exc:
             errors.append(f"{d.path}: {exc.strerror}")
     return ShmOutcome(tuple(removed), tuple(d for d in decisions if not d.remove), tuple(errors))
+
+
+def _unseen_holders(path: Path, size: int, blind: str) -> ShmDecision:
+    """No holder in /proc: ask the kernel too, since /proc may hide some (unreadable, hidepid, other PID ns).
+
+    The kernel grants a write lease only when no other open file description of the file exists, an
+    fd or a mapping alike (exact since Linux 5.3), so its answer overrides an incomplete /proc scan;
+    when it cannot answer and the scan was incomplete, the file is kept: deleting a live segment is
+    data loss, keeping a stale one costs a few bytes.
+    """
+    free = write_lease_granted(path)
+    if free is False:
+        return ShmDecision(path, False, "in use by a process /proc does not show (a write lease was refused)", size)
+    if free is None and blind:
+        return ShmDecision(path, False, f"holders unknown, kept: {blind}", size)
+    return ShmDecision(path, True, "no live process has it open or mapped", size)
+
+
+def write_lease_granted(path: Path) -> bool | None:
+    """True: nobody else has the file open or mapped (the kernel grants a write lease only then);
+    False: somebody has; None: cannot tell (leases disabled, not the owner without CAP_LEASE, ...)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        fcntl.fcntl(fd, F_SETLEASE, fcntl.F_WRLCK)
+    except BlockingIOError:
+        return False  # EAGAIN: another open file description (an fd or a mapping) exists
+    except OSError:
+        return None
+    else:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, F_SETLEASE, fcntl.F_UNLCK)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _blind_reason(unreadable: dict[int, str]) -> str:
+    """Fail closed: if any process's files could not be listed, it may be the one holding a candidate."""
+    if not unreadable:
+        return ""
+    first = unreadable[min(unreadable)]
+    more = f" (and {len(unreadable) - 1} more processes)" if len(unreadable) > 1 else ""
+    return first + more
 
 
 def _describe_pid(table: ProcessTable, pid: int) -> str:

@@ -3,14 +3,15 @@
     preflight -> starting -> ready -> stopping -> stopped
         \\-----------\\----------\\---------\\-> failed (via stopping when a child exists)
 
-Each transition logs one event (`state.<name>`) and sends one STATUS=.
+Each transition logs one event (`state.<name>`), sends one STATUS= and tells
+the observer (the operator's view: state file, history, metrics).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from kimi_supervisor.notify import Notifier
 
@@ -38,16 +39,23 @@ class InvalidTransition(RuntimeError):
     pass
 
 
+class StateObserver(Protocol):
+    def on_state(self, state: State, status: str, fields: Mapping[str, Any]) -> None: ...
+
+
 class StateMachine:
-    def __init__(self, notifier: Notifier, log: Any) -> None:
+    def __init__(self, notifier: Notifier, log: Any, observer: StateObserver | None = None) -> None:
         self.state = State.PREFLIGHT
         self._notifier = notifier
         self._log = log
+        self._observer = observer
         self.history: list[State] = [State.PREFLIGHT]
 
     def enter_initial(self, status: str) -> None:
         self._log.info("state.preflight", status=status)
         self._notifier.send(STATUS=status)
+        if self._observer is not None:
+            self._observer.on_state(State.PREFLIGHT, status, {})
 
     def to(self, new: State, status: str, notify: Mapping[str, str | int] | None = None, **fields: Any) -> None:
         """Move to `new`: one event, one datagram (STATUS= plus e.g. READY=1 together)."""
@@ -58,6 +66,8 @@ class StateMachine:
         level = self._log.error if new is State.FAILED else self._log.info
         level(f"state.{new.value}", previous=previous.value, status=status, **fields)
         self._notifier.send(**(dict(notify) if notify else {}), STATUS=status)
+        if self._observer is not None:
+            self._observer.on_state(new, status, fields)
 
     def status(self, text: str) -> None:
         """A progress update inside a state: STATUS= only, no transition."""

@@ -19,12 +19,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from kimi_supervisor.child import ChildProcess, SpawnSpec
+from kimi_supervisor.checks import Status
+from kimi_supervisor.child import ChildProcess, PreparedSpawn, prepare_spawn, spawn_spec
 from kimi_supervisor.clock import Clock, SystemClock, format_duration
 from kimi_supervisor.config import Config
+from kimi_supervisor.drain import Drain, stopped_status
 from kimi_supervisor.exitcodes import (
     ChildDied,
     ChildUnhealthy,
+    ConfigError,
     ExitCode,
     StartupFailed,
     StartupStalled,
@@ -36,12 +39,15 @@ from kimi_supervisor.health import HealthProber, HealthResult
 from kimi_supervisor.journal import ChildSink
 from kimi_supervisor.liveness import DeepLiveness
 from kimi_supervisor.notify import Notifier
+from kimi_supervisor.opsview import OperatorView
 from kimi_supervisor.output import ChildOutput
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.proctable import ProcessTable
 from kimi_supervisor.readiness import LineEvent, ReadinessTracker
 from kimi_supervisor.signals import STOP_SIGNALS, InterruptibleClock, SignalRecorder, StopRequested, signal_name
+from kimi_supervisor.spawnplan import Unresolvable
 from kimi_supervisor.state import State, StateMachine
+from kimi_supervisor.timeouts import SIGKILL_WAIT_S
 
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC at most this often while output flows
 EXTEND_MARGIN_S = 15.0
@@ -65,14 +71,17 @@ class Deps:
 class Supervisor:
     def __init__(self, cfg: Config, deps: Deps, secrets: tuple[str, ...] = ()) -> None:
         self.cfg = cfg
-        self.deps = deps
         self.log = deps.log
         self.signals = SignalRecorder()
         self.clock: Clock = InterruptibleClock(self.signals)
-        self.state = StateMachine(deps.notifier, deps.log)
         self.tracker = ReadinessTracker(cfg.readiness)
+        # State file, history, ETA, metrics: fed by the state machine, what we tell systemd, and the loop.
+        self.view = OperatorView(cfg, deps.probe, deps.log, self.tracker, deps.watchdog_s)
+        self.deps = deps = dataclasses.replace(deps, notifier=self.view.tap(deps.notifier))
+        self.state = StateMachine(deps.notifier, deps.log, observer=self.view)
         self.child: ChildProcess | None = None
         self.prober: HealthProber | None = None
+        self._prepared: PreparedSpawn | None = None
         self.deep: DeepLiveness | None = None
         self.output = ChildOutput(deps.sink, self.tracker, deps.log, secrets)
         self._tree_stopped = False
@@ -101,13 +110,14 @@ class Supervisor:
     def _run(self) -> ExitCode:
         try:
             try:
+                self._prepare_child()  # a start that cannot happen kills nothing
                 self._preflight()
                 self._spawn()
                 if self._wait_until_ready():
                     self._serve()
             except StopRequested:
                 pass
-            self._stop("stop requested")
+            self._stop("stop requested", requested=True)
             self.state.to(State.STOPPED, "stopped")
             return ExitCode.OK
         except SupervisorError as err:
@@ -116,6 +126,12 @@ class Supervisor:
             self.state.to(State.FAILED, f"failed: {err.message}"[:400], exit_code=int(err.exit_code))
             raise
 
+    def _prepare_child(self) -> None:
+        try:
+            self._prepared = prepare_spawn(spawn_spec(self.cfg.child), self.deps.environ)
+        except Unresolvable as exc:
+            raise ConfigError(f"{self.cfg.path}: child.{exc.key}: {exc.message}") from None
+
     def _preflight(self) -> None:
         pf = self.cfg.preflight
         self.state.enter_initial("preflight: checking GPUs, stale processes and shared memory")
@@ -123,13 +139,14 @@ class Supervisor:
         self.deps.notifier.send(EXTEND_TIMEOUT_USEC=_usec(pf.deadline_s + pf.reap.grace_s + EXTEND_MARGIN_S))
         report = Preflight(self.cfg, self.deps.probe, self.deps.table, self.clock, self.log).run(dry_run=False)
         self.log.info("preflight.passed", checks=len(report.checks))
+        done = [c.name for c in report.checks if c.status is Status.DONE]
+        self.view.on_preflight(kills=done.count("reap"), shm_removed=done.count("shm"))
 
     def _spawn(self) -> None:
-        child = self.cfg.child
-        spec = SpawnSpec(child.argv, child.env, child.inherit_environment, child.working_directory, child.user)
         if self._stop_signalled():
             raise StopRequested
-        self.child = ChildProcess.spawn(spec, self.deps.environ, owns_all_children=True)
+        spec = spawn_spec(self.cfg.child)
+        self.child = ChildProcess.spawn(spec, self.deps.environ, owns_all_children=True, prepared=self._prepared)
         self._started_at = time.monotonic()
         self.output.attach(self.child)
         self.output.on_output = self._on_output
@@ -158,6 +175,7 @@ class Supervisor:
             if self.tracker.fatal_line is not None:
                 raise StartupFailed(f"vLLM failed while starting: {self._root_cause()}", detail=self._tail())
             for result in self.prober.drain():
+                self.view.on_health(result)
                 healthy = result if result.ok else None
                 if result.error != last_error and result.error is not None:
                     # Each new reason once ("connection refused" while vLLM loads is normal, a timeout is not).
@@ -206,7 +224,15 @@ class Supervisor:
         self.prober.set_interval(hcfg.interval_s)
         self.child.refresh_members()
         gpus = self._configured_gpus()
-        self.deep = DeepLiveness(self.cfg, self.deps.probe, gpus, self.signals.wake, self.deps.notifier, self.log)
+        self.deep = DeepLiveness(
+            self.cfg,
+            self.deps.probe,
+            gpus,
+            self.signals.wake,
+            self.deps.notifier,
+            self.log,
+            on_canary=lambda r: self.view.on_canary(r.ok, r.latency_s),
+        )
         self.deep.start()
         wd = self.deps.watchdog_s
         if wd and hcfg.interval_s + hcfg.timeout_s >= wd:
@@ -239,6 +265,7 @@ class Supervisor:
                     detail=self._tail(),
                 )
             for result in self.prober.drain():
+                self.view.on_health(result)
                 if result.ok:
                     if failures:
                         self.log.info("health.recovered", after_failures=failures)
@@ -264,29 +291,38 @@ class Supervisor:
                 self.deps.notifier.send(WATCHDOG=1)
                 last_ping = now
 
-    def _stop(self, reason: str) -> None:
+    def _stop(self, reason: str, requested: bool = False) -> None:
         """TERM the tree, keep reading its output, KILL what outlives the grace, confirm GPUs are free."""
         scfg = self.cfg.shutdown
         if self.deep is not None:
             self.deep.stop()  # no canary or GPU verdict about a tree being stopped
+        drain = None
+        if requested and self.state.state is State.READY:  # a serving vLLM may have requests in flight
+            drain = Drain(
+                self.cfg.readiness.health_url, self.cfg.child.vllm.shutdown_timeout, self.deps.notifier, self.log
+            )
         if self.state.state is not State.STOPPING:
             self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
         if self.child is None:
             return  # stopped during the preflight: nothing of ours holds a GPU
-        self._stop_tree(scfg.grace_s, scfg.second_signal_grace_s)
+        tree_gone = self._stop_tree(scfg.grace_s, scfg.second_signal_grace_s, drain)
         gpus = self._configured_gpus()
+        gpus_free = None
         if gpus and scfg.gpu_release_timeout_s > 0:
-            self._confirm_gpus_free(gpus, scfg.gpu_release_timeout_s)
+            gpus_free = self._confirm_gpus_free(gpus, scfg.gpu_release_timeout_s)
+        self.state.status(stopped_status(tree_gone, gpus_free))
 
-    def _stop_tree(self, grace_s: float, second_grace_s: float) -> None:
+    def _stop_tree(self, grace_s: float, second_grace_s: float, drain: Drain | None = None) -> bool:
         assert self.child is not None
         start = time.monotonic()
         deadline = start + grace_s
-        signalled = self.child.signal_tree(signal.SIGTERM)
+        signalled = drain.sigterm(self.child) if drain else self.child.signal_tree(signal.SIGTERM)
         self.log.info("stop.sigterm", pid=self.child.pid, processes=signalled, grace_s=grace_s)
         alive = self.child.alive_members()
         while alive:
             self._pump(0.05)
+            if drain:
+                drain.tick(self.child)
             if self._stop_signalled():
                 deadline = min(deadline, time.monotonic() + second_grace_s)
                 self.log.warning("stop.hurry", grace_left_s=round(max(0.0, deadline - time.monotonic()), 2))
@@ -296,7 +332,7 @@ class Supervisor:
                     "stop.sigkill", after_s=round(time.monotonic() - start, 2), pids=",".join(str(p.pid) for p in alive)
                 )
                 self.child.signal_tree(signal.SIGKILL)
-                kill_deadline = time.monotonic() + 5.0
+                kill_deadline = time.monotonic() + SIGKILL_WAIT_S
                 while alive and time.monotonic() < kill_deadline:
                     self._pump(0.02)
                     alive = self.child.alive_members()
@@ -312,6 +348,9 @@ class Supervisor:
             seconds=round(time.monotonic() - start, 3),
             exit_status=self.child.poll(),
         )
+        if drain:
+            drain.finish(tree_gone=not alive)
+        return not alive
 
     def _emergency_stop(self, exc: BaseException) -> None:
         """Something other than a SupervisorError is ending the run: stop the tree before it propagates."""
@@ -331,7 +370,7 @@ class Supervisor:
             with contextlib.suppress(BaseException):
                 self.child.reap()
 
-    def _confirm_gpus_free(self, gpus: tuple[int, ...], timeout_s: float) -> None:
+    def _confirm_gpus_free(self, gpus: tuple[int, ...], timeout_s: float) -> bool | None:
         pf = self.cfg.preflight
         start = time.monotonic()
 
@@ -345,7 +384,7 @@ class Supervisor:
             )
         except GpuUnavailable as exc:
             self.log.warning("stop.gpu_unknown", error=str(exc))
-            return
+            return None
         took = round(time.monotonic() - start, 3)
         if busy:
             self.log.warning(
@@ -353,12 +392,14 @@ class Supervisor:
             )
         else:
             self.log.info("stop.gpu_released", seconds=took, gpus=",".join(map(str, gpus)))
+        return not busy
 
     # -- the event loop -------------------------------------------------------------
 
     def _pump(self, timeout: float) -> None:
         """Wait up to `timeout` for output, signals or health results; handle what came."""
         self.output.pump(timeout)
+        self.view.tick()
 
     def _on_output(self, now: float) -> None:
         if self.state.state is State.STARTING:
@@ -374,7 +415,8 @@ class Supervisor:
 
     def _status(self, now: float) -> None:
         self._last_status = now
-        self.state.status(f"starting: {self.tracker.status_text(now - self._started_at)}")
+        elapsed = now - self._started_at
+        self.state.status(f"starting: {self.tracker.status_text(elapsed, self.view.eta_text(elapsed))}")
 
     def _extend_timeout(self, now: float) -> None:
         if now - self._last_extend < EXTEND_EVERY_S:

@@ -2,23 +2,27 @@
 
 packaging/systemd/kimi-supervisor.service is this template rendered with the
 defaults (a test keeps them identical); `kimi-supervisor install-unit` renders
-it with the real path of the installed executable and reloads systemd.
+it with the command that runs this very installation and reloads systemd.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from kimi_supervisor.config import DEFAULT_PATH
-from kimi_supervisor.exitcodes import ExitCode, SupervisorError
+from kimi_supervisor.exitcodes import ExitCode, NoPermission, ServiceUnavailable
 
 UNIT_NAME = "kimi-supervisor.service"
 DEFAULT_EXEC = "/usr/local/bin/kimi-supervisor"
 DEFAULT_UNIT_DIR = Path("/etc/systemd/system")
+# What `install-unit` derives from etc/kimi-supervisor.toml (timeouts.unit_timeout_stop_s; a test keeps them
+# equal): grace 315 (vLLM drains 300 s + 15 s worker shutdown) + SIGKILL wait 5 + GPU release 30 + exit 10.
+DEFAULT_STOP_S = 360
 
 TEMPLATE = """\
 # kimi-supervisor: vLLM serving Kimi-K2.5-NVFP4 (TP=8) as a Type=notify service.
@@ -37,11 +41,13 @@ StartLimitBurst=5
 Type=notify
 # Only the supervisor speaks sd_notify; vLLM's processes must not.
 NotifyAccess=main
-ExecStart={exec_path} --config {config_path}
+ExecStart={command}
 # First window only: the supervisor extends it (EXTEND_TIMEOUT_USEC) while vLLM makes progress.
 TimeoutStartSec=180
-# shutdown.grace_s (30) + vLLM worker shutdown (~8 s) + SIGKILL wait (5) + GPU release check (30) + margin.
-TimeoutStopSec=90
+# Derived from the config by install-unit: shutdown.grace_s (covers vLLM's --shutdown-timeout drain and
+# its worker shutdown) + SIGKILL wait (5) + shutdown.gpu_release_timeout_s + 10 s for the supervisor's exit.
+# Shorter, and systemd SIGKILLs the cgroup while vLLM still drains (check-config and --dry-run warn).
+TimeoutStopSec={stop_s}
 # Pinged only while GET /health passes; a hung server is killed and restarted.
 WatchdogSec=60
 # SIGTERM to the supervisor alone (it stops its tree in order), then SIGKILL to whatever is left.
@@ -108,39 +114,84 @@ WantedBy=multi-user.target
 """
 
 
-def render(exec_path: str = DEFAULT_EXEC, config_path: Path = DEFAULT_PATH) -> str:
-    for name, value in (("executable", exec_path), ("config", str(config_path))):
-        if any(c.isspace() for c in value) or "%" in value or "$" in value:
-            raise SupervisorError(f"{name} path {value!r} contains whitespace, % or $: use a plain path")
-    return TEMPLATE.format(exec_path=exec_path, config_path=config_path, config_exit=int(ExitCode.CONFIG))
-
-
-def installed_executable() -> str:
-    found = shutil.which("kimi-supervisor")
-    if found:
-        return os.path.realpath(found) if os.path.islink(found) else found
-    return f"{sys.executable} -m kimi_supervisor"
-
-
-def install(config_path: Path, unit_dir: Path = DEFAULT_UNIT_DIR, reload: bool = True) -> Path:
-    """Write the unit and reload systemd; returns the unit's path."""
-    exe = installed_executable()
-    if " " in exe:
-        raise SupervisorError(
-            "the kimi-supervisor executable is not on PATH; install the package first (python3 -m pip install .)"
+def systemd_quote(word: str, *, executable: bool = False) -> str:
+    """One ExecStart= word, written so systemd reads back exactly `word` (systemd.service(5), "Command
+    lines"): `%` is a specifier (`%%`), `$` in an argument an environment reference (`$$`; the executable
+    is not substituted), backslash escapes are C-style, and a word with whitespace or quotes is
+    double-quoted.  systemd refuses quotes, backslashes and control characters in the executable's path."""
+    if executable and any(c in "\\\"'" or ord(c) < 0x20 or ord(c) == 0x7F for c in word):
+        raise ServiceUnavailable(
+            f"systemd cannot run an executable whose path has quotes, backslashes or control characters: {word!r}"
         )
-    text = render(exe, config_path)
+    out = []
+    for c in word:
+        if c in '\\"':
+            out.append("\\" + c)
+        elif c == "%":
+            out.append("%%")
+        elif c == "$" and not executable:
+            out.append("$$")
+        elif ord(c) < 0x20 or ord(c) == 0x7F:
+            out.append(f"\\x{ord(c):02x}")
+        else:
+            out.append(c)
+    text = "".join(out)
+    plain = word and text == word and not any(c.isspace() or c in "'\";" for c in word)
+    return text if plain else f'"{text}"'
+
+
+def render(
+    exec_argv: Sequence[str] | str = (DEFAULT_EXEC,), config_path: Path = DEFAULT_PATH, stop_s: int = DEFAULT_STOP_S
+) -> str:
+    if isinstance(exec_argv, str):
+        exec_argv = [exec_argv]
+    words = [systemd_quote(exec_argv[0], executable=True)]
+    words += [systemd_quote(w) for w in [*exec_argv[1:], "--config", str(config_path)]]
+    command = " ".join(words)
+    return TEMPLATE.format(command=command, config_exit=int(ExitCode.CONFIG), stop_s=int(stop_s))
+
+
+def running_executable(argv0: str | None = None, python: str | None = None) -> list[str]:
+    """The command that runs *this* installation: our console script when that is what runs, else
+    `python -m kimi_supervisor` with this interpreter.  Never a lookup on PATH: under sudo it lacks the
+    venv, and with two installs it finds the other one."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    script = os.path.realpath(argv0) if argv0 else ""
+    if os.path.basename(argv0) == "kimi-supervisor" and os.path.isfile(script) and os.access(script, os.X_OK):
+        return [script]
+    # The interpreter is not resolved: a venv's python is a symlink, and only its own path selects the venv.
+    return [os.path.abspath(python or sys.executable), "-m", "kimi_supervisor"]
+
+
+def install(
+    config_path: Path,
+    unit_dir: Path = DEFAULT_UNIT_DIR,
+    reload: bool = True,
+    exec_argv: Sequence[str] | None = None,
+    stop_s: int = DEFAULT_STOP_S,
+) -> Path:
+    """Write the unit and reload systemd; returns the unit's path."""
+    text = render(running_executable() if exec_argv is None else exec_argv, config_path, stop_s)
     target = unit_dir / UNIT_NAME
+    tmp = target.with_suffix(".tmp")
     try:
         unit_dir.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(".tmp")
         tmp.write_text(text)
         tmp.chmod(0o644)
         tmp.replace(target)
     except OSError as exc:
-        raise SupervisorError(f"cannot write {target}: {exc.strerror}") from None
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        hint = " (run it as root: sudo kimi-supervisor install-unit)" if os.geteuid() != 0 else ""
+        raise NoPermission(f"cannot write {target}: {exc.strerror}{hint}") from None
     if reload:
-        result = subprocess.run(["systemctl", "daemon-reload"], capture_output=True, text=True)
+        try:
+            result = subprocess.run(["systemctl", "daemon-reload"], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise ServiceUnavailable(f"wrote {target}, but systemctl daemon-reload could not run: {exc}") from None
         if result.returncode != 0:
-            raise SupervisorError(f"systemctl daemon-reload failed: {result.stderr.strip() or result.returncode}")
+            why = " ".join(result.stderr.split()) or f"exit status {result.returncode}"
+            denied = ("Access denied", "Permission denied", "Interactive authentication required")
+            error = NoPermission if any(d in why for d in denied) else ServiceUnavailable
+            raise error(f"wrote {target}, but systemctl daemon-reload failed: {why}")
     return target

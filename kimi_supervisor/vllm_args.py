@@ -1,7 +1,8 @@
 """What the supervisor needs to know from the child's `vllm serve` argv.
 
 Parsed, not guessed: the model directory, where /health lives, the tensor-
-parallel size and the memory fraction vLLM will try to take.  The argv stays a
+parallel size, the memory fraction vLLM will try to take and how long it
+drains in-flight requests on SIGTERM (--shutdown-timeout).  The argv stays a
 list (never a shell string), so this is a small option scanner.
 """
 
@@ -22,6 +23,9 @@ _VALUE_OPTIONS = {
     "-tp": "tp",
     "--gpu-memory-utilization": "gpu_util",
     "--served-model-name": "served_name",  # takes one or more names; the first is what clients use
+    # vLLM >= 0.32: on SIGTERM, reject new requests and let in-flight ones finish for up to this many
+    # seconds (0, the default, aborts them at once).
+    "--shutdown-timeout": "shutdown_timeout",
 }
 
 
@@ -33,6 +37,7 @@ class VllmArgs:
     tensor_parallel_size: int
     gpu_memory_utilization: float
     served_name: str | None = None
+    shutdown_timeout: int = 0
 
     @property
     def served_model_name(self) -> str | None:
@@ -49,6 +54,10 @@ class VllmArgs:
         if ":" in host:
             host = f"[{host}]"
         return f"http://{host}:{self.port}{path}"
+
+    @property
+    def drains(self) -> bool:
+        return self.shutdown_timeout > 0
 
 
 def _options(argv: list[str] | tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
@@ -99,4 +108,13 @@ def parse_vllm_args(argv: list[str] | tuple[str, ...]) -> VllmArgs:
         raise ValueError(f"--gpu-memory-utilization expects a number, got {found['gpu_util']!r}") from None
     if not 0 < util <= 1:
         raise ValueError(f"--gpu-memory-utilization expects a fraction in (0, 1], got {util:g}")
-    return VllmArgs(model, found.get("host", DEFAULT_HOST), port, tp, util, found.get("served_name"))
+    try:
+        # vLLM's argparse type is int: "30.5" makes it exit 2 at start, so refuse it here.
+        drain = int(found.get("shutdown_timeout", 0))
+    except ValueError:
+        raise ValueError(
+            f"--shutdown-timeout expects an integer number of seconds, got {found['shutdown_timeout']!r}"
+        ) from None
+    if drain < 0:
+        raise ValueError(f"--shutdown-timeout expects >= 0 seconds, got {drain}")
+    return VllmArgs(model, found.get("host", DEFAULT_HOST), port, tp, util, found.get("served_name"), drain)

@@ -78,8 +78,8 @@ def fake_config(tmp_path: Path, fake_args: list[str] | None = None, tp: int = 2,
         "readiness": {"stall_timeout_s": 20, "deadline_s": 60, "poll_interval_s": 0.1},
         "health": {"interval_s": 0.3, "timeout_s": 1, "failures_tolerated": 3},
         "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
-        # The instance locks live here, not in the host's /run/kimi-supervisor.
-        "paths": {"runtime_directory": str(tmp_path / "run")},
+        # The instance locks, the state file and the history live here, not in the host's /run or /var/lib.
+        "paths": {"runtime_directory": str(tmp_path / "run"), "state_directory": str(tmp_path / "state")},
     }
     for key, value in sections.items():
         cfg.setdefault(key.replace("__", "."), {}).update(value)

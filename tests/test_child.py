@@ -67,7 +67,7 @@ def test_child_environment_hides_supervisor_variables() -> None:
 @pytest.mark.parametrize(
     ("kw", "argv0", "message"),
     [
-        ({}, "/nonexistent/vllm", "cannot start child: /nonexistent/vllm: no such file or directory"),
+        ({}, "/nonexistent/vllm", "cannot start child: child.argv[0]: '/nonexistent/vllm' not found"),
         (
             {"working_directory": "/nonexistent-dir"},
             sys.executable,
@@ -76,9 +76,13 @@ def test_child_environment_hides_supervisor_variables() -> None:
         (
             {"user": "no-such-user-kimi"},
             sys.executable,
-            "cannot start child as user 'no-such-user-kimi': \"getpwnam(): name not found: 'no-such-user-kimi'\"",
+            "cannot start child: child.user: no such user 'no-such-user-kimi' on this host",
         ),
-        ({}, "/dev/null", "cannot start child: /dev/null: permission denied"),
+        (
+            {},
+            "/dev/null",
+            "cannot start child: child.argv[0]: /dev/null is not an executable file for the supervisor's user",
+        ),
     ],
 )
 def test_spawn_errors(kw: dict[str, object], argv0: str, message: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.cli import check_config_permissions
+from kimi_supervisor.config import load_config
 from kimi_supervisor.exitcodes import ConfigError
 from tests.harness import REPO, fake_config
 
@@ -46,7 +46,7 @@ def test_dry_run_json(tmp_path: Path) -> None:
     result = cli("--dry-run", "--json", "--config", str(fake_config(tmp_path)))
     data = json.loads(result.stdout)
     assert result.returncode == 0 and data["proceed"] is True
-    assert [c["name"] for c in data["checks"]] == ["gpus", "shm", "port"]
+    assert [c["name"] for c in data["checks"]] == ["gpus", "shutdown_timeouts", "shm", "port"]
 
 
 def test_check_config_prints_effective_config_with_secrets_redacted(tmp_path: Path) -> None:
@@ -78,14 +78,14 @@ def test_config_writable_by_others_is_refused(tmp_path: Path) -> None:
     cfg.write_text('[child]\nargv = ["vllm"]\n')
     cfg.chmod(0o666)
     with pytest.raises(ConfigError) as info:
-        check_config_permissions(cfg)
+        load_config(cfg)
     assert info.value.message == (
         f"{cfg}: writable by group or others (mode 0666); refusing it while running as root (chmod go-w {cfg})"
     )
     cfg.chmod(0o644)
     os.chown(cfg, 65534, 0)
     with pytest.raises(ConfigError, match="owned by uid 65534, not root"):
-        check_config_permissions(cfg)
+        load_config(cfg)
     result = cli("--dry-run", "--config", str(cfg))
     assert result.returncode == 78 and result.stderr.count("\n") == 1
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.config import load_config, parse_config
+from kimi_supervisor.config import effective_config, load_config, parse_config
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,7 +78,52 @@ def error_of(path: Path) -> str:
             MINIMAL + "[health]\nfailures_tolerated = 0\n",
             "{p}: health.failures_tolerated: expected an integer between 1 and 1000, got 0",
         ),
-        (MINIMAL + "[shutdown]\ngrace_s = -1\n", "{p}: shutdown.grace_s: expected a value > 0 and <= 3600, got -1"),
+        (MINIMAL + "[shutdown]\ngrace_s = -1\n", "{p}: shutdown.grace_s: expected a value >= 0.01 and <= 3600, got -1"),
+        # Lower bounds: 1e-300 s would make the poll loops spin a core.
+        (
+            MINIMAL + "[health]\ninterval_s = 1e-300\n",
+            "{p}: health.interval_s: expected a value >= 0.01 and <= 3600, got 1e-300",
+        ),
+        (
+            MINIMAL + "[preflight]\npoll_interval_s = 0.001\n",
+            "{p}: preflight.poll_interval_s: expected a value >= 0.01 and <= 60, got 0.001",
+        ),
+        (
+            MINIMAL + "[shutdown]\ngpu_release_timeout_s = 1e-300\n",
+            "{p}: shutdown.gpu_release_timeout_s: expected 0 or a value >= 0.01 and <= 3600, got 1e-300",
+        ),
+        # Values that used to pass validation and fail only at spawn, after the preflight had acted.
+        (
+            '[child]\nargv = ["vllm", "a\\u0000b"]\n',
+            "{p}: child.argv[1]: contains a NUL byte: 'a\\x00b'",
+        ),
+        (
+            '[child]\nargv = ["vllm"]\nenv = { "A=B" = "1" }\n',
+            "{p}: child.env: invalid variable name 'A=B': it must be non-empty, without '=' or NUL",
+        ),
+        (
+            '[child]\nargv = ["vllm"]\nenv = { "" = "1" }\n',
+            "{p}: child.env: invalid variable name '': it must be non-empty, without '=' or NUL",
+        ),
+        (
+            '[child]\nargv = ["vllm"]\nenv = { "A\\u0000" = "1" }\n',
+            "{p}: child.env: invalid variable name 'A\\x00': it must be non-empty, without '=' or NUL",
+        ),
+        ('[child]\nargv = ["vllm"]\nenv = { A = "x\\u0000" }\n', "{p}: child.env.A: contains a NUL byte"),
+        (
+            '[child]\nargv = ["vllm"]\nuser = "a b"\n',
+            "{p}: child.user: expected a user name or numeric id, got 'a b'",
+        ),
+        (
+            '[child]\nargv = ["vllm"]\ngroup = "video"\n',
+            "{p}: child.group: is set without child.user: the child would keep root's user with another group",
+        ),
+        # A key with a newline cannot fake a second line of output.
+        (
+            MINIMAL + '"a\\nb" = 1\n',
+            "{p}: child.'a\\nb': unknown key (known keys: argv, env, group, inherit_environment, user, "
+            "working_directory)",
+        ),
         (MINIMAL + "[preflight]\ngpus = [0, 0]\n", "{p}: preflight.gpus: expected distinct GPU indices, got [0, 0]"),
         (
             MINIMAL + '[preflight]\ngpus = "some"\n',
@@ -124,7 +170,8 @@ def test_directory(tmp_path: Path) -> None:
 def test_unreadable_file() -> None:
     # Root reads mode-0 files, so use a file every reader gets an I/O error from.
     path = Path("/proc/self/mem")
-    assert error_of(path) == f"{path}: cannot read config: Input/output error"
+    expected = rf"{path}: cannot read config \(resolves to /proc/\d+/mem\): Input/output error"
+    assert re.fullmatch(expected, error_of(path))
 
 
 def test_not_utf8(tmp_path: Path) -> None:
@@ -193,3 +240,46 @@ def test_cli_exit_code_and_single_line(tmp_path: Path) -> None:
         "(known keys: busy_log_interval_s, check_model, check_port, deadline_s, gpus, "
         "memory_threshold_mib, poll_interval_s, reap, shm)\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [
+        (
+            '"--shutdown-timeout", "1.5"',
+            "{p}: child.argv: --shutdown-timeout expects an integer number of seconds, got '1.5'",
+        ),
+        ('"--shutdown-timeout=-5"', "{p}: child.argv: --shutdown-timeout expects >= 0 seconds, got -5"),
+        ('"--shutdown-timeout"', "{p}: child.argv: option --shutdown-timeout has no value"),
+    ],
+)
+def test_shutdown_timeout_errors(tmp_path: Path, flag: str, expected: str) -> None:
+    path = write(tmp_path, f'[child]\nargv = ["vllm", "serve", "/m", {flag}]\n')
+    assert error_of(path) == expected.format(p=path)
+
+
+def test_shutdown_timeout_is_part_of_the_effective_config(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, '[child]\nargv = ["vllm", "serve", "/m", "--shutdown-timeout=120"]\n'))
+    assert cfg.child.vllm.shutdown_timeout == 120
+    assert effective_config(cfg)["child"]["vllm"]["shutdown_timeout"] == 120
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ('"metrics.prom"', "{p}: metrics.textfile: expected an absolute path ending in .prom "
+         "(node_exporter reads only *.prom), got 'metrics.prom'"),
+        ('"/var/lib/node_exporter/kimi.txt"', "{p}: metrics.textfile: expected an absolute path ending in .prom "
+         "(node_exporter reads only *.prom), got '/var/lib/node_exporter/kimi.txt'"),
+        ("1", "{p}: metrics.textfile: expected a string, got integer 1"),
+    ],
+)  # fmt: skip
+def test_metrics_textfile_is_checked(tmp_path: Path, value: str, expected: str) -> None:
+    path = write(tmp_path, MINIMAL + f"[metrics]\ntextfile = {value}\n")
+    assert error_of(path) == expected.format(p=path)
+
+
+def test_metrics_off_unless_set(tmp_path: Path) -> None:
+    assert parse_config({"child": {"argv": ["vllm"]}}, tmp_path / "k.toml").metrics.textfile is None
+    cfg = parse_config({"child": {"argv": ["vllm"]}, "metrics": {"textfile": "/t/k.prom"}}, tmp_path / "k.toml")
+    assert cfg.metrics.textfile == Path("/t/k.prom")

@@ -36,6 +36,7 @@ def test_sigterm_during_preflight_wait_stops_at_once(tmp_path: Path) -> None:
         {
             "child": {"argv": ["/bin/false", "serve", "/m", "--port", str(free_port())]},
             "preflight": {"gpus": [0], "deadline_s": 60, "check_model": False, "shm": {"directory": str(tmp_path)}},
+            "paths": {"runtime_directory": str(tmp_path / "run"), "state_directory": str(tmp_path / "state")},
         },
         tmp_path / "k.toml",
     )

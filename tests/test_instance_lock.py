@@ -95,6 +95,7 @@ def test_second_supervisor_refuses_at_once_and_the_first_keeps_serving(tmp_path:
     second: Run | None = None
     try:
         first.wait_event("state.ready")
+        first.wait_event("liveness.started")  # logged just after READY: not something the second one caused
         tree = wait_for(lambda: [p for p in fake_tree_of(str(tmp_path)) if p.name().startswith("VLLM::Worker")])
         workers = {p.pid: p.create_time() for p in tree}  # type: ignore[attr-defined]
         assert len(workers) == 2

@@ -182,7 +182,10 @@ def test_liveness_defaults_and_derived_urls(tmp_path: Path) -> None:
             {"liveness": {"failures_tolerated": 0}},
             "liveness.failures_tolerated: expected an integer between 1 and 1000, got 0",
         ),
-        ({"liveness": {"canary_timeout_s": 0}}, "liveness.canary_timeout_s: expected a value > 0 and <= 600, got 0"),
+        (
+            {"liveness": {"canary_timeout_s": 0}},
+            "liveness.canary_timeout_s: expected a value >= 0.01 and <= 600, got 0",
+        ),
         (
             {"liveness": {"canary_interval": 1}},
             "liveness.canary_interval: unknown key (did you mean 'canary_interval_s'?)",

@@ -66,6 +66,7 @@ def test_clean_gpus_proceed(tmp_path: Path) -> None:
     assert report.proceed
     assert statuses(report) == [
         ("gpus", "ok"),
+        ("shutdown_timeouts", "ok"),
         ("gpu_retired_pages", "n/a"),  # an H200: row remapping replaced page retirement
         ("gpu_remapped_rows", "ok"),
         ("gpu_ecc", "ok"),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import pytest
 
 from kimi_supervisor.state import ALLOWED, InvalidTransition, State, StateMachine
@@ -63,3 +66,23 @@ def test_failure_logs_at_error() -> None:
         "state.failed",
         {"previous": "preflight", "status": "failed: x", "exit_code": 10},
     )
+
+
+def test_the_observer_hears_every_transition_after_systemd_does() -> None:
+    n = Recorder()
+    heard: list[tuple[State, str, dict[str, object], int]] = []
+
+    class Observer:
+        def on_state(self, state: State, status: str, fields: Mapping[str, Any]) -> None:
+            heard.append((state, status, dict(fields), len(n.sent)))
+
+    sm = StateMachine(n, RecordingLog(), observer=Observer())
+    sm.enter_initial("preflight: checking")
+    sm.to(State.STARTING, "starting: vLLM spawned", pid=42)
+    sm.status("starting: loading weights 1/2 (50%), 3s")  # progress inside a state is not a transition
+    sm.to(State.FAILED, "failed: x", exit_code=11)
+    assert heard == [
+        (State.PREFLIGHT, "preflight: checking", {}, 1),
+        (State.STARTING, "starting: vLLM spawned", {"pid": 42}, 2),
+        (State.FAILED, "failed: x", {"exit_code": 11}, 4),
+    ]

@@ -37,10 +37,12 @@ def test_ready_only_after_health_then_clean_stop(tmp_path: Path) -> None:
             "state.stopping",
             "stop.sigterm",
             "stop.tree_gone",
+            "stop.drain",  # no --shutdown-timeout: outcome "aborted", with the count in flight at SIGTERM
             "state.stopped",
         ]
         after = run.notify.fields()
-        assert after[-2].get("STOPPING") == "1" and after[-1] == {"STATUS": "stopped"}
+        assert after[-3].get("STOPPING") == "1" and after[-1] == {"STATUS": "stopped"}
+        assert after[-2] == {"STATUS": "stopping: tree gone"}
         assert fake_tree_of(str(tmp_path)) == []
     finally:
         run.kill()
@@ -191,8 +193,10 @@ def test_exact_notify_datagrams_in_order(tmp_path: Path) -> None:
     assert collapsed[:4] == ["STATUS:preflight", "EXTEND_TIMEOUT_USEC", "STATUS:starting", "EXTEND_TIMEOUT_USEC"]
     ready = collapsed.index("READY+STATUS")
     assert set(collapsed[4:ready]) <= {"STATUS:starting", "EXTEND_TIMEOUT_USEC"}
-    assert collapsed[ready + 1 :] == ["WATCHDOG", "STOPPING+STATUS", "STATUS:stopped"]
+    # STATUS:stopping twice: "stopping: stop requested", then "stopping: tree gone" (no GPUs configured).
+    assert collapsed[ready + 1 :] == ["WATCHDOG", "STOPPING+STATUS", "STATUS:stopping", "STATUS:stopped"]
     assert kinds.count("READY+STATUS") == 1
     messages = run.notify.messages()
     assert messages[-1] == "STATUS=stopped"
-    assert messages[-2] == "STOPPING=1\nSTATUS=stopping: stop requested"
+    assert messages[-2] == "STATUS=stopping: tree gone"
+    assert messages[-3] == "STOPPING=1\nSTATUS=stopping: stop requested"

@@ -11,7 +11,7 @@ import pytest
 
 from kimi_supervisor import unit
 from kimi_supervisor.config import DEFAULT_PATH, parse_config
-from kimi_supervisor.exitcodes import ExitCode, SupervisorError
+from kimi_supervisor.exitcodes import ExitCode
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGED = REPO / "packaging" / "systemd" / "kimi-supervisor.service"
@@ -70,9 +70,10 @@ def test_install_writes_the_unit(tmp_path: Path) -> None:
     assert (target.stat().st_mode & 0o777) == 0o644
 
 
-def test_paths_that_systemd_would_mangle_are_refused() -> None:
-    with pytest.raises(SupervisorError, match="contains whitespace, % or \\$"):
-        unit.render("/opt/my tools/kimi-supervisor")
+def test_paths_that_systemd_would_mangle_are_quoted() -> None:
+    # Before: refused with exit 70 ("a bug"); systemd's own quoting rules express any path.
+    d = directives(unit.render(["/opt/my tools/kimi-supervisor"], Path("/etc/k 50%/$x.toml")))
+    assert d["ExecStart"] == '"/opt/my tools/kimi-supervisor" --config "/etc/k 50%%/$$x.toml"'
 
 
 def test_journal_rate_limit_leaves_room_for_the_supervisors_records() -> None:

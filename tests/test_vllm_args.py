@@ -54,3 +54,33 @@ def test_bad_values(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError) as info:
         parse_vllm_args(argv)
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    ("argv", "seconds"),
+    [
+        (["vllm", "serve", "m"], 0),
+        (["vllm", "serve", "m", "--shutdown-timeout", "300"], 300),
+        (["vllm", "serve", "m", "--shutdown-timeout=45", "--port", "9000"], 45),
+        (["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--shutdown-timeout", "0"], 0),
+    ],
+)
+def test_shutdown_timeout(argv: list[str], seconds: int) -> None:
+    a = parse_vllm_args(argv)
+    assert a.shutdown_timeout == seconds and a.drains is (seconds > 0)
+    assert a.model in ("m", "/m")
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("30.5", "expects an integer number of seconds, got '30.5'"),
+        ("-1", "expects >= 0 seconds, got -1"),
+        ("x", "expects an integer number of seconds, got 'x'"),
+    ],
+)
+def test_bad_shutdown_timeout(value: str, why: str) -> None:
+    with pytest.raises(ValueError, match="--shutdown-timeout " + why.replace(".", r"\.")):
+        parse_vllm_args(["vllm", "serve", "m", f"--shutdown-timeout={value}"])
+    with pytest.raises(ValueError, match="--shutdown-timeout"):
+        parse_vllm_args(["vllm", "serve", "m", "--shutdown-timeout"])

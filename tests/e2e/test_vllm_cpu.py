@@ -12,6 +12,7 @@ from typing import Any
 
 import psutil
 
+from tests.conftest import wait_for
 from tests.harness import Run, fake_tree_of, free_port, session_members, write_config
 
 # VLLM_HOST_IP: vLLM otherwise picks a non-loopback address of the machine for its engine sockets.
@@ -53,7 +54,7 @@ def vllm_config(tmp_path: Path, vllm_bin: Path, model: Path, port: int) -> Path:
             "readiness": {"deadline_s": 300, "stall_timeout_s": 120},
             "health": {"interval_s": 1, "timeout_s": 5},
             "shutdown": {"grace_s": 20, "gpu_release_timeout_s": 0},
-            "paths": {"runtime_directory": str(tmp_path / "run")},  # the instance lock, not the host's /run
+            "paths": {"runtime_directory": str(tmp_path / "run"), "state_directory": str(tmp_path / "state")},
         },
     )
 
@@ -131,6 +132,15 @@ def test_ready_serves_and_stops_with_no_orphan(tmp_path: Path, vllm_bin: Path, t
 
         tree = names(tree_of(run, tmp_path))
         assert {"VLLM::EngineCore", "VLLM::Worker", "resource_tracker"} <= tree, tree
+        # The state file names real vLLM's processes by role (refreshed every health interval).
+        state_file = tmp_path / "run" / "state.json"
+        roles = wait_for(
+            lambda: (lambda r: r if "worker" in r else None)(
+                {p["role"] for p in json.loads(state_file.read_text())["processes"]}
+            ),
+            timeout=10,
+        )
+        assert {"api_server", "engine_core", "worker", "resource_tracker"} <= roles, roles  # type: ignore[operator]
         start = run.signal(signal.SIGTERM)
         assert run.wait(timeout=60) == 0
         took = time.monotonic() - start

