@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 
 import psutil
 
-from kimi_supervisor.config import ChildConfig
+from kimi_supervisor.config import SpawnSpec
 from kimi_supervisor.exitcodes import SpawnError
 from kimi_supervisor.procident import CREATE_TIME_TOLERANCE_S, ProcIdent, exited, group_signal, send_signal
 from kimi_supervisor.redact import REDACTED_BYTES, secret_bytes
@@ -32,6 +32,8 @@ from kimi_supervisor.spawnplan import (
     resolve_executable,
     resolve_identity,
 )
+
+__all__ = ["ChildProcess", "LineSplitter", "SpawnSpec", "become_subreaper", "child_environment"]
 
 PR_SET_CHILD_SUBREAPER = 36
 F_SETPIPE_SZ = 1031
@@ -55,20 +57,6 @@ def become_subreaper() -> bool:
         return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
     except OSError:
         return False
-
-
-@dataclasses.dataclass(frozen=True)
-class SpawnSpec:
-    argv: tuple[str, ...]
-    env: Mapping[str, str]
-    inherit_environment: bool
-    working_directory: str | None
-    user: str | None
-    group: str | None = None
-
-
-def spawn_spec(child: ChildConfig) -> SpawnSpec:
-    return SpawnSpec(child.argv, child.env, child.inherit_environment, child.working_directory, child.user, child.group)
 
 
 def child_environment(spec: SpawnSpec, parent: Mapping[str, str], identity: Identity | None = None) -> dict[str, str]:

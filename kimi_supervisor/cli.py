@@ -13,12 +13,12 @@ from pathlib import Path
 
 from kimi_supervisor import __version__, instance_lock, timeouts, unit
 from kimi_supervisor.checks import Check, Status
-from kimi_supervisor.child import prepare_spawn, spawn_spec
+from kimi_supervisor.child import prepare_spawn
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import DEFAULT_PATH, Config, effective_config, load_config
 from kimi_supervisor.exitcodes import DESCRIPTIONS, ConfigError, ExitCode, SupervisorError
 from kimi_supervisor.gpu import GpuProbe, GpuUnavailable, NvmlProbe
-from kimi_supervisor.journal import FORMATS, close_outputs, configure, get_logger, resolve_format
+from kimi_supervisor.journal import FORMATS, ChildSink, close_outputs, configure, get_logger, resolve_format
 from kimi_supervisor.notify import notifier_from_env, watchdog_interval
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.proctable import PsutilProcessTable
@@ -153,7 +153,7 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
     if stop is not None:
         report.checks.append(stop)
     try:
-        prepare_spawn(spawn_spec(cfg.child), os.environ)
+        prepare_spawn(cfg.child, os.environ)
     except Unresolvable as exc:
         # A real start stops here (exit 78) before the preflight acts; the report says so first.
         report.checks.insert(0, Check("child", Status.FAIL, f"child.{exc.key}: {exc.message}"))
@@ -165,7 +165,7 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
     return ExitCode.OK if report.proceed else ExitCode.PREFLIGHT_FAILED
 
 
-def _run(cfg: Config, sink: object, probe: GpuProbe) -> int:
+def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
     try:
         # Before any preflight action: a second supervisor must change nothing (exit 16).
         lock = instance_lock.acquire(
@@ -179,21 +179,25 @@ def _run(cfg: Config, sink: object, probe: GpuProbe) -> int:
         probe.close()
 
 
-def _supervise(cfg: Config, sink: object, probe: GpuProbe) -> int:
+def _supervise(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
     # Imported here: a refused second instance (exit 16) should not pay for the whole lifecycle.
     from kimi_supervisor.child import become_subreaper
+    from kimi_supervisor.signals import InterruptibleClock, SignalRecorder
     from kimi_supervisor.supervisor import Deps, Supervisor
 
     log = get_logger()
     if not become_subreaper():
         log.warning("subreaper.unavailable", why="orphaned workers will be reparented to PID 1")
+    signals = SignalRecorder()
     deps = Deps(
         probe=probe,
         table=PsutilProcessTable(),
         notifier=RedactingNotifier(notifier_from_env(log=log), secret_values(cfg)),
         log=log,
-        sink=sink,  # type: ignore[arg-type]
+        sink=sink,
         watchdog_s=watchdog_interval(),
+        signals=signals,
+        clock=InterruptibleClock(signals),
     )
     log.info(
         "supervisor.start",

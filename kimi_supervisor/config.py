@@ -68,15 +68,21 @@ DEFAULT_FATAL_PATTERNS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class ChildConfig:
+class SpawnSpec:
+    """What spawning the child needs (child.ChildProcess.spawn); ChildConfig adds what only vLLM has."""
+
     argv: tuple[str, ...]
     env: Mapping[str, str]
     inherit_environment: bool
     working_directory: str | None
     user: str | None
-    vllm: VllmArgs
     # Resolved to a gid, with the user's supplementary groups, when the child is spawned (spawnuser.py).
     group: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildConfig(SpawnSpec):
+    vllm: VllmArgs = dataclasses.field(kw_only=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,7 +346,7 @@ def _parse_child(t: _Table) -> ChildConfig:
     except ValueError as exc:
         raise t.error("argv", str(exc)) from None
     t.done()
-    return ChildConfig(tuple(argv), dict(env_table), inherit, cwd, user, vllm, group)
+    return ChildConfig(tuple(argv), dict(env_table), inherit, cwd, user, group, vllm=vllm)
 
 
 def _account_name(t: _Table, name: str) -> str | None:

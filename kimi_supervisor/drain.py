@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any
 
-from kimi_supervisor.child import ChildProcess
+from kimi_supervisor.boundaries import Child
 from kimi_supervisor.notify import Notifier
 from kimi_supervisor.vllm_metrics import MetricsError, fetch_metrics
 
@@ -87,7 +87,7 @@ class Drain:
         self._last_status = 0.0
         self._last_log = 0.0
 
-    def sigterm(self, child: ChildProcess) -> int:
+    def sigterm(self, child: Child) -> int:
         """Count what is in flight, then SIGTERM vLLM's main process alone."""
         try:
             self.in_flight_at_sigterm = fetch_metrics(self.url, SAMPLE_AT_SIGTERM_S).in_flight
@@ -102,7 +102,7 @@ class Drain:
             self._say(self._t0, force=True)
         return 1
 
-    def tick(self, child: ChildProcess) -> None:
+    def tick(self, child: Child) -> None:
         """Called from the stop loop: never blocks."""
         now = time.monotonic()
         sample = self._sampler.latest

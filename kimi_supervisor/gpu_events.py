@@ -12,10 +12,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kimi_supervisor.exitcodes import GpuFailed
 from kimi_supervisor.gpu import GpuEvent, GpuEventWatch, GpuProbe, GpuUnavailable
+
+if TYPE_CHECKING:
+    from kimi_supervisor.boundaries import Logger
 
 # NVIDIA's XID catalog, the ones a vLLM host meets (docs.nvidia.com/deploy/xid-errors).
 XID_MEANINGS = {
@@ -61,7 +64,7 @@ class GpuEventWatcher:
     """Registers for events on `gpus`, waits in a daemon thread; `check()` in the loop acts on them."""
 
     def __init__(
-        self, probe: GpuProbe, gpus: tuple[int, ...], ignored: tuple[int, ...], wake: Callable[[], None], log: Any
+        self, probe: GpuProbe, gpus: tuple[int, ...], ignored: tuple[int, ...], wake: Callable[[], None], log: Logger
     ) -> None:
         self._probe = probe
         self._gpus = gpus

@@ -19,12 +19,15 @@ import struct
 import sys
 import time
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Protocol, TextIO, cast
+from typing import TYPE_CHECKING, Any, Protocol, TextIO, cast
 
 import structlog
 
 from kimi_supervisor.fdwriter import RECORD_BUFFER, RecordStream, Writer, writer_for
 from kimi_supervisor.redact import is_secret_name, redact_text
+
+if TYPE_CHECKING:
+    from kimi_supervisor.boundaries import Logger
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 IDENTIFIER = "kimi-supervisor"
@@ -382,5 +385,6 @@ def close_outputs(timeout_s: float = 1.0) -> None:
         writer.close()
 
 
-def get_logger() -> Any:
-    return structlog.get_logger()
+def get_logger() -> Logger:
+    logger: Logger = structlog.get_logger()
+    return logger

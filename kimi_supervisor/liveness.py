@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kimi_supervisor.config import Config
 from kimi_supervisor.exitcodes import EngineWedged
@@ -32,6 +32,9 @@ from kimi_supervisor.gpu import GpuProbe
 from kimi_supervisor.gpu_events import GpuEventWatcher
 from kimi_supervisor.notify import Notifier
 from kimi_supervisor.vllm_metrics import EngineMetrics, MetricsError, fetch_metrics
+
+if TYPE_CHECKING:
+    from kimi_supervisor.boundaries import Logger
 
 RETRY_S = 1.0  # after a failed canary, the next one follows this soon (not a whole interval later)
 CANARY_PROMPT = "Hi"
@@ -119,7 +122,7 @@ class DeepLiveness:
         gpus: tuple[int, ...],
         wake: Callable[[], None],
         notifier: Notifier,
-        log: Any,
+        log: Logger,
         on_canary: Callable[[CanaryResult], None] | None = None,
     ) -> None:
         self.cfg = cfg.liveness

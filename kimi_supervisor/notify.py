@@ -16,7 +16,10 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kimi_supervisor.boundaries import Logger
 
 # A datagram systemd has not taken within this long is reported, not waited for (the loop must go on).
 SEND_TIMEOUT_S = 1.0
@@ -44,7 +47,7 @@ def socket_address(value: str) -> str | bytes:
 class SdNotifier:
     """Sends each datagram at once; the first failure is logged, later ones counted until one succeeds."""
 
-    def __init__(self, address: str, log: Any = None) -> None:
+    def __init__(self, address: str, log: Logger | None = None) -> None:
         self.address = address
         self._log = log
         self.failures = 0
@@ -71,7 +74,7 @@ class SdNotifier:
         self._sock.close()
 
 
-def notifier_from_env(environ: Mapping[str, str] | None = None, log: Any = None) -> Notifier:
+def notifier_from_env(environ: Mapping[str, str] | None = None, log: Logger | None = None) -> Notifier:
     env = os.environ if environ is None else environ
     address = env.get("NOTIFY_SOCKET")
     return SdNotifier(address, log) if address else NullNotifier()

@@ -20,10 +20,11 @@ from __future__ import annotations
 import selectors
 import time
 from collections.abc import Callable
-from typing import Any
 
-from kimi_supervisor.child import ChildProcess, LineSplitter
+from kimi_supervisor.boundaries import Child, Logger
+from kimi_supervisor.child import LineSplitter
 from kimi_supervisor.childlog import LineClassifier
+from kimi_supervisor.clock import Clock
 from kimi_supervisor.journal import ChildSink
 from kimi_supervisor.readiness import LineEvent, ReadinessTracker
 from kimi_supervisor.redact import redact_text
@@ -82,18 +83,21 @@ class ChildOutput:
         self,
         sink: ChildSink,
         tracker: ReadinessTracker,
-        log: Any,
+        log: Logger,
         secrets: tuple[str, ...] = (),
         meter: LineMeter | None = None,
+        clock: Clock | None = None,
+        selector: selectors.BaseSelector | None = None,
     ) -> None:
         self.sink = sink
         self.tracker = tracker
         self.log = log
         self._secrets = secrets
-        self.meter = meter if meter is not None else (LineMeter() if sink.metered else None)
-        self._selector = selectors.DefaultSelector()
+        self._now = clock.monotonic if clock is not None else time.monotonic
+        self.meter = meter if meter is not None else (LineMeter(clock=self._now) if sink.metered else None)
+        self._selector = selector if selector is not None else selectors.DefaultSelector()
         self._wakeups: dict[int, Callable[[], None]] = {}
-        self._child: ChildProcess | None = None
+        self._child: Child | None = None
         self._splitters: dict[int, LineSplitter] = {}
         self._classifiers: dict[int, LineClassifier] = {}
         self.last_output = 0.0
@@ -105,9 +109,9 @@ class ChildOutput:
         self._selector.register(fd, selectors.EVENT_READ, "wakeup")
         self._wakeups[fd] = handler
 
-    def attach(self, child: ChildProcess) -> None:
+    def attach(self, child: Child) -> None:
         self._child = child
-        self.last_output = time.monotonic()
+        self.last_output = self._now()
         for fd in child.streams.values():
             self._selector.register(fd, selectors.EVENT_READ, "child")
             self._splitters[fd] = LineSplitter(secrets=self._secrets)  # redacts before it cuts
@@ -134,24 +138,24 @@ class ChildOutput:
         """After the tree is gone: partial last lines, the last summaries, and a bounded wait for the sink."""
         for fd, splitter in self._splitters.items():
             for line in splitter.close():
-                self._on_line(fd, line, time.monotonic())
+                self._on_line(fd, line, self._now())
         self.sink.flush()
         self.sink.close(timeout_s)
         self._report(final=True)
 
     def _read(self, fd: int) -> None:
         assert self._child is not None
-        until = time.monotonic() + SLICE_S
+        until = self._now() + SLICE_S
         while True:
             data = self._child.read(fd)
             if data is None:
                 for line in self._splitters[fd].close():
-                    self._on_line(fd, line, time.monotonic())
+                    self._on_line(fd, line, self._now())
                 self._selector.unregister(fd)
                 return
             if not data:
                 return
-            now = time.monotonic()
+            now = self._now()
             self.last_output = now
             for line in self._splitters[fd].feed(data):
                 self._on_line(fd, line, now)

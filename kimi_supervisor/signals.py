@@ -25,7 +25,10 @@ import os
 import selectors
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kimi_supervisor.boundaries import Signals
 
 STOP_SIGNALS = frozenset(
     s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, getattr(signal, "SIGPWR", None)) if s is not None
@@ -111,7 +114,7 @@ class InterruptibleClock:
     O(1) per wake-up: one flag, one selector made once.
     """
 
-    def __init__(self, signals: SignalRecorder) -> None:
+    def __init__(self, signals: Signals) -> None:
         self._signals = signals
         self._selector = selectors.DefaultSelector()
         self._selector.register(signals.read_fd, selectors.EVENT_READ)

@@ -13,6 +13,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from kimi_supervisor.boundaries import Logger
 from kimi_supervisor.notify import Notifier
 
 
@@ -44,7 +45,7 @@ class StateObserver(Protocol):
 
 
 class StateMachine:
-    def __init__(self, notifier: Notifier, log: Any, observer: StateObserver | None = None) -> None:
+    def __init__(self, notifier: Notifier, log: Logger, observer: StateObserver | None = None) -> None:
         self.state = State.PREFLIGHT
         self._notifier = notifier
         self._log = log

@@ -14,15 +14,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import selectors
 import signal
-import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from kimi_supervisor.boundaries import (
+    Child,
+    Liveness,
+    LivenessFactory,
+    Logger,
+    Prober,
+    ProberFactory,
+    SelectorFactory,
+    Signals,
+    Spawner,
+)
 from kimi_supervisor.checks import Status
-from kimi_supervisor.child import ChildProcess, PreparedSpawn, prepare_spawn, spawn_spec
+from kimi_supervisor.child import ChildProcess, PreparedSpawn, prepare_spawn
 from kimi_supervisor.clock import Clock, SystemClock, format_duration
-from kimi_supervisor.config import Config
+from kimi_supervisor.config import Config, SpawnSpec
 from kimi_supervisor.drain import Drain, stopped_status
 from kimi_supervisor.exitcodes import (
     ChildDied,
@@ -57,33 +68,55 @@ READY_PROBE_S = 0.02
 READY_BURST_S = 10.0
 
 
+class ProcessSpawner:
+    """The real spawn: resolved before the preflight acts; every child of this process belongs to the tree."""
+
+    def prepare(self, spec: SpawnSpec, parent_env: Mapping[str, str]) -> PreparedSpawn:
+        return prepare_spawn(spec, parent_env)
+
+    def spawn(self, spec: SpawnSpec, parent_env: Mapping[str, str], prepared: PreparedSpawn | None) -> Child:
+        return ChildProcess.spawn(spec, parent_env, owns_all_children=True, prepared=prepared)
+
+
 @dataclasses.dataclass
 class Deps:
+    """Everything the lifecycle talks to; the defaults are the real ones (boundaries.py has the Protocols)."""
+
     probe: GpuProbe
     table: ProcessTable
     notifier: Notifier
-    log: Any
+    log: Logger
     sink: ChildSink
     watchdog_s: float | None = None
     environ: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(os.environ))
+    signals: Signals = dataclasses.field(default_factory=SignalRecorder)
+    clock: Clock | None = None  # None: an InterruptibleClock over `signals`
+    spawn: Spawner = dataclasses.field(default_factory=ProcessSpawner)
+    prober: ProberFactory = HealthProber
+    liveness: LivenessFactory = DeepLiveness
+    selector: SelectorFactory = selectors.DefaultSelector
+    # The graceful stop of a serving vLLM (its /metrics, a SIGTERM to its main alone); None: the tree at once.
+    drain: Callable[[str, int, Notifier, Logger], Drain | None] = Drain
 
 
 class Supervisor:
     def __init__(self, cfg: Config, deps: Deps, secrets: tuple[str, ...] = ()) -> None:
         self.cfg = cfg
         self.log = deps.log
-        self.signals = SignalRecorder()
-        self.clock: Clock = InterruptibleClock(self.signals)
+        self.signals = deps.signals
+        self.clock: Clock = deps.clock if deps.clock is not None else InterruptibleClock(deps.signals)
         self.tracker = ReadinessTracker(cfg.readiness)
         # State file, history, ETA, metrics: fed by the state machine, what we tell systemd, and the loop.
         self.view = OperatorView(cfg, deps.probe, deps.log, self.tracker, deps.watchdog_s)
         self.deps = deps = dataclasses.replace(deps, notifier=self.view.tap(deps.notifier))
         self.state = StateMachine(deps.notifier, deps.log, observer=self.view)
-        self.child: ChildProcess | None = None
-        self.prober: HealthProber | None = None
+        self.child: Child | None = None
+        self.prober: Prober | None = None
         self._prepared: PreparedSpawn | None = None
-        self.deep: DeepLiveness | None = None
-        self.output = ChildOutput(deps.sink, self.tracker, deps.log, secrets)
+        self.deep: Liveness | None = None
+        self.output = ChildOutput(
+            deps.sink, self.tracker, deps.log, secrets, clock=self.clock, selector=deps.selector()
+        )
         self._tree_stopped = False
         self._last_extend = 0.0
         self._last_status = 0.0
@@ -128,7 +161,7 @@ class Supervisor:
 
     def _prepare_child(self) -> None:
         try:
-            self._prepared = prepare_spawn(spawn_spec(self.cfg.child), self.deps.environ)
+            self._prepared = self.deps.spawn.prepare(self.cfg.child, self.deps.environ)
         except Unresolvable as exc:
             raise ConfigError(f"{self.cfg.path}: child.{exc.key}: {exc.message}") from None
 
@@ -145,15 +178,14 @@ class Supervisor:
     def _spawn(self) -> None:
         if self._stop_signalled():
             raise StopRequested
-        spec = spawn_spec(self.cfg.child)
-        self.child = ChildProcess.spawn(spec, self.deps.environ, owns_all_children=True, prepared=self._prepared)
-        self._started_at = time.monotonic()
+        self.child = self.deps.spawn.spawn(self.cfg.child, self.deps.environ, self._prepared)
+        self._started_at = self._now()
         self.output.attach(self.child)
         self.output.on_output = self._on_output
         self.output.on_line = self._on_line
         self.state.to(State.STARTING, "starting: vLLM spawned", pid=self.child.pid)
-        self._extend_timeout(time.monotonic())
-        self.prober = HealthProber(
+        self._extend_timeout(self._now())
+        self.prober = self.deps.prober(
             self.cfg.readiness.health_url,
             self.cfg.health.timeout_s,
             self.cfg.readiness.poll_interval_s,
@@ -171,9 +203,8 @@ class Supervisor:
             self._pump(0.25)
             if self._stop_signalled():
                 return False
-            now = time.monotonic()
-            if self.tracker.fatal_line is not None:
-                raise StartupFailed(f"vLLM failed while starting: {self._root_cause()}", detail=self._tail())
+            now = self._now()
+            self._check_child(serving=False)
             for result in self.prober.drain():
                 self.view.on_health(result)
                 healthy = result if result.ok else None
@@ -184,12 +215,6 @@ class Supervisor:
             if self.tracker.server_started and healthy is not None:
                 self._ready(now)
                 return True
-            if self.child.poll() is not None:
-                self._pump(0)
-                raise StartupFailed(
-                    f"vLLM exited with status {self.child.returncode} before it was ready: {self._root_cause()}",
-                    detail=self._tail(),
-                )
             if now - self.output.last_output > rcfg.stall_timeout_s:
                 raise StartupStalled(
                     f"vLLM printed nothing for {rcfg.stall_timeout_s:g}s "
@@ -204,6 +229,21 @@ class Supervisor:
                 )
             if now - self._last_status >= 5.0:
                 self._status(now)
+
+    def _check_child(self, serving: bool) -> None:
+        """Raise when vLLM logged a fatal line or exited: the same two checks while starting and serving."""
+        assert self.child is not None
+        error = ChildDied if serving else StartupFailed
+        if self.tracker.fatal_line is not None:
+            # After READY too: vLLM's own main lingers for seconds after its engine died, answering 503.
+            what = "reported a fatal error after it was ready" if serving else "failed while starting"
+            raise error(f"vLLM {what}: {self._root_cause()}", detail=self._tail())
+        if self.child.poll() is not None:
+            self._pump(0)
+            when = "after it was ready (not requested)" if serving else "before it was ready"
+            raise error(
+                f"vLLM exited with status {self.child.returncode} {when}: {self._root_cause()}", detail=self._tail()
+            )
 
     def _ready(self, now: float) -> None:
         self.tracker.serving = True  # from now on only fatal lines matter
@@ -224,7 +264,7 @@ class Supervisor:
         self.prober.set_interval(hcfg.interval_s)
         self.child.refresh_members()
         gpus = self._configured_gpus()
-        self.deep = DeepLiveness(
+        self.deep = self.deps.liveness(
             self.cfg,
             self.deps.probe,
             gpus,
@@ -241,29 +281,18 @@ class Supervisor:
                 "watchdog.too_short", watchdog_s=wd, health_interval_s=hcfg.interval_s, health_timeout_s=hcfg.timeout_s
             )
         failures = 0
-        last_ok = time.monotonic()  # the probe that made us ready
+        last_ok = self._now()  # the probe that made us ready
         last_ping = 0.0
         while True:
             timeout = min(1.0, wd / 4) if wd else 1.0
-            now = time.monotonic()
+            now = self._now()
             if wd and failures == 0 and self.deep.healthy and now - last_ok <= wd:
                 # Wake when the next ping is due, not at the next output or probe: a ping was 0.2-0.3 s late.
                 timeout = min(timeout, max(0.0, last_ping + wd / 2 - now))
             self._pump(timeout)
             if self._stop_signalled():
                 return
-            if self.tracker.fatal_line is not None:
-                # vLLM's own main lingers for seconds after its engine died, answering 503: don't wait.
-                raise ChildDied(
-                    f"vLLM reported a fatal error after it was ready: {self._root_cause()}", detail=self._tail()
-                )
-            if self.child.poll() is not None:
-                self._pump(0)
-                raise ChildDied(
-                    f"vLLM exited with status {self.child.returncode} after it was ready "
-                    f"(not requested): {self._root_cause()}",
-                    detail=self._tail(),
-                )
+            self._check_child(serving=True)
             for result in self.prober.drain():
                 self.view.on_health(result)
                 if result.ok:
@@ -284,7 +313,7 @@ class Supervisor:
                         f"/health failed {failures} times in a row ({result.error})", detail=self._tail()
                     )
             self.deep.check()  # canary, token progress, GPU events: raises EngineWedged / GpuFailed
-            now = time.monotonic()
+            now = self._now()
             # Pet the watchdog only while the latest probe passed within its period and no canary is failing.
             healthy = failures == 0 and self.deep.healthy
             if wd and healthy and now - last_ok <= wd and now - last_ping >= wd / 2:
@@ -298,7 +327,7 @@ class Supervisor:
             self.deep.stop()  # no canary or GPU verdict about a tree being stopped
         drain = None
         if requested and self.state.state is State.READY:  # a serving vLLM may have requests in flight
-            drain = Drain(
+            drain = self.deps.drain(
                 self.cfg.readiness.health_url, self.cfg.child.vllm.shutdown_timeout, self.deps.notifier, self.log
             )
         if self.state.state is not State.STOPPING:
@@ -314,7 +343,7 @@ class Supervisor:
 
     def _stop_tree(self, grace_s: float, second_grace_s: float, drain: Drain | None = None) -> bool:
         assert self.child is not None
-        start = time.monotonic()
+        start = self._now()
         deadline = start + grace_s
         signalled = drain.sigterm(self.child) if drain else self.child.signal_tree(signal.SIGTERM)
         self.log.info("stop.sigterm", pid=self.child.pid, processes=signalled, grace_s=grace_s)
@@ -324,16 +353,16 @@ class Supervisor:
             if drain:
                 drain.tick(self.child)
             if self._stop_signalled():
-                deadline = min(deadline, time.monotonic() + second_grace_s)
-                self.log.warning("stop.hurry", grace_left_s=round(max(0.0, deadline - time.monotonic()), 2))
+                deadline = min(deadline, self._now() + second_grace_s)
+                self.log.warning("stop.hurry", grace_left_s=round(max(0.0, deadline - self._now()), 2))
             alive = self.child.alive_members()
-            if alive and time.monotonic() >= deadline:
+            if alive and self._now() >= deadline:
                 self.log.warning(
-                    "stop.sigkill", after_s=round(time.monotonic() - start, 2), pids=",".join(str(p.pid) for p in alive)
+                    "stop.sigkill", after_s=round(self._now() - start, 2), pids=",".join(str(p.pid) for p in alive)
                 )
                 self.child.signal_tree(signal.SIGKILL)
-                kill_deadline = time.monotonic() + SIGKILL_WAIT_S
-                while alive and time.monotonic() < kill_deadline:
+                kill_deadline = self._now() + SIGKILL_WAIT_S
+                while alive and self._now() < kill_deadline:
                     self._pump(0.02)
                     alive = self.child.alive_members()
                 break
@@ -345,7 +374,7 @@ class Supervisor:
             self.log.error("stop.survivors", pids=",".join(str(p.pid) for p in alive))
         self.log.info(
             "stop.tree_gone" if not alive else "stop.tree_left",
-            seconds=round(time.monotonic() - start, 3),
+            seconds=round(self._now() - start, 3),
             exit_status=self.child.poll(),
         )
         if drain:
@@ -372,7 +401,7 @@ class Supervisor:
 
     def _confirm_gpus_free(self, gpus: tuple[int, ...], timeout_s: float) -> bool | None:
         pf = self.cfg.preflight
-        start = time.monotonic()
+        start = self._now()
 
         def busy_note(busy: list[Any], elapsed: float) -> None:
             self.log.info("stop.gpu_wait", gpus=",".join(str(m.index) for m in busy), waited_s=round(elapsed, 1))
@@ -385,7 +414,7 @@ class Supervisor:
         except GpuUnavailable as exc:
             self.log.warning("stop.gpu_unknown", error=str(exc))
             return None
-        took = round(time.monotonic() - start, 3)
+        took = round(self._now() - start, 3)
         if busy:
             self.log.warning(
                 "stop.gpu_still_busy", seconds=took, gpus=", ".join(f"GPU {m.index}: {m.used_mib} MiB" for m in busy)
@@ -425,6 +454,9 @@ class Supervisor:
         rcfg = self.cfg.readiness
         left = max(0.0, rcfg.deadline_s - (now - self._started_at))
         self.deps.notifier.send(EXTEND_TIMEOUT_USEC=_usec(min(rcfg.stall_timeout_s, left) + EXTEND_MARGIN_S))
+
+    def _now(self) -> float:
+        return self.clock.monotonic()
 
     def _stop_signalled(self) -> bool:
         fresh = self.signals.new_signals()

@@ -225,11 +225,15 @@ def test_broken_stdout_only_disables_that_sink(tmp_path: Path) -> None:
 
 
 def test_health_failures_before_ready_are_logged_and_named_at_the_deadline(tmp_path: Path) -> None:
-    """Nothing answers the configured /health: each reason is logged once, and the exit names the last one."""
+    """Nothing answers the configured /health: each reason is logged once, and the exit names the last one.
+
+    The deadline logic is also proven in fake time (test_lifecycle::test_not_ready_by_the_deadline_exits_12);
+    this run adds the real prober's "connection refused" from a real closed port.
+    """
     from tests.harness import free_port
 
     url = f"http://127.0.0.1:{free_port()}/health"
-    run = Run(fake_config(tmp_path, readiness={"health_url": url, "deadline_s": 3}), tmp_path)
+    run = Run(fake_config(tmp_path, readiness={"health_url": url, "deadline_s": 1.5}), tmp_path)
     assert run.wait() == 12
     not_yet = [e for e in run.events if e["event"] == "health.not_yet"]
     assert [e["error"] for e in not_yet] == ["connection refused"]  # once, not every 0.1 s
@@ -238,16 +242,20 @@ def test_health_failures_before_ready_are_logged_and_named_at_the_deadline(tmp_p
 
 
 def test_watchdog_pings_come_on_time_not_at_the_next_wake_up(tmp_path: Path) -> None:
-    """Each WATCHDOG=1 within 10% of WatchdogSec after WatchdogSec/2 (it used to wait for the next probe)."""
+    """Each WATCHDOG=1 within 10% of WatchdogSec after WatchdogSec/2 (it used to wait for the next probe).
+
+    The loop's logic is proven in fake time (test_lifecycle::test_watchdog_pings_on_time_not_at_the_next_wake_up);
+    this run is the real-time lateness of real datagrams, so a few gaps suffice.
+    """
     wd = 2.0
     cfg = fake_config(tmp_path, health={"interval_s": 0.45, "timeout_s": 0.4, "failures_tolerated": 3})
     run = Run(cfg, tmp_path, env={"WATCHDOG_USEC": str(int(wd * 1e6))})
     try:
         run.wait_event("state.ready")
-        time.sleep(6)
+        time.sleep(3.5)
         pings = [at for at, d in run.notify.datagrams if d == "WATCHDOG=1"]
         gaps = [b - a for a, b in itertools.pairwise(pings)]
-        assert len(gaps) >= 4 and max(gaps) <= wd / 2 + 0.1 * wd, gaps
+        assert len(gaps) >= 2 and max(gaps) <= wd / 2 + 0.1 * wd, gaps
         run.signal()
         assert run.wait() == 0
     finally:

@@ -61,6 +61,7 @@ def test_sigterm_during_preflight_wait_stops_at_once(tmp_path: Path) -> None:
 
 
 def test_sigterm_while_ready_and_second_sigterm_hurries(tmp_path: Path) -> None:
+    # Also in fake time: test_lifecycle::test_second_sigterm_shortens_the_grace.  Here: real signals to the CLI.
     run = Run(
         fake_config(tmp_path, ["--ignore-sigterm"], shutdown={"grace_s": 20, "second_signal_grace_s": 0.5}), tmp_path
     )

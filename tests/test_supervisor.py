@@ -13,7 +13,8 @@ from tests.harness import Run, fake_config, fake_tree_of
 
 
 def test_ready_only_after_health_then_clean_stop(tmp_path: Path) -> None:
-    run = Run(fake_config(tmp_path, ["--load-seconds", "4", "--shards", "8"]), tmp_path)
+    # The gating logic runs in fake time in test_lifecycle.py; this is the CLI, real pipes, a real tree and socket.
+    run = Run(fake_config(tmp_path, ["--load-seconds", "2", "--shards", "8"]), tmp_path)
     try:
         ready = run.wait_event("state.ready")
         assert ready["status"].startswith("ready: serving on http://127.0.0.1:")
@@ -70,6 +71,7 @@ def test_free_memory_error_quotes_vllms_message(tmp_path: Path) -> None:
 
 
 def test_silent_child_is_a_stall(tmp_path: Path) -> None:
+    # Also in fake time: test_lifecycle::test_silence_while_starting_is_a_stall_exit_12.  Here: the real tree goes.
     cfg = fake_config(tmp_path, ["--silent-load", "--load-seconds", "30"], readiness={"stall_timeout_s": 1.5})
     run = Run(cfg, tmp_path)
     assert run.wait() == 12
@@ -99,6 +101,7 @@ def test_child_exit_after_ready_is_a_failure_even_with_status_0(tmp_path: Path) 
 
 
 def test_unhealthy_after_ready_exits_14(tmp_path: Path) -> None:
+    # Also in fake time: test_lifecycle::test_health_failures_exit_14_after_the_tolerated_number.  Here: real 503s.
     run = Run(fake_config(tmp_path, ["--unhealthy-after", "0.5"]), tmp_path)
     run.wait_event("state.ready")
     assert run.wait() == 14
@@ -139,6 +142,8 @@ def test_sigterm_during_load_stops_cleanly(tmp_path: Path) -> None:
 
 
 def test_watchdog_pings_only_while_healthy(tmp_path: Path) -> None:
+    # Also in fake time: test_lifecycle::test_watchdog_pings_while_healthy_and_stop_after_health_failed.
+    # Here: WATCHDOG_USEC from the environment and real datagrams from a really hung server.
     run = Run(
         fake_config(
             tmp_path,
@@ -174,9 +179,9 @@ def test_abusive_output_does_not_hurt(tmp_path: Path) -> None:
 
 
 def test_exact_notify_datagrams_in_order(tmp_path: Path) -> None:
-    run = Run(fake_config(tmp_path, ["--load-seconds", "2"]), tmp_path, env={"WATCHDOG_USEC": "2000000"})
+    run = Run(fake_config(tmp_path, ["--load-seconds", "1"]), tmp_path, env={"WATCHDOG_USEC": "2000000"})
     run.wait_event("state.ready")
-    time.sleep(1.5)  # at least one watchdog ping at WATCHDOG_USEC / 2
+    time.sleep(1.3)  # at least one watchdog ping at WATCHDOG_USEC / 2
     run.signal()
     assert run.wait() == 0
 

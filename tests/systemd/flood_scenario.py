@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import checkout
 from nspawn import NspawnMachine
 
 from kimi_supervisor import unit
@@ -25,7 +26,6 @@ FLOOD_CHILD = REPO / "bench" / "flood_child.py"
 UNIT = unit.UNIT_NAME
 CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
 DROPIN = f"/etc/systemd/system/{UNIT}.d/flood.conf"
-WRAPPER = "/usr/local/bin/kimi-supervisor-checkout"
 WATCHDOG_S = 2.0
 LIFECYCLE = (
     "supervisor.start",
@@ -83,8 +83,9 @@ grace_s = 3
 
 
 def install(m: NspawnMachine) -> None:
-    m.write_file(WRAPPER, f"#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} -m kimi_supervisor \"$@\"\n", 0o755)
-    m.install_unit(UNIT, unit.render(WRAPPER, Path(CONFIG)), reload=False)
+    # The checkout's launcher and bind drop-in: a checkout under /tmp is hidden by the unit's PrivateTmp.
+    launcher = checkout.install(m, UNIT)
+    m.install_unit(UNIT, unit.render(launcher, Path(CONFIG)), reload=False)
 
 
 def run_flood(m: NspawnMachine, lines: int = 2_000_000, rate: int = 200_000) -> FloodResult:
