@@ -1,15 +1,19 @@
-"""A chatty child under the real systemd: 200k lines/s for 10 s after READY (see flood_scenario.py).
+"""Client and child output under the real systemd: a hostile request path, and a chatty child (200k lines/s
+for 10 s after READY, see flood_scenario.py).
 
 Before the meter, journald's per-unit rate limit dropped the supervisor's own records (5 of 6 lifecycle
-records, once even state.ready) and WATCHDOG=1 came 1.7 s late.
+records, once even state.ready) and WATCHDOG=1 came 1.7 s late; before the line kinds, one request for
+`/EngineDeadError` restarted the service.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Iterator
 
 import pytest
-from flood_scenario import WATCHDOG_S, install, run_flood
+from flood_scenario import CONFIG, DROPIN, REPO, UNIT, WATCHDOG_S, install, run_flood
 from nspawn import NspawnMachine
 
 
@@ -29,3 +33,46 @@ def test_chatty_child_keeps_every_supervisor_record_and_the_watchdog_on_time(m: 
     assert r.journald_suppressed == 0  # journald itself dropped nothing of ours
     assert len(r.watchdog_gaps) >= 8
     assert max(r.watchdog_gaps) <= WATCHDOG_S / 2 + 0.1 * WATCHDOG_S, r.watchdog_gaps
+
+
+FAKE_CONFIG = f"""
+[child]
+argv = ["{sys.executable}", "{REPO}/tests/fakes/fake_vllm.py", "serve", "/tmp/model", "--host", "127.0.0.1",
+        "--port", "8000", "--tensor-parallel-size", "1", "--shards", "2", "--load-seconds", "1",
+        "--max-lifetime", "120"]
+[preflight]
+gpus = []
+check_model = false
+[readiness]
+poll_interval_s = 0.1
+[health]
+interval_s = 0.3
+[shutdown]
+grace_s = 3
+"""
+
+
+def test_hostile_request_paths_do_not_restart_the_unit(m: NspawnMachine) -> None:
+    m.systemctl("stop", UNIT, check=False)
+    m.systemctl("reset-failed", UNIT, check=False)
+    m.write_file(CONFIG, FAKE_CONFIG)
+    m.write_file(DROPIN, "[Service]\nRestartSec=1\nWatchdogSec=3\nTimeoutStopSec=15\n")
+    m.daemon_reload()
+    m.systemctl("start", UNIT, timeout=60)
+    pid = m.unit_property(UNIT, "MainPID")
+    get = (
+        "import sys, urllib.request, urllib.error\n"
+        "for path in sys.argv[1:]:\n"
+        "    try:\n"
+        "        urllib.request.urlopen('http://127.0.0.1:8000' + path, timeout=5)\n"
+        "    except urllib.error.HTTPError as e:\n"
+        "        print(e.code)\n"
+    )
+    paths = ["/EngineDeadError", "/Worker%20proc%20died%20unexpectedly", "/Application%20startup%20complete."]
+    assert m.run([sys.executable, "-c", get, *paths]).stdout.split() == ["404", "404", "404"]
+    time.sleep(3)  # several probes and watchdog periods later
+    assert m.unit_property(UNIT, "ActiveState") == "active"
+    assert m.unit_property(UNIT, "MainPID") == pid and m.unit_property(UNIT, "NRestarts") == "0"
+    assert "GET /EngineDeadError HTTP/1.1\" 404" in m.journal(UNIT, "--since", "-1min")
+    m.systemctl("stop", UNIT, timeout=30)
+    assert m.unit_property(UNIT, "ExecMainStatus") == "0"
