@@ -34,6 +34,8 @@ def test_ready_only_after_health_then_clean_stop(tmp_path: Path) -> None:
         run.signal(signal.SIGTERM)
         assert run.wait() == 0
         names = run.names()
+        # vLLM's main may exit a moment before its workers (stop.main_exited): order is all that is fixed.
+        names = [n for n in names if n != "stop.main_exited"]
         assert names[names.index("state.stopping") :] == [
             "state.stopping",
             "stop.sigterm",
