@@ -9,7 +9,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -145,6 +145,53 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: f
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(interval)
+
+
+# The real-systemd and real-vLLM tiers boot containers and load a model: under pytest-xdist they all go to
+# one worker, one test at a time as before, so two heavy tests never overlap (the unit tests run beside them).
+HEAVY_TIERS = ("systemd", "vllm")
+HEAVY_GROUP = "heavy-tiers"
+HEAVY_DIRS = (REPO / "tests" / "systemd", REPO / "tests" / "e2e")
+# The unit tier mostly waits on child processes, sockets and sleeps, not on the CPU: more workers than cores
+# pay off.  Measured on 2 cores (README, Test tiers): 4 workers beat 2 and 3; more only add start-up and memory.
+WORKERS_PER_CORE = 2
+MIN_WORKERS = 4
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Plain `python3 -m pytest -q` runs in parallel when pytest-xdist is installed (`-n 0` or
+    `-p no:xdist`: one process, as without it)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        # A worker parses the command line it was given, not the defaults set below: it learns the
+        # distribution mode from the controller (pytest_configure_node), or it would drop the groups.
+        config.option.loadgroup = workerinput.get("dist") == "loadgroup"
+    elif config.pluginmanager.hasplugin("xdist") and config.option.numprocesses is None:
+        config.option.numprocesses = "auto"
+        if config.option.dist == "no":
+            config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    node.workerinput["dist"] = node.config.option.dist
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return max(MIN_WORKERS, WORKERS_PER_CORE * (os.cpu_count() or 1))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # First, because xdist's worker reads the group in its own hook, which runs before this conftest's
+    # plain hooks; so before tests/systemd's and tests/e2e's conftests add their tier's marker too: their
+    # directories are named here as well.
+    for item in items:
+        path = Path(str(item.path)).resolve()
+        if any(item.get_closest_marker(tier) for tier in HEAVY_TIERS) or any(d in path.parents for d in HEAVY_DIRS):
+            item.add_marker(pytest.mark.xdist_group(HEAVY_GROUP))
 
 
 # CI runs the property tests with a fixed seed: a red build must be reproducible, not a dice roll.
