@@ -10,9 +10,11 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -46,49 +48,74 @@ def metrics(path: Path) -> dict[str, list[tuple[dict[str, str], float]]]:
     return out
 
 
+def state_doc(path: Path) -> dict[str, Any] | None:
+    """The state file as the supervisor last wrote it (atomically), or None before its first write.
+
+    Tests poll this file, which costs nothing; each `status` subprocess costs a Python start-up and is
+    kept for the checks of what `status` itself says."""
+    try:
+        doc: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    return doc
+
+
+@contextlib.contextmanager
+def frozen(marker: str) -> Iterator[None]:
+    """SIGSTOP the fake vLLM's tree for the block: a phase (loading) holds still while `status` looks at it,
+    however slow the machine, instead of a load made long enough to be caught."""
+    tree = fake_tree_of(marker)
+    for p in tree:
+        p.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGCONT)
+
+
 def test_state_file_and_status_through_a_lifecycle(tmp_path: Path) -> None:
     prom = tmp_path / "textfile" / "kimi_supervisor.prom"
     prom.parent.mkdir()
-    config = fake_config(tmp_path, ["--load-seconds", "6", "--shards", "12"], metrics={"textfile": str(prom)})
+    config = fake_config(tmp_path, ["--load-seconds", "2", "--shards", "12"], metrics={"textfile": str(prom)})
     state_file = tmp_path / "run" / "state.json"
-    assert status(config).returncode == 3
-    assert f"not running (no state file at {state_file})" in status(config).stdout
+    before = status(config)
+    assert before.returncode == 3
+    assert f"not running (no state file at {state_file})" in before.stdout
 
     run = Run(config, tmp_path)
     try:
         # While loading: progress in the state file and in the report, the tree by role with real PIDs.
-        loading = wait_for(
-            lambda: (lambda d: d if d["state"] and (d["state"]["loading"] or {}).get("shards_done") else None)(
-                status_json(config)
-            ),
-            timeout=20,
-        )
-        assert isinstance(loading, dict)
+        wait_for(lambda: ((state_doc(state_file) or {}).get("loading") or {}).get("shards_done"), timeout=20)
+        with frozen(str(tmp_path)):
+            loading = status_json(config)
+            text = status(config)
         doc = loading["state"]
         assert tuple(doc) == TOP_LEVEL_KEYS
         assert doc["phase"] == "starting" and doc["supervisor"]["pid"] == run.proc.pid
         assert doc["loading"]["shards_total"] == 12 and doc["loading"]["phase"] == "loading weights"
+        assert doc["loading"]["shards_done"] > 0
         assert doc["canary"] == {"ok": None, "latency_s": None, "at": None}
         assert stat.S_IMODE(state_file.stat().st_mode) == 0o644
-        text = status(config)
         assert text.returncode == 0
         assert text.stdout.startswith("● kimi-supervisor - starting: ")
         assert "    Progress: [" in text.stdout and "/12 shards" in text.stdout
         assert "\x1b[" not in text.stdout  # no colours into a pipe
 
         ready = run.wait_event("state.ready")
-        doc = wait_for(lambda: (lambda d: d if d["state"]["phase"] == "ready" else None)(status_json(config)))
-        assert isinstance(doc, dict)
+        wait_for(lambda: (lambda d: d and d["phase"] == "ready" and d["health"]["ok"] is True)(state_doc(state_file)))
+        doc = status_json(config)
         st = doc["state"]
+        assert st["phase"] == "ready"
         tree = {p.pid for p in fake_tree_of(str(tmp_path))}
         roles = sorted((p["role"], p["rank"]) for p in st["processes"])
         assert roles == [("api_server", None), ("engine_core", None), ("worker", 0), ("worker", 1)]
         assert {p["pid"] for p in st["processes"]} == set(tree)
         assert [p["label"] for p in st["processes"]][-2:] == ["Worker_TP0", "Worker_TP1"]
         assert st["status"] == ready["status"] and st["ready_at"] is not None and st["loading"] is None
-        wait_for(lambda: status_json(config)["state"]["health"]["ok"] is True)
-        health = status_json(config)["state"]["health"]
-        assert 0 < health["latency_s"] < 1 and health["consecutive_failures"] == 0
+        health = st["health"]
+        assert health["ok"] is True and 0 < health["latency_s"] < 1 and health["consecutive_failures"] == 0
         report = status(config).stdout
         assert report.startswith("● kimi-supervisor - ready: serving on http://127.0.0.1:")
         assert "Worker_TP1" in report and "Health: ok, " in report and "Uptime: ready for " in report
@@ -117,6 +144,8 @@ def test_state_file_and_status_through_a_lifecycle(tmp_path: Path) -> None:
     assert "stopped on request" in after.stdout
 
     # The next start predicts its load from this one before any shard loads, then from the shard rate.
+    # Shards load for 2.1 s: progress STATUS= goes out at most once a second.
+    config = fake_config(tmp_path, ["--load-seconds", "3", "--shards", "6"], metrics={"textfile": str(prom)})
     run2 = Run(config, _subdir(tmp_path, "second"))
     try:
         run2.wait_event("state.ready")
@@ -158,7 +187,7 @@ def test_supervisor_killed_leaves_a_stale_state_file_status_calls_out(tmp_path: 
     run = Run(config, tmp_path)
     try:
         run.wait_event("state.ready")
-        wait_for(lambda: status_json(config)["state"]["phase"] == "ready")
+        wait_for(lambda: (state_doc(tmp_path / "run" / "state.json") or {}).get("phase") == "ready")
         run.proc.send_signal(signal.SIGKILL)
         run.wait()
     finally:
@@ -195,7 +224,7 @@ def test_runtime_directory_full_warns_and_keeps_serving(tmp_path: Path) -> None:
         run = Run(config, tmp_path)
         try:
             run.wait_event("state.ready")
-            wait_for(lambda: status_json(config)["state"]["phase"] == "ready")
+            wait_for(lambda: (state_doc(run_dir / "state.json") or {}).get("phase") == "ready")
             filler = run_dir / "filler"
             with filler.open("wb") as f, contextlib.suppress(OSError):
                 while True:
@@ -251,10 +280,10 @@ def test_canary_results_reach_the_state_file_the_report_and_the_metrics(tmp_path
     run = Run(config, tmp_path)
     try:
         run.wait_event("state.ready")
-        canary = wait_for(
-            lambda: (lambda c: c if c["ok"] else None)(status_json(config)["state"]["canary"]), timeout=15
-        )
-        assert isinstance(canary, dict) and 0 < canary["latency_s"] < 5 and canary["at"] is not None
+        state_file = tmp_path / "run" / "state.json"
+        wait_for(lambda: ((state_doc(state_file) or {}).get("canary") or {}).get("ok"), timeout=15)
+        canary = status_json(config)["state"]["canary"]
+        assert canary["ok"] is True and 0 < canary["latency_s"] < 5 and canary["at"] is not None
         assert "      Canary: ok, " in status(config).stdout
         wait_for(lambda: "kimi_supervisor_canary_latency_seconds" in metrics_or_empty(prom), timeout=10)
         [(_, value)] = metrics(prom)["kimi_supervisor_canary_latency_seconds"]
