@@ -78,7 +78,8 @@ CAUSES = [
 
 @pytest.mark.parametrize("exc", CAUSES, ids=lambda e: type(e).__name__)
 def test_any_exception_stops_the_tree_first(tmp_path: Path, exc: BaseException) -> None:
-    cfg = load_config(fake_config(tmp_path))
+    # Probes every 0.1 s: the third /health line comes soon after READY.
+    cfg = load_config(fake_config(tmp_path, health={"interval_s": 0.1, "timeout_s": 1, "failures_tolerated": 3}))
     log = RecordingLog()
     sup = Supervisor(
         cfg, Deps(probe=FakeGpuProbe([]), table=PsutilProcessTable(), notifier=Silent(), log=log, sink=RaisingSink(exc))
@@ -184,14 +185,18 @@ def test_hostile_request_path_does_not_restart_the_service(tmp_path: Path) -> No
 
 def test_stdout_nobody_reads_never_wedges_the_loop(tmp_path: Path) -> None:
     """stdout into a pipe nobody reads: READY, watchdog and SIGTERM go on; child lines are dropped and counted."""
-    wd = 1.0
-    cfg = fake_config(tmp_path, ["--flood-lines", "200000"], shutdown={"grace_s": 3})
+    wd = 0.6
+    # 20000 lines of 120 bytes: ten times what the pipe and the bounded buffer hold.
+    cfg = fake_config(tmp_path, ["--flood-lines", "20000"], shutdown={"grace_s": 3})
     run = Run(cfg, tmp_path, env={"WATCHDOG_USEC": str(int(wd * 1e6))}, read_stdout=False)
     try:
         run.wait_event("state.ready", timeout=60)
-        time.sleep(2.5)  # still nobody reads stdout
-        pings = [at for at, d in run.notify.datagrams if d == "WATCHDOG=1"]
-        assert len(pings) >= 4
+
+        def ping_times() -> list[float]:
+            return [at for at, d in run.notify.datagrams if d == "WATCHDOG=1"]
+
+        wait_for(lambda: len(ping_times()) >= 5)  # still nobody reads stdout
+        pings = ping_times()
         gaps = [b - a for a, b in itertools.pairwise(pings)]
         assert max(gaps) <= wd / 2 + 0.25, gaps
         assert run.event("child.dropped") is None  # no summary while the stall lasts
@@ -214,7 +219,7 @@ def test_broken_stdout_only_disables_that_sink(tmp_path: Path) -> None:
         run.wait_event("state.ready")
         assert run.proc.stdout is not None
         run.proc.stdout.close()  # EPIPE on the next child line
-        time.sleep(1.5)  # health access lines keep coming
+        time.sleep(1.0)  # health access lines keep coming (every 0.3 s)
         assert run.proc.poll() is None and run.event("state.failed") is None
         assert len(fake_tree_of(str(tmp_path))) == 4
         run.signal()
@@ -252,7 +257,7 @@ def test_watchdog_pings_come_on_time_not_at_the_next_wake_up(tmp_path: Path) -> 
     run = Run(cfg, tmp_path, env={"WATCHDOG_USEC": str(int(wd * 1e6))})
     try:
         run.wait_event("state.ready")
-        time.sleep(3.5)
+        wait_for(lambda: sum(d == "WATCHDOG=1" for _, d in run.notify.datagrams) >= 3)
         pings = [at for at, d in run.notify.datagrams if d == "WATCHDOG=1"]
         gaps = [b - a for a, b in itertools.pairwise(pings)]
         assert len(gaps) >= 2 and max(gaps) <= wd / 2 + 0.1 * wd, gaps
