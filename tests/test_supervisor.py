@@ -133,7 +133,7 @@ def test_orphaned_or_detached_workers_are_stopped_too(tmp_path: Path, flag: str)
 
 def test_sigterm_during_load_stops_cleanly(tmp_path: Path) -> None:
     run = Run(
-        fake_config(tmp_path, ["--load-seconds", "20", "--ignore-sigterm-during-load"], shutdown={"grace_s": 1.0}),
+        fake_config(tmp_path, ["--load-seconds", "20", "--ignore-sigterm-during-load"], shutdown={"grace_s": 0.5}),
         tmp_path,
     )
     wait_for(lambda: run.event("state.starting") and len(fake_tree_of(str(tmp_path))) >= 3, timeout=15)
@@ -149,11 +149,11 @@ def test_watchdog_pings_only_while_healthy(tmp_path: Path) -> None:
     run = Run(
         fake_config(
             tmp_path,
-            ["--hang-after-ready", "1.5"],
+            ["--hang-after-ready", "1"],
             health={"interval_s": 0.2, "timeout_s": 0.5, "failures_tolerated": 3},
         ),
         tmp_path,
-        env={"WATCHDOG_USEC": "600000"},
+        env={"WATCHDOG_USEC": "400000"},
     )
     ready = run.wait_event("state.ready")
     assert ready is not None
@@ -181,9 +181,9 @@ def test_abusive_output_does_not_hurt(tmp_path: Path) -> None:
 
 
 def test_exact_notify_datagrams_in_order(tmp_path: Path) -> None:
-    run = Run(fake_config(tmp_path, ["--load-seconds", "1"]), tmp_path, env={"WATCHDOG_USEC": "2000000"})
+    run = Run(fake_config(tmp_path, ["--load-seconds", "1"]), tmp_path, env={"WATCHDOG_USEC": "1000000"})
     run.wait_event("state.ready")
-    time.sleep(1.3)  # at least one watchdog ping at WATCHDOG_USEC / 2
+    wait_for(lambda: run.notify.first("WATCHDOG"))  # at least one watchdog ping, at WATCHDOG_USEC / 2
     run.signal()
     assert run.wait() == 0
 
