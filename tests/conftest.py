@@ -181,7 +181,8 @@ def pytest_configure_node(node: Any) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    return min(MAX_WORKERS, WORKERS_PER_CORE * (os.cpu_count() or 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(MAX_WORKERS, WORKERS_PER_CORE * cores)
 
 
 @pytest.hookimpl(tryfirst=True)
