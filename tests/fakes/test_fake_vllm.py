@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.conftest import wait_for
 from tests.fakes.fake_vllm_output import FIXTURES, as_own, excerpt, identify
 from tests.fakes.fake_vllm_proc import P
 from tests.procutil import free_port, proc_stat
@@ -239,7 +240,8 @@ def test_hang_after_ready(fakes: list[Fake], tmp_path: Path) -> None:
 
 def test_sigterm_during_load(fakes: list[Fake], tmp_path: Path) -> None:
     fake = start(fakes, tmp_path, "--load-seconds", "3")
-    time.sleep(0.4)
+    # Its first line comes after its handlers are in place (a fixed sleep lost that race on a busy machine).
+    wait_for(lambda: fake.stdout or fake.stderr)
     os.killpg(fake.pgid, signal.SIGTERM)
     assert fake.proc.wait(timeout=5) == -signal.SIGINT
     assert "KeyboardInterrupt: terminated" in fake.stderr
