@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,30 @@ def gpu_child_section(port: int, ngpu: int, mib: int, rundir: str, **env: str) -
         "[child.env]",
         *(f"{k} = {json.dumps(v)}" for k, v in child.items()),
     ]
+
+
+def write_gpu_config(
+    path: Path, child: list[str], shm_dir: str, preflight: list[str], tail: Sequence[str] = ()
+) -> None:
+    """The supervisor's config around bench/gpu_child.py, mode 0600: CHILD (gpu_child_section's lines), the
+    PREFLIGHT lines (the model check is off: the child loads none), bounds for a load of minutes, then TAIL."""
+    lines = [
+        *child,
+        "[preflight]",
+        "check_model = false",
+        *preflight,
+        "[preflight.shm]",
+        f"directory = {json.dumps(shm_dir)}",
+        "[readiness]",
+        "deadline_s = 240",
+        "stall_timeout_s = 200",
+        "[shutdown]",
+        "grace_s = 30",
+        "gpu_release_timeout_s = 30",
+        *tail,
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    os.chmod(path, 0o600)
 
 
 def pct(values: list[float], q: float) -> float:
