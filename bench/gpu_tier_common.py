@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,46 @@ def write_json(path: str, data: dict[str, Any]) -> None:
     with open(tmp, "w") as fh:
         json.dump(data, fh)
     os.replace(tmp, path)
+
+
+def hold_gpu_memory(gpu: int, mib: int, fake_dir: str | None) -> Any:
+    """Take MIB MiB on GPU: a torch tensor (keep it referenced); with FAKE_DIR, a file the fake probe counts
+    instead, and None."""
+    if fake_dir:
+        d = os.path.join(fake_dir, f"gpu{gpu}")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, str(os.getpid())), "w") as fh:
+            fh.write(str(mib))
+        return None
+    import torch
+
+    torch.cuda.set_device(gpu)
+    return torch.empty(mib * MIB, dtype=torch.uint8, device=f"cuda:{gpu}")
+
+
+def nccl_all_reduce(rank: int, gpu: int, world: int, master_port: int) -> dict[str, Any]:
+    """A TP worker's start: join the NCCL group of WORLD ranks (rendezvous at 127.0.0.1:MASTER_PORT) and
+    all_reduce a tensor of ones on GPU; says whether the sum came back right, how long it took, NCCL's version."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.monotonic()
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{master_port}",
+        rank=rank,
+        world_size=world,
+        device_id=torch.device("cuda", gpu),
+    )
+    t = torch.ones(1 << 20, device=f"cuda:{gpu}")
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    info: dict[str, Any] = {"allreduce_ok": float(t[0].item()) == float(world)}
+    info["nccl_init_allreduce_s"] = round(time.monotonic() - t0, 3)
+    with contextlib.suppress(Exception):
+        v = torch.cuda.nccl.version()
+        info["nccl_version"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    return info
 
 
 def shm_listing(directory: str) -> list[str]:
