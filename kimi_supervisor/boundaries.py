@@ -13,7 +13,7 @@ import signal
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kimi_supervisor.config import Config, SpawnSpec
+from kimi_supervisor.configtypes import Config, SpawnSpec
 from kimi_supervisor.gpu import GpuProbe
 from kimi_supervisor.health import HealthResult
 from kimi_supervisor.notify import Notifier

@@ -26,7 +26,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from kimi_supervisor.config import Config
+from kimi_supervisor.configtypes import Config
 from kimi_supervisor.exitcodes import EngineWedged
 from kimi_supervisor.gpu import GpuProbe
 from kimi_supervisor.gpu_events import GpuEventWatcher

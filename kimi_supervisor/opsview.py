@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
 from kimi_supervisor import __version__
-from kimi_supervisor.config import Config
+from kimi_supervisor.configtypes import Config
 from kimi_supervisor.eta import LoadEta
 from kimi_supervisor.gpu import GpuProbe, GpuUnavailable
 from kimi_supervisor.health import HealthResult

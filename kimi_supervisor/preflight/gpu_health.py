@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kimi_supervisor.config import GpuHealthConfig
+from kimi_supervisor.configtypes import GpuHealthConfig
 from kimi_supervisor.gpu import GpuHealth, GpuProbe, GpuUnavailable
 from kimi_supervisor.preflight.checks import Check, Status
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from kimi_supervisor import timeouts
 from kimi_supervisor.clock import Clock
-from kimi_supervisor.config import Config
+from kimi_supervisor.configtypes import Config
 from kimi_supervisor.exitcodes import PreflightError
 from kimi_supervisor.gpu import GpuMemory, GpuProbe, GpuProcess, GpuUnavailable, busy_gpus, holders, wait_until_free
 from kimi_supervisor.instance_lock import lock_owners
