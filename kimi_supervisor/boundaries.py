@@ -22,6 +22,12 @@ if TYPE_CHECKING:
     from kimi_supervisor.child import PreparedSpawn
 
 
+class Warns(Protocol):
+    """All a reader that only collects problems needs (status.py's notes on a history it reads)."""
+
+    def warning(self, event: str, **fields: Any) -> Any: ...
+
+
 class Logger(Protocol):
     """The structlog calls the package makes: an event name and fields."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kimi_supervisor.boundaries import Logger
 from kimi_supervisor.configtypes import GpuHealthConfig
 from kimi_supervisor.gpu import GpuHealth, GpuProbe, GpuUnavailable
 from kimi_supervisor.preflight.checks import Check, Status
@@ -142,7 +143,9 @@ def evaluate(health: list[GpuHealth], cfg: GpuHealthConfig) -> list[Check]:
     return out
 
 
-def health_checks(probe: GpuProbe, gpus: tuple[int, ...], cfg: GpuHealthConfig, log: Any = None) -> list[Check]:
+def health_checks(
+    probe: GpuProbe, gpus: tuple[int, ...], cfg: GpuHealthConfig, log: Logger | None = None
+) -> list[Check]:
     """The report lines for `gpus`; warnings are logged too, since a real start shows no report."""
     try:
         health = [probe.health(i) for i in gpus]

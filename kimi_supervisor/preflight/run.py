@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kimi_supervisor import timeouts
+from kimi_supervisor.boundaries import Logger
 from kimi_supervisor.clock import Clock
 from kimi_supervisor.configtypes import Config
 from kimi_supervisor.exitcodes import PreflightError
@@ -65,7 +66,7 @@ def describe_victim(v: Victim) -> str:
 
 class Preflight:
     def __init__(
-        self, cfg: Config, probe: GpuProbe, table: ProcessTable, clock: Clock, log: Any, self_pid: int | None = None
+        self, cfg: Config, probe: GpuProbe, table: ProcessTable, clock: Clock, log: Logger, self_pid: int | None = None
     ) -> None:
         self._cfg = cfg
         self._pf = cfg.preflight
