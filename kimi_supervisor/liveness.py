@@ -123,7 +123,7 @@ class DeepLiveness:
         wake: Callable[[], None],
         notifier: Notifier,
         log: Logger,
-        on_canary: Callable[[CanaryResult], None] | None = None,
+        on_canary: Callable[[bool, float], None] | None = None,
     ) -> None:
         self.cfg = cfg.liveness
         self._on_canary = on_canary  # the operator's view: the state file and metrics show each result
@@ -235,7 +235,7 @@ class DeepLiveness:
             except queue.Empty:
                 return
             if self._on_canary is not None:
-                self._on_canary(r)
+                self._on_canary(r.ok, r.latency_s)
             latency_ms = round(r.latency_s * 1000, 1)
             if r.ok:
                 if self.canary_failures:

@@ -254,13 +254,7 @@ class Supervisor:
         self.child.refresh_members()
         gpus = configured_gpus(self.deps.probe, self.cfg.preflight.gpus)
         self.deep = self.deps.liveness(
-            self.cfg,
-            self.deps.probe,
-            gpus,
-            self.signals.wake,
-            self.deps.notifier,
-            self.log,
-            on_canary=lambda r: self.view.on_canary(r.ok, r.latency_s),
+            self.cfg, self.deps.probe, gpus, self.signals.wake, self.deps.notifier, self.log, self.view.on_canary
         )
         self.deep.start()
         wd = self.deps.watchdog_s

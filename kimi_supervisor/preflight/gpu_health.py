@@ -40,9 +40,8 @@ def _retired_pages(h: GpuHealth) -> Verdict:
     if h.retired_pages_pending is None and h.retired_pages is None:
         return _errors(h, "retired_pages_pending", "retired_pages") or ("na", "page retirement not supported")
     count = "an unknown number of" if h.retired_pages is None else str(h.retired_pages)
-    if h.retired_pages_pending:
-        return "bad", f"{count} retired page(s), a retirement is pending (needs a GPU reset)"
-    return "ok", f"{count} retired page(s), none pending"
+    pending = "a retirement is pending (needs a GPU reset)" if h.retired_pages_pending else "none pending"
+    return ("bad" if h.retired_pages_pending else "ok"), f"{count} retired page(s), {pending}"
 
 
 def _remapped_rows(h: GpuHealth) -> Verdict:
