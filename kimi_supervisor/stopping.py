@@ -19,7 +19,6 @@ from kimi_supervisor.boundaries import Child, Logger
 from kimi_supervisor.clock import Clock, SystemClock
 from kimi_supervisor.drain import Drain
 from kimi_supervisor.gpu import GpuMemory, GpuProbe, GpuUnavailable, wait_until_free
-from kimi_supervisor.output import ChildOutput
 from kimi_supervisor.timeouts import SIGKILL_WAIT_S
 
 # While stopping, how often the loop looks at the tree: short, since each look may end the stop.
@@ -34,8 +33,8 @@ class TreeStopper:
     """Stops one spawned tree; `stopped` once it is gone, so an emergency stop knows there is nothing left."""
 
     child: Child
-    output: ChildOutput
     pump: Callable[[float], None]  # waits for and handles output, signals, health results: the loop's own wait
+    finish: Callable[[], None]  # once the tree is gone: its partial last lines, the sink flushed
     hurry: Callable[[], bool]  # a new stop signal arrived
     clock: Clock
     log: Logger
@@ -68,7 +67,7 @@ class TreeStopper:
                     alive = child.alive_members()
                 break
         self.pump(0)
-        self.output.finish()
+        self.finish()
         child.reap()
         self.stopped = not alive
         if alive:

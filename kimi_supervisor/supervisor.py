@@ -167,7 +167,9 @@ class Supervisor:
         if self._stop_signalled():
             raise StopRequested
         self.child = self.deps.spawn.spawn(self.cfg.child, self.deps.environ, self._prepared)
-        self.stopper = TreeStopper(self.child, self.output, self._pump, self._stop_signalled, self.clock, self.log)
+        self.stopper = TreeStopper(
+            self.child, self._pump, self.output.finish, self._stop_signalled, self.clock, self.log
+        )
         self._started_at = self._now()
         self.output.attach(self.child)
         self.output.on_output = self._on_output
