@@ -95,9 +95,10 @@ SystemCallArchitectures=native
 RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
 # KILL: reap stale workers of any user; SETUID/SETGID: child.user; SYS_PTRACE/DAC_READ_SEARCH: read
 # other processes' /proc fds and maps; FOWNER: remove others' files in sticky /dev/shm; IPC_LOCK: memlock;
-# DAC_OVERRIDE: a root child reads model files and caches whatever their mode.
+# DAC_OVERRIDE: a root child reads model files and caches whatever their mode; LEASE: the write-lease
+# probe answers for shm files of other users whose holders /proc does not show.
 CapabilityBoundingSet=CAP_KILL CAP_SETUID CAP_SETGID CAP_SYS_PTRACE CAP_DAC_READ_SEARCH CAP_FOWNER CAP_IPC_LOCK \\
-    CAP_DAC_OVERRIDE
+    CAP_DAC_OVERRIDE CAP_LEASE
 # Allow-list of the syscalls ordinary services use, minus groups vLLM never needs; a blocked call
 # fails with EPERM instead of killing the server. (@resources stays: torch sets CPU affinity.)
 SystemCallFilter=@system-service

@@ -85,3 +85,9 @@ def test_journal_rate_limit_leaves_room_for_the_supervisors_records() -> None:
     burst = int(d["LogRateLimitBurst"])
     child_max = CHILD_LINES_PER_S * (interval + 1) + (interval + 1)  # lines + one summary a second
     assert burst - child_max >= 10_000  # the supervisor's own records, with room to spare
+
+
+def test_the_shipped_unit_file_is_the_template() -> None:
+    # packaging/ is what operators copy by hand; a hardening line added to one and not the other drifts silently.
+    shipped = REPO / "packaging" / "systemd" / unit.UNIT_NAME
+    assert shipped.read_text() == unit.render()

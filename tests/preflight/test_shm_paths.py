@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kimi_supervisor import unit
 from kimi_supervisor.configtypes import ShmConfig
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.preflight.report import render_text
@@ -156,3 +157,36 @@ def test_a_newline_in_a_file_name_cannot_fake_a_report_line(tmp_path: Path) -> N
     assert "psm_x\\x0averdict: a start would proceed: no live process has it open or mapped" in text
     assert [line for line in text.splitlines() if line.startswith("verdict")] == ["verdict: a start would proceed"]
     assert remove_stale(plan_shm(config.preflight.shm, TABLE)).removed == (shm / fake,)
+
+
+def _lease_under_the_units_capabilities(path: Path) -> object:
+    """write_lease_granted(path) in a root process holding only the unit's CapabilityBoundingSet."""
+    lines = unit.render().replace("\\\n", "").splitlines()
+    bounding = next(line.split("=", 1)[1] for line in lines if line.startswith("CapabilityBoundingSet="))
+    caps = ",".join("+" + c.lower().removeprefix("cap_") for c in bounding.split())
+    probe = f"from kimi_supervisor.preflight.shm import write_lease_granted as w; print(w({str(path)!r}))"
+    # As root, an exec's permitted and effective sets become the bounding set: exactly what the unit grants.
+    out = subprocess.run(
+        ["setpriv", f"--bounding-set=-all,{caps}", "--", "python3", "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],  # the checkout's package, not an installed one
+    )
+    return {"True": True, "False": False, "None": None}[out.stdout.strip()]
+
+
+@needs_root
+def test_the_units_capabilities_let_the_lease_probe_answer_for_another_users_file(
+    open_dir: Path, spawner: ProcSpawner
+) -> None:
+    # Before: without CAP_LEASE only the owner may lease, so for nobody's files the probe said "cannot tell"
+    # and a holder hidden from /proc (hidepid, another PID namespace) left the verdict to the /proc scan.
+    free, held = open_dir / "psm_free", open_dir / "psm_held"
+    for path in (free, held):
+        path.write_bytes(b"x" * 4096)
+        os.chown(path, 65534, 65534)
+    hold(spawner, held, mapped_only=True, as_nobody=True)
+    assert _lease_under_the_units_capabilities(free) is True
+    assert _lease_under_the_units_capabilities(held) is False
