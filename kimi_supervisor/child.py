@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 
 import psutil
 
-from kimi_supervisor.config import SpawnSpec
+from kimi_supervisor.configtypes import SpawnSpec
 from kimi_supervisor.exitcodes import SpawnError
 from kimi_supervisor.procident import CREATE_TIME_TOLERANCE_S, ProcIdent, exited, group_signal, send_signal
 from kimi_supervisor.redact import REDACTED_BYTES, secret_bytes
@@ -321,3 +321,13 @@ class ChildProcess:
         """
         self.reap()
         return self._members(scan_sessions=False)
+
+
+class ProcessSpawner:
+    """The real spawn: resolved before the preflight acts; every child of this process belongs to the tree."""
+
+    def prepare(self, spec: SpawnSpec, parent_env: Mapping[str, str]) -> PreparedSpawn:
+        return prepare_spawn(spec, parent_env)
+
+    def spawn(self, spec: SpawnSpec, parent_env: Mapping[str, str], prepared: PreparedSpawn | None) -> ChildProcess:
+        return ChildProcess.spawn(spec, parent_env, owns_all_children=True, prepared=prepared)

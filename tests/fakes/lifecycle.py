@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.config import Config, SpawnSpec, parse_config
+from kimi_supervisor.config import parse_config
+from kimi_supervisor.configtypes import Config, SpawnSpec
 from kimi_supervisor.exitcodes import SupervisorError
 from kimi_supervisor.health import HealthResult
 from kimi_supervisor.proctable import PsutilProcessTable
