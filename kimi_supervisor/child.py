@@ -161,6 +161,17 @@ class LineSplitter:
         return out
 
 
+def read_pipe(fd: int) -> bytes | None:
+    """What a non-blocking pipe holds now; b'' when nothing; None at end of file (or a broken pipe)."""
+    try:
+        data = os.read(fd, 1 << 16)
+    except BlockingIOError:
+        return b""
+    except OSError:
+        return None
+    return data if data else None
+
+
 class ChildProcess:
     """A spawned child and its process tree."""
 
@@ -224,14 +235,7 @@ class ChildProcess:
         return cls(popen, owns_all_children)
 
     def read(self, fd: int) -> bytes | None:
-        """What the pipe holds now; b'' when nothing; None at end of file."""
-        try:
-            data = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            return b""
-        except OSError:
-            return None
-        return data if data else None
+        return read_pipe(fd)
 
     def poll(self) -> int | None:
         if self.returncode is None:
