@@ -18,15 +18,15 @@ RATE = 200_000
 def run() -> list[Row]:
     sys.path.insert(0, str(SYSTEMD_TESTS))
     from conftest import default_binds_ro
-    from flood_scenario import LIFECYCLE, WATCHDOG_S, install, run_flood
+    from flood_scenario import LIFECYCLE, WATCHDOG_S, run_flood
     from nspawn import NspawnMachine, available
+    from unit_setup import install
 
     ok, why = available()
     if not ok:
         return [Row("8. journal flood under systemd", "-", f"skipped: {why}", None)]
     with NspawnMachine(binds_ro=default_binds_ro()) as m:
         install(m)
-        m.daemon_reload()
         r = run_flood(m, LINES, RATE)
     late_ms = max(0.0, r.worst_lateness_s) * 1000
     allowed_ms = 0.1 * WATCHDOG_S * 1000

@@ -10,8 +10,8 @@ from typing import Any
 
 import psutil
 
-from bench.common import Row, median, ms
-from tests.harness import Run, fake_config, fake_tree_of, ready_child_times
+from bench.common import Row, median, ready_lags, spread
+from tests.harness import Run, fake_config, fake_tree_of
 
 READY_RUNS = 10
 STOP_RUNS = 5
@@ -22,17 +22,13 @@ def ready_rows() -> list[Row]:
     rng = random.Random(7)
     rows = []
     for poll_s in (0.25, 0.05):
-        lat = []
-        for _ in range(READY_RUNS):
-            with tempfile.TemporaryDirectory(prefix="kimi-bench-ready-") as tmp:
-                times = ready_child_times(Path(tmp), poll_s, rng.uniform(0.0, 0.3))
-                lat.append(times.ready - times.first_200)
+        lat = ready_lags(READY_RUNS, poll_s, rng, lambda t: t.first_200)
         never_before = min(lat) >= 0
         rows.append(
             Row(
                 f"2. READY=1 after first /health 200, poll {poll_s:g} s ({READY_RUNS} runs)",
                 "<= 100 ms, never before",
-                f"median {ms(median(lat))}, max {ms(max(lat))}, min {ms(min(lat))}",
+                spread(lat),
                 never_before and max(lat) <= 0.100,
             )
         )

@@ -23,8 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, median, ms  # noqa: E402
-from tests.harness import Run, fake_config, ready_child_times  # noqa: E402
+from bench.common import Row, median, ready_lags, spread  # noqa: E402
+from tests.harness import Run, fake_config  # noqa: E402
 
 READY_RUNS = 20
 WEDGE_RUNS = 3
@@ -33,16 +33,12 @@ WEDGED_AFTER_S = 1.0
 
 def ready_rows() -> list[Row]:
     rng = random.Random(15)
-    lags = []
-    for _ in range(READY_RUNS):
-        with tempfile.TemporaryDirectory(prefix="kimi-bench-ready15-") as tmp:
-            times = ready_child_times(Path(tmp), 0.25, rng.uniform(0.0, 0.3))
-            lags.append(times.ready - times.listening)
+    lags = ready_lags(READY_RUNS, 0.25, rng, lambda t: t.listening)
     return [
         Row(
             f"6. READY=1 after /health can first answer 200, poll 0.25 s ({READY_RUNS} starts)",
             "<= 50 ms, never before",
-            f"median {ms(median(lags))}, max {ms(max(lags))}, min {ms(min(lags))}",
+            spread(lags),
             min(lags) > 0 and max(lags) <= 0.050,
         )
     ]

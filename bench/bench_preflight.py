@@ -12,7 +12,8 @@ from typing import Any
 
 from bench.common import Row, median, ms, p95
 from kimi_supervisor.clock import SystemClock
-from kimi_supervisor.config import Config, parse_config
+from kimi_supervisor.config import parse_config
+from kimi_supervisor.configtypes import Config
 from kimi_supervisor.gpu import busy_gpus, holders, wait_until_free
 from kimi_supervisor.preflight import Preflight, checks
 from kimi_supervisor.preflight.reaper import plan_reap

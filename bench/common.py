@@ -1,10 +1,16 @@
-"""Shared by the CPU benchmarks: a result row and small statistics helpers."""
+"""Shared by the CPU benchmarks: a result row, small statistics helpers, READY=1 lag over many starts."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.harness import ReadyTimes, ready_child_times
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,3 +38,18 @@ def p95(values: list[float]) -> float:
 def ms(seconds: float) -> str:
     value = seconds * 1000
     return f"{value:.2f} ms" if value < 10 else f"{value:.1f} ms"
+
+
+def spread(values: list[float]) -> str:
+    return f"median {ms(median(values))}, max {ms(max(values))}, min {ms(min(values))}"
+
+
+def ready_lags(runs: int, poll_s: float, rng: random.Random, since: Callable[[ReadyTimes], float]) -> list[float]:
+    """Seconds from SINCE(times) to READY=1 over RUNS real starts around bench/ready_child.py, each listening
+    a random 0-0.3 s after its start line."""
+    lags = []
+    for _ in range(runs):
+        with tempfile.TemporaryDirectory(prefix="kimi-bench-ready-") as tmp:
+            times = ready_child_times(Path(tmp), poll_s, rng.uniform(0.0, 0.3))
+            lags.append(times.ready - since(times))
+    return lags

@@ -32,12 +32,9 @@ from pathlib import Path
 
 # Run as a script: the repository is the import root (for the shared process helpers).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Importing gpu_tier_common sets its SAFE_ENV (NVLink multicast off, mandatory on the multi-GPU machines).
+from bench.gpu_tier_common import SAFE_ENV, hold_gpu_memory, nccl_all_reduce, write_json
 from tests.procutil import free_port, set_comm
-
-# Mandatory on the multi-GPU machines: never use NVLink multicast.
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-os.environ.update(SAFE_ENV)
-MIB = 1024 * 1024
 
 
 def stamp() -> str:
@@ -58,38 +55,18 @@ def worker(args: argparse.Namespace) -> int:
     fake = os.environ.get("GPU_CHILD_FAKE") == "1"
     say(who, f"worker starting on GPU {args.rank} (world size {args.world})")
     info = {"pid": os.getpid(), "rank": args.rank}
+    hold = hold_gpu_memory(args.rank, args.mib, os.environ["GPU_CHILD_FAKE_DIR"] if fake else None)
     if fake:
-        d = os.path.join(os.environ["GPU_CHILD_FAKE_DIR"], f"gpu{args.rank}")
-        os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, str(os.getpid())), "w") as fh:
-            fh.write(str(args.mib))
         time.sleep(0.3)
     else:
         import torch
 
-        torch.cuda.set_device(args.rank)
-        hold = torch.empty(args.mib * MIB, dtype=torch.uint8, device=f"cuda:{args.rank}")
         if args.world > 1:
-            import torch.distributed as dist
-
-            dist.init_process_group(
-                "nccl",
-                init_method=f"tcp://127.0.0.1:{args.master_port}",
-                rank=args.rank,
-                world_size=args.world,
-                device_id=torch.device("cuda", args.rank),
-            )
-            t = torch.ones(1 << 20, device=f"cuda:{args.rank}")
-            dist.all_reduce(t)
-            torch.cuda.synchronize()
-            info["allreduce_ok"] = float(t[0].item()) == float(args.world)
+            info.update(nccl_all_reduce(args.rank, args.rank, args.world, args.master_port))
         torch.cuda.synchronize()
         info["held_bytes"] = hold.numel()
     say(who, f"Loading weights took 0.01 GiB and 0.1 seconds; holding {args.mib} MiB ({json.dumps(info)})")
-    tmp = args.ready + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(info, fh)
-    os.replace(tmp, args.ready)
+    write_json(args.ready, info)
     while True:
         time.sleep(3600)
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,46 @@ def write_json(path: str, data: dict[str, Any]) -> None:
     with open(tmp, "w") as fh:
         json.dump(data, fh)
     os.replace(tmp, path)
+
+
+def hold_gpu_memory(gpu: int, mib: int, fake_dir: str | None) -> Any:
+    """Take MIB MiB on GPU: a torch tensor (keep it referenced); with FAKE_DIR, a file the fake probe counts
+    instead, and None."""
+    if fake_dir:
+        d = os.path.join(fake_dir, f"gpu{gpu}")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, str(os.getpid())), "w") as fh:
+            fh.write(str(mib))
+        return None
+    import torch
+
+    torch.cuda.set_device(gpu)
+    return torch.empty(mib * MIB, dtype=torch.uint8, device=f"cuda:{gpu}")
+
+
+def nccl_all_reduce(rank: int, gpu: int, world: int, master_port: int) -> dict[str, Any]:
+    """A TP worker's start: join the NCCL group of WORLD ranks (rendezvous at 127.0.0.1:MASTER_PORT) and
+    all_reduce a tensor of ones on GPU; says whether the sum came back right, how long it took, NCCL's version."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.monotonic()
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{master_port}",
+        rank=rank,
+        world_size=world,
+        device_id=torch.device("cuda", gpu),
+    )
+    t = torch.ones(1 << 20, device=f"cuda:{gpu}")
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    info: dict[str, Any] = {"allreduce_ok": float(t[0].item()) == float(world)}
+    info["nccl_init_allreduce_s"] = round(time.monotonic() - t0, 3)
+    with contextlib.suppress(Exception):
+        v = torch.cuda.nccl.version()
+        info["nccl_version"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    return info
 
 
 def shm_listing(directory: str) -> list[str]:
@@ -58,6 +101,30 @@ def gpu_child_section(port: int, ngpu: int, mib: int, rundir: str, **env: str) -
         "[child.env]",
         *(f"{k} = {json.dumps(v)}" for k, v in child.items()),
     ]
+
+
+def write_gpu_config(
+    path: Path, child: list[str], shm_dir: str, preflight: list[str], tail: Sequence[str] = ()
+) -> None:
+    """The supervisor's config around bench/gpu_child.py, mode 0600: CHILD (gpu_child_section's lines), the
+    PREFLIGHT lines (the model check is off: the child loads none), bounds for a load of minutes, then TAIL."""
+    lines = [
+        *child,
+        "[preflight]",
+        "check_model = false",
+        *preflight,
+        "[preflight.shm]",
+        f"directory = {json.dumps(shm_dir)}",
+        "[readiness]",
+        "deadline_s = 240",
+        "stall_timeout_s = 200",
+        "[shutdown]",
+        "grace_s = 30",
+        "gpu_release_timeout_s = 30",
+        *tail,
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    os.chmod(path, 0o600)
 
 
 def pct(values: list[float], q: float) -> float:

@@ -6,59 +6,27 @@ Stdlib (and torch on the device) only: they start fast and import nothing of the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import subprocess
 import sys
 import time
 from typing import Any
 
-from bench.gpu_tier_common import ENTRY, MIB, child_env, shm_listing, write_json
+from bench.gpu_tier_common import ENTRY, child_env, hold_gpu_memory, nccl_all_reduce, shm_listing, write_json
 from tests.procutil import free_port, set_comm
-
-
-def hold_gpu_memory(a: argparse.Namespace) -> Any:
-    """Take a.mib MiB on a.gpu (a torch tensor); with --fake-dir, a file the fake probe counts instead."""
-    if a.fake_dir:
-        d = os.path.join(a.fake_dir, f"gpu{a.gpu}")
-        os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, str(os.getpid())), "w") as fh:
-            fh.write(str(a.mib))
-        return None
-    import torch
-
-    torch.cuda.set_device(a.gpu)
-    return torch.empty(a.mib * MIB, dtype=torch.uint8, device=f"cuda:{a.gpu}")
 
 
 def sub_worker(a: argparse.Namespace) -> int:
     """One 'TP worker': comm name, MIB MiB on its GPU, NCCL all_reduce, sleep."""
     set_comm(a.name)
     info: dict[str, Any] = {"pid": os.getpid(), "rank": a.rank, "gpu": a.gpu, "comm_set": a.name}
-    hold = hold_gpu_memory(a)
+    hold = hold_gpu_memory(a.gpu, a.mib, a.fake_dir)
     if not a.fake_dir:
         import torch
 
         info["held_bytes"] = hold.numel()
         if a.world > 1:
-            import torch.distributed as dist
-
-            t0 = time.monotonic()
-            dist.init_process_group(
-                "nccl",
-                init_method=f"tcp://127.0.0.1:{a.master_port}",
-                rank=a.rank,
-                world_size=a.world,
-                device_id=torch.device("cuda", a.gpu),
-            )
-            t = torch.ones(1 << 20, device=f"cuda:{a.gpu}")
-            dist.all_reduce(t)
-            torch.cuda.synchronize()
-            info["allreduce_ok"] = float(t[0].item()) == float(a.world)
-            info["nccl_init_allreduce_s"] = round(time.monotonic() - t0, 3)
-            with contextlib.suppress(Exception):
-                v = torch.cuda.nccl.version()
-                info["nccl_version"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+            info.update(nccl_all_reduce(a.rank, a.gpu, a.world, a.master_port))
         torch.cuda.synchronize()
         info["torch"] = torch.__version__
     info["shm_after_init"] = shm_listing(a.shm_dir)
@@ -131,7 +99,7 @@ def sub_decoy_ctl(a: argparse.Namespace) -> int:
 def sub_holder(a: argparse.Namespace) -> int:
     """A GPU holder whose name matches no kill rule (a 'trainer')."""
     set_comm("trainer")
-    hold = hold_gpu_memory(a)
+    hold = hold_gpu_memory(a.gpu, a.mib, a.fake_dir)
     if not a.fake_dir:
         import torch
 

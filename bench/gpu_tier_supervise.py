@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_tier_common import REPO, THRESHOLD_MIB, child_env, gpu_child_section, shm_listing
+from bench.gpu_tier_common import REPO, THRESHOLD_MIB, child_env, gpu_child_section, shm_listing, write_gpu_config
 from bench.gpu_tier_ctx import Ctx
 from bench.gpu_tier_gpus import Monitor, comm
 from tests.procutil import free_port
@@ -36,25 +36,11 @@ def step_supervisor(ctx: Ctx) -> None:
 def _write_config(ctx: Ctx, res: dict[str, Any]) -> Path:
     port = free_port()
     fake_env = {"GPU_CHILD_FAKE": "1", "GPU_CHILD_FAKE_DIR": ctx.fake_dir} if ctx.fake_dir else {}
-    toml = [
-        *gpu_child_section(port, ctx.ngpu, ctx.mib, str(ctx.state / "child"), **fake_env),
-        "[preflight]",
-        "check_model = false",
-        "deadline_s = 30",
-        # Fake mode: the CLI's own NvmlProbe has no GPU to see.
-        *(["gpus = []"] if ctx.fake else []),
-        "[preflight.shm]",
-        f"directory = {json.dumps(ctx.shm_dir)}",
-        "[readiness]",
-        "deadline_s = 240",
-        "stall_timeout_s = 200",
-        "[shutdown]",
-        "grace_s = 30",
-        "gpu_release_timeout_s = 30",
-    ]
+    child = gpu_child_section(port, ctx.ngpu, ctx.mib, str(ctx.state / "child"), **fake_env)
+    # Fake mode: the CLI's own NvmlProbe has no GPU to see.
+    preflight = ["deadline_s = 30", *(["gpus = []"] if ctx.fake else [])]
     cfg_path = ctx.state / "supervisor.toml"
-    cfg_path.write_text("\n".join(toml) + "\n")
-    os.chmod(cfg_path, 0o600)
+    write_gpu_config(cfg_path, child, ctx.shm_dir, preflight)
     res["config"] = cfg_path.read_text().splitlines()
     return cfg_path
 

@@ -36,7 +36,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.gpu_tier_common import SAFE_ENV, gpu_child_section  # noqa: E402 - needs the repo on sys.path
+from bench.gpu_tier_common import SAFE_ENV, gpu_child_section, write_gpu_config  # noqa: E402 - needs the repo on sys.path
 
 CHECKS: list[tuple[str, bool, str]] = []
 
@@ -126,25 +126,9 @@ def health(port: int) -> int:
 
 
 def write_config(path: Path, port: int, run_dir: Path, shm: Path, mib: int, ngpu: int, child_dir: Path) -> None:
-    lines = [
-        *gpu_child_section(port, ngpu, mib, str(child_dir), NCCL_CUMEM_HOST_ENABLE="0"),
-        "[preflight]",
-        "check_model = false",
-        "deadline_s = 5",
-        "poll_interval_s = 0.1",
-        "[preflight.shm]",
-        f"directory = {json.dumps(str(shm))}",
-        "[readiness]",
-        "deadline_s = 240",
-        "stall_timeout_s = 200",
-        "[shutdown]",
-        "grace_s = 30",
-        "gpu_release_timeout_s = 30",
-        "[paths]",
-        f"runtime_directory = {json.dumps(str(run_dir))}",
-    ]
-    path.write_text("\n".join(lines) + "\n")
-    os.chmod(path, 0o600)
+    child = gpu_child_section(port, ngpu, mib, str(child_dir), NCCL_CUMEM_HOST_ENABLE="0")
+    paths = ["[paths]", f"runtime_directory = {json.dumps(str(run_dir))}"]
+    write_gpu_config(path, child, str(shm), ["deadline_s = 5", "poll_interval_s = 0.1"], paths)
 
 
 def unchanged(label: str, a: Supervisor, before: dict[int, tuple[str, float]], nv: dict[int, Any], port: int) -> None:

@@ -26,68 +26,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kimi_supervisor.vllm_metrics import MetricsError, fetch_metrics  # noqa: E402
+from tests.e2e.vllm_serve import MODEL_DIR, VENV, VLLM_ENV, long_generation_argv  # noqa: E402
+from tests.sse_client import stream_completion  # noqa: E402
 
-VENV = Path(os.environ.get("KIMI_VLLM_VENV", "/opt/kimi-vllm-venv"))
-MODEL = Path(os.environ.get("KIMI_TINY_MODEL", "/var/lib/kimi-supervisor-tests/tiny-llama"))
-MAX_LEN = 16384
 HANG_S = 75.0  # longer than any --shutdown-timeout measured here plus its teardown
-ENV = {
-    "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-}
 
 
 def stream(url: str, max_tokens: int, out: dict[str, Any]) -> None:
-    body = json.dumps(
-        {
-            "model": "tiny",
-            "prompt": "Hello",
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-    ).encode()
-    req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
-    out.update(chunks=0, finish_reason=None, done=False, status=None, error=None, chunk_times=[])
-    try:
-        with urllib.request.urlopen(req, timeout=600) as resp:
-            out["status"] = resp.status
-            for raw in resp:
-                line = raw.decode().strip()
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    out["done"] = True
-                    continue
-                obj = json.loads(data)
-                out["chunks"] += 1
-                out["chunk_times"].append(time.monotonic())
-                for ch in obj.get("choices", []):
-                    if ch.get("finish_reason"):
-                        out["finish_reason"] = ch["finish_reason"]
-                if "error" in obj:
-                    out["error"] = str(obj["error"])[:200]
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"[:200]
+    """The stream as the bench reads it: every chunk's arrival time, and when it ended."""
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    out["chunk_times"] = []
+    stream_completion(url, body, out, 600, lambda seen: seen["chunk_times"].append(time.monotonic()))
     out["end"] = time.monotonic()
 
 
 def one_run(port: int, timeout_s: int, target: str, max_tokens: int, sigterm_after: float) -> dict[str, Any]:
-    argv = [str(VENV / "bin" / "vllm"), "serve", str(MODEL), "--host", "127.0.0.1", "--port", str(port)]
-    # The tiny model knows 512 positions; a drain needs generations lasting seconds, so raise its limit.
-    argv += ["--dtype", "float32", "--max-model-len", str(MAX_LEN), "--enforce-eager", "--served-model-name", "tiny"]
-    argv += ["--hf-overrides", json.dumps({"max_position_embeddings": MAX_LEN})]
-    if timeout_s is not None:
-        argv += ["--shutdown-timeout", str(timeout_s)]
+    argv = long_generation_argv(VENV / "bin" / "vllm", MODEL_DIR, port, timeout_s)
     log = open(f"/tmp/vllm_drain_{port}_{timeout_s}_{target}_{int(time.time())}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
-        argv, env={**os.environ, **ENV}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        argv, env={**os.environ, **VLLM_ENV}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     base = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()

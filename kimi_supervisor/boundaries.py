@@ -13,7 +13,7 @@ import signal
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kimi_supervisor.config import Config, SpawnSpec
+from kimi_supervisor.configtypes import Config, SpawnSpec
 from kimi_supervisor.gpu import GpuProbe
 from kimi_supervisor.health import HealthResult
 from kimi_supervisor.notify import Notifier
@@ -22,14 +22,18 @@ if TYPE_CHECKING:
     from kimi_supervisor.child import PreparedSpawn
 
 
-class Logger(Protocol):
+class Warns(Protocol):
+    """All a reader that only collects problems needs (status.py's notes on a history it reads)."""
+
+    def warning(self, event: str, **fields: Any) -> Any: ...
+
+
+class Logger(Warns, Protocol):
     """The structlog calls the package makes: an event name and fields."""
 
     def debug(self, event: str, **fields: Any) -> Any: ...
 
     def info(self, event: str, **fields: Any) -> Any: ...
-
-    def warning(self, event: str, **fields: Any) -> Any: ...
 
     def error(self, event: str, **fields: Any) -> Any: ...
 
@@ -114,17 +118,11 @@ class Liveness(Protocol):
     def close(self) -> None: ...
 
 
-class LivenessFactory(Protocol):
-    def __call__(
-        self,
-        cfg: Config,
-        probe: GpuProbe,
-        gpus: tuple[int, ...],
-        wake: Callable[[], None],
-        notifier: Notifier,
-        log: Logger,
-        on_canary: Callable[[Any], None] | None = None,
-    ) -> Liveness: ...
+# Builds the Liveness once READY (liveness.DeepLiveness): the config, the GPU probe, the GPUs to watch, the
+# loop's wake-up, the notifier, the log, and where each canary's (ok, latency_s) goes (the operator's view).
+LivenessFactory = Callable[
+    [Config, GpuProbe, tuple[int, ...], Callable[[], None], Notifier, Logger, Callable[[bool, float], None]], Liveness
+]
 
 
 SelectorFactory = Callable[[], selectors.BaseSelector]

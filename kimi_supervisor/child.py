@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 
 import psutil
 
-from kimi_supervisor.config import SpawnSpec
+from kimi_supervisor.configtypes import SpawnSpec
 from kimi_supervisor.exitcodes import SpawnError
 from kimi_supervisor.procident import CREATE_TIME_TOLERANCE_S, ProcIdent, exited, group_signal, send_signal
 from kimi_supervisor.redact import REDACTED_BYTES, secret_bytes
@@ -161,6 +161,17 @@ class LineSplitter:
         return out
 
 
+def read_pipe(fd: int) -> bytes | None:
+    """What a non-blocking pipe holds now; b'' when nothing; None at end of file (or a broken pipe)."""
+    try:
+        data = os.read(fd, 1 << 16)
+    except BlockingIOError:
+        return b""
+    except OSError:
+        return None
+    return data if data else None
+
+
 class ChildProcess:
     """A spawned child and its process tree."""
 
@@ -224,14 +235,7 @@ class ChildProcess:
         return cls(popen, owns_all_children)
 
     def read(self, fd: int) -> bytes | None:
-        """What the pipe holds now; b'' when nothing; None at end of file."""
-        try:
-            data = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            return b""
-        except OSError:
-            return None
-        return data if data else None
+        return read_pipe(fd)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -321,3 +325,13 @@ class ChildProcess:
         """
         self.reap()
         return self._members(scan_sessions=False)
+
+
+class ProcessSpawner:
+    """The real spawn: resolved before the preflight acts; every child of this process belongs to the tree."""
+
+    def prepare(self, spec: SpawnSpec, parent_env: Mapping[str, str]) -> PreparedSpawn:
+        return prepare_spawn(spec, parent_env)
+
+    def spawn(self, spec: SpawnSpec, parent_env: Mapping[str, str], prepared: PreparedSpawn | None) -> ChildProcess:
+        return ChildProcess.spawn(spec, parent_env, owns_all_children=True, prepared=prepared)

@@ -14,9 +14,10 @@ from pathlib import Path
 from kimi_supervisor import __version__, instance_lock, timeouts, unit
 from kimi_supervisor.child import prepare_spawn
 from kimi_supervisor.clock import SystemClock
-from kimi_supervisor.config import DEFAULT_PATH, Config, effective_config, load_config
+from kimi_supervisor.config import DEFAULT_PATH, effective_config, load_config
+from kimi_supervisor.configtypes import Config
 from kimi_supervisor.exitcodes import DESCRIPTIONS, ConfigError, ExitCode, SupervisorError
-from kimi_supervisor.gpu import GpuProbe, GpuUnavailable, NvmlProbe
+from kimi_supervisor.gpu import GpuProbe, GpuUnavailable, NvmlProbe, configured_gpus
 from kimi_supervisor.journal import FORMATS, ChildSink, close_outputs, configure, get_logger, resolve_format
 from kimi_supervisor.notify import notifier_from_env, watchdog_interval
 from kimi_supervisor.preflight import Preflight
@@ -131,21 +132,14 @@ def _flatten(data: object, prefix: str = "") -> list[tuple[str, object]]:
     return [(prefix.rstrip("."), data)]
 
 
-def _gpus_to_lock(cfg: Config, probe: GpuProbe) -> tuple[int, ...]:
-    if cfg.preflight.gpus is not None:
-        return cfg.preflight.gpus
-    try:
-        return tuple(range(probe.device_count()))
-    except GpuUnavailable:
-        return ()  # the preflight fails on NVML before touching anything; the port lock still holds
-
-
 def _dry_run(cfg: Config, as_json: bool) -> int:
     log = get_logger()
     probe = NvmlProbe()
     try:
         # Never takes the lock (a real start beside us must not refuse because of a dry run): only reads it.
-        owner = instance_lock.find_owner(cfg.paths.runtime_directory, _gpus_to_lock(cfg, probe), cfg.child.vllm.port)
+        owner = instance_lock.find_owner(
+            cfg.paths.runtime_directory, configured_gpus(probe, cfg.preflight.gpus), cfg.child.vllm.port
+        )
         report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
     finally:
         probe.close()
@@ -167,9 +161,10 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
 
 def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
     try:
-        # Before any preflight action: a second supervisor must change nothing (exit 16).
+        # Before any preflight action: a second supervisor must change nothing (exit 16).  Without NVML no GPU
+        # is locked: the preflight fails on NVML before touching anything, and the port lock still holds.
         lock = instance_lock.acquire(
-            cfg.paths.runtime_directory, _gpus_to_lock(cfg, probe), cfg.child.vllm.port, str(cfg.path)
+            cfg.paths.runtime_directory, configured_gpus(probe, cfg.preflight.gpus), cfg.child.vllm.port, str(cfg.path)
         )
         try:
             return _supervise(cfg, sink, probe)

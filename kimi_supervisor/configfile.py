@@ -25,7 +25,7 @@ from kimi_supervisor.exitcodes import ConfigError
 MAX_BYTES = 1 << 20  # 1 MiB: the shipped config is 3 KiB
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
     for test, name in (
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISFIFO, "a FIFO"),
@@ -85,7 +85,7 @@ def read_config_bytes(path: Path, *, as_root: bool | None = None, max_bytes: int
     if stat.S_ISDIR(mode):
         raise ConfigError(f"{path}: is a directory, expected a TOML file")
     if not stat.S_ISREG(mode):
-        raise ConfigError(f"{path}: is {_kind(mode)}{shown_target}, expected a regular TOML file")
+        raise ConfigError(f"{path}: is {file_kind(mode)}{shown_target}, expected a regular TOML file")
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
     try:
         fd = os.open(real, flags)
@@ -98,7 +98,7 @@ def read_config_bytes(path: Path, *, as_root: bool | None = None, max_bytes: int
         if stat.S_ISDIR(st.st_mode):
             raise ConfigError(f"{path}: is a directory, expected a TOML file")
         if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{path}: is {_kind(st.st_mode)}{shown_target}, expected a regular TOML file")
+            raise ConfigError(f"{path}: is {file_kind(st.st_mode)}{shown_target}, expected a regular TOML file")
         if root:
             _check_owner(real, st, f"its target {real} is " if shown_target else "", path)
             _check_directories(real, path)

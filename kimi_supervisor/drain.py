@@ -24,9 +24,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any
 
-from kimi_supervisor.boundaries import Child
+from kimi_supervisor.boundaries import Child, Logger
 from kimi_supervisor.notify import Notifier
 from kimi_supervisor.vllm_metrics import MetricsError, fetch_metrics
 
@@ -74,7 +73,7 @@ class _Sampler(threading.Thread):
 class Drain:
     """One stop of a serving vLLM: the first SIGTERM, progress in STATUS= and the log, one final record."""
 
-    def __init__(self, health_url: str, timeout_s: int, notifier: Notifier, log: Any) -> None:
+    def __init__(self, health_url: str, timeout_s: int, notifier: Notifier, log: Logger) -> None:
         self.url = metrics_url(health_url)
         self.timeout_s = timeout_s
         self._notifier = notifier

@@ -95,6 +95,16 @@ class GpuProbe(Protocol):
     def close(self) -> None: ...
 
 
+def configured_gpus(probe: GpuProbe, gpus: tuple[int, ...] | None) -> tuple[int, ...]:
+    """`preflight.gpus`, or every GPU NVML sees when that is "all" (None); () when NVML cannot say."""
+    if gpus is not None:
+        return gpus
+    try:
+        return tuple(range(probe.device_count()))
+    except GpuUnavailable:
+        return ()
+
+
 # Waiting for memory: shared by the preflight and by the supervisor's stop path.
 
 

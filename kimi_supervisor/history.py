@@ -22,9 +22,9 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 from kimi_supervisor.atomicfile import ensure_directory, write_atomic
+from kimi_supervisor.boundaries import Logger, Warns
 
 FILE_NAME = "history.json"
 KEEP = 20
@@ -101,7 +101,7 @@ def parse_history(text: str) -> HistoryData:
     return HistoryData([RunRecord.from_dict(r) for r in runs_raw][-KEEP:], counters)
 
 
-def load_history(path: Path, log: Any | None = None, set_aside: bool = True) -> HistoryData:
+def load_history(path: Path, log: Warns | None = None, set_aside: bool = True) -> HistoryData:
     """Read the history; a missing file is an empty history, a corrupt one is set aside (never raised)."""
     try:
         raw = path.read_bytes()
@@ -141,7 +141,7 @@ def dump_history(data: HistoryData) -> bytes:
 class History:
     """This run's view of the history file: begin, mark ready, end; every change saved at once."""
 
-    def __init__(self, path: Path, log: Any, pid: int) -> None:
+    def __init__(self, path: Path, log: Logger, pid: int) -> None:
         self.path = path
         self._log = log
         self._pid = pid

@@ -26,7 +26,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from kimi_supervisor.config import Config
+from kimi_supervisor.configtypes import Config
 from kimi_supervisor.exitcodes import EngineWedged
 from kimi_supervisor.gpu import GpuProbe
 from kimi_supervisor.gpu_events import GpuEventWatcher
@@ -123,7 +123,7 @@ class DeepLiveness:
         wake: Callable[[], None],
         notifier: Notifier,
         log: Logger,
-        on_canary: Callable[[CanaryResult], None] | None = None,
+        on_canary: Callable[[bool, float], None] | None = None,
     ) -> None:
         self.cfg = cfg.liveness
         self._on_canary = on_canary  # the operator's view: the state file and metrics show each result
@@ -235,7 +235,7 @@ class DeepLiveness:
             except queue.Empty:
                 return
             if self._on_canary is not None:
-                self._on_canary(r)
+                self._on_canary(r.ok, r.latency_s)
             latency_ms = round(r.latency_s * 1000, 1)
             if r.ok:
                 if self.canary_failures:

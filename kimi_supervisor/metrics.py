@@ -17,13 +17,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kimi_supervisor.atomicfile import write_atomic
+from kimi_supervisor.boundaries import Logger
 from kimi_supervisor.gpu import MIB
 from kimi_supervisor.state import State
 
@@ -102,7 +102,7 @@ def render(snap: MetricsSnapshot) -> bytes:
 class MetricsWriter:
     """Writes snapshots to `path`; an unwritable path is warned about once per outage, never raised."""
 
-    def __init__(self, path: Path, log: Any) -> None:
+    def __init__(self, path: Path, log: Logger) -> None:
         self.path = path
         self._log = log
         self._warned = False

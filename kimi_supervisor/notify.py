@@ -93,3 +93,32 @@ def watchdog_interval(environ: Mapping[str, str] | None = None, pid: int | None 
     if owner and owner.isdigit() and int(owner) != (os.getpid() if pid is None else pid):
         return None
     return usec / 1e6
+
+
+class Watchdog:
+    """WATCHDOG=1 at half of systemd's period, only while the latest /health pass is within one period and
+    the caller calls the server healthy (no probe failing, no canary failing): a hung vLLM gets restarted."""
+
+    def __init__(self, period_s: float | None, notifier: Notifier, last_ok: float) -> None:
+        self.period_s = period_s or 0.0  # 0: the watchdog is not ours
+        self._notifier = notifier
+        self.last_ok = last_ok  # when the latest /health probe passed
+        self._last_ping = 0.0
+
+    def _may_ping(self, now: float, healthy: bool) -> bool:
+        return self.period_s > 0 and healthy and now - self.last_ok <= self.period_s
+
+    def wait_s(self, now: float, healthy: bool) -> float:
+        """How long the loop may wait for anything else without a ping coming late."""
+        if not self.period_s:
+            return 1.0
+        timeout = min(1.0, self.period_s / 4)
+        if self._may_ping(now, healthy):
+            # Wake when the next ping is due, not at the next output or probe: a ping was 0.2-0.3 s late.
+            timeout = min(timeout, max(0.0, self._last_ping + self.period_s / 2 - now))
+        return timeout
+
+    def pet(self, now: float, healthy: bool) -> None:
+        if self._may_ping(now, healthy) and now - self._last_ping >= self.period_s / 2:
+            self._notifier.send(WATCHDOG=1)
+            self._last_ping = now

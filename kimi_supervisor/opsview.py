@@ -20,7 +20,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
 from kimi_supervisor import __version__
-from kimi_supervisor.config import Config
+from kimi_supervisor.boundaries import Logger
+from kimi_supervisor.configtypes import Config
 from kimi_supervisor.eta import LoadEta
 from kimi_supervisor.gpu import GpuProbe, GpuUnavailable
 from kimi_supervisor.health import HealthResult
@@ -75,7 +76,7 @@ class OperatorView:
         self,
         cfg: Config,
         probe: GpuProbe,
-        log: Any,
+        log: Logger,
         tracker: ReadinessTracker,
         watchdog_s: float | None,
         *,

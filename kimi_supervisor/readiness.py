@@ -14,7 +14,7 @@ import re
 
 from kimi_supervisor.childlog import ChildLine, LineClassifier
 from kimi_supervisor.clock import format_duration
-from kimi_supervisor.config import ReadinessConfig
+from kimi_supervisor.configtypes import ReadinessConfig
 
 # (phase, pattern) in the order vLLM goes through them; version-tolerant.
 PHASES: tuple[tuple[str, str], ...] = (

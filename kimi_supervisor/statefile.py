@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 
 from kimi_supervisor.atomicfile import ensure_directory, write_atomic
+from kimi_supervisor.boundaries import Logger
 
 SCHEMA = 1
 FILE_NAME = "state.json"
@@ -56,7 +57,7 @@ def process_start_time(pid: int) -> float | None:
 class StateFile:
     """Writes the document; a failure is warned about once per outage and never raised (serving goes on)."""
 
-    def __init__(self, directory: Path, log: Any) -> None:
+    def __init__(self, directory: Path, log: Logger) -> None:
         self.path = directory / FILE_NAME
         self._log = log
         self._warned = False

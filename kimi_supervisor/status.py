@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kimi_supervisor.clock import format_duration
-from kimi_supervisor.config import PathsConfig, load_config
+from kimi_supervisor.config import load_config
+from kimi_supervisor.configtypes import PathsConfig
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.history import FILE_NAME as HISTORY_FILE
 from kimi_supervisor.history import HistoryData, RunRecord, load_history

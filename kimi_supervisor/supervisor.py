@@ -17,7 +17,6 @@ import os
 import selectors
 import signal
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from kimi_supervisor.boundaries import (
     Child,
@@ -30,9 +29,9 @@ from kimi_supervisor.boundaries import (
     Signals,
     Spawner,
 )
-from kimi_supervisor.child import ChildProcess, PreparedSpawn, prepare_spawn
-from kimi_supervisor.clock import Clock, SystemClock, format_duration
-from kimi_supervisor.config import Config, SpawnSpec
+from kimi_supervisor.child import PreparedSpawn, ProcessSpawner
+from kimi_supervisor.clock import Clock, format_duration
+from kimi_supervisor.configtypes import Config
 from kimi_supervisor.drain import Drain, stopped_status
 from kimi_supervisor.exitcodes import (
     ChildDied,
@@ -43,11 +42,11 @@ from kimi_supervisor.exitcodes import (
     StartupStalled,
     SupervisorError,
 )
-from kimi_supervisor.gpu import GpuProbe, GpuUnavailable, wait_until_free
+from kimi_supervisor.gpu import GpuProbe, configured_gpus
 from kimi_supervisor.health import HealthProber, HealthResult
 from kimi_supervisor.journal import ChildSink
 from kimi_supervisor.liveness import DeepLiveness
-from kimi_supervisor.notify import Notifier
+from kimi_supervisor.notify import Notifier, Watchdog
 from kimi_supervisor.opsview import OperatorView
 from kimi_supervisor.output import ChildOutput
 from kimi_supervisor.preflight import Preflight
@@ -57,7 +56,7 @@ from kimi_supervisor.readiness import LineEvent, ReadinessTracker
 from kimi_supervisor.signals import STOP_SIGNALS, InterruptibleClock, SignalRecorder, StopRequested, signal_name
 from kimi_supervisor.spawnplan import Unresolvable
 from kimi_supervisor.state import State, StateMachine
-from kimi_supervisor.timeouts import SIGKILL_WAIT_S
+from kimi_supervisor.stopping import TreeStopper, confirm_gpus_free
 
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC at most this often while output flows
 EXTEND_MARGIN_S = 15.0
@@ -65,16 +64,6 @@ EXTEND_MARGIN_S = 15.0
 # READY_BURST_S) so READY=1 follows the first 200 by tens of ms, not a whole poll interval.
 READY_PROBE_S = 0.02
 READY_BURST_S = 10.0
-
-
-class ProcessSpawner:
-    """The real spawn: resolved before the preflight acts; every child of this process belongs to the tree."""
-
-    def prepare(self, spec: SpawnSpec, parent_env: Mapping[str, str]) -> PreparedSpawn:
-        return prepare_spawn(spec, parent_env)
-
-    def spawn(self, spec: SpawnSpec, parent_env: Mapping[str, str], prepared: PreparedSpawn | None) -> Child:
-        return ChildProcess.spawn(spec, parent_env, owns_all_children=True, prepared=prepared)
 
 
 @dataclasses.dataclass
@@ -110,13 +99,13 @@ class Supervisor:
         self.deps = deps = dataclasses.replace(deps, notifier=self.view.tap(deps.notifier))
         self.state = StateMachine(deps.notifier, deps.log, observer=self.view)
         self.child: Child | None = None
+        self.stopper: TreeStopper | None = None  # from the spawn on: every way out stops the tree
         self.prober: Prober | None = None
         self._prepared: PreparedSpawn | None = None
         self.deep: Liveness | None = None
         self.output = ChildOutput(
             deps.sink, self.tracker, deps.log, secrets, clock=self.clock, selector=deps.selector()
         )
-        self._tree_stopped = False
         self._last_extend = 0.0
         self._last_status = 0.0
         self._started_at = 0.0
@@ -129,8 +118,8 @@ class Supervisor:
         try:
             return self._run()
         except BaseException as exc:
-            if self.child is not None and not self._tree_stopped:
-                self._emergency_stop(exc)
+            if self.stopper is not None and not self.stopper.stopped:
+                self._emergency_stop(exc, self.stopper)
             raise
         finally:
             if self.prober is not None:
@@ -178,6 +167,9 @@ class Supervisor:
         if self._stop_signalled():
             raise StopRequested
         self.child = self.deps.spawn.spawn(self.cfg.child, self.deps.environ, self._prepared)
+        self.stopper = TreeStopper(
+            self.child, self._pump, self.output.finish, self._stop_signalled, self.clock, self.log
+        )
         self._started_at = self._now()
         self.output.attach(self.child)
         self.output.on_output = self._on_output
@@ -262,15 +254,9 @@ class Supervisor:
         hcfg = self.cfg.health
         self.prober.set_interval(hcfg.interval_s)
         self.child.refresh_members()
-        gpus = self._configured_gpus()
+        gpus = configured_gpus(self.deps.probe, self.cfg.preflight.gpus)
         self.deep = self.deps.liveness(
-            self.cfg,
-            self.deps.probe,
-            gpus,
-            self.signals.wake,
-            self.deps.notifier,
-            self.log,
-            on_canary=lambda r: self.view.on_canary(r.ok, r.latency_s),
+            self.cfg, self.deps.probe, gpus, self.signals.wake, self.deps.notifier, self.log, self.view.on_canary
         )
         self.deep.start()
         wd = self.deps.watchdog_s
@@ -280,15 +266,9 @@ class Supervisor:
                 "watchdog.too_short", watchdog_s=wd, health_interval_s=hcfg.interval_s, health_timeout_s=hcfg.timeout_s
             )
         failures = 0
-        last_ok = self._now()  # the probe that made us ready
-        last_ping = 0.0
+        watchdog = Watchdog(wd, self.deps.notifier, last_ok=self._now())  # the probe that made us ready
         while True:
-            timeout = min(1.0, wd / 4) if wd else 1.0
-            now = self._now()
-            if wd and failures == 0 and self.deep.healthy and now - last_ok <= wd:
-                # Wake when the next ping is due, not at the next output or probe: a ping was 0.2-0.3 s late.
-                timeout = min(timeout, max(0.0, last_ping + wd / 2 - now))
-            self._pump(timeout)
+            self._pump(watchdog.wait_s(self._now(), healthy=failures == 0 and self.deep.healthy))
             if self._stop_signalled():
                 return
             self._check_child(serving=True)
@@ -298,7 +278,7 @@ class Supervisor:
                     if failures:
                         self.log.info("health.recovered", after_failures=failures)
                         self.state.status(self._serving_status())
-                    failures, last_ok = 0, result.at
+                    failures, watchdog.last_ok = 0, result.at
                     continue
                 failures += 1
                 self.log.warning(
@@ -312,12 +292,7 @@ class Supervisor:
                         f"/health failed {failures} times in a row ({result.error})", detail=self._tail()
                     )
             self.deep.check()  # canary, token progress, GPU events: raises EngineWedged / GpuFailed
-            now = self._now()
-            # Pet the watchdog only while the latest probe passed within its period and no canary is failing.
-            healthy = failures == 0 and self.deep.healthy
-            if wd and healthy and now - last_ok <= wd and now - last_ping >= wd / 2:
-                self.deps.notifier.send(WATCHDOG=1)
-                last_ping = now
+            watchdog.pet(self._now(), healthy=failures == 0 and self.deep.healthy)
 
     def _stop(self, reason: str, requested: bool = False) -> None:
         """TERM the tree, keep reading its output, KILL what outlives the grace, confirm GPUs are free."""
@@ -331,56 +306,19 @@ class Supervisor:
             )
         if self.state.state is not State.STOPPING:
             self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
-        if self.child is None:
+        if self.stopper is None:
             return  # stopped during the preflight: nothing of ours holds a GPU
-        tree_gone = self._stop_tree(scfg.grace_s, scfg.second_signal_grace_s, drain)
-        gpus = self._configured_gpus()
+        tree_gone = self.stopper.stop(scfg.grace_s, scfg.second_signal_grace_s, drain)
+        gpus = configured_gpus(self.deps.probe, self.cfg.preflight.gpus)
         gpus_free = None
         if gpus and scfg.gpu_release_timeout_s > 0:
-            gpus_free = self._confirm_gpus_free(gpus, scfg.gpu_release_timeout_s)
+            threshold = self.cfg.preflight.memory_threshold_mib
+            gpus_free = confirm_gpus_free(
+                self.deps.probe, gpus, threshold, scfg.gpu_release_timeout_s, self.clock, self.log
+            )
         self.state.status(stopped_status(tree_gone, gpus_free))
 
-    def _stop_tree(self, grace_s: float, second_grace_s: float, drain: Drain | None = None) -> bool:
-        assert self.child is not None
-        start = self._now()
-        deadline = start + grace_s
-        signalled = drain.sigterm(self.child) if drain else self.child.signal_tree(signal.SIGTERM)
-        self.log.info("stop.sigterm", pid=self.child.pid, processes=signalled, grace_s=grace_s)
-        alive = self.child.alive_members()
-        while alive:
-            self._pump(0.05)
-            if drain:
-                drain.tick(self.child)
-            if self._stop_signalled():
-                deadline = min(deadline, self._now() + second_grace_s)
-                self.log.warning("stop.hurry", grace_left_s=round(max(0.0, deadline - self._now()), 2))
-            alive = self.child.alive_members()
-            if alive and self._now() >= deadline:
-                self.log.warning(
-                    "stop.sigkill", after_s=round(self._now() - start, 2), pids=",".join(str(p.pid) for p in alive)
-                )
-                self.child.signal_tree(signal.SIGKILL)
-                kill_deadline = self._now() + SIGKILL_WAIT_S
-                while alive and self._now() < kill_deadline:
-                    self._pump(0.02)
-                    alive = self.child.alive_members()
-                break
-        self._pump(0)
-        self.output.finish()
-        self.child.reap()
-        self._tree_stopped = not alive
-        if alive:
-            self.log.error("stop.survivors", pids=",".join(str(p.pid) for p in alive))
-        self.log.info(
-            "stop.tree_gone" if not alive else "stop.tree_left",
-            seconds=round(self._now() - start, 3),
-            exit_status=self.child.poll(),
-        )
-        if drain:
-            drain.finish(tree_gone=not alive)
-        return not alive
-
-    def _emergency_stop(self, exc: BaseException) -> None:
+    def _emergency_stop(self, exc: BaseException, stopper: TreeStopper) -> None:
         """Something other than a SupervisorError is ending the run: stop the tree before it propagates."""
         reason = f"{type(exc).__name__}: {exc}"[:300]
         with contextlib.suppress(BaseException):
@@ -388,39 +326,7 @@ class Supervisor:
         with contextlib.suppress(BaseException):
             if self.state.state is not State.STOPPING:
                 self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
-        try:
-            self._stop_tree(self.cfg.shutdown.grace_s, self.cfg.shutdown.second_signal_grace_s)
-        except BaseException:
-            # The orderly stop failed too (the same broken sink, psutil again): no grace, no output.
-            assert self.child is not None
-            with contextlib.suppress(BaseException):
-                self.child.signal_tree(signal.SIGKILL)
-            with contextlib.suppress(BaseException):
-                self.child.reap()
-
-    def _confirm_gpus_free(self, gpus: tuple[int, ...], timeout_s: float) -> bool | None:
-        pf = self.cfg.preflight
-        start = self._now()
-
-        def busy_note(busy: list[Any], elapsed: float) -> None:
-            self.log.info("stop.gpu_wait", gpus=",".join(str(m.index) for m in busy), waited_s=round(elapsed, 1))
-
-        try:
-            # SystemClock, not the interruptible one: the stop path finishes even after a second signal.
-            busy = wait_until_free(
-                self.deps.probe, gpus, pf.memory_threshold_mib, SystemClock(), timeout_s, 0.1, busy_note, 5.0
-            )
-        except GpuUnavailable as exc:
-            self.log.warning("stop.gpu_unknown", error=str(exc))
-            return None
-        took = round(self._now() - start, 3)
-        if busy:
-            self.log.warning(
-                "stop.gpu_still_busy", seconds=took, gpus=", ".join(f"GPU {m.index}: {m.used_mib} MiB" for m in busy)
-            )
-        else:
-            self.log.info("stop.gpu_released", seconds=took, gpus=",".join(map(str, gpus)))
-        return not busy
+        stopper.emergency(self.cfg.shutdown.grace_s, self.cfg.shutdown.second_signal_grace_s)
 
     # -- the event loop -------------------------------------------------------------
 
@@ -471,15 +377,6 @@ class Supervisor:
 
     def _serving_status(self) -> str:
         return f"ready: serving on {self.cfg.readiness.health_url.rsplit('/health', 1)[0]}"
-
-    def _configured_gpus(self) -> tuple[int, ...]:
-        gpus = self.cfg.preflight.gpus
-        if gpus is not None:
-            return gpus
-        try:
-            return tuple(range(self.deps.probe.device_count()))
-        except GpuUnavailable:
-            return ()
 
     def _root_cause(self) -> str:
         return self.tracker.root_cause()[:500]

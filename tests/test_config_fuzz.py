@@ -16,7 +16,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kimi_supervisor.config import Config, load_config
+from kimi_supervisor.config import load_config
+from kimi_supervisor.configtypes import Config
 from kimi_supervisor.exitcodes import ConfigError
 from tests.harness import REPO, write_config
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from kimi_supervisor.supervisor import Deps, Supervisor
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe
 from tests.harness import REPO, Run, fake_tree_of, free_port, write_config
+from tests.sse_client import stream_completion
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -47,33 +46,13 @@ def drain_config(tmp_path: Path, port: int, shutdown_timeout: int | None, grace_
     )
 
 
-def stream(port: int, max_tokens: int, out: dict[str, Any]) -> None:
-    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": max_tokens, "stream": True}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body)
-    out.update(chunks=0, finish_reason=None, done=False, error=None)
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            out["status"] = resp.status
-            for raw in resp:
-                line = raw.decode().strip()
-                if line == "data: [DONE]":
-                    out["done"] = True
-                elif line.startswith("data: "):
-                    obj = json.loads(line[6:])
-                    out["chunks"] += 1
-                    out["error"] = out["error"] or obj.get("error")
-                    for ch in obj.get("choices", []):
-                        out["finish_reason"] = ch.get("finish_reason") or out["finish_reason"]
-    except OSError as exc:
-        out["error"] = str(exc)
-
-
 def stop_with_stream_in_flight(tmp_path: Path, shutdown_timeout: int | None, grace_s: float) -> tuple[Run, dict]:
     port = free_port()
     run = Run(drain_config(tmp_path, port, shutdown_timeout, grace_s), tmp_path)
     run.wait_event("state.ready", timeout=30)
     out: dict[str, Any] = {}
-    client = threading.Thread(target=stream, args=(port, 60, out))  # 60 tokens x 50 ms: 3 s
+    body = {"model": "m", "prompt": "hi", "max_tokens": 60}  # 60 tokens x 50 ms: 3 s
+    client = threading.Thread(target=stream_completion, args=(f"http://127.0.0.1:{port}/v1/completions", body, out, 60))
     client.start()
     deadline = time.monotonic() + 10
     while out.get("chunks", 0) < 5 and time.monotonic() < deadline:

@@ -11,7 +11,8 @@ import psutil
 import pynvml
 import pytest
 
-from kimi_supervisor.config import Config, parse_config
+from kimi_supervisor.config import parse_config
+from kimi_supervisor.configtypes import Config
 from kimi_supervisor.gpu import NvmlProbe
 from kimi_supervisor.health import HealthResult
 from kimi_supervisor.opsview import OperatorView

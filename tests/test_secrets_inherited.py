@@ -47,38 +47,25 @@ def test_secret_names_by_their_parts() -> None:
 
 
 def test_argv_items_and_options() -> None:
-    argv = [
-        "env",
-        f"HF_TOKEN={TOKEN}",
-        "NCCL_PROTO=LL",
-        "vllm",
-        "serve",
-        "/m",
-        "--skip-tokenizer-init",
-        "--port",
-        "8000",
-        "--ssl-keyfile-password",
-        "pw-12345",
-        f"--api-key={KEY}",
-        "--max-num-batched-tokens",
-        "8192",
+    # (argv item, as redacted)
+    items = [
+        ("env", "env"),
+        (f"HF_TOKEN={TOKEN}", "HF_TOKEN=<redacted>"),
+        ("NCCL_PROTO=LL", "NCCL_PROTO=LL"),
+        ("vllm", "vllm"),
+        ("serve", "serve"),
+        ("/m", "/m"),
+        ("--skip-tokenizer-init", "--skip-tokenizer-init"),
+        ("--port", "--port"),
+        ("8000", "8000"),
+        ("--ssl-keyfile-password", "--ssl-keyfile-password"),
+        ("pw-12345", "<redacted>"),
+        (f"--api-key={KEY}", "--api-key=<redacted>"),
+        ("--max-num-batched-tokens", "--max-num-batched-tokens"),
+        ("8192", "8192"),
     ]
-    assert redact_argv(argv) == [
-        "env",
-        "HF_TOKEN=<redacted>",
-        "NCCL_PROTO=LL",
-        "vllm",
-        "serve",
-        "/m",
-        "--skip-tokenizer-init",
-        "--port",
-        "8000",
-        "--ssl-keyfile-password",
-        "<redacted>",
-        "--api-key=<redacted>",
-        "--max-num-batched-tokens",
-        "8192",
-    ]
+    argv = [item for item, _ in items]
+    assert redact_argv(argv) == [redacted for _, redacted in items]
     assert secrets_of(argv) == (TOKEN, KEY, "pw-12345")
 
 

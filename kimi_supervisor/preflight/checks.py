@@ -12,12 +12,14 @@ import errno
 import json
 import os
 import socket
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from kimi_supervisor.configfile import file_kind
 from kimi_supervisor.gpu import GpuMemory
 
 
@@ -112,8 +114,10 @@ def check_model(model: str | None) -> Check:
             return Check("model", Status.FAIL, f"{model} holds no *.safetensors file and no index")
         return Check("model", Status.OK, f"{len(shards)} safetensors file(s) in {model}", {"shards": len(shards)})
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = json.loads(_read_regular(index))["weight_map"]
         shard_names = sorted(set(weight_map.values()))
+    except NotRegularFile as exc:
+        return Check("model", Status.FAIL, f"{index}: unreadable shard index (is {exc}, expected a regular file)")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return Check("model", Status.FAIL, f"{index}: unreadable shard index ({type(exc).__name__}: {exc})")
     missing = []
@@ -137,6 +141,29 @@ def check_model(model: str | None) -> Check:
         f"all {len(shard_names)} shards present ({size / 1e9:.1f} GB) in {model}",
         {"shards": len(shard_names), "bytes": size},
     )
+
+
+class NotRegularFile(Exception):
+    """What stands where a regular file was expected (configfile.file_kind: "a FIFO", "a directory", ...)."""
+
+
+def _read_regular(path: Path) -> str:
+    """A regular file's text, through symlinks (a Hugging Face snapshot links each file to its blob).
+
+    Anything else is refused before it is opened, as configfile.py does for the config: opening a FIFO blocks
+    until a writer comes (the preflight, and the start, would hang), opening a device may act on it.  The open
+    is O_NONBLOCK|O_NOFOLLOW and the descriptor is checked again, so nothing swapped in between can block us.
+    """
+    real = os.path.realpath(path)
+    mode = os.stat(real).st_mode
+    if not stat.S_ISREG(mode):
+        raise NotRegularFile(file_kind(mode))
+    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    with open(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(file_kind(mode))
+        return f.read().decode("utf-8")
 
 
 def check_port(host: str, port: int) -> Check:

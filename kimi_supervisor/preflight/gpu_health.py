@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kimi_supervisor.config import GpuHealthConfig
+from kimi_supervisor.boundaries import Logger
+from kimi_supervisor.configtypes import GpuHealthConfig
 from kimi_supervisor.gpu import GpuHealth, GpuProbe, GpuUnavailable
 from kimi_supervisor.preflight.checks import Check, Status
 
@@ -39,9 +40,8 @@ def _retired_pages(h: GpuHealth) -> Verdict:
     if h.retired_pages_pending is None and h.retired_pages is None:
         return _errors(h, "retired_pages_pending", "retired_pages") or ("na", "page retirement not supported")
     count = "an unknown number of" if h.retired_pages is None else str(h.retired_pages)
-    if h.retired_pages_pending:
-        return "bad", f"{count} retired page(s), a retirement is pending (needs a GPU reset)"
-    return "ok", f"{count} retired page(s), none pending"
+    pending = "a retirement is pending (needs a GPU reset)" if h.retired_pages_pending else "none pending"
+    return ("bad" if h.retired_pages_pending else "ok"), f"{count} retired page(s), {pending}"
 
 
 def _remapped_rows(h: GpuHealth) -> Verdict:
@@ -142,7 +142,9 @@ def evaluate(health: list[GpuHealth], cfg: GpuHealthConfig) -> list[Check]:
     return out
 
 
-def health_checks(probe: GpuProbe, gpus: tuple[int, ...], cfg: GpuHealthConfig, log: Any = None) -> list[Check]:
+def health_checks(
+    probe: GpuProbe, gpus: tuple[int, ...], cfg: GpuHealthConfig, log: Logger | None = None
+) -> list[Check]:
     """The report lines for `gpus`; warnings are logged too, since a real start shows no report."""
     try:
         health = [probe.health(i) for i in gpus]

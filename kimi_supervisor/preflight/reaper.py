@@ -23,7 +23,7 @@ import signal
 from collections.abc import Callable, Iterable
 
 from kimi_supervisor.clock import Clock
-from kimi_supervisor.config import ReapConfig
+from kimi_supervisor.configtypes import ReapConfig
 from kimi_supervisor.gpu import GpuProcess
 from kimi_supervisor.proctable import ProcessTable, ProcInfo, ancestors
 

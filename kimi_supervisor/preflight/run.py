@@ -19,8 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kimi_supervisor import timeouts
+from kimi_supervisor.boundaries import Logger
 from kimi_supervisor.clock import Clock
-from kimi_supervisor.config import Config
+from kimi_supervisor.configtypes import Config
 from kimi_supervisor.exitcodes import PreflightError
 from kimi_supervisor.gpu import GpuMemory, GpuProbe, GpuProcess, GpuUnavailable, busy_gpus, holders, wait_until_free
 from kimi_supervisor.instance_lock import lock_owners
@@ -65,7 +66,7 @@ def describe_victim(v: Victim) -> str:
 
 class Preflight:
     def __init__(
-        self, cfg: Config, probe: GpuProbe, table: ProcessTable, clock: Clock, log: Any, self_pid: int | None = None
+        self, cfg: Config, probe: GpuProbe, table: ProcessTable, clock: Clock, log: Logger, self_pid: int | None = None
     ) -> None:
         self._cfg = cfg
         self._pf = cfg.preflight

@@ -12,11 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.vllm_serve import MODEL_DIR, VENV
+
 HERE = Path(__file__).resolve().parent
-VENV = Path(os.environ.get("KIMI_VLLM_VENV", "/opt/kimi-vllm-venv"))
-# On / (so the nspawn container sees it through its overlay) but not in /tmp or /var/tmp, which the
-# hardened unit makes private (PrivateTmp=yes).
-MODEL_DIR = Path(os.environ.get("KIMI_TINY_MODEL", "/var/lib/kimi-supervisor-tests/tiny-llama"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -13,17 +13,8 @@ from typing import Any
 import psutil
 
 from tests.conftest import wait_for
+from tests.e2e.vllm_serve import VLLM_ENV
 from tests.harness import Run, fake_tree_of, free_port, session_members, write_config
-
-# VLLM_HOST_IP: vLLM otherwise picks a non-loopback address of the machine for its engine sockets.
-VLLM_ENV = {
-    "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-}
 
 
 def vllm_config(tmp_path: Path, vllm_bin: Path, model: Path, port: int) -> Path:

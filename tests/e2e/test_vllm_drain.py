@@ -17,8 +17,7 @@ import pytest
 
 from kimi_supervisor import timeouts, unit
 from kimi_supervisor.config import load_config
-from tests.e2e.conftest import VENV
-from tests.e2e.test_vllm_cpu import VLLM_ENV
+from tests.e2e.vllm_serve import VENV, VLLM_ENV, long_generation_argv
 from tests.harness import Run, fake_tree_of, free_port, write_config
 from tests.systemd import checkout
 from tests.systemd.nspawn import NspawnMachine, available
@@ -27,7 +26,6 @@ UNIT = unit.UNIT_NAME
 CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
 
 CLIENT = Path(__file__).resolve().parent / "drain_client.py"
-MAX_LEN = 16384  # the tiny model knows 512 positions; generations lasting seconds need more
 DRAIN_S = 60  # far above the 3000-token generation (10-20 s on 2 busy cores): it must finish, not be cut
 GRACE_S = DRAIN_S + timeouts.WORKER_SHUTDOWN_MARGIN_S
 MAX_TOKENS = 3000
@@ -37,10 +35,7 @@ MAX_TOKENS_NO_DRAIN = 12000
 
 
 def vllm_argv(vllm_bin: Path, model: Path, port: int, drain: bool) -> list[str]:
-    argv = [str(vllm_bin), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
-    argv += ["--max-model-len", str(MAX_LEN), "--enforce-eager", "--served-model-name", "tiny"]
-    argv += ["--hf-overrides", json.dumps({"max_position_embeddings": MAX_LEN})]
-    return argv + (["--shutdown-timeout", str(DRAIN_S)] if drain else [])
+    return long_generation_argv(vllm_bin, model, port, DRAIN_S if drain else None)
 
 
 def sections(argv: list[str], env: dict[str, str], grace_s: float) -> dict[str, dict[str, Any]]:

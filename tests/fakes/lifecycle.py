@@ -17,7 +17,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.config import Config, SpawnSpec, parse_config
+from kimi_supervisor.child import read_pipe
+from kimi_supervisor.config import parse_config
+from kimi_supervisor.configtypes import Config, SpawnSpec
 from kimi_supervisor.exitcodes import SupervisorError
 from kimi_supervisor.health import HealthResult
 from kimi_supervisor.proctable import PsutilProcessTable
@@ -159,13 +161,7 @@ class FakeChild:
             self._writers.clear()
 
     def read(self, fd: int) -> bytes | None:
-        try:
-            data = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            return b""
-        except OSError:
-            return None
-        return data if data else None
+        return read_pipe(fd)  # real pipes: the fake stands in for the process, not for reading its output
 
     def poll(self) -> int | None:
         return self.returncode

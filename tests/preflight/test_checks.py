@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import threading
 from pathlib import Path
 
 from kimi_supervisor.gpu import GpuMemory
-from kimi_supervisor.preflight.checks import Status, check_free_memory, check_gpu_count, check_model, check_port
+from kimi_supervisor.preflight.checks import (
+    Check,
+    Status,
+    check_free_memory,
+    check_gpu_count,
+    check_model,
+    check_port,
+)
 
 
 def test_model_forms(tmp_path: Path) -> None:
@@ -27,6 +36,49 @@ def test_model_forms(tmp_path: Path) -> None:
     )
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model.safetensors"}}))
     assert check_model(str(tmp_path)).message == f"all 1 shards present (0.0 GB) in {tmp_path}"
+
+
+def check_model_within(model: Path, fifo: Path, seconds: float = 5.0) -> Check:
+    """check_model, failing the test instead of hanging it when the check waits for a writer on `fifo`."""
+    result: list[Check] = []
+    worker = threading.Thread(target=lambda: result.append(check_model(str(model))), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    blocked = worker.is_alive()
+    if blocked:  # a writer that comes and goes gives the stuck open() end of file: nothing outlives the test
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(seconds)
+    assert not blocked, f"check_model waited {seconds:g}s for a writer on {fifo}"
+    return result[0]
+
+
+def test_model_index_that_is_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    index = tmp_path / "model.safetensors.index.json"
+    os.mkfifo(index)
+    check = check_model_within(tmp_path, index)
+    assert (check.status, check.message) == (
+        Status.FAIL,
+        f"{index}: unreadable shard index (is a FIFO, expected a regular file)",
+    )
+
+
+def test_model_index_through_a_symlink_is_read(tmp_path: Path) -> None:
+    # A Hugging Face snapshot links each file to its blob: the target is what is checked and read.
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (blobs / "index").write_text(json.dumps({"weight_map": {"a": "model.safetensors"}}))
+    model = tmp_path / "snapshot"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"x")
+    index = model / "model.safetensors.index.json"
+    index.symlink_to(blobs / "index")
+    assert check_model(str(model)).message == f"all 1 shards present (0.0 GB) in {model}"
+    os.mkfifo(blobs / "fifo")
+    index.unlink()
+    index.symlink_to(blobs / "fifo")
+    check = check_model_within(model, blobs / "fifo")
+    assert check.message == f"{index}: unreadable shard index (is a FIFO, expected a regular file)"
 
 
 def test_gpu_count_and_fraction() -> None:

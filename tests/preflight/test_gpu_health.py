@@ -10,7 +10,8 @@ import pynvml
 import pytest
 
 from kimi_supervisor import nvml_health
-from kimi_supervisor.config import GpuHealthConfig, parse_config
+from kimi_supervisor.config import parse_config
+from kimi_supervisor.configtypes import GpuHealthConfig
 from kimi_supervisor.exitcodes import ExitCode, PreflightError
 from kimi_supervisor.gpu import GpuHealth
 from kimi_supervisor.preflight import Preflight

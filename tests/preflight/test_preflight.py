@@ -12,7 +12,8 @@ import pynvml
 import pytest
 
 from kimi_supervisor.clock import Clock, SystemClock
-from kimi_supervisor.config import Config, parse_config
+from kimi_supervisor.config import parse_config
+from kimi_supervisor.configtypes import Config
 from kimi_supervisor.exitcodes import PreflightError
 from kimi_supervisor.gpu import GpuProbe, NvmlProbe
 from kimi_supervisor.preflight import Preflight

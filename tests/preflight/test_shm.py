@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kimi_supervisor.config import ShmConfig
+from kimi_supervisor.configtypes import ShmConfig
 from kimi_supervisor.preflight.shm import plan_shm, remove_stale
 from kimi_supervisor.proctable import PsutilProcessTable
 from tests.conftest import ProcSpawner

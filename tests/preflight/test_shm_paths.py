@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kimi_supervisor import unit
-from kimi_supervisor.config import ShmConfig
+from kimi_supervisor.configtypes import ShmConfig
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.preflight.report import render_text
 from kimi_supervisor.preflight.shm import plan_shm, remove_stale, write_lease_granted

@@ -3,6 +3,7 @@
 ``machine``: one booted NspawnMachine per test module, with the repository
 checkout bound read-only at its host path (plus the test interpreter's prefix
 when it is not visible through the overlay of /, e.g. a venv under /tmp).
+``m``: that machine with the kimi-supervisor unit installed (unit_setup.py).
 
 If nspawn cannot run here the tests FAIL when ``CI`` is set (true/1/yes), so a
 broken CI image cannot silently skip this tier; elsewhere they are skipped.
@@ -25,6 +26,7 @@ if str(_HERE) not in sys.path:
 
 from checkout import REPO_ROOT, binds_ro  # noqa: E402
 from nspawn import NspawnMachine, available  # noqa: E402
+from unit_setup import install  # noqa: E402
 
 __all__ = ["REPO_ROOT", "default_binds_ro"]
 
@@ -66,6 +68,13 @@ def machine() -> Iterator[NspawnMachine]:
     require_nspawn()
     with NspawnMachine(binds_ro=default_binds_ro()) as m:
         yield m
+
+
+@pytest.fixture(scope="module")
+def m(machine: NspawnMachine) -> Iterator[NspawnMachine]:
+    """The module's machine with the shipped unit running this checkout (unit_setup.install)."""
+    install(machine)
+    yield machine
 
 
 @pytest.fixture

@@ -14,18 +14,11 @@ import itertools
 import sys
 import threading
 import time
-from pathlib import Path
 
-import checkout
 from nspawn import NspawnMachine
+from unit_setup import REPO, UNIT, config_toml, deploy, now
 
-from kimi_supervisor import unit
-
-REPO = Path(__file__).resolve().parents[2]
 FLOOD_CHILD = REPO / "bench" / "flood_child.py"
-UNIT = unit.UNIT_NAME
-CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
-DROPIN = f"/etc/systemd/system/{UNIT}.d/flood.conf"
 WATCHDOG_S = 2.0
 LIFECYCLE = (
     "supervisor.start",
@@ -65,36 +58,12 @@ class FloodResult:
 def _config(lines: int, rate: int) -> str:
     argv = [sys.executable, str(FLOOD_CHILD), str(lines), "/dev/null", "--port", "8000", "--ready"]
     argv += ["--rate", str(rate), "--hold"]
-    quoted = ", ".join(f'"{a}"' for a in argv)
-    return f"""
-[child]
-argv = [{quoted}]
-[preflight]
-gpus = []
-check_model = false
-[readiness]
-poll_interval_s = 0.1
-[health]
-interval_s = 0.3
-timeout_s = 0.5
-[shutdown]
-grace_s = 3
-"""
-
-
-def install(m: NspawnMachine) -> None:
-    # The checkout's launcher and bind drop-in: a checkout under /tmp is hidden by the unit's PrivateTmp.
-    launcher = checkout.install(m, UNIT)
-    m.install_unit(UNIT, unit.render(launcher, Path(CONFIG)), reload=False)
+    return config_toml(argv, health="interval_s = 0.3\ntimeout_s = 0.5")
 
 
 def run_flood(m: NspawnMachine, lines: int = 2_000_000, rate: int = 200_000) -> FloodResult:
-    m.systemctl("stop", UNIT, check=False)
-    m.systemctl("reset-failed", UNIT, check=False)
-    m.write_file(CONFIG, _config(lines, rate))
-    m.write_file(DROPIN, f"[Service]\nRestartSec=1\nWatchdogSec={WATCHDOG_S:g}\nTimeoutStopSec=15\n")
-    m.daemon_reload()
-    since = m.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
+    deploy(m, _config(lines, rate), f"[Service]\nRestartSec=1\nWatchdogSec={WATCHDOG_S:g}\nTimeoutStopSec=15\n")
+    since = now(m)
     time.sleep(1.0)  # "since" has a resolution of one second
     stamps: list[int] = []
     done = threading.Event()

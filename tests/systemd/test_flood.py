@@ -10,18 +10,10 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
 
-import pytest
-from flood_scenario import CONFIG, DROPIN, REPO, UNIT, WATCHDOG_S, install, run_flood
+from flood_scenario import WATCHDOG_S, run_flood
 from nspawn import NspawnMachine
-
-
-@pytest.fixture(scope="module")
-def m(machine: NspawnMachine) -> Iterator[NspawnMachine]:
-    install(machine)
-    machine.daemon_reload()
-    yield machine
+from unit_setup import UNIT, config, deploy
 
 
 def test_chatty_child_keeps_every_supervisor_record_and_the_watchdog_on_time(m: NspawnMachine) -> None:
@@ -35,29 +27,9 @@ def test_chatty_child_keeps_every_supervisor_record_and_the_watchdog_on_time(m: 
     assert max(r.watchdog_gaps) <= WATCHDOG_S / 2 + 0.1 * WATCHDOG_S, r.watchdog_gaps
 
 
-FAKE_CONFIG = f"""
-[child]
-argv = ["{sys.executable}", "{REPO}/tests/fakes/fake_vllm.py", "serve", "/tmp/model", "--host", "127.0.0.1",
-        "--port", "8000", "--tensor-parallel-size", "1", "--shards", "2", "--load-seconds", "1",
-        "--max-lifetime", "120"]
-[preflight]
-gpus = []
-check_model = false
-[readiness]
-poll_interval_s = 0.1
-[health]
-interval_s = 0.3
-[shutdown]
-grace_s = 3
-"""
-
-
 def test_hostile_request_paths_do_not_restart_the_unit(m: NspawnMachine) -> None:
-    m.systemctl("stop", UNIT, check=False)
-    m.systemctl("reset-failed", UNIT, check=False)
-    m.write_file(CONFIG, FAKE_CONFIG)
-    m.write_file(DROPIN, "[Service]\nRestartSec=1\nWatchdogSec=3\nTimeoutStopSec=15\n")
-    m.daemon_reload()
+    fake_args = ["--tensor-parallel-size", "1", "--shards", "2", "--load-seconds", "1"]
+    deploy(m, config(fake_args, health="interval_s = 0.3"))
     m.systemctl("start", UNIT, timeout=60)
     pid = m.unit_property(UNIT, "MainPID")
     get = (

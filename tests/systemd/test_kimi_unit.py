@@ -1,7 +1,7 @@
 """kimi-supervisor under a real systemd (nspawn): the shipped unit, READY, watchdog, restarts, journald.
 
-The unit is the packaged one (kimi_supervisor.unit.render) with ExecStart pointing at a launcher that runs
-this checkout's code (checkout.py); a drop-in shortens the timers so each scenario takes seconds.
+The unit is the packaged one with ExecStart pointing at a launcher that runs this checkout's code; a drop-in
+shortens the timers so each scenario takes seconds (unit_setup.py; the `m` fixture is conftest's).
 """
 
 from __future__ import annotations
@@ -9,93 +9,10 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import checkout
-import pytest
-from checkout import install as install_checkout
 from nspawn import NspawnMachine, expect_no_restart
-
-from kimi_supervisor import unit
-
-REPO = Path(__file__).resolve().parents[2]
-FAKE = REPO / "tests" / "fakes" / "fake_vllm.py"
-UNIT = unit.UNIT_NAME
-CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
-DROPIN = f"/etc/systemd/system/{UNIT}.d/test.conf"
-
-
-def executable(m: NspawnMachine) -> str:
-    return install_checkout(m, UNIT)
-
-
-def config(fake_args: list[str], *, health: str = "", extra: str = "") -> str:
-    argv = [
-        sys.executable,
-        str(FAKE),
-        "serve",
-        "/tmp/model",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "8000",
-        "--tensor-parallel-size",
-        "2",
-        "--shards",
-        "6",
-        "--max-lifetime",
-        "120",
-        *fake_args,
-    ]
-    quoted = ", ".join(f'"{a}"' for a in argv)
-    return f"""
-[child]
-argv = [{quoted}]
-[preflight]
-gpus = []
-check_model = false
-[readiness]
-poll_interval_s = 0.1
-stall_timeout_s = 30
-[health]
-{health or "interval_s = 0.5"}
-[shutdown]
-grace_s = 3
-{extra}
-"""
-
-
-DROPIN_TEXT = """[Service]
-RestartSec=1
-WatchdogSec=3
-TimeoutStopSec=15
-"""
-
-
-@pytest.fixture(scope="module")
-def m(machine: NspawnMachine) -> Iterator[NspawnMachine]:
-    machine.install_unit(UNIT, unit.render(executable(machine), Path(CONFIG)), reload=False)
-    machine.write_file(DROPIN, DROPIN_TEXT)
-    machine.daemon_reload()
-    yield machine
-
-
-def deploy(m: NspawnMachine, text: str, dropin: str = DROPIN_TEXT) -> None:
-    m.systemctl("stop", UNIT, check=False)
-    m.systemctl("reset-failed", UNIT, check=False)
-    m.write_file(CONFIG, text, mode=0o644)
-    m.write_file(DROPIN, dropin)
-    m.daemon_reload()
-    m.run(["journalctl", "--rotate"], check=False)
-
-
-def prop(m: NspawnMachine, name: str) -> str:
-    return m.unit_property(UNIT, name)
-
-
-def cgroup_pids(m: NspawnMachine) -> list[int]:
-    return m.unit_pids(UNIT)
+from unit_setup import UNIT, cgroup_pids, config, deploy, now, prop
 
 
 def http_status(m: NspawnMachine, url: str) -> str:
@@ -106,10 +23,6 @@ def http_status(m: NspawnMachine, url: str) -> str:
 
 def events(m: NspawnMachine, since: str) -> list[str]:
     return [e.get("KIMI_EVENT", "") for e in m.journal_json(UNIT, "--since", since) if e.get("KIMI_EVENT")]
-
-
-def now(m: NspawnMachine) -> str:
-    return m.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
 
 
 def test_start_returns_after_ready_and_stop_leaves_nothing(m: NspawnMachine) -> None:

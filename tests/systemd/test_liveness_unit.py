@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from nspawn import NspawnMachine
-from test_kimi_unit import UNIT, config, deploy, m, now, prop
-
-__all__ = ["m"]  # the module's machine fixture, shared from test_kimi_unit
+from unit_setup import UNIT, config, deploy, now, prop
 
 LIVENESS = """[liveness]
 canary_interval_s = 0.5

@@ -8,24 +8,18 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from checkout import LAUNCHER
 from nspawn import NspawnMachine
-from test_kimi_unit import CONFIG, DROPIN, DROPIN_TEXT, UNIT, cgroup_pids, config, deploy, executable, prop
-
-from kimi_supervisor import unit
+from unit_setup import CONFIG, UNIT, cgroup_pids, config, deploy, install, prop
 
 WRAPPER = LAUNCHER  # this checkout's `python -m kimi_supervisor`, for the unit and for the shell
 
 
 @pytest.fixture(scope="module")
 def m(machine: NspawnMachine) -> Iterator[NspawnMachine]:
-    assert executable(machine) == WRAPPER  # installs the launcher and the unit's bind drop-in
-    machine.install_unit(UNIT, unit.render(WRAPPER, Path(CONFIG)), reload=False)
-    machine.write_file(DROPIN, DROPIN_TEXT)
-    machine.daemon_reload()
+    assert install(machine) == WRAPPER  # the unit runs the launcher the shell runs below
     yield machine
 
 

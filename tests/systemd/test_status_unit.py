@@ -5,26 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import checkout
-import pytest
 from nspawn import NspawnMachine
-from test_kimi_unit import CONFIG, DROPIN, DROPIN_TEXT, UNIT, config, deploy, executable, prop
-
-from kimi_supervisor import unit
+from unit_setup import CONFIG, UNIT, config, deploy, prop
 
 STATE_FILE = "/run/kimi-supervisor/state.json"
 HISTORY_FILE = "/var/lib/kimi-supervisor/history.json"
-
-
-@pytest.fixture(scope="module")
-def m(machine: NspawnMachine) -> Iterator[NspawnMachine]:
-    machine.install_unit(UNIT, unit.render(executable(machine), Path(CONFIG)), reload=False)
-    machine.write_file(DROPIN, DROPIN_TEXT)
-    machine.daemon_reload()
-    yield machine
 
 
 def status(m: NspawnMachine, *args: str) -> subprocess.CompletedProcess[str]:
