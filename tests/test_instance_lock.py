@@ -104,6 +104,15 @@ def test_second_supervisor_refuses_at_once_and_the_first_keeps_serving(tmp_path:
         gpu_file(gpus, dict.fromkeys(workers, 40_000), count=2)
         seen = len(first.events)
 
+        # "At once" is measured against what a bare start of the CLI costs right now: on a busy machine (the
+        # suite's other workers) Python's start-up alone can take a second; waiting out the preflight would
+        # add its 3 s deadline.
+        bare = time.monotonic()
+        subprocess.run(
+            [sys.executable, "-m", "kimi_supervisor", "--version"], cwd=REPO, capture_output=True, check=True
+        )
+        bare = time.monotonic() - bare
+
         # The same command again, from a shell, by mistake.
         (tmp_path / "b").mkdir()
         started = time.monotonic()
@@ -111,7 +120,7 @@ def test_second_supervisor_refuses_at_once_and_the_first_keeps_serving(tmp_path:
         rc = second.wait()
         took = time.monotonic() - started
         assert rc == ExitCode.ANOTHER_INSTANCE
-        assert took < 1.0, f"refused after {took:.2f}s"
+        assert took < bare + 1.0, f"refused after {took:.2f}s (a bare start: {bare:.2f}s)"
         exit_event = second.event("supervisor.exit")
         assert exit_event is not None
         assert exit_event["error"].startswith(f"another kimi-supervisor (PID {first.proc.pid}) owns GPU 0, serving ")
