@@ -186,7 +186,9 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return  # one process: nothing to group (and the marker is xdist's)
     # First, because xdist's worker reads the group in its own hook, which runs before this conftest's
     # plain hooks; so before tests/systemd's and tests/e2e's conftests add their tier's marker too: their
     # directories are named here as well.
