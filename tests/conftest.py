@@ -172,6 +172,9 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         config.option.numprocesses = "auto"
         if config.option.dist == "no":
             config.option.dist = "loadgroup"
+            # Work goes out in collection order, the heavy group last (below): the heavy tiers start when the
+            # unit tests are nearly all handed out, so the real vLLM's timings do not compete with 7 workers.
+            config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -192,10 +195,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # First, because xdist's worker reads the group in its own hook, which runs before this conftest's
     # plain hooks; so before tests/systemd's and tests/e2e's conftests add their tier's marker too: their
     # directories are named here as well.
+    heavy = []
     for item in items:
         path = Path(str(item.path)).resolve()
         if any(item.get_closest_marker(tier) for tier in HEAVY_TIERS) or any(d in path.parents for d in HEAVY_DIRS):
             item.add_marker(pytest.mark.xdist_group(HEAVY_GROUP))
+            heavy.append(item)
+    items[:] = [item for item in items if item not in heavy] + heavy
 
 
 # CI runs the property tests with a fixed seed: a red build must be reproducible, not a dice roll.
