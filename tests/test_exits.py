@@ -30,6 +30,7 @@ from kimi_supervisor.supervisor import Deps, Supervisor
 from tests.conftest import wait_for
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpuProbe
+from tests.fakes.lifecycle import ListSink
 from tests.harness import REPO, Run, fake_config, fake_tree_of
 
 
@@ -38,14 +39,11 @@ class Silent:
         return None
 
 
-class RaisingSink:
+class RaisingSink(ListSink):
     """Raises `exc` once, on the third /health access line (the server is up by then)."""
 
-    name = "test"
-    metered = False
-    pending = 0
-
     def __init__(self, exc: BaseException) -> None:
+        super().__init__()
         self.exc: BaseException | None = exc
         self.health_lines = 0
 
@@ -55,15 +53,6 @@ class RaisingSink:
             if self.health_lines == 3 and self.exc is not None:
                 exc, self.exc = self.exc, None
                 raise exc
-
-    def flush(self) -> None:
-        return None
-
-    def take_dropped(self, final: bool = False) -> int:
-        return 0
-
-    def close(self, timeout_s: float) -> None:
-        return None
 
 
 CAUSES = [

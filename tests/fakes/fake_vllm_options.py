@@ -80,6 +80,21 @@ SIGINT after SIGTERM/SIGINT during load; 3 when --max-lifetime expires; --exit-c
 """
 
 
+# The "failures after ready" options: each takes S, the seconds after ready when the failure starts.
+AFTER_READY = (
+    ("--hang-after-ready", "HTTP requests never answered, output stops"),
+    ("--unhealthy-after", "/health answers 503"),
+    ("--trickle-health-after", "/health sends its 200 response one byte every 0.5 s (a per-recv timeout never trips)"),
+    (
+        "--wedged-after",
+        "the engine wedges (GPU page fault, NCCL hang): /health stays 200, completions are never answered, "
+        "/metrics freezes with 2 requests running (plus the hung ones) and generation_tokens_total still",
+    ),
+    ("--exit-after-ready", "uvicorn shuts down, exit --exit-code"),
+    ("--kill-worker-after-ready", "EngineCore SIGKILLs worker 0 and dies; exit 0"),
+)
+
+
 def _int_with_suffix(text: str) -> int:
     """vLLM-style sizes such as 131072, 128k, 1M."""
     t = text.strip().lower()
@@ -123,26 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--free-memory-error", action="store_true", help="worker 0: 'Free memory on device' at init")
 
     after = p.add_argument_group("failures after ready (S = seconds after ready)")
-    after.add_argument("--hang-after-ready", type=float, metavar="S", help="HTTP requests never answered, output stops")
-    after.add_argument("--unhealthy-after", type=float, metavar="S", help="/health answers 503")
-    after.add_argument(
-        "--trickle-health-after",
-        type=float,
-        metavar="S",
-        help="/health sends its 200 response one byte every 0.5 s (a per-recv timeout never trips)",
-    )
-    after.add_argument(
-        "--wedged-after",
-        type=float,
-        metavar="S",
-        help="the engine wedges (GPU page fault, NCCL hang): /health stays 200, completions are never answered, "
-        "/metrics freezes with 2 requests running (plus the hung ones) and generation_tokens_total still",
-    )
-    after.add_argument("--exit-after-ready", type=float, metavar="S", help="uvicorn shuts down, exit --exit-code")
+    for flag, what in AFTER_READY:  # each a failure that starts S seconds after ready
+        after.add_argument(flag, type=float, metavar="S", help=what)
     after.add_argument("--exit-code", type=int, default=0, metavar="C")
-    after.add_argument(
-        "--kill-worker-after-ready", type=float, metavar="S", help="EngineCore SIGKILLs worker 0 and dies; exit 0"
-    )
     after.add_argument(
         "--engine-death-exit-delay",
         type=float,
