@@ -1,8 +1,9 @@
-"""The lifecycle's logic on a fake clock: `Supervisor` in-process, every boundary faked (tests/fakes/lifecycle.py).
+"""The lifecycle's logic on a fake clock: `Supervisor` in-process, every boundary faked (fakes/lifecycle_world.py).
 
 Each test scripts vLLM's lines, /health answers and signals against fake time and runs in milliseconds.
-What only real processes prove (process trees, pipes under load, the CLI, systemd) stays in
-test_supervisor.py, test_faults.py and the systemd tier.
+Every way out of a run and every signal are in test_lifecycle_exits.py.  What only real processes prove
+(process trees, pipes under load, the CLI, systemd) stays in test_supervisor.py, test_exits.py,
+test_faults.py and the systemd tier.
 """
 
 from __future__ import annotations
@@ -14,30 +15,16 @@ from pathlib import Path
 import pytest
 
 from kimi_supervisor.state import State
-from tests.fakes.lifecycle import World, lifecycle_config
-
-LOADING = "(Worker_TP0 pid=3) INFO 11-29 16:40:03 [gpu_model_runner.py:1] Starting to load model /models/m..."
-STARTED = "(APIServer pid=1) INFO 11-29 16:49:20 [api_server.py:1] Starting vLLM API server 0 on http://0.0.0.0:8000"
-FATAL = (
-    "(EngineCore_DP0 pid=2) RuntimeError: Engine core initialization failed. See root cause above. "
-    "Failed core proc(s): {}"
+from tests.fakes.lifecycle_world import (
+    FATAL,
+    LOADING,
+    STARTED,
+    TICK,
+    World,
+    lifecycle_config,
+    ready_times,
+    serving_world,
 )
-TICK = 0.06  # the loop's reaction time in fake seconds: a burst probe (0.02) or a stop-loop pump (0.05)
-
-
-def serving_world(tmp_path: Path, started_at: float = 1.0, **kw: object) -> World:
-    """vLLM that loads, says it started at `started_at`, and answers 200 from then on."""
-    sections = {k: v for k, v in kw.items() if k not in ("watchdog_s", "term_exit_after")}
-    opts = {k: v for k, v in kw.items() if k in ("watchdog_s", "term_exit_after")}
-    w = World(lifecycle_config(tmp_path, **sections), **opts)  # type: ignore[arg-type]
-    w.say_at(0.1, LOADING)
-    w.say_at(started_at, STARTED)
-    w.health = lambda t: 200 if t >= started_at else None
-    return w
-
-
-def ready_times(w: World) -> list[float]:
-    return w.notes.times("READY", 1)
 
 
 def test_ready_only_after_the_started_line_even_when_health_answers_first(tmp_path: Path) -> None:

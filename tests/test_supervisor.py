@@ -94,6 +94,8 @@ def test_worker_death_after_ready_fails_fast_quoting_vllm(tmp_path: Path) -> Non
 
 
 def test_child_exit_after_ready_is_a_failure_even_with_status_0(tmp_path: Path) -> None:
+    # Also in fake time: test_lifecycle_exits::test_child_exit_status_0_after_ready_is_a_failure.  Here: a real
+    # vLLM main that exits 0 (its workers killed) and the tree gone after.
     run = Run(fake_config(tmp_path, ["--exit-after-ready", "0.5", "--exit-code", "0"]), tmp_path)
     run.wait_event("state.ready")
     assert run.wait() == 13
@@ -112,6 +114,7 @@ def test_unhealthy_after_ready_exits_14(tmp_path: Path) -> None:
 
 
 def test_sigterm_ignored_escalates_to_sigkill_within_grace(tmp_path: Path) -> None:
+    # Also in fake time: test_lifecycle::test_sigkill_when_the_grace_runs_out.  Here: a real tree that ignores it.
     run = Run(fake_config(tmp_path, ["--ignore-sigterm"], shutdown={"grace_s": 1.0}), tmp_path)
     run.wait_event("state.ready")
     start = run.signal()
@@ -132,6 +135,8 @@ def test_orphaned_or_detached_workers_are_stopped_too(tmp_path: Path, flag: str)
 
 
 def test_sigterm_during_load_stops_cleanly(tmp_path: Path) -> None:
+    # Also in fake time: test_lifecycle_exits::test_sigterm_ignored_while_loading_is_escalated_without_ready.
+    # Here: a real tree still spawning its workers when the signal comes.
     run = Run(
         fake_config(tmp_path, ["--load-seconds", "20", "--ignore-sigterm-during-load"], shutdown={"grace_s": 0.5}),
         tmp_path,
@@ -181,29 +186,20 @@ def test_abusive_output_does_not_hurt(tmp_path: Path) -> None:
 
 
 def test_exact_notify_datagrams_in_order(tmp_path: Path) -> None:
+    # The order of every kind of datagram is proven in fake time (test_lifecycle_exits::test_notify_datagrams_in_order).
+    # Here: the bytes on a real socket, one datagram per send, READY's and the stop's exactly.
     run = Run(fake_config(tmp_path, ["--load-seconds", "1"]), tmp_path, env={"WATCHDOG_USEC": "1000000"})
-    run.wait_event("state.ready")
+    ready = run.wait_event("state.ready")
     wait_for(lambda: run.notify.first("WATCHDOG"))  # at least one watchdog ping, at WATCHDOG_USEC / 2
     run.signal()
     assert run.wait() == 0
-
-    def kind(datagram: str) -> str:
-        keys = [line.split("=", 1)[0] for line in datagram.split("\n")]
-        if keys == ["STATUS"]:
-            status = datagram.removeprefix("STATUS=")
-            return "STATUS:" + status.split(":")[0].split(" ")[0]
-        return "+".join(keys)
-
-    kinds = [kind(d) for d in run.notify.messages()]
-    # Collapse repeats of progress and pings, keep the order of everything else.
-    collapsed = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
-    assert collapsed[:4] == ["STATUS:preflight", "EXTEND_TIMEOUT_USEC", "STATUS:starting", "EXTEND_TIMEOUT_USEC"]
-    ready = collapsed.index("READY+STATUS")
-    assert set(collapsed[4:ready]) <= {"STATUS:starting", "EXTEND_TIMEOUT_USEC"}
-    # STATUS:stopping twice: "stopping: stop requested", then "stopping: tree gone" (no GPUs configured).
-    assert collapsed[ready + 1 :] == ["WATCHDOG", "STOPPING+STATUS", "STATUS:stopping", "STATUS:stopped"]
-    assert kinds.count("READY+STATUS") == 1
     messages = run.notify.messages()
-    assert messages[-1] == "STATUS=stopped"
-    assert messages[-2] == "STATUS=stopping: tree gone"
-    assert messages[-3] == "STOPPING=1\nSTATUS=stopping: stop requested"
+    assert messages[0] == "STATUS=preflight: checking GPUs, stale processes and shared memory"
+    assert messages[1].startswith("EXTEND_TIMEOUT_USEC=") and messages[1].removeprefix("EXTEND_TIMEOUT_USEC=").isdigit()
+    assert [m for m in messages if m.startswith("READY=")] == [f"READY=1\nSTATUS={ready['status']}"]
+    assert "WATCHDOG=1" in messages[messages.index(f"READY=1\nSTATUS={ready['status']}") :]
+    assert messages[-3:] == [
+        "STOPPING=1\nSTATUS=stopping: stop requested",
+        "STATUS=stopping: tree gone",
+        "STATUS=stopped",
+    ]

@@ -1,5 +1,7 @@
 """Fakes for every boundary `Supervisor` has (kimi_supervisor/boundaries.py), on one event-driven fake clock.
 
+tests/fakes/lifecycle_world.py puts them together into one `World` around a real `Supervisor`.
+
 The loop's waits go through `FakeSelector.select`, which advances the clock to the next scripted event (or
 the whole timeout) and returns what became readable: real pipes carry the child's lines and the signal
 wake-ups, so `ChildOutput`, the readiness tracker and the lifecycle run unpatched, in milliseconds.
@@ -14,19 +16,12 @@ import os
 import selectors
 import signal
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from kimi_supervisor.child import read_pipe
-from kimi_supervisor.config import parse_config
-from kimi_supervisor.configtypes import Config, SpawnSpec
-from kimi_supervisor.exitcodes import SupervisorError
 from kimi_supervisor.health import HealthResult
-from kimi_supervisor.proctable import PsutilProcessTable
 from kimi_supervisor.signals import SignalRecorder
-from kimi_supervisor.supervisor import Deps, Supervisor
 from tests.fakes.clock import RecordingLog
-from tests.fakes.gpu import FakeGpuProbe
 
 T0 = 1000.0
 HORIZON_S = 100_000.0  # a loop that never ends fails the test instead of spinning forever
@@ -123,11 +118,13 @@ class FakeSelector(selectors.BaseSelector):
 class FakeSignals(SignalRecorder):
     """The real recorder and wake-up pipe, without touching the test process's signal handlers."""
 
+    installed = False
+
     def install(self) -> None:
-        return None
+        self.installed = True
 
     def uninstall(self) -> None:
-        return None
+        self.installed = False
 
     def send(self, sig: int) -> None:
         self._record(sig, None)
@@ -252,7 +249,7 @@ class FakeLiveness:
 
     def __init__(self) -> None:
         self.healthy = True
-        self.started = self.stopped = False
+        self.started = self.stopped = self.closed = False
 
     def start(self) -> None:
         self.started = True
@@ -264,7 +261,7 @@ class FakeLiveness:
         self.stopped = True
 
     def close(self) -> None:
-        return None
+        self.closed = True
 
 
 class RecordingNotifier:
@@ -300,97 +297,19 @@ class ListSink:
         return None
 
 
-def lifecycle_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
-    """The harness's real-process config, minus what only touches the host (GPUs, shm, the port)."""
-    raw: dict[str, dict[str, Any]] = {
-        "child": {"argv": ["vllm", "serve", "/models/m", "--port", "8000"]},
-        "preflight": {"gpus": [], "check_model": False, "check_port": False},
-        "preflight.shm": {"enabled": False},
-        "readiness": {"stall_timeout_s": 20, "deadline_s": 60, "poll_interval_s": 0.1},
-        "health": {"interval_s": 0.3, "timeout_s": 1, "failures_tolerated": 3},
-        "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
-        "paths": {"runtime_directory": str(tmp_path / "run")},
-    }
-    for key, value in sections.items():
-        raw.setdefault(key.replace("__", "."), {}).update(value)
-    nested: dict[str, Any] = {}
-    for dotted, table in raw.items():
-        node = nested
-        for part in dotted.split("."):
-            node = node.setdefault(part, {})
-        node.update(table)
-    return parse_config(nested, tmp_path / "kimi.toml")
+class RaisingSink(ListSink):
+    """Raises `exc` once, on the `nth` child line containing `marker` (by default the third /health access line)."""
 
+    def __init__(self, exc: BaseException, marker: str = '"GET /health', nth: int = 3) -> None:
+        super().__init__()
+        self.exc: BaseException | None = exc
+        self.marker, self.nth = marker, nth
+        self.seen = 0
 
-class World:
-    """One supervisor run with every boundary faked; `run()` returns the exit code it would give cli.main."""
-
-    def __init__(self, cfg: Config, *, watchdog_s: float | None = None, term_exit_after: float | None = 0.2) -> None:
-        self.cfg = cfg
-        self.clock = EventClock()
-        self.signals = FakeSignals()
-        self.log = TimedLog(self.clock)
-        self.notes = RecordingNotifier(self.clock)
-        self.sink = ListSink()
-        self.liveness = FakeLiveness()
-        self.health: Callable[[float], int | None] = lambda t: None
-        self.term_exit_after = term_exit_after
-        self.script: Callable[[FakeChild], None] = lambda child: None
-        self.child: FakeChild | None = None
-        self.prober: FakeProber | None = None
-        self.error: SupervisorError | None = None
-        self.supervisor = Supervisor(
-            cfg,
-            Deps(
-                probe=FakeGpuProbe([]),
-                table=PsutilProcessTable(),
-                notifier=self.notes,
-                log=self.log,
-                sink=self.sink,
-                watchdog_s=watchdog_s,
-                environ={},
-                signals=self.signals,
-                clock=self.clock,
-                spawn=self,
-                prober=self._prober,
-                liveness=lambda *args, **kw: self.liveness,
-                selector=lambda: FakeSelector(self.clock),
-                drain=lambda *args: None,  # the drain talks to a real /metrics: stop the tree at once
-            ),
-        )
-
-    def prepare(self, spec: SpawnSpec, parent_env: Mapping[str, str]) -> None:
-        return None
-
-    def spawn(self, spec: SpawnSpec, parent_env: Mapping[str, str], prepared: object) -> FakeChild:
-        self.child = FakeChild(self.clock, self.term_exit_after)
-        self.script(self.child)
-        return self.child
-
-    def _prober(self, url: str, timeout_s: float, interval_s: float, wake: Callable[[], None]) -> FakeProber:
-        self.prober = FakeProber(self.clock, lambda t: self.health(t), interval_s, wake)
-        return self.prober
-
-    def say_at(self, t: float, line: str) -> None:
-        self.clock.at(t, lambda: self.child.say(line) if self.child else None)
-
-    def signal_at(self, t: float, sig: int = signal.SIGTERM) -> None:
-        self.clock.at(t, lambda: self.signals.send(sig))
-
-    def run(self) -> int:
-        try:
-            return int(self.supervisor.run())
-        except SupervisorError as err:
-            self.error = err
-            return int(err.exit_code)
-        finally:
-            if self.child is not None:
-                self.child.close()
-            for fd in (self.signals.read_fd, self.signals._write_fd):
-                os.close(fd)
-
-    def events(self, name: str) -> list[dict[str, object]]:
-        return self.log.events(name)
-
-    def names(self) -> list[str]:
-        return [e for _, e, _ in self.log.records]
+    def line(self, text: str, priority: int, fields: Mapping[str, str]) -> None:
+        super().line(text, priority, fields)
+        if self.marker in text:
+            self.seen += 1
+            if self.seen == self.nth and self.exc is not None:
+                exc, self.exc = self.exc, None
+                raise exc
