@@ -69,7 +69,8 @@ LOST_GPU = textwrap.dedent(
     """
     import sys
     from kimi_supervisor import cli
-        from tests.fakes.gpu import FakeGpu, FakeGpuProbe
+    from kimi_supervisor.gpu import GpuUnavailable
+    from tests.fakes.gpu import FakeGpu, FakeGpuProbe
 
     class LostGpu(FakeGpuProbe):
         def memory(self, index):

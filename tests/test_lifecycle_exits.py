@@ -87,7 +87,7 @@ def test_ignored_signals_neither_stop_nor_delay_a_run(tmp_path: Path) -> None:
     assert 1.0 <= ready < 1.0 + TICK
     events = w.events("signal.ignored")
     handled = sorted((t, str(e["signal"])) for t, e in zip(w.log.when("signal.ignored"), events, strict=True))
-    assert handled == [(0.5, "SIGHUP")] + sorted((3.0, s.name) for s in ignored)  # each when it arrives
+    assert handled == [(0.5, "SIGHUP"), *sorted((3.0, s.name) for s in ignored)]  # each when it arrives
     assert {e["why"] for e in events if e["signal"] == "SIGHUP"} == {"reload is not supported; restart the unit"}
     assert {e["why"] for e in events if e["signal"] != "SIGHUP"} == {"not a stop request"}
     assert w.supervisor.state.history == SERVED
@@ -117,7 +117,7 @@ def test_health_failures_before_ready_each_reason_once_and_the_last_named(tmp_pa
     assert w.prober is not None and len(w.prober.probes) > 40  # every 0.1 s, logged only on a new reason
     not_yet = w.events("health.not_yet")
     assert [e["error"] for e in not_yet] == ["connection refused", "HTTP 503", "connection refused"]
-    assert {e["phase"] for e in not_yet} == {"loading weights"}
+    assert [e["phase"] for e in not_yet] == ["spawning", "loading weights", "loading weights"]
     assert w.error is not None and w.error.message.startswith("vLLM not ready after 5s (readiness.deadline_s)")
     assert w.error.message.endswith("(last /health: connection refused)")
     assert ready_times(w) == []
