@@ -100,13 +100,15 @@ def test_health_failures_exit_14_after_the_tolerated_number(tmp_path: Path) -> N
     assert w.child is not None and [s for _, s in w.child.signals] == [signal.SIGTERM]
 
 
-def test_child_exit_after_ready_exits_13(tmp_path: Path) -> None:
+@pytest.mark.parametrize("status", [1, 0])  # 0 too: an exit nobody asked for is a failure whatever its status
+def test_child_exit_after_ready_exits_13(tmp_path: Path, status: int) -> None:
     w = serving_world(tmp_path)
-    w.clock.at(6.0, lambda: w.child.exit(1) if w.child else None)
+    w.clock.at(6.0, lambda: w.child.exit(status) if w.child else None)
     assert w.run() == 13
     assert w.error is not None
-    assert w.error.message.startswith("vLLM exited with status 1 after it was ready (not requested)")
-    assert w.log.when("state.failed")[0] < 6.0 + TICK
+    assert w.error.message.startswith(f"vLLM exited with status {status} after it was ready (not requested)")
+    assert w.supervisor.state.history[-2:] == [State.STOPPING, State.FAILED]
+    assert 6.0 <= w.log.when("state.failed")[0] < 6.0 + TICK
 
 
 def test_fatal_line_after_ready_exits_13_without_waiting_for_the_exit(tmp_path: Path) -> None:

@@ -124,16 +124,6 @@ def test_health_failures_before_ready_each_reason_once_and_the_last_named(tmp_pa
     assert w.child is not None and [s for _, s in w.child.signals] == [signal.SIGTERM]
 
 
-def test_child_exit_status_0_after_ready_is_a_failure(tmp_path: Path) -> None:
-    w = serving_world(tmp_path)
-    w.clock.at(3.0, lambda: w.child.exit(0) if w.child else None)
-    assert w.run() == 13
-    assert w.error is not None
-    assert w.error.message.startswith("vLLM exited with status 0 after it was ready (not requested)")
-    assert w.supervisor.state.history == [*SERVED[:4], State.FAILED]
-    assert 3.0 <= w.log.when("state.failed")[0] < 3.0 + TICK
-
-
 def test_sigterm_ignored_while_loading_is_escalated_without_ready(tmp_path: Path) -> None:
     w = serving_world(tmp_path, started_at=20.0, term_exit_after=None, shutdown={"grace_s": 0.5})
     w.signal_at(5.0)

@@ -94,7 +94,7 @@ def test_worker_death_after_ready_fails_fast_quoting_vllm(tmp_path: Path) -> Non
 
 
 def test_child_exit_after_ready_is_a_failure_even_with_status_0(tmp_path: Path) -> None:
-    # Also in fake time: test_lifecycle_exits::test_child_exit_status_0_after_ready_is_a_failure.  Here: a real
+    # Also in fake time: test_lifecycle::test_child_exit_after_ready_exits_13 (status 0 and 1).  Here: a real
     # vLLM main that exits 0 (its workers killed) and the tree gone after.
     run = Run(fake_config(tmp_path, ["--exit-after-ready", "0.5", "--exit-code", "0"]), tmp_path)
     run.wait_event("state.ready")
