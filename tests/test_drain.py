@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_supervisor.config import parse_config
+from kimi_supervisor.drain import SAMPLE_AT_SIGTERM_S, Drain
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.journal import ConsoleChildSink
 from kimi_supervisor.proctable import PsutilProcessTable
@@ -134,3 +137,39 @@ def test_last_status_says_tree_gone_gpus_free(tmp_path: Path) -> None:
     drains = [fields for _, event, fields in log.records if event == "stop.drain"]
     assert len(drains) == 1 and drains[0]["in_flight_at_sigterm"] == 0.0 and drains[0]["outcome"] == "drained"
     assert [e for _, e, _ in log.records if e == "stop.gpu_released"]
+
+
+def test_a_hanging_metrics_endpoint_delays_sigterm_by_at_most_the_sample_bound() -> None:
+    # /metrics accepts and never answers (an event loop saturated by a stream): the count is unknown, said so,
+    # and vLLM still gets its SIGTERM once the one bounded read gives up.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    vllm = subprocess.Popen(["sleep", "60"])
+
+    class Main:
+        pid = vllm.pid
+
+        def refresh_members(self) -> list[object]:
+            return []
+
+    class Notes:
+        def send(self, **fields: str | int) -> None:
+            return None
+
+    log = RecordingLog()
+    drain = Drain(f"http://127.0.0.1:{port}/health", 0, Notes(), log)
+    try:
+        t0 = time.monotonic()
+        drain.sigterm(Main())  # type: ignore[arg-type]  # only pid and refresh_members are used
+        waited = time.monotonic() - t0
+        assert vllm.wait(timeout=5) == -signal.SIGTERM
+        assert SAMPLE_AT_SIGTERM_S - 0.5 <= waited <= SAMPLE_AT_SIGTERM_S + 2, waited
+        warning = log.events("stop.metrics_unavailable")
+        assert len(warning) == 1 and warning[0]["url"] == f"http://127.0.0.1:{port}/metrics", log.records
+        assert drain.in_flight_at_sigterm is None
+    finally:
+        vllm.kill()
+        vllm.wait()
+        listener.close()
