@@ -21,6 +21,7 @@ from kimi_supervisor.state import State
 from kimi_supervisor.supervisor import Deps, Supervisor
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe
+from tests.fakes.lifecycle import SilentNotifier
 from tests.harness import REPO, Run, fake_tree_of, free_port, write_config
 from tests.sse_client import stream_completion
 
@@ -154,12 +155,8 @@ def test_a_hanging_metrics_endpoint_delays_sigterm_by_at_most_the_sample_bound()
         def refresh_members(self) -> list[object]:
             return []
 
-    class Notes:
-        def send(self, **fields: str | int) -> None:
-            return None
-
     log = RecordingLog()
-    drain = Drain(f"http://127.0.0.1:{port}/health", 0, Notes(), log)
+    drain = Drain(f"http://127.0.0.1:{port}/health", 0, SilentNotifier(), log)
     try:
         t0 = time.monotonic()
         drain.sigterm(Main())  # type: ignore[arg-type]  # only pid and refresh_members are used

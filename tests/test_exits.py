@@ -29,14 +29,8 @@ from kimi_supervisor.supervisor import Deps, Supervisor
 from tests.conftest import wait_for
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpuProbe
-from tests.fakes.lifecycle import RaisingSink
+from tests.fakes.lifecycle import RaisingSink, SilentNotifier
 from tests.harness import REPO, Run, fake_config, fake_tree_of
-
-
-class Silent:
-    def send(self, **fields: str | int) -> None:
-        return None
-
 
 # The other four causes (SystemExit, psutil.AccessDenied, GpuUnavailable, a bug) take the same path, proven in
 # fake time (test_lifecycle_exits.py::test_any_exception_stops_the_tree_before_it_goes_on, all six).  These two
@@ -50,7 +44,14 @@ def test_any_exception_stops_the_tree_first(tmp_path: Path, exc: BaseException) 
     cfg = load_config(fake_config(tmp_path, health={"interval_s": 0.1, "timeout_s": 1, "failures_tolerated": 3}))
     log = RecordingLog()
     sup = Supervisor(
-        cfg, Deps(probe=FakeGpuProbe([]), table=PsutilProcessTable(), notifier=Silent(), log=log, sink=RaisingSink(exc))
+        cfg,
+        Deps(
+            probe=FakeGpuProbe([]),
+            table=PsutilProcessTable(),
+            notifier=SilentNotifier(),
+            log=log,
+            sink=RaisingSink(exc),
+        ),
     )
     try:
         with pytest.raises(type(exc)):

@@ -21,14 +21,10 @@ from kimi_supervisor.supervisor import Deps, Supervisor
 from tests.conftest import ProcSpawner
 from tests.fakes.clock import FakeClock, RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe
+from tests.fakes.lifecycle import SilentNotifier
 from tests.harness import Run, fake_config, free_port
 
 ROOT = os.geteuid() == 0
-
-
-class Silent:
-    def send(self, **fields: str | int) -> None:
-        return None
 
 
 def test_sigterm_during_preflight_wait_stops_at_once(tmp_path: Path) -> None:
@@ -47,7 +43,7 @@ def test_sigterm_during_preflight_wait_stops_at_once(tmp_path: Path) -> None:
         Deps(
             probe=probe,
             table=PsutilProcessTable(),
-            notifier=Silent(),
+            notifier=SilentNotifier(),
             log=log,
             sink=ConsoleChildSink(open(os.devnull, "w")),  # noqa: SIM115
         ),

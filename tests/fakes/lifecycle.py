@@ -264,6 +264,13 @@ class FakeLiveness:
         self.closed = True
 
 
+class SilentNotifier:
+    """A notifier for tests that assert on the log, not on the datagrams."""
+
+    def send(self, **fields: str | int) -> None:
+        return None
+
+
 class RecordingNotifier:
     def __init__(self, clock: EventClock) -> None:
         self._clock = clock
