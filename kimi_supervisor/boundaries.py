@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kimi_supervisor.configtypes import Config, SpawnSpec
 from kimi_supervisor.gpu import GpuProbe
 from kimi_supervisor.health import HealthResult
+from kimi_supervisor.httpget import Answer
 from kimi_supervisor.notify import Notifier
 
 if TYPE_CHECKING:
@@ -84,6 +85,24 @@ class Prober(Protocol):
 
 class ProberFactory(Protocol):
     def __call__(self, url: str, timeout_s: float, interval_s: float, wake: Callable[[], None]) -> Prober: ...
+
+
+class HttpClient(Protocol):
+    """One HTTP request within `timeout_s` in all, never raising for what a server does (httpget.request).
+
+    `/health` (HealthProber), the canary and `/metrics` (DeepLiveness, Drain) take one; tests pass a fake.
+    """
+
+    def __call__(
+        self,
+        method: str,
+        url: str,
+        timeout_s: float,
+        *,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        max_body: int = ...,
+    ) -> Answer: ...
 
 
 class Signals(Protocol):

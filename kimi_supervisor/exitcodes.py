@@ -122,3 +122,9 @@ class EngineWedged(SupervisorError):
 
 class GpuFailed(SupervisorError):
     exit_code = ExitCode.GPU_FAILED
+
+
+class ThreadDied(SupervisorError):
+    """One of our check threads (canary, health prober, metrics, GPU events) died: a bug, exit 70."""
+
+    exit_code = ExitCode.INTERNAL

@@ -16,13 +16,11 @@ the supervisor's loop never blocks, each judged in the loop (`check()`):
 from __future__ import annotations
 
 import dataclasses
-import http.client
 import json
 import os
 import queue
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -30,14 +28,16 @@ from kimi_supervisor.configtypes import Config
 from kimi_supervisor.exitcodes import EngineWedged
 from kimi_supervisor.gpu import GpuProbe
 from kimi_supervisor.gpu_events import GpuEventWatcher
+from kimi_supervisor.httpget import one_line, parse_json, request
 from kimi_supervisor.notify import Notifier
 from kimi_supervisor.vllm_metrics import EngineMetrics, MetricsError, fetch_metrics
 
 if TYPE_CHECKING:
-    from kimi_supervisor.boundaries import Logger
+    from kimi_supervisor.boundaries import HttpClient, Logger
 
 RETRY_S = 1.0  # after a failed canary, the next one follows this soon (not a whole interval later)
 CANARY_PROMPT = "Hi"
+MAX_CANARY_BODY = 1 << 20  # a 1-token completion is < 1 KiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,35 +57,27 @@ def api_key(argv: tuple[str, ...], env: Mapping[str, str]) -> str | None:
     return env.get("VLLM_API_KEY") or None
 
 
-def send_canary(url: str, model: str, timeout_s: float, key: str | None = None) -> CanaryResult:
-    """POST a 1-token, temperature-0 completion; ok means HTTP 200 with a choice, within `timeout_s`."""
-    parts = urllib.parse.urlsplit(url)
-    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+def send_canary(
+    url: str, model: str, timeout_s: float, key: str | None = None, http: HttpClient = request
+) -> CanaryResult:
+    """POST a 1-token, temperature-0 completion; ok means HTTP 200 with a choice, all of it within `timeout_s`."""
     body = json.dumps({"model": model, "prompt": CANARY_PROMPT, "max_tokens": 1, "temperature": 0}).encode()
     headers = {"Content-Type": "application/json", "User-Agent": "kimi-supervisor canary"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    start = time.monotonic()
-    conn = conn_cls(parts.hostname or "127.0.0.1", parts.port, timeout=timeout_s)
+    a = http("POST", url, timeout_s, body=body, headers=headers, max_body=MAX_CANARY_BODY)
+    if a.error is not None:
+        return CanaryResult(False, a.error, a.latency_s)
+    if a.status != 200:
+        return CanaryResult(False, one_line(f"HTTP {a.status}: {a.body[:200].decode('utf-8', 'replace')}"), a.latency_s)
     try:
-        conn.request("POST", parts.path, body=body, headers=headers)
-        resp = conn.getresponse()
-        raw = resp.read(1 << 20)
-        took = time.monotonic() - start
-        if took > timeout_s:  # each read had its timeout; the whole answer must fit in one
-            return CanaryResult(False, f"no complete answer within {timeout_s:g}s", took)
-        if resp.status != 200:
-            return CanaryResult(False, f"HTTP {resp.status}: {raw[:200].decode('utf-8', 'replace')}", took)
-        choices = json.loads(raw).get("choices")
-        if not isinstance(choices, list) or not choices:
-            return CanaryResult(False, "HTTP 200 without a completion choice", took)
-        return CanaryResult(True, None, took)
-    except TimeoutError:
-        return CanaryResult(False, f"no answer within {timeout_s:g}s", time.monotonic() - start)
-    except (OSError, http.client.HTTPException, ValueError, AttributeError) as exc:
-        return CanaryResult(False, f"{type(exc).__name__}: {exc}", time.monotonic() - start)
-    finally:
-        conn.close()
+        doc = parse_json(a.body)
+    except ValueError as exc:
+        return CanaryResult(False, f"HTTP 200, {exc}", a.latency_s)
+    choices = doc.get("choices") if isinstance(doc, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return CanaryResult(False, "HTTP 200 without a completion choice", a.latency_s)
+    return CanaryResult(True, None, a.latency_s)
 
 
 class ProgressTracker:
@@ -124,8 +116,10 @@ class DeepLiveness:
         notifier: Notifier,
         log: Logger,
         on_canary: Callable[[bool, float], None] | None = None,
+        http: HttpClient = request,
     ) -> None:
         self.cfg = cfg.liveness
+        self._http = http
         self._on_canary = on_canary  # the operator's view: the state file and metrics show each result
         self.model = cfg.child.vllm.served_model_name
         self.completions_url = cfg.child.vllm.api_url("/v1/completions")
@@ -200,7 +194,7 @@ class DeepLiveness:
             if c.when == "idle" and latest is not None and (latest.in_flight or 0) > 0:
                 wait = c.canary_interval_s  # busy: token progress is the check that applies
                 continue
-            result = send_canary(self.completions_url, self.model, c.canary_timeout_s, self._key)
+            result = send_canary(self.completions_url, self.model, c.canary_timeout_s, self._key, self._http)
             if self._stop.is_set():
                 return
             self._canaries.put(result)
@@ -212,7 +206,7 @@ class DeepLiveness:
         while not self._stop.wait(c.metrics_interval_s):
             sample: EngineMetrics | str
             try:
-                self._latest = sample = fetch_metrics(c.metrics_url, min(c.metrics_interval_s, 10.0))
+                self._latest = sample = fetch_metrics(c.metrics_url, min(c.metrics_interval_s, 10.0), self._http)
             except MetricsError as exc:
                 sample, self._latest = str(exc), None
             self._samples.put((time.monotonic(), sample))

@@ -60,6 +60,8 @@ class TreeStopper:
                 self.log.warning(
                     "stop.sigkill", after_s=round(now() - start, 2), pids=",".join(str(p.pid) for p in alive)
                 )
+                if drain:
+                    drain.sigkill(child)
                 child.signal_tree(signal.SIGKILL)
                 kill_deadline = now() + SIGKILL_WAIT_S
                 while alive and now() < kill_deadline:

@@ -57,6 +57,7 @@ from kimi_supervisor.signals import STOP_SIGNALS, InterruptibleClock, SignalReco
 from kimi_supervisor.spawnplan import Unresolvable
 from kimi_supervisor.state import State, StateMachine
 from kimi_supervisor.stopping import TreeStopper, confirm_gpus_free
+from kimi_supervisor.threadwatch import ThreadWatch
 
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC at most this often while output flows
 EXTEND_MARGIN_S = 15.0
@@ -85,6 +86,8 @@ class Deps:
     selector: SelectorFactory = selectors.DefaultSelector
     # The graceful stop of a serving vLLM (its /metrics, a SIGTERM to its main alone); None: the tree at once.
     drain: Callable[[str, int, Notifier, Logger], Drain | None] = Drain
+    # Notices when one of our check threads dies (threading.excepthook for the run): exit 70, not a silent gap.
+    threads: ThreadWatch = dataclasses.field(default_factory=ThreadWatch)
 
 
 class Supervisor:
@@ -114,6 +117,7 @@ class Supervisor:
 
     def run(self) -> ExitCode:
         self.signals.install()
+        self.deps.threads.install(self.signals.wake)
         self.output.add_wakeup(self.signals.read_fd, self.signals.drain)
         try:
             return self._run()
@@ -126,6 +130,7 @@ class Supervisor:
                 self.prober.stop()
             if self.deep is not None:
                 self.deep.close()
+            self.deps.threads.uninstall()
             self.signals.uninstall()
 
     def _run(self) -> ExitCode:
@@ -196,6 +201,7 @@ class Supervisor:
                 return False
             now = self._now()
             self._check_child(serving=False)
+            self.deps.threads.check()
             for result in self.prober.drain():
                 self.view.on_health(result)
                 healthy = result if result.ok else None
@@ -272,6 +278,7 @@ class Supervisor:
             if self._stop_signalled():
                 return
             self._check_child(serving=True)
+            self.deps.threads.check()  # a dead canary or prober thread: exit 70, never a watchdog pinged blind
             for result in self.prober.drain():
                 self.view.on_health(result)
                 if result.ok:
@@ -316,7 +323,7 @@ class Supervisor:
             gpus_free = confirm_gpus_free(
                 self.deps.probe, gpus, threshold, scfg.gpu_release_timeout_s, self.clock, self.log
             )
-        self.state.status(stopped_status(tree_gone, gpus_free))
+        self.state.status(stopped_status(tree_gone, gpus_free, drain.outcome if drain is not None else None))
 
     def _emergency_stop(self, exc: BaseException, stopper: TreeStopper) -> None:
         """Something other than a SupervisorError is ending the run: stop the tree before it propagates."""

@@ -10,11 +10,15 @@ them.  A metric vLLM does not expose stays None, so callers can tell
 from __future__ import annotations
 
 import dataclasses
-import http.client
-import time
 import urllib.parse
+from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from kimi_supervisor.httpget import finite_count, one_line, request
+
+if TYPE_CHECKING:
+    from kimi_supervisor.boundaries import HttpClient
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -60,40 +64,20 @@ def parse_metrics(text: str) -> EngineMetrics:
         for family in text_string_to_metric_families(_wanted_lines(text)):
             for sample in family.samples:
                 if sample.name in (RUNNING, WAITING, GENERATION_TOKENS):
-                    sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
-    except ValueError as exc:
-        raise MetricsError(f"unparseable /metrics: {exc}") from None
+                    # +Inf or NaN in a count is no count: int() of it raised OverflowError in the stop loop.
+                    value = finite_count(sample.name, float(sample.value))
+                    sums[sample.name] = sums.get(sample.name, 0.0) + value
+    except (ValueError, IndexError, KeyError, TypeError) as exc:  # prometheus_client's parser raises all four
+        raise MetricsError(one_line(f"unparseable /metrics: {exc}")) from None
     return EngineMetrics(sums.get(RUNNING), sums.get(WAITING), sums.get(GENERATION_TOKENS))
 
 
-def fetch_metrics(url: str, timeout_s: float) -> EngineMetrics:
-    """GET `url` (vLLM's /metrics) within `timeout_s` overall, not per read."""
-    parts = urllib.parse.urlsplit(url)
-    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    deadline = time.monotonic() + timeout_s
-    conn = conn_cls(parts.hostname or "127.0.0.1", parts.port, timeout=timeout_s)
-    try:
-        conn.request("GET", parts.path or "/metrics", headers={"User-Agent": "kimi-supervisor"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise MetricsError(f"GET {parts.path}: HTTP {resp.status}")
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise MetricsError(f"GET {parts.path}: no complete answer within {timeout_s:g}s")
-            if conn.sock is not None:
-                conn.sock.settimeout(left)
-            chunk = resp.read1(65536)
-            if not chunk:
-                break
-            size += len(chunk)
-            if size > MAX_BYTES:
-                raise MetricsError(f"GET {parts.path}: answer larger than {MAX_BYTES} bytes")
-            chunks.append(chunk)
-    except (OSError, http.client.HTTPException) as exc:
-        raise MetricsError(f"GET {parts.path}: {type(exc).__name__}: {exc}") from None
-    finally:
-        conn.close()
-    return parse_metrics(b"".join(chunks).decode("utf-8", "replace"))
+def fetch_metrics(url: str, timeout_s: float, http: HttpClient = request) -> EngineMetrics:
+    """GET `url` (vLLM's /metrics) within `timeout_s` overall (httpget's deadline), or MetricsError."""
+    path = urllib.parse.urlsplit(url).path or "/metrics"
+    a = http("GET", url, timeout_s, max_body=MAX_BYTES)
+    if a.error is not None:
+        raise MetricsError(f"GET {path}: {a.error}")
+    if a.status != 200:
+        raise MetricsError(f"GET {path}: HTTP {a.status}")
+    return parse_metrics(a.body.decode("utf-8", "replace"))
