@@ -235,7 +235,7 @@ class _Reader:
             try:
                 size = int(size_text, 16)
             except ValueError:
-                raise _Failed(f"bad chunk size: {one_line(repr(size_text[:40]))}") from None
+                raise _Failed(f"bad chunk size: {one_line(repr(size_text[:40].decode('latin-1')))}") from None
             if size < 0 or len(out) + size > cap:
                 raise _Failed(f"answer larger than {cap} bytes")
             start = line_end + 2
