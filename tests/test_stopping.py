@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import signal
 
+from kimi_supervisor.boundaries import HttpClient
+from kimi_supervisor.drain import Drain, stopped_status
 from kimi_supervisor.gpu import GpuMemory, GpuUnavailable
+from kimi_supervisor.httpget import Answer
 from kimi_supervisor.stopping import TERM_POLL_S, TreeStopper, confirm_gpus_free
 from kimi_supervisor.timeouts import SIGKILL_WAIT_S
 from tests.fakes.clock import FakeClock, RecordingLog
@@ -117,3 +120,66 @@ def test_gpu_release_confirmed_refused_or_unknown() -> None:
     assert log.events("stop.gpu_still_busy")[0]["gpus"] == "GPU 1: 5000 MiB"
     assert confirm_gpus_free(LostGpu([FakeGpu()]), (0,), 1000, 0.2, FakeClock(), log) is None
     assert log.events("stop.gpu_unknown")[0]["error"] == "GPU 0 memory: GPU is lost"
+
+
+# -- the drain's outcome says what happened (the real Drain on the fake clock, /metrics a fake client) ------
+
+
+def _metrics_client(running: float) -> HttpClient:
+    page = f"vllm:num_requests_running {running}\nvllm:num_requests_waiting 0.0\n".encode()
+
+    def get(method: str, url: str, timeout_s: float, **kw: object) -> Answer:
+        return Answer(200, page, None, 0.0, 0.0)
+
+    return get  # type: ignore[return-value]  # the keywords a fake ignores
+
+
+def _drain_scene(term_exit_after: float | None, running: float) -> tuple[Scene, Drain, list[str]]:
+    scene = Scene(term_exit_after)
+    statuses: list[str] = []
+
+    class Notes:
+        def send(self, **fields: str | int) -> None:
+            if "STATUS" in fields:
+                statuses.append(str(fields["STATUS"]))
+
+    def kill(pid: int, sig: signal.Signals) -> None:
+        scene.child.signal_tree(sig)  # vLLM's main alone: the fake child is all of the tree
+
+    drain = Drain(
+        "http://127.0.0.1:1/health",
+        10,
+        Notes(),
+        scene.log,
+        http=_metrics_client(running),
+        clock=scene.clock.monotonic,
+        kill=kill,
+    )
+    return scene, drain, statuses
+
+
+def test_a_main_sigkilled_with_a_request_in_flight_is_killed_not_drained() -> None:
+    # vLLM ignores its SIGTERM with 1 request in flight; a second stop signal cuts the grace to 0.5 s, inside
+    # vLLM's own 10 s deadline.  Was: outcome=drained (1.5 s <= 10 s), though the request was cut by SIGKILL.
+    scene, drain, statuses = _drain_scene(None, running=1.0)
+    scene.signal_at(1.0)
+    assert scene.stopper.stop(grace_s=30, second_grace_s=0.5, drain=drain) is True
+    (record,) = scene.log.events("stop.drain")
+    assert record["outcome"] == "killed"
+    assert record["in_flight_at_sigterm"] == 1.0 and record["in_flight_at_sigkill"] == 1.0
+    assert record["in_flight_source"] == "read at SIGTERM"
+    assert 1.5 <= record["drain_s"] <= 1.5 + TERM_POLL_S
+    assert statuses[-1] == "stopping: SIGKILL to vLLM after 2s of draining (1 request in flight)"
+    assert stopped_status(True, None, drain.outcome) == (
+        "stopping: tree gone (drain cut: vLLM was SIGKILLed, see stop.drain)"
+    )
+
+
+def test_a_main_that_exits_by_itself_within_its_deadline_drained() -> None:
+    scene, drain, _ = _drain_scene(2.0, running=1.0)
+    assert scene.stopper.stop(grace_s=30, second_grace_s=0.5, drain=drain) is True
+    (record,) = scene.log.events("stop.drain")
+    assert record["outcome"] == "drained" and record["in_flight_at_sigkill"] is None
+    assert 2.0 <= record["drain_s"] <= 2.0 + TERM_POLL_S
+    assert scene.log.events("stop.sigkill") == []
+    assert stopped_status(True, None, drain.outcome) == "stopping: tree gone"
