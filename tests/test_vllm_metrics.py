@@ -92,3 +92,10 @@ def test_a_trickling_answer_hits_the_overall_deadline(server: tuple[str, type[_H
     with pytest.raises(MetricsError, match=r"within 0\.5s"):
         fetch_metrics(url, 0.5)
     assert time.monotonic() - start < 1.5
+
+
+@pytest.mark.parametrize("value", ["+Inf", "-Inf", "NaN", "-1"])
+def test_non_finite_counts_are_a_metrics_error(value: str) -> None:
+    # A count that is no count is a failed sample: the drain's STATUS= text did int() of it (OverflowError).
+    with pytest.raises(MetricsError, match=r"unparseable /metrics: vllm:num_requests_running is .*: not a count"):
+        parse_metrics(f"vllm:num_requests_running {value}\nvllm:num_requests_waiting 0\n")
