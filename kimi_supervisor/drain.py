@@ -102,7 +102,10 @@ class Drain:
         self._clock = clock
         self._kill = kill
         self.in_flight_at_sigterm: float | None = None
-        self.in_flight_source: str | None = None  # "read at SIGTERM" or "first drain sample"
+        self.in_flight_source: str | None = None  # "read at SIGTERM", "first drain sample" or "liveness sample"
+        # The liveness thread's latest (monotonic time, in flight) from before the stop: the count when neither
+        # the read at SIGTERM nor a drain sample has one (no drain: no sampler runs).
+        self.liveness_sample: tuple[float, float] | None = None
         self.sigterm_after_s: float | None = None  # from the stop's start to the signal
         self._sampler = _Sampler(self.url, http, clock)
         self._t0 = 0.0
@@ -123,6 +126,8 @@ class Drain:
         except MetricsError as exc:
             # A draining vLLM keeps serving /metrics and rejects new requests: the sampler's first count stands in.
             self._log.warning("stop.metrics_unavailable", url=self.url, error=str(exc))
+        if self.in_flight_at_sigterm is None and not self.timeout_s:
+            self._from_liveness(start)
         child.refresh_members()  # remembered, so workers that outlive the main are still found
         self._kill(child.pid, signal.SIGTERM)  # our own unreaped child: the PID cannot have been recycled
         self._t0 = self._clock()
@@ -131,6 +136,12 @@ class Drain:
             self._sampler.start()
             self._say(self._t0, force=True)
         return 1
+
+    def _from_liveness(self, now: float) -> None:
+        if self.liveness_sample is not None:
+            at, count = self.liveness_sample
+            self.in_flight_at_sigterm = count
+            self.in_flight_source = f"liveness sample {max(0.0, now - at):.1f}s old"
 
     def tick(self, child: Child) -> None:
         """Called from the stop loop: never blocks."""
@@ -224,6 +235,8 @@ class Drain:
         """The one record: in flight at SIGTERM, how long the drain took, how it ended."""
         self._sampler.stop()
         now = self._clock()
+        if self.in_flight_at_sigterm is None:
+            self._from_liveness(self._t0)
         outcome = self.outcome
         drain_s = 0.0 if outcome == "aborted" else self._drain_s()
         self._log.info(

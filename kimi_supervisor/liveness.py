@@ -132,6 +132,7 @@ class DeepLiveness:
         self._canaries: queue.SimpleQueue[CanaryResult] = queue.SimpleQueue()
         self._samples: queue.SimpleQueue[tuple[float, EngineMetrics | str]] = queue.SimpleQueue()
         self._latest: EngineMetrics | None = None  # written by the metrics thread, read by the canary thread
+        self._latest_in_flight: tuple[float, float] | None = None  # (monotonic, count): read by the stop
         self._tracker = ProgressTracker(self.cfg.stuck_after_s)
         self._threads: list[threading.Thread] = []
         self.canary_failures = 0
@@ -150,6 +151,10 @@ class DeepLiveness:
     def healthy(self) -> bool:
         """False while a canary failure streak lasts: the watchdog is not pinged then."""
         return self.canary_failures == 0
+
+    def in_flight_sample(self) -> tuple[float, float] | None:
+        """The metrics thread's latest (monotonic time, requests running + waiting); None if it has none."""
+        return self._latest_in_flight
 
     def start(self) -> None:
         c = self.cfg
@@ -207,6 +212,8 @@ class DeepLiveness:
             sample: EngineMetrics | str
             try:
                 self._latest = sample = fetch_metrics(c.metrics_url, min(c.metrics_interval_s, 10.0), self._http)
+                if sample.in_flight is not None:
+                    self._latest_in_flight = (time.monotonic(), sample.in_flight)
             except MetricsError as exc:
                 sample, self._latest = str(exc), None
             self._samples.put((time.monotonic(), sample))

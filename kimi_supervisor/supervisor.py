@@ -311,6 +311,8 @@ class Supervisor:
             drain = self.deps.drain(
                 self.cfg.readiness.health_url, self.cfg.child.vllm.shutdown_timeout, self.deps.notifier, self.log
             )
+            if drain is not None and self.deep is not None:
+                drain.liveness_sample = self.deep.in_flight_sample()  # no read: it cannot delay the SIGTERM
         if self.state.state is not State.STOPPING:
             self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
         if self.stopper is None:

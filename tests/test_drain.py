@@ -179,6 +179,27 @@ def test_metrics_trickling_its_status_line_cannot_delay_sigterm() -> None:
     assert drain.in_flight_at_sigterm is None and drain.in_flight_source is None
 
 
+def test_without_a_drain_the_count_comes_from_the_liveness_threads_latest_sample() -> None:
+    # No drain, so no sampler after SIGTERM: when the read at SIGTERM cannot answer in time, the count is the
+    # liveness thread's latest sample, taken before the stop (no read: it cannot delay the signal).
+    vllm = subprocess.Popen(["sleep", "60"])
+    log = RecordingLog()
+    with raw_server(HEAD_METRICS, PAGE_ONE, head_byte_s=0.9) as srv:
+        drain = Drain(srv.url("/health"), 0, SilentNotifier(), log)
+        drain.liveness_sample = (time.monotonic() - 3.0, 2.0)
+        try:
+            drain.sigterm(_Main(vllm))  # type: ignore[arg-type]
+            assert vllm.wait(timeout=5) == -signal.SIGTERM
+            drain.finish(tree_gone=True)
+        finally:
+            vllm.kill()
+            vllm.wait()
+    (record,) = log.events("stop.drain")
+    assert record["in_flight_at_sigterm"] == 2.0 and record["outcome"] == "aborted"
+    assert str(record["in_flight_source"]).startswith("liveness sample 3.")
+    assert record["sigterm_after_s"] <= 0.5
+
+
 def test_a_second_sigterm_during_a_stop_with_trickling_metrics_is_acted_on(tmp_path: Path) -> None:
     """In process, the real lifecycle and signals: vLLM ignores SIGTERM, /metrics trickles; the first SIGTERM
     reaches vLLM at once and the second cuts the 20 s grace to `second_signal_grace_s`."""

@@ -257,6 +257,9 @@ class FakeLiveness:
     def check(self) -> None:
         return None
 
+    def in_flight_sample(self) -> tuple[float, float] | None:
+        return None
+
     def stop(self) -> None:
         self.stopped = True
 
