@@ -137,7 +137,7 @@ def _command_parser(command: str) -> _Parser:
 
 
 def _owners() -> dict[str, list[str]]:
-    owners: ClassVar[dict[str, list[str]]] = {}  # option -> the commands that take it (parse_args fills it)
+    owners: dict[str, list[str]] = {}
     for command in COMMANDS:
         for action in _command_parser(command)._actions:
             for opt in action.option_strings:
