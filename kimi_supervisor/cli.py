@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar, NoReturn
 
-from kimi_supervisor import __version__, instance_lock, timeouts, unit
+from kimi_supervisor import __version__, dirtrust, instance_lock, timeouts, unit
 from kimi_supervisor.child import prepare_spawn
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import DEFAULT_PATH, effective_config, load_config
@@ -233,6 +233,10 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
     except Unresolvable as exc:
         # A real start stops here (exit 78) before the preflight acts; the report says so first.
         report.checks.insert(0, Check("child", Status.FAIL, f"child.{exc.key}: {exc.message}"))
+    try:
+        dirtrust.prepare_directories(cfg, create=False)
+    except ConfigError as exc:  # a real start exits 78 here, before the preflight acts
+        report.checks.insert(0, Check("paths", Status.FAIL, exc.message))
     if owner is not None:
         report.checks.insert(0, Check("instance", Status.FAIL, instance_lock.dry_run_text(owner), {"pid": owner.pid}))
     print(render_json(report, str(cfg.path)) if as_json else render_text(report, str(cfg.path)))
@@ -243,6 +247,8 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
 
 def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
     try:
+        # Root's files go only where no other account can steer the writes (exit 78 naming the key).
+        dirtrust.prepare_directories(cfg)
         # Before any preflight action: a second supervisor must change nothing (exit 16).  Without NVML no GPU
         # is locked: the preflight fails on NVML before touching anything, and the port lock still holds.
         lock = instance_lock.acquire(
