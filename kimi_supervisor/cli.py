@@ -10,8 +10,9 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar, NoReturn
 
-from kimi_supervisor import __version__, instance_lock, timeouts, unit
+from kimi_supervisor import __version__, dirtrust, instance_lock, timeouts, unit
 from kimi_supervisor.child import prepare_spawn
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import DEFAULT_PATH, effective_config, load_config
@@ -42,52 +43,133 @@ examples:
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kimi-supervisor",
-        description="Run `vllm serve` as a systemd Type=notify service: free the GPUs (preflight), start vLLM, "
-        "send READY=1 only once /health answers, ping the watchdog while healthy, stop the whole "
-        "process tree.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "command",
-        nargs="?",
-        choices=("run", "check-config", "install-unit", "status"),
-        default="run",
-        help="run (default): preflight, start and supervise; check-config: validate and print the config; "
-        "install-unit: write the systemd unit for this config and daemon-reload; "
-        "status: what the running service is doing, and its last runs (no root needed)",
-    )
+COMMANDS = ("run", "check-config", "install-unit", "status")
+# Options that take a value: their value is never mistaken for the command word (`--config status`).
+_VALUED = ("--config", "--log-format", "--log-level", "--unit-dir")
+_DEFAULTS = {
+    "dry_run": False,
+    "json": False,
+    "watch": False,
+    "log_format": "auto",
+    "log_level": "info",
+    "unit_dir": unit.DEFAULT_UNIT_DIR,
+    "no_reload": False,
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line (argparse prints the whole usage first), naming the command that owns a
+    misplaced option; exit 2."""
+
+    owners: ClassVar[dict[str, list[str]]] = {}  # option -> the commands that take it (parse_args fills it)
+    command = "run"
+
+    def error(self, message: str) -> NoReturn:
+        words = message.split() if message.startswith("unrecognized arguments") else []
+        hints = [
+            f"{opt} belongs to {' and '.join(self.owners[opt])}"
+            for opt in self.owners
+            if opt in words and self.command not in self.owners[opt]
+        ]
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        self.exit(ExitCode.USAGE, f"{self.prog}: error: {message}{hint}; see {self.prog} --help\n")
+
+
+def _command_parser(command: str) -> _Parser:
+    """Each command takes only its own options: an option of another one is a usage error, never ignored."""
+    helps = {
+        "run": "preflight, start and supervise (the default command)",
+        "check-config": "validate and print the effective config",
+        "install-unit": "write the systemd unit for this config and daemon-reload",
+        "status": "what the running service is doing, and its last runs (no root needed)",
+    }
+    if command == "run":
+        p = _Parser(
+            prog="kimi-supervisor",
+            usage="kimi-supervisor [run] [--config PATH] [--dry-run [--json]] [--log-format F] [--log-level L]\n"
+            "       kimi-supervisor check-config [--config PATH] [--json]\n"
+            "       kimi-supervisor install-unit [--config PATH] [--unit-dir DIR] [--no-reload]\n"
+            "       kimi-supervisor status [--config PATH] [--json] [--watch]",
+            description="Run `vllm serve` as a systemd Type=notify service: free the GPUs (preflight), start vLLM, "
+            "send READY=1 only once /health answers, ping the watchdog while healthy, stop the whole "
+            "process tree.\n\ncommands:\n" + "\n".join(f"  {c:<13} {h}" for c, h in helps.items()),
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            allow_abbrev=False,
+        )
+        p.add_argument("--version", action="version", version=f"kimi-supervisor {__version__}")
+    else:
+        p = _Parser(prog=f"kimi-supervisor {command}", description=helps[command], allow_abbrev=False)
+    p.command = command
+    p.set_defaults(command=command, **_DEFAULTS)
     p.add_argument(
         "--config", type=Path, default=DEFAULT_PATH, metavar="PATH", help=f"TOML config file (default: {DEFAULT_PATH})"
     )
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="run every preflight check, kill and delete nothing, print a report; "
-        "exit 0 only if a real start would proceed",
-    )
-    p.add_argument("--json", action="store_true", help="with --dry-run, check-config or status: print JSON")
-    p.add_argument("--watch", action="store_true", help="with status: refresh every second until ready")
-    p.add_argument(
-        "--log-format",
-        choices=FORMATS,
-        default="auto",
-        help="auto (default): journal under systemd, console on a terminal, else json",
-    )
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
-    p.add_argument(
-        "--unit-dir",
-        type=Path,
-        default=unit.DEFAULT_UNIT_DIR,
-        metavar="DIR",
-        help=f"with install-unit: where to write {unit.UNIT_NAME} (default: {unit.DEFAULT_UNIT_DIR})",
-    )
-    p.add_argument("--no-reload", action="store_true", help="with install-unit: skip systemctl daemon-reload")
-    p.add_argument("--version", action="version", version=f"kimi-supervisor {__version__}")
+    if command == "run":
+        p.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="run every preflight check, kill and delete nothing, print a report; "
+            "exit 0 only if a real start would proceed",
+        )
+    if command in ("run", "check-config", "status"):
+        p.add_argument("--json", action="store_true", help="print JSON" + (" (with --dry-run)" * (command == "run")))
+    if command == "status":
+        p.add_argument("--watch", action="store_true", help="refresh every second until ready")
+    if command == "run":
+        p.add_argument(
+            "--log-format",
+            choices=FORMATS,
+            default="auto",
+            help="auto (default): journal under systemd, console on a terminal, else json",
+        )
+        p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    if command == "install-unit":
+        p.add_argument(
+            "--unit-dir",
+            type=Path,
+            default=unit.DEFAULT_UNIT_DIR,
+            metavar="DIR",
+            help=f"where to write {unit.UNIT_NAME} (default: {unit.DEFAULT_UNIT_DIR})",
+        )
+        p.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
     return p
+
+
+def _owners() -> dict[str, list[str]]:
+    owners: dict[str, list[str]] = {}
+    for command in COMMANDS:
+        for action in _command_parser(command)._actions:
+            for opt in action.option_strings:
+                owners.setdefault(opt, []).append(command)
+    return owners
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The command word may come anywhere (`--config X status` as before); no word means `run`."""
+    argv = list(argv)
+    command, rest, skip = "run", list(argv), False
+    for i, token in enumerate(argv):
+        if skip:
+            skip = False
+        elif token == "--":
+            break
+        elif token in _VALUED:
+            skip = True
+        elif not token.startswith("-"):
+            if token in COMMANDS:
+                command, rest = token, argv[:i] + argv[i + 1 :]
+            break  # any other word: the command's parser says it is not one
+    _Parser.owners = _owners()
+    args = _command_parser(command).parse_args(rest)
+    if args.json and command == "run" and not args.dry_run:
+        _command_parser(command).error("--json needs --dry-run (a run writes log records, not a report)")
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser (`run`'s, whose help lists every command)."""
+    return _command_parser("run")
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -151,6 +233,10 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
     except Unresolvable as exc:
         # A real start stops here (exit 78) before the preflight acts; the report says so first.
         report.checks.insert(0, Check("child", Status.FAIL, f"child.{exc.key}: {exc.message}"))
+    try:
+        dirtrust.prepare_directories(cfg, create=False)
+    except ConfigError as exc:  # a real start exits 78 here, before the preflight acts
+        report.checks.insert(0, Check("paths", Status.FAIL, exc.message))
     if owner is not None:
         report.checks.insert(0, Check("instance", Status.FAIL, instance_lock.dry_run_text(owner), {"pid": owner.pid}))
     print(render_json(report, str(cfg.path)) if as_json else render_text(report, str(cfg.path)))
@@ -161,6 +247,8 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
 
 def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
     try:
+        # Root's files go only where no other account can steer the writes (exit 78 naming the key).
+        dirtrust.prepare_directories(cfg)
         # Before any preflight action: a second supervisor must change nothing (exit 16).  Without NVML no GPU
         # is locked: the preflight fails on NVML before touching anything, and the port lock still holds.
         lock = instance_lock.acquire(
@@ -209,7 +297,7 @@ def _supervise(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     fmt = resolve_format(args.log_format)
     secrets = secrets_of((), os.environ)  # the inherited ones are known before the config is
     sink = configure(fmt, args.log_level, secrets=secrets)

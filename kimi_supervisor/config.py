@@ -9,6 +9,7 @@ table); nothing here exits.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -220,12 +221,11 @@ def _parse_shutdown(t: Table) -> ShutdownConfig:
     return cfg
 
 
-def _parse_paths(t: Table) -> PathsConfig:
+def _parse_paths(t: Table, config: Path) -> PathsConfig:
     def absolute(name: str, default: str) -> Path:
         value = t.string(name, default) or default
-        if not value.startswith("/"):
-            raise t.error(name, f"expected an absolute path, got {value!r}")
-        return Path(value)
+        # Relative: to the config file's directory (the demo keeps its files under the checkout, not /tmp).
+        return Path(os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(config)), value)))
 
     cfg = PathsConfig(
         runtime_directory=absolute("runtime_directory", "/run/kimi-supervisor"),
@@ -305,7 +305,7 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     readiness = _parse_readiness(root.table("readiness"), child.vllm)
     health = _parse_health(root.table("health"))
     shutdown = _parse_shutdown(root.table("shutdown"))
-    paths = _parse_paths(root.table("paths"))
+    paths = _parse_paths(root.table("paths"), path)
     metrics = _parse_metrics(root.table("metrics"))
     liveness = _parse_liveness(root.table("liveness"), child.vllm)
     gpu_health = _parse_gpu_health(root.table("gpu_health"))

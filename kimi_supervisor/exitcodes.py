@@ -53,6 +53,27 @@ DESCRIPTIONS: dict[ExitCode, str] = {
 }
 
 
+def exit_outcome(exc: BaseException) -> tuple[ExitCode | int, str]:
+    """The exit code `cli.main` gives for `exc`, and the reason the run's record states (issue 22, item 11).
+
+    One table for both, so the state file and the history never disagree with the exit status.
+    """
+    text = f"{type(exc).__name__}: {exc}"[:300]
+    if isinstance(exc, SupervisorError):
+        return exc.exit_code, exc.message
+    declared = getattr(type(exc), "exit_code", None)  # gpu.GpuUnavailable: imported here it would be a cycle
+    if isinstance(declared, ExitCode):
+        return declared, f"{getattr(type(exc), 'reason', type(exc).__name__)}: {exc}"[:300]
+    if isinstance(exc, KeyboardInterrupt):
+        return ExitCode.INTERRUPTED, "interrupted (KeyboardInterrupt)"
+    if isinstance(exc, SystemExit):
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        return code, f"SystemExit({exc.code!r:.80})"
+    if isinstance(exc, BrokenPipeError):
+        return ExitCode.OK, "stdout or stderr closed by its reader (BrokenPipeError)"
+    return ExitCode.INTERNAL, f"internal error (a bug; the traceback is in the journal): {text}"
+
+
 class SupervisorError(Exception):
     """An expected failure: one line of text plus the process exit code."""
 

@@ -14,12 +14,17 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from kimi_supervisor.clock import Clock
+from kimi_supervisor.exitcodes import ExitCode
 
 MIB = 1024 * 1024
 
 
 class GpuUnavailable(Exception):
     """NVML cannot be used (no driver, no library, no permission)."""
+
+    # Not a SupervisorError (most callers turn it into a check result), but a run it ends exits 10.
+    exit_code = ExitCode.PREFLIGHT_FAILED
+    reason = "NVML lost a GPU or its driver"
 
 
 @dataclasses.dataclass(frozen=True)

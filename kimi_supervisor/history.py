@@ -25,11 +25,15 @@ from pathlib import Path
 
 from kimi_supervisor.atomicfile import ensure_directory, write_atomic
 from kimi_supervisor.boundaries import Logger, Warns
+from kimi_supervisor.statefile import PID_MAX
+from kimi_supervisor.untrusted import integer, number, parse_json, printable, read_capped, string
 
 FILE_NAME = "history.json"
 KEEP = 20
 SCHEMA = 1
 COUNTERS = ("starts_total", "preflight_kills_total", "shm_removed_total")
+MAX_BYTES = 1 << 20  # 20 runs of a few hundred bytes each
+MAX_DEPTH = 8  # the document nests 3 deep
 UNRECORDED = "the supervisor ended without recording an exit (killed, or the host went down)"
 
 
@@ -56,16 +60,15 @@ class RunRecord:
         unknown = set(raw) - set(fields)
         if unknown:
             raise ValueError(f"unknown run fields {sorted(unknown)}")
-        for name in ("start", "pid"):
-            if not isinstance(raw.get(name), (int, float)) or isinstance(raw.get(name), bool):
-                raise ValueError(f"run field {name!r} must be a number")
-        for name in ("ready", "load_s", "post_weights_s", "end", "exit_code"):
-            value = raw.get(name)
-            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-                raise ValueError(f"run field {name!r} must be a number or null")
+        # Every field is range-checked: `status` renders them (a 1e300 timestamp has no calendar date).
+        number(raw.get("start"), "run field 'start'", optional=False)
+        integer(raw.get("pid"), "run field 'pid'", optional=False, hi=PID_MAX)
+        for name in ("ready", "load_s", "post_weights_s", "end"):
+            number(raw.get(name), f"run field {name!r}")
+        integer(raw.get("exit_code"), "run field 'exit_code'", lo=-255, hi=255)
         cause = raw.get("root_cause")
-        if cause is not None and not isinstance(cause, str):
-            raise ValueError("run field 'root_cause' must be a string or null")
+        string(cause, "run field 'root_cause'")
+        assert cause is None or isinstance(cause, str)
         record = cls(start=float(raw["start"]), pid=int(raw["pid"]))
         for name in ("ready", "load_s", "post_weights_s", "end"):
             if raw.get(name) is not None:
@@ -85,9 +88,9 @@ class HistoryData:
         return next((r for r in reversed(self.runs) if r.load_s is not None), None)
 
 
-def parse_history(text: str) -> HistoryData:
-    """The document in `text`; ValueError when it is not a history."""
-    doc = json.loads(text)
+def parse_history(raw: bytes) -> HistoryData:
+    """The document in `raw`; ValueError when it is not a history."""
+    doc = parse_json(raw, MAX_DEPTH)
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise ValueError(f"not a schema-{SCHEMA} history document")
     runs_raw, counters_raw = doc.get("runs"), doc.get("counters", {})
@@ -95,8 +98,9 @@ def parse_history(text: str) -> HistoryData:
         raise ValueError("'runs' must be a list and 'counters' an object")
     counters = dict.fromkeys(COUNTERS, 0)
     for name, value in counters_raw.items():
-        if name not in counters or not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"bad counter {name!r}: {value!r:.40}")
+        if name not in counters:
+            raise ValueError(f"unknown counter {printable(name)[:40]!r}")
+        integer(value, f"counter {name!r}", optional=False)
         counters[name] = value
     return HistoryData([RunRecord.from_dict(r) for r in runs_raw][-KEEP:], counters)
 
@@ -104,16 +108,16 @@ def parse_history(text: str) -> HistoryData:
 def load_history(path: Path, log: Warns | None = None, set_aside: bool = True) -> HistoryData:
     """Read the history; a missing file is an empty history, a corrupt one is set aside (never raised)."""
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return HistoryData()
-    except OSError as exc:
+        # Non-blocking, regular files only, capped (untrusted.py): a FIFO here once hung the daemon's start.
+        raw = read_capped(path, MAX_BYTES)
+        if raw is None:
+            return HistoryData()
+        return parse_history(raw)
+    except OSError as exc:  # cannot tell (no permission): neither trusted nor set aside
         if log is not None:
             log.warning("history.unreadable", path=str(path), error=str(exc))
         return HistoryData()
-    try:
-        return parse_history(raw.decode("utf-8"))
-    except (ValueError, TypeError) as exc:  # UnicodeDecodeError and json's errors are ValueErrors
+    except (ValueError, TypeError) as exc:  # Untrusted, UnicodeDecodeError and json's errors are ValueErrors
         aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}")
         if set_aside:
             with contextlib.suppress(OSError):

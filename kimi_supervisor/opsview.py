@@ -165,7 +165,7 @@ class OperatorView:
             self._refresh()
         elif state in (State.STOPPED, State.FAILED):
             code = int(fields.get("exit_code", 0))
-            cause = status.removeprefix("failed: ") if state is State.FAILED else None
+            cause = status.removeprefix("failed: ") if state is State.FAILED else fields.get("root_cause")
             self.doc.update(ended_at=now, exit_code=code, loading=None, processes=[])
             if state is State.FAILED:
                 self.doc["last_failure"] = {"at": now, "exit_code": code, "root_cause": cause}

@@ -25,6 +25,7 @@ from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.history import FILE_NAME as HISTORY_FILE
 from kimi_supervisor.history import HistoryData, RunRecord, load_history
 from kimi_supervisor.statefile import FILE_NAME, read_state, writer_alive
+from kimi_supervisor.untrusted import printable
 
 RUNS_SHOWN = 5
 BAR_WIDTH = 24
@@ -112,7 +113,9 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
     def c(text: str, name: str) -> str:
         return f"{_COLORS[name]}{text}{_RESET}" if color else text
 
-    s = snap.state or {}
+    # Every string from the files is escaped before it reaches the terminal (vLLM's output lands in the
+    # root cause, STATUS= and process titles): an ESC sequence there would act on the operator's terminal.
+    s: dict[str, Any] = _escaped(snap.state or {})
     phase = s.get("phase", "?")
     lines: list[str] = []
     if snap.running:
@@ -129,13 +132,13 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
         lines += _uptime(s, now)
     else:
         dot = c("×", "red") if phase == "failed" else "○"
-        lines.append(f"{dot} kimi-supervisor - not running ({snap.reason})")
+        lines.append(f"{dot} kimi-supervisor - not running ({printable(snap.reason)})")
     failure = s.get("last_failure") if s else _failure_from(snap.history)
     if failure:
         what = f"exit {failure.get('exit_code')} at {_when(failure.get('at'))}: {_cut(failure.get('root_cause'), 160)}"
         lines.append(f"{'Last failure':>12}: " + c(what, "red"))
     if snap.note:
-        lines.append(f"{'Note':>12}: {snap.note}")
+        lines.append(f"{'Note':>12}: {printable(snap.note)}")
     lines += _runs(snap.history, now)
     return "\n".join(lines) + "\n"
 
@@ -148,7 +151,7 @@ def _progress(s: dict[str, Any], c: Callable[[str, str], str]) -> list[str]:
     if loading.get("percent") is not None:
         filled = round(BAR_WIDTH * loading["percent"] / 100)
         bar = "[" + "#" * filled + "." * (BAR_WIDTH - filled) + "]"
-        done, total = loading["shards_done"], loading["shards_total"]
+        done, total = loading.get("shards_done"), loading.get("shards_total")
         parts.append(f"{c(bar, 'bold')} {loading['percent']}% {done}/{total} shards")
     else:
         parts.append(loading.get("phase") or "starting")
@@ -166,14 +169,18 @@ def _tree(procs: list[dict[str, Any]]) -> list[str]:
     pids = {p["pid"] for p in procs}
     children: dict[int | None, list[dict[str, Any]]] = {}
     for p in procs:
-        children.setdefault(p["ppid"] if p["ppid"] in pids else None, []).append(p)
+        children.setdefault(p.get("ppid") if p.get("ppid") in pids else None, []).append(p)
     out: list[str] = []
+    shown: set[int] = set()  # a PID that is its own ancestor (a hand-made file) is drawn once
 
     def label(p: dict[str, Any]) -> str:
-        gpus = ", ".join(f"GPU {g['index']}: {_mib(g['used_mib'])} MiB" for g in p["gpus"])
+        gpus = ", ".join(f"GPU {g.get('index')}: {_mib(g.get('used_mib'))} MiB" for g in p.get("gpus") or [])
         return f"{p['pid']} {p['label']}" + (f"  {gpus}" if gpus else "")
 
     def walk(pid: int, prefix: str) -> None:
+        if pid in shown or len(prefix) > 64:
+            return
+        shown.add(pid)
         kids = children.get(pid, [])
         for i, kid in enumerate(kids):
             last = i == len(kids) - 1
@@ -196,7 +203,9 @@ def _gpus(s: dict[str, Any]) -> list[str]:
     gpus = s.get("gpus") or []
     if not gpus:
         return []
-    return [f"{'GPUs':>12}: " + ", ".join(f"{g['index']}: {g['used_mib']}/{g['total_mib']} MiB" for g in gpus)]
+    return [
+        f"{'GPUs':>12}: " + ", ".join(f"{g.get('index')}: {g.get('used_mib')}/{g.get('total_mib')} MiB" for g in gpus)
+    ]
 
 
 def _probes(s: dict[str, Any], now: float, c: Callable[[str, str], str]) -> list[str]:
@@ -243,7 +252,7 @@ def _uptime(s: dict[str, Any], now: float) -> list[str]:
 def _failure_from(history: HistoryData) -> dict[str, Any] | None:
     for run in reversed(history.runs):
         if run.exit_code not in (None, 0) or run.root_cause:
-            return {"at": run.end, "exit_code": run.exit_code, "root_cause": run.root_cause}
+            return {"at": run.end, "exit_code": run.exit_code, "root_cause": printable(run.root_cause or "")}
     return None
 
 
@@ -277,7 +286,18 @@ def _cause(r: RunRecord) -> str:
         return "(running)"
     if r.exit_code == 0:
         return "stopped on request"
-    return _cut(r.root_cause, 80)
+    return _cut(printable(r.root_cause or ""), 80)
+
+
+def _escaped(value: Any) -> Any:
+    """A copy of a JSON value with every string (keys too) made printable."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable(k): _escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    return value
 
 
 def _cut(text: object, width: int) -> str:

@@ -41,6 +41,7 @@ from kimi_supervisor.exitcodes import (
     StartupFailed,
     StartupStalled,
     SupervisorError,
+    exit_outcome,
 )
 from kimi_supervisor.gpu import GpuProbe, configured_gpus
 from kimi_supervisor.health import HealthProber, HealthResult
@@ -124,6 +125,7 @@ class Supervisor:
         except BaseException as exc:
             if self.stopper is not None and not self.stopper.stopped:
                 self._emergency_stop(exc, self.stopper)
+            self._record_exit(exc)
             raise
         finally:
             if self.prober is not None:
@@ -336,6 +338,23 @@ class Supervisor:
             if self.state.state is not State.STOPPING:
                 self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
         stopper.emergency(self.cfg.shutdown.grace_s, self.cfg.shutdown.second_signal_grace_s)
+
+    def _record_exit(self, exc: BaseException) -> None:
+        """The state file and the history say how this run ended, whatever ended it (never "killed?").
+
+        A SupervisorError was recorded by `_run`; anything else gets the exit code cli.main will give it.
+        """
+        if self.state.state in (State.STOPPED, State.FAILED):
+            return
+        code, reason = exit_outcome(exc)
+        with contextlib.suppress(BaseException):  # the exception that ends the run must reach cli.main
+            # STOPPED is reached only through STOPPING, and READY cannot fail directly (state.ALLOWED).
+            if (code == 0 or self.state.state is State.READY) and self.state.state is not State.STOPPING:
+                self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
+            if code == 0:
+                self.state.to(State.STOPPED, f"stopped: {reason}"[:400], exit_code=int(code), root_cause=reason)
+            else:
+                self.state.to(State.FAILED, f"failed: {reason}"[:400], exit_code=int(code))
 
     # -- the event loop -------------------------------------------------------------
 

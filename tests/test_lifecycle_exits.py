@@ -46,9 +46,10 @@ def test_any_exception_stops_the_tree_before_it_goes_on(tmp_path: Path, exc: Bas
     assert w.child.returncode == -signal.SIGTERM  # the tree was gone before the exception left run()
     names = w.names()
     stop = ["supervisor.emergency_stop", "state.stopping", "stop.sigterm", "stop.tree_gone"]
-    assert names[names.index("supervisor.emergency_stop") :] == stop
+    final = "state.stopped" if isinstance(exc, BrokenPipeError) else "state.failed"  # the record (test_record_truth)
+    assert names[names.index("supervisor.emergency_stop") :] == [*stop, final]
     assert str(w.events("supervisor.emergency_stop")[0]["error"]).startswith(type(exc).__name__)
-    assert w.supervisor.state.history == SERVED[:4]  # no FAILED: only SupervisorErrors are the loop's to judge
+    assert w.supervisor.state.history == [*SERVED[:4], State.STOPPED if final == "state.stopped" else State.FAILED]
     assert w.notes.times("STOPPING", 1) == [term_at]
     assert not w.signals.installed  # handlers given back
     assert w.liveness.closed
@@ -70,7 +71,7 @@ def test_gpu_lost_mid_preflight_spawns_nothing_and_goes_on(tmp_path: Path) -> No
     with pytest.raises(GpuUnavailable, match="Unknown Error"):
         w.run()
     assert w.child is None and w.prober is None
-    assert w.supervisor.state.history == [State.PREFLIGHT]
+    assert w.supervisor.state.history == [State.PREFLIGHT, State.FAILED]  # recorded: test_record_truth.py
     assert w.events("supervisor.emergency_stop") == [] and w.events("preflight.passed") == []
     assert not w.signals.installed
 

@@ -219,7 +219,8 @@ def test_runtime_directory_full_warns_and_keeps_serving(tmp_path: Path) -> None:
     # filling up under a serving supervisor.
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "kimi-test-run", str(run_dir)], check=True)
+    # mode=0755: a tmpfs is 1777 by default, which the directory check refuses (test_root_writes.py).
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "kimi-test-run", str(run_dir)], check=True)
     try:
         config = fake_config(tmp_path)
         run = Run(config, tmp_path)

@@ -50,7 +50,8 @@ def lifecycle_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
         "readiness": {"stall_timeout_s": 20, "deadline_s": 60, "poll_interval_s": 0.1},
         "health": {"interval_s": 0.3, "timeout_s": 1, "failures_tolerated": 3},
         "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
-        "paths": {"runtime_directory": str(tmp_path / "run")},
+        # The state file and the history too: never the host's /run or /var/lib.
+        "paths": {"runtime_directory": str(tmp_path / "run"), "state_directory": str(tmp_path / "state")},
     }
     for key, value in sections.items():
         raw.setdefault(key.replace("__", "."), {}).update(value)
