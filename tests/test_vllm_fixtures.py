@@ -56,12 +56,18 @@ def test_worker_killed() -> None:
 
 def test_enginecore_killed() -> None:
     tracker, _ = replay("enginecore_killed.log")
-    assert tracker.fatal_line is not None and "EngineDeadError" in tracker.fatal_line
+    assert tracker.fatal_line == (
+        "(APIServer pid=942) ERROR 11-29 17:08:47 [async_llm.py:906] AsyncLLM output_handler failed."
+    )
+    assert tracker.fatal_rule == r"async_llm.py: AsyncLLM output_handler failed\."
 
 
 def test_bad_shard_root_cause_is_the_safetensors_error() -> None:
     tracker, _ = replay("startup_failed_engine.log")
-    assert tracker.fatal_line is not None and "Engine core initialization failed" in tracker.fatal_line
+    # The first fatal record is the worker's; its own traceback (the same record) ends with the cause.
+    assert tracker.fatal_line == (
+        "(Worker pid=2181) ERROR 11-29 17:10:10 [multiproc_executor.py:953] WorkerProc failed to start."
+    )
     assert tracker.root_cause().endswith(
         "safetensors._safetensors_rust.SafetensorError: Error while deserializing header: invalid header length"
     )
