@@ -25,9 +25,7 @@ _ACCESS = re.compile(r'^:?\s*(?:\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? )?(?:\[[^\]]*
 # vLLM's record header after the level: `11-29 17:08:21 [multiproc_executor.py:315] `.  Its formatter gives every
 # line of a multi-line message the same header, so a newline in logged client text cannot start a line with
 # another file's header: the file named here is the code that logged the record.
-_HEADER = re.compile(
-    r"^\s*(?:\d\d-\d\d\s+)?\d\d:\d\d:\d\d(?:\.\d+)?\s+\[(?P<file>[^\]\s:]+):(?P<lineno>\d+)\]\s?"
-)
+_HEADER = re.compile(r"^\s*(?:\d\d-\d\d\s+)?\d\d:\d\d:\d\d(?:\.\d+)?\s+\[(?P<file>[^\]\s:]+):(?P<lineno>\d+)\]\s?")
 PRIORITY = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}
 
 

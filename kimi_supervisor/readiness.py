@@ -262,8 +262,10 @@ class ReadinessTracker:
         """
         if self._fatal_cause is not None:
             return self._fatal_cause
-        if self.fatal_line is not None and not _SUMMARY.search(self.fatal_line) and not _ANNOUNCES.search(
-            self.fatal_line
+        if (
+            self.fatal_line is not None
+            and not _SUMMARY.search(self.fatal_line)
+            and not _ANNOUNCES.search(self.fatal_line)
         ):
             return self.fatal_line
         last = self._fatal_no if self.fatal_line is not None else self._line_no
