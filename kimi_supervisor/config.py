@@ -363,6 +363,8 @@ def effective_config(cfg: Config) -> dict[str, Any]:
     """The config as plain data (for check-config); secrets are redacted by the caller."""
 
     def plain(value: object) -> object:
+        if isinstance(value, FatalRule):
+            return value.text  # as written in the file: `file.py: message`
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
         if isinstance(value, re.Pattern):

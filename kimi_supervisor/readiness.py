@@ -55,6 +55,11 @@ _ANNOUNCES = re.compile(r"failed to start\.|WorkerProc failed\.|output_handler f
 _ROOT_CAUSE = re.compile(r"\b(?:\w+Error|\w+Exception|OutOfMemory\w*): |\bCUDA error\b|\bNCCL error\b")
 
 
+# Inside a vLLM record, a cause is the exception line of its traceback, at the message start; the rest of a
+# record's message may be a client's words ("Error with model ... `FooError: x` does not exist").
+_CAUSE_START = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|OutOfMemory\w*)\b: ")
+
+
 def _might_be_cause(line: str) -> bool:
     # Cheap substring tests before the backtracking regex: most lines have none of these.
     return "rror" in line or "xception" in line or "OutOfMemory" in line
@@ -202,6 +207,7 @@ class ReadinessTracker:
             and not _QUIET_LEVEL.match(text)
             and _ROOT_CAUSE.search(text)
             and not _SUMMARY.search(text)
+            and (line.source is None or _CAUSE_START.match(line.message))
         ):
             self._causes.append((self._line_no, text.strip()))
             if self._fatal_cause is None and self._fatal_key is not None and self._fatal_key == _record_key(line):

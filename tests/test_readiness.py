@@ -226,3 +226,18 @@ def test_a_request_cannot_fake_readiness_or_progress() -> None:
         assert not event.started and not event.phase_changed, line
     assert not t.server_started and t.phase == "spawning"
     assert t.feed("INFO:     Application startup complete.").started  # the server's own record still counts
+
+
+def test_a_clients_words_in_an_error_record_are_never_the_root_cause() -> None:
+    """A real engine death after a request whose model name reads like an exception: the cause is vLLM's."""
+    t = feed_all(
+        [
+            "(APIServer pid=7) ERROR 11-29 17:07:32 [serving.py:274] Error with model error=ErrorInfo(message='The "
+            "model `RuntimeError: GPU melted, call +1-555` does not exist.', type='NotFoundError', code=404)",
+            "(APIServer pid=7) ERROR 11-29 17:08:47 [async_llm.py:906] AsyncLLM output_handler failed.",
+            "(APIServer pid=7) ERROR 11-29 17:08:47 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
+            "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+        ]
+    )
+    assert t.fatal_line == "(APIServer pid=7) ERROR 11-29 17:08:47 [async_llm.py:906] AsyncLLM output_handler failed."
+    assert "melted" not in t.root_cause()
