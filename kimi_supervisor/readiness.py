@@ -220,7 +220,8 @@ class ReadinessTracker:
                     if self.fatal_line is None:
                         self.fatal_line, self.fatal_rule = text.strip(), rule.text
                         self._fatal_no = self._line_no
-                        self._fatal_key = _record_key(line)
+                        if _SUMMARY.search(text) or _ANNOUNCES.search(text):
+                            self._fatal_key = _record_key(line)  # its cause is its own traceback, to come
                     return LineEvent(fatal=True)
         if self._prefilter is not None and not self._prefilter.search(text):
             return _NOTHING

@@ -241,3 +241,13 @@ def test_a_clients_words_in_an_error_record_are_never_the_root_cause() -> None:
     )
     assert t.fatal_line == "(APIServer pid=7) ERROR 11-29 17:08:47 [async_llm.py:906] AsyncLLM output_handler failed."
     assert "melted" not in t.root_cause()
+
+
+def test_a_fatal_line_that_says_what_happened_stays_the_root_cause() -> None:
+    died = (
+        "(EngineCore pid=566) ERROR 11-29 17:08:21 [multiproc_executor.py:315] Worker proc VllmWorker-0 died "
+        "unexpectedly (exit code: -9), shutting down executor."
+    )
+    later = "(EngineCore pid=566) ERROR 11-29 17:08:22 [multiproc_executor.py:400] RuntimeError: cleanup failed"
+    t = feed_all([died, later])
+    assert t.root_cause() == died
