@@ -14,9 +14,13 @@ Writes DIR/gpu_health.json and DIR/gpu_health.md and prints a readable summary.
      XID and tears down that context; nothing is reset, no other process is
      touched).  Is it delivered to the watch, with which number, how soon?
   d. The Supervisor (in-process, as the CLI builds it, over NvmlProbe)
-     supervising tests/fakes/fake_vllm.py on GPU 0; the same fault in a process
-     beside it: it must log the XID at crit, stop the tree and exit 18 within
-     1 s.  The dry-run report on this host is kept too.
+     supervising tests/fakes/fake_vllm.py on GPU 0; the same fault in a
+     stranger's process beside it (uid `--stranger-uid`, default 65534, nobody):
+     XID 31 is application-scoped, so it must be logged (`gpu.xid_application`)
+     while the tree keeps its PIDs and the supervisor stays ready; then SIGTERM
+     stops it (exit 0).  A device-level XID (exit 18) cannot be made on purpose:
+     tests/test_gpu_events.py covers it with the fake probe.  The dry-run report
+     on this host is kept too.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import dataclasses
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -69,10 +74,27 @@ def sh(cmd: list[str], timeout: float = 60) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
-def fault(gpu: int) -> dict[str, Any]:
+def fault(gpu: int, uid: int | None = None) -> dict[str, Any]:
+    """The faulting kernel, in a process of ours or (uid) a stranger's."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+    if uid is not None:
+        env.update(HOME="/tmp", CUPY_CACHE_DIR=f"/tmp/kimi-cupy-{uid}")
+
+    def become() -> None:
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", FAULT_CODE], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", FAULT_CODE],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        preexec_fn=become if uid is not None else None,
+    )
     out: dict[str, Any] = {"rc": r.returncode, "stdout": r.stdout[-800:], "stderr": r.stderr[-1500:]}
     for line in r.stdout.splitlines():
         word, _, rest = line.partition(" ")
@@ -180,7 +202,7 @@ class TimedLog:
         return next((r for r in list(self.records) if r[2] == event), None)
 
 
-def part_d(res: dict[str, Any], do_fault: bool) -> None:
+def part_d(res: dict[str, Any], do_fault: bool, stranger_uid: int = 65534) -> None:
     """The Supervisor itself (in-process: this machine has no structlog wheel) over real NVML."""
     import importlib
     import types
@@ -202,7 +224,7 @@ def part_d(res: dict[str, Any], do_fault: bool) -> None:
     from kimi_supervisor.proctable import PsutilProcessTable
     from kimi_supervisor.state import State
     from kimi_supervisor.supervisor import Deps, Supervisor
-    from tests.harness import fake_config
+    from tests.harness import fake_config, fake_tree_of
 
     with tempfile.TemporaryDirectory(prefix="kimi-gpu-health-") as name:
         tmp = Path(name)
@@ -228,7 +250,18 @@ def part_d(res: dict[str, Any], do_fault: bool) -> None:
             end = time.monotonic() + 60
             while time.monotonic() < end and not (sup.state.state is State.READY and log.first("gpu.events_watching")):
                 time.sleep(0.05)
-            res["supervisor_fault"] = fault(0)
+            tree = {p.pid: p.create_time() for p in fake_tree_of(str(tmp))}
+            res["supervisor_fault"] = fault(0, stranger_uid)
+            end = time.monotonic() + 5
+            while time.monotonic() < end and not log.first("gpu.xid_application"):
+                time.sleep(0.05)
+            time.sleep(1.0)  # a verdict, were there one, came within 136 ms before issue 22
+            res["stranger_xid_logged"] = log.first("gpu.xid_application") is not None
+            res["tree_untouched_after_stranger_xid"] = bool(tree) and tree == {
+                p.pid: p.create_time() for p in fake_tree_of(str(tmp))
+            }
+            res["state_after_stranger_xid"] = sup.state.state.value
+            os.kill(os.getpid(), signal.SIGTERM)  # the supervisor's own handler: a requested stop, exit 0
 
         th = threading.Thread(target=trigger)
         th.start()
@@ -249,7 +282,7 @@ def part_d(res: dict[str, Any], do_fault: bool) -> None:
             if ev.startswith(("gpu.", "state.", "stop.", "liveness."))
         ]
         f = res["supervisor_fault"]
-        xid = log.first("gpu.xid")
+        xid = log.first("gpu.xid") or log.first("gpu.xid_application")
         for key in ("launch_at", "fault_at"):
             if key in f:
                 res[f"supervisor_exit_after_{key[:-3]}_ms"] = round((exited - f[key]) * 1e3, 1)
@@ -287,6 +320,9 @@ def render(res: dict[str, Any]) -> str:
         "supervisor_fault",
         "supervisor_rc",
         "supervisor_error",
+        "stranger_xid_logged",
+        "tree_untouched_after_stranger_xid",
+        "state_after_stranger_xid",
         "supervisor_exit_after_launch_ms",
         "supervisor_exit_after_fault_ms",
         "supervisor_xid_logged_after_launch_ms",
@@ -323,6 +359,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--no-fault", action="store_true", help="skip the parts that make a real XID")
+    p.add_argument("--stranger-uid", type=int, default=65534, help="part d: the uid whose kernel faults")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     import pynvml
@@ -339,7 +376,7 @@ def main() -> int:
     for name, step in (
         ("a", lambda: part_a(probe, n, res)),
         ("bc", lambda: part_bc(probe, n, res, not a.no_fault)),
-        ("d", lambda: part_d(res, not a.no_fault)),
+        ("d", lambda: part_d(res, not a.no_fault, a.stranger_uid)),
     ):
         try:
             step()
@@ -357,6 +394,9 @@ def main() -> int:
             "event_after_fault_ms",
             "supervisor_rc",
             "supervisor_error",
+            "stranger_xid_logged",
+            "tree_untouched_after_stranger_xid",
+            "state_after_stranger_xid",
             "supervisor_exit_after_launch_ms",
             "supervisor_exit_after_fault_ms",
             "supervisor_exit_after_xid_logged_ms",

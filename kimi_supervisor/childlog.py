@@ -22,6 +22,10 @@ _EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt|Exi
 # vLLM-formatted record (`... INFO 11-29 17:07:32 [h11_impl.py:473] 1.2.3.4:5 - "GET ...`): what follows the
 # client's address is the client's own text.
 _ACCESS = re.compile(r'^:?\s*(?:\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? )?(?:\[[^\]]*\] )?\S+:\d+ - "')
+# vLLM's record header after the level: `11-29 17:08:21 [multiproc_executor.py:315] `.  Its formatter gives every
+# line of a multi-line message the same header, so a newline in logged client text cannot start a line with
+# another file's header: the file named here is the code that logged the record.
+_HEADER = re.compile(r"^\s*(?:\d\d-\d\d\s+)?\d\d:\d\d:\d\d(?:\.\d+)?\s+\[(?P<file>[^\]\s:]+):(?P<lineno>\d+)\]\s?")
 PRIORITY = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}
 
 
@@ -38,6 +42,10 @@ class ChildLine:
     priority: int
     fields: dict[str, str]
     kind: Kind
+    # A vLLM record's header: the file that logged it (as vLLM prints it: a base name, or a shortened
+    # relative path with VLLM_LOGGING_... relpath), and the message after the header.  None otherwise.
+    source: str | None = None
+    message: str = ""
 
     @property
     def may_be_fatal(self) -> bool:
@@ -86,8 +94,12 @@ class LineClassifier:
         if level is not None:
             # A record interleaved into another process's traceback neither ends it nor joins it.
             priority = PRIORITY[level]
-            kind = Kind.ACCESS if _ACCESS.match(body) else Kind.RECORD
-            return ChildLine(line, priority, fields, kind)
+            if _ACCESS.match(body):
+                return ChildLine(line, priority, fields, Kind.ACCESS)
+            h = _HEADER.match(body)
+            if h is None:
+                return ChildLine(line, priority, fields, Kind.RECORD, None, body.strip())
+            return ChildLine(line, priority, fields, Kind.RECORD, h.group("file"), body[h.end() :].rstrip())
         stripped = body.lstrip()
         if stripped.startswith("Traceback (most recent call last)"):
             self._in_traceback = True

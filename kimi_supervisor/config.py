@@ -22,6 +22,7 @@ from kimi_supervisor.configtypes import (
     GPU_HEALTH_POLICIES,
     ChildConfig,
     Config,
+    FatalRule,
     GpuHealthConfig,
     HealthConfig,
     LivenessConfig,
@@ -74,14 +75,40 @@ DEFAULT_STARTED_PATTERNS = (
     r"Starting vLLM server on ",
     r"Starting vLLM API server( \d+)? on ",
 )
+# `file.py: message start`: the vLLM 0.32 record that says the engine is gone, each from the file that logs it
+# (vllm/v1/...; checked against tests/fixtures/vllm_cpu_0.32).  A CUDA OOM, "Free memory on device" or
+# "Engine core initialization failed" is no rule of its own: the worker or engine record that fails on it
+# ("WorkerProc failed to start.", "EngineCore encountered a fatal error.") is, and the OOM line is quoted as
+# the root cause.  Never a bare word: client text (a model name, a prompt) lands in ERROR records too.
 DEFAULT_FATAL_PATTERNS = (
-    r"Engine core initialization failed",
-    r"Free memory on device .* is less than desired GPU memory utilization",
-    r"died unexpectedly",
-    r"EngineCore encountered a fatal error",
-    r"EngineDeadError",
-    r"CUDA out of memory",
+    r"core.py: EngineCore failed to start\.",  # v1/engine/core.py, logger.exception while starting
+    r"core.py: EngineCore encountered a fatal error\.",  # v1/engine/core.py, the busy loop died
+    r"multiproc_executor.py: Worker proc \S+ died unexpectedly",  # v1/executor/multiproc_executor.py, monitor
+    r"multiproc_executor.py: WorkerProc failed to start\.",  # the worker, while loading
+    r"multiproc_executor.py: WorkerProc failed\.$",  # the worker's busy loop died
+    r"ray_executor_v2.py: RayWorkerProc rank=.* died unexpectedly",  # v1/executor/ray_executor_v2.py
+    r"async_llm.py: AsyncLLM output_handler failed\.",  # v1/engine/async_llm.py: the API server lost its engine
 )
+_FATAL_RULE = re.compile(r"^(?P<source>[A-Za-z0-9_.-]+\.py): (?P<message>.+)$", re.DOTALL)
+
+
+def _fatal_rules(t: Table) -> tuple[FatalRule, ...]:
+    rules = []
+    for i, text in enumerate(t.strings("fatal_patterns", list(DEFAULT_FATAL_PATTERNS))):
+        m = _FATAL_RULE.match(text)
+        if m is None:
+            raise t.error(
+                f"fatal_patterns[{i}]",
+                f"{short_repr(text)} names no source: write 'file.py: message start' (the file in vLLM's "
+                "[file.py:line] header, e.g. 'multiproc_executor.py: Worker proc \\S+ died unexpectedly'); "
+                "a bare pattern would match client text that vLLM logs",
+            )
+        try:
+            message = re.compile(m.group("message"))
+        except re.error as exc:
+            raise t.error(f"fatal_patterns[{i}]", f"invalid regular expression {short_repr(text)}: {exc}") from None
+        rules.append(FatalRule(m.group("source"), message, text))
+    return tuple(rules)
 
 
 def _parse_child(t: Table) -> ChildConfig:
@@ -189,7 +216,7 @@ def _parse_readiness(t: Table, vllm: VllmArgs) -> ReadinessConfig:
         raise t.error("health_url", f"expected an http:// or https:// URL, got {url!r}")
     cfg = ReadinessConfig(
         started_patterns=t.patterns("started_patterns", DEFAULT_STARTED_PATTERNS),
-        fatal_patterns=t.patterns("fatal_patterns", DEFAULT_FATAL_PATTERNS),
+        fatal_patterns=_fatal_rules(t),
         health_url=url,
         deadline_s=t.number("deadline_s", 1800.0, maximum=7 * 86400),
         stall_timeout_s=t.number("stall_timeout_s", 300.0, maximum=86400),
@@ -336,6 +363,8 @@ def effective_config(cfg: Config) -> dict[str, Any]:
     """The config as plain data (for check-config); secrets are redacted by the caller."""
 
     def plain(value: object) -> object:
+        if isinstance(value, FatalRule):
+            return value.text  # as written in the file: `file.py: message`
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
         if isinstance(value, re.Pattern):

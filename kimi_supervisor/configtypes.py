@@ -66,9 +66,23 @@ class PreflightConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class FatalRule:
+    """`source: message`: a fatal record is one that `source` (the file in vLLM's `[file.py:line]` header)
+    logged at ERROR or above, whose message starts with a match of `message`.  Only vLLM's own code picks
+    the header and the start of its message; a client's words only ever follow them."""
+
+    source: str  # a file name as vLLM's header shows it, e.g. "multiproc_executor.py"
+    message: re.Pattern[str]  # matched at the start of the record's message (re.match)
+    text: str  # as configured, for messages
+
+    def matches(self, source: str | None, message: str) -> bool:
+        return source is not None and source.rsplit("/", 1)[-1] == self.source and bool(self.message.match(message))
+
+
+@dataclasses.dataclass(frozen=True)
 class ReadinessConfig:
     started_patterns: tuple[re.Pattern[str], ...]
-    fatal_patterns: tuple[re.Pattern[str], ...]
+    fatal_patterns: tuple[FatalRule, ...]
     health_url: str
     deadline_s: float
     stall_timeout_s: float

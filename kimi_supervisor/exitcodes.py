@@ -25,7 +25,7 @@ class ExitCode(enum.IntEnum):
     SPAWN_FAILED = 15  # argv[0] missing, bad user, bad working directory
     ANOTHER_INSTANCE = 16  # another kimi-supervisor owns these GPUs; nothing was changed
     ENGINE_WEDGED = 17  # /health answers but the engine makes no progress (canary or metrics)
-    GPU_FAILED = 18  # NVML reported a critical XID / uncorrectable ECC event on one of our GPUs
+    GPU_FAILED = 18  # NVML reported a device-level XID / uncorrectable ECC event on one of our GPUs
     UNAVAILABLE = 69  # EX_UNAVAILABLE: systemd cannot take the unit (daemon-reload failed, unusable path)
     NO_PERMISSION = 77  # EX_NOPERM: a file or directory the command needs cannot be written
     CONFIG = 78  # EX_CONFIG: the unit must not restart on this
@@ -44,7 +44,7 @@ DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.SPAWN_FAILED: "the child could not be started (argv[0], user or working directory)",
     ExitCode.ANOTHER_INSTANCE: "another kimi-supervisor owns these GPUs (its PID is named); nothing was changed",
     ExitCode.ENGINE_WEDGED: "vLLM answers /health but its engine is wedged (canary or token progress failed)",
-    ExitCode.GPU_FAILED: "a GPU of ours reported a critical XID or uncorrectable ECC error while serving",
+    ExitCode.GPU_FAILED: "a GPU of ours reported a device-level XID or uncorrectable ECC error while serving",
     ExitCode.UNAVAILABLE: "install-unit: systemctl daemon-reload failed, or systemd cannot run this path",
     ExitCode.NO_PERMISSION: "permission denied writing a file the command needs (e.g. install-unit without root)",
     ExitCode.INTERNAL: "internal error (a bug): the traceback is in the journal",

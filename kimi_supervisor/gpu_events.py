@@ -2,8 +2,15 @@
 
 A GPU that reports XID 79 (fallen off the bus) or 95 (uncontained ECC) still
 lets vLLM answer /health for minutes, until NCCL's own watchdog gives up.  The
-driver tells us at once; this module listens and turns an event on one of our
-GPUs into `GpuFailed` (exit 18) in the supervisor's loop.
+driver tells us at once; this module listens and turns a device-level event on
+one of our GPUs into `GpuFailed` (exit 18) in the supervisor's loop.
+
+Only our own faults stop us.  NVML's XID events name a GPU, never a process,
+and the application-scoped XIDs (NVIDIA's catalog: "restart the application";
+13, 31 MMU fault, 43, 45, ...) are raised by whatever process faulted: any
+local user's kernel on a shared GPU.  Those are logged, never acted on; when
+the faulting process is our vLLM, vLLM fails on its own CUDA error (its fatal
+record or its exit ends the run).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ if TYPE_CHECKING:
 
 # NVIDIA's XID catalog, the ones a vLLM host meets (docs.nvidia.com/deploy/xid-errors).
 XID_MEANINGS = {
+    8: "GPU stopped processing (a channel idle timeout: the application's work hung)",
+    11: "invalid or corrupted push buffer stream (from the application)",
     13: "graphics engine exception (often an out-of-range access by the application)",
     31: "GPU memory page fault (MMU fault: usually an illegal address in the application)",
     32: "invalid or corrupted push buffer stream",
@@ -33,6 +42,8 @@ XID_MEANINGS = {
     62: "internal micro-controller halt",
     63: "ECC page retirement or row remapping recorded (takes effect at the next reset)",
     64: "ECC page retirement or row remapping failed",
+    68: "video decoder (NVDEC) exception (the application's channel)",
+    69: "graphics engine class error (the application's channel)",
     74: "NVLink error",
     79: "GPU has fallen off the bus",
     92: "high single-bit ECC error rate",
@@ -44,6 +55,13 @@ XID_MEANINGS = {
     140: "unrecovered ECC error",
     154: "GPU recovery action changed (reset or reboot required)",
 }
+
+# Application-scoped: NVIDIA's catalog (docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html) gives
+# "RESTART_APP" as the immediate action: the faulting application's context is lost, the GPU and every other
+# process on it are fine.  Any process raises them; NVML names none.  Logged only.  Every other XID (48, 63, 64,
+# 74, 79, 92, 94, 95, 109, 119, 120, 140, 154, and any not listed) is device-level: acted on unless in
+# gpu_health.xid_ignored.
+APPLICATION_XIDS = frozenset({8, 11, 13, 31, 43, 45, 68, 69})
 
 WAIT_S = 0.1  # how long one NVML wait blocks: bounds how long close() waits for the thread
 
@@ -122,6 +140,16 @@ class GpuEventWatcher:
             if item.kind == "xid" and item.xid in self._ignored:
                 self._log.warning(
                     "gpu.xid_ignored", gpu=item.gpu, xid=item.xid, meaning=text, why="in gpu_health.xid_ignored"
+                )
+                continue
+            if item.kind == "xid" and item.xid in APPLICATION_XIDS:
+                self._log.warning(
+                    "gpu.xid_application",
+                    gpu=item.gpu,
+                    xid=item.xid,
+                    meaning=text,
+                    why="application-scoped: any process on the GPU raises it and NVML names none; "
+                    "vLLM fails on its own faults",
                 )
                 continue
             self._log.critical(

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from kimi_supervisor.atomicfile import write_atomic
 from kimi_supervisor.boundaries import Logger
+from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.gpu import MIB
 from kimi_supervisor.state import State
 
@@ -83,9 +84,22 @@ class _SnapshotCollector(Collector):
             gpu.add_metric([str(index)], float(mib * MIB))
         yield gpu
         if s.last_failure is not None:
-            info = InfoMetricFamily(f"{PREFIX}_last_failure", "Exit code and root cause of the latest failed run")
-            info.add_metric([], {"exit_code": str(s.last_failure[0]), "reason": s.last_failure[1][:200]})
+            # Labels from a bounded set only: the root cause is vLLM's text (maybe a client's words) and would
+            # make a new series per failure; `kimi-supervisor status` and the journal quote it.
+            info = InfoMetricFamily(
+                f"{PREFIX}_last_failure", "Exit code and reason (from the exit code) of the latest failed run"
+            )
+            code = s.last_failure[0]
+            info.add_metric([], {"exit_code": str(code), "reason": failure_reason(code)})
             yield info
+
+
+def failure_reason(code: int) -> str:
+    """The exit code's name (`child_died`, `gpu_failed`, ...), or `unknown`: one of a fixed set."""
+    try:
+        return ExitCode(code).name.lower()
+    except ValueError:
+        return "unknown"
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

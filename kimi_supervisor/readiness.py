@@ -12,7 +12,7 @@ import collections
 import dataclasses
 import re
 
-from kimi_supervisor.childlog import ChildLine, LineClassifier
+from kimi_supervisor.childlog import ChildLine, Kind, LineClassifier
 from kimi_supervisor.clock import format_duration
 from kimi_supervisor.configtypes import ReadinessConfig
 
@@ -49,8 +49,15 @@ _SUMMARY = re.compile(
     r"See root cause above|See stack trace|Engine core initialization failed|EngineCore failed to start"
     r"|EngineCore encountered a fatal error"
 )
+# Fatal records that only announce the traceback that follows them in the same record (logger.exception).
+_ANNOUNCES = re.compile(r"failed to start\.|WorkerProc failed\.|output_handler failed\.")
 # "XxxError: message" (not "raise XxxError(": source lines in a traceback are not the cause).
 _ROOT_CAUSE = re.compile(r"\b(?:\w+Error|\w+Exception|OutOfMemory\w*): |\bCUDA error\b|\bNCCL error\b")
+
+
+# Inside a vLLM record, a cause is the exception line of its traceback, at the message start; the rest of a
+# record's message may be a client's words ("Error with model ... `FooError: x` does not exist").
+_CAUSE_START = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|OutOfMemory\w*)\b: ")
 
 
 def _might_be_cause(line: str) -> bool:
@@ -121,6 +128,11 @@ def literal_prefilter(patterns: list[str]) -> re.Pattern[str] | None:
     return re.compile("|".join(re.escape(w) for w in sorted(words)))
 
 
+def _record_key(line: ChildLine) -> tuple[str, str]:
+    """Which process and logging call a line belongs to: every line of one vLLM record has the same."""
+    return (line.fields.get("VLLM_PID", ""), line.source or "")
+
+
 @dataclasses.dataclass(frozen=True)
 class Progress:
     done: int
@@ -143,19 +155,24 @@ class ReadinessTracker:
     def __init__(self, cfg: ReadinessConfig, tail_lines: int = 40) -> None:
         self._started = cfg.started_patterns
         self._fatal = cfg.fatal_patterns
+        self._fatal_sources = {rule.source for rule in self._fatal}
         self._phase_rx = [re.compile(p) for _, p in PHASES]
         # Most lines matter to no pattern: a search for literal words every pattern needs rejects them
         # in well under a microsecond; the combined pattern confirms the rest.
-        every = [p for _, p in PHASES] + [_PROGRESS.pattern] + [r.pattern for r in (*self._started, *self._fatal)]
+        every = [p for _, p in PHASES] + [_PROGRESS.pattern] + [r.pattern for r in self._started]
         self._any = re.compile("|".join(f"(?:{p})" for p in every))
         self._prefilter = literal_prefilter(every)
         self.phase_index = -1
         self.progress: Progress | None = None
         self.server_started = False
         self.fatal_line: str | None = None
+        self.fatal_rule: str | None = None  # the rule (`file.py: message`) that matched fatal_line
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         # (line number, line) of recent exception-looking lines at error level.
         self._causes: collections.deque[tuple[int, str]] = collections.deque(maxlen=32)
+        # The fatal record's own exception (its logger.exception traceback ends after the record's first line).
+        self._fatal_key: tuple[str, str] | None = None
+        self._fatal_cause: str | None = None
         self._line_no = 0
         self._fatal_no = 0
         # Set at READY: from then on only fatal lines matter.
@@ -170,10 +187,12 @@ class ReadinessTracker:
 
     def feed(self, line: ChildLine | str) -> LineEvent:
         """What `line` changes.  Which patterns may see it depends on what kind of line it is (childlog.Kind):
-        fatal patterns and root causes only ERROR+ records and tracebacks; "started" only the server's own
-        records; phases and progress its records and progress bars.  A request line (uvicorn's access log:
-        the path, query and client address are the client's words) and any INFO/DEBUG record never fail
-        the run, and nothing after READY moves the phase: no client text changes the supervisor's state.
+        a fatal rule only an ERROR+ record logged by the rule's file, from the start of its message (vLLM
+        logs client text at ERROR too: "Error with model ... `EngineDeadError` does not exist"); root causes
+        only ERROR+ records and tracebacks; "started" only the server's own records; phases and progress its
+        records and progress bars.  A request line (uvicorn's access log), a traceback, any INFO/DEBUG record
+        never fail the run, and nothing after READY moves the phase: no client text changes the
+        supervisor's state.
         """
         if isinstance(line, str):
             line = self._classifier.classify_line(line)  # one stream (the tests, the fixtures)
@@ -188,17 +207,26 @@ class ReadinessTracker:
             and not _QUIET_LEVEL.match(text)
             and _ROOT_CAUSE.search(text)
             and not _SUMMARY.search(text)
+            and (line.source is None or _CAUSE_START.match(line.message))
         ):
             self._causes.append((self._line_no, text.strip()))
+            if self._fatal_cause is None and self._fatal_key is not None and self._fatal_key == _record_key(line):
+                self._fatal_cause = text.strip()
+        if line.kind is Kind.RECORD and line.priority <= 3 and line.source is not None:
+            source = line.source.rsplit("/", 1)[-1]
+            if source in self._fatal_sources:
+                rule = next((r for r in self._fatal if r.matches(source, line.message)), None)
+                if rule is not None:
+                    if self.fatal_line is None:
+                        self.fatal_line, self.fatal_rule = text.strip(), rule.text
+                        self._fatal_no = self._line_no
+                        if _SUMMARY.search(text) or _ANNOUNCES.search(text):
+                            self._fatal_key = _record_key(line)  # its cause is its own traceback, to come
+                    return LineEvent(fatal=True)
         if self._prefilter is not None and not self._prefilter.search(text):
             return _NOTHING
         if not self._any.search(text):
             return _NOTHING
-        if line.may_be_fatal and any(rx.search(text) for rx in self._fatal):
-            if self.fatal_line is None:
-                self.fatal_line = text.strip()
-                self._fatal_no = self._line_no
-            return LineEvent(fatal=True)
         if self.serving or not line.may_show_progress:
             return _NOTHING
         progress_changed = False
@@ -233,11 +261,19 @@ class ReadinessTracker:
     def root_cause(self) -> str:
         """The line that explains a failure best.
 
-        A fatal line that says what happened ("died unexpectedly", "Free memory on device ...") is its own
-        root cause; one that points elsewhere ("See root cause above") yields to the last error-level
-        exception line shortly before it; without a fatal line, the last such exception line.
+        A fatal line that says what happened ("Worker proc ... died unexpectedly") is its own root cause;
+        one that only announces a traceback ("WorkerProc failed to start.") yields to that traceback's
+        exception (the same process's record, after it: "torch.OutOfMemoryError: CUDA out of memory ..."),
+        else to the last error-level exception line shortly before it; without a fatal line, the last such
+        exception line.
         """
-        if self.fatal_line is not None and not _SUMMARY.search(self.fatal_line):
+        if self._fatal_cause is not None:
+            return self._fatal_cause
+        if (
+            self.fatal_line is not None
+            and not _SUMMARY.search(self.fatal_line)
+            and not _ANNOUNCES.search(self.fatal_line)
+        ):
             return self.fatal_line
         last = self._fatal_no if self.fatal_line is not None else self._line_no
         near = [text for n, text in self._causes if last - CAUSE_WINDOW <= n <= last]

@@ -53,6 +53,7 @@ from kimi_supervisor.output import ChildOutput
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.preflight.checks import Status
 from kimi_supervisor.proctable import ProcessTable
+from kimi_supervisor.quoting import quote
 from kimi_supervisor.readiness import LineEvent, ReadinessTracker
 from kimi_supervisor.signals import STOP_SIGNALS, InterruptibleClock, SignalRecorder, StopRequested, signal_name
 from kimi_supervisor.spawnplan import Unresolvable
@@ -236,6 +237,9 @@ class Supervisor:
         if self.tracker.fatal_line is not None:
             # After READY too: vLLM's own main lingers for seconds after its engine died, answering 503.
             what = "reported a fatal error after it was ready" if serving else "failed while starting"
+            # The rest of the fatal record (its traceback, whose exception is the root cause) is usually in
+            # the pipe already: read what is there, without waiting.
+            self._pump(0)
             raise error(f"vLLM {what}: {self._root_cause()}", detail=self._tail())
         if self.child.poll() is not None:
             self._pump(0)
@@ -407,7 +411,8 @@ class Supervisor:
         return f"ready: serving on {self.cfg.readiness.health_url.rsplit('/health', 1)[0]}"
 
     def _root_cause(self) -> str:
-        return self.tracker.root_cause()[:500]
+        # vLLM's line, maybe holding a client's words: quoted and escaped, never the supervisor's own text.
+        return quote(self.tracker.root_cause())
 
     def _tail(self, lines: int = 15) -> list[str]:
         return [line[:500] for line in list(self.tracker.tail)[-lines:]]

@@ -130,9 +130,15 @@ def error_of(path: Path) -> str:
             "{p}: preflight.gpus: expected \"all\" or an array of GPU indices (e.g. [0, 1]), got string 'some'",
         ),
         (
-            MINIMAL + '[readiness]\nfatal_patterns = ["(("]\n',
-            "{p}: readiness.fatal_patterns: invalid regular expression '((': missing ), unterminated subpattern at "
-            "position 1",
+            MINIMAL + '[readiness]\nfatal_patterns = ["x.py: (("]\n',
+            "{p}: readiness.fatal_patterns[0]: invalid regular expression 'x.py: ((': missing ), unterminated "
+            "subpattern at position 1",
+        ),
+        (
+            MINIMAL + '[readiness]\nfatal_patterns = ["core.py: EngineCore failed", "died unexpectedly"]\n',
+            "{p}: readiness.fatal_patterns[1]: 'died unexpectedly' names no source: write 'file.py: message start' "
+            "(the file in vLLM's [file.py:line] header, e.g. 'multiproc_executor.py: Worker proc \\S+ died "
+            "unexpectedly'); a bare pattern would match client text that vLLM logs",
         ),
         (
             MINIMAL + '[readiness]\nhealth_url = "localhost:8000"\n',

@@ -101,6 +101,46 @@ def test_ignored_xids_are_logged_and_events_on_other_gpus_never_arrive() -> None
         w.close()
 
 
+def test_application_scoped_xids_are_logged_device_level_ones_fail() -> None:
+    """NVML names no process: a stranger's MMU fault (XID 31) on a shared GPU must not stop our tree."""
+    probe = FakeGpuProbe([FakeGpu(), FakeGpu()])
+    log = RecordingLog()
+    w, _ = watcher(probe, (0, 1), log)
+    try:
+        for xid in (31, 13, 43, 45, 68, 69, 8, 11):
+            probe.inject(GpuEvent(0, "xid", xid))
+
+        def logged() -> int:
+            w.check()  # raises for an XID acted on: the test fails there
+            return len(log.events("gpu.xid_application"))
+
+        wait_for(lambda: logged() == 8, timeout=5)
+        assert [e["xid"] for e in log.events("gpu.xid_application")] == [31, 13, 43, 45, 68, 69, 8, 11]
+        first = log.events("gpu.xid_application")[0]
+        assert first["meaning"] == (
+            "GPU 0: XID 31: GPU memory page fault (MMU fault: usually an illegal address in the application)"
+        )
+        assert first["why"] == (
+            "application-scoped: any process on the GPU raises it and NVML names none; vLLM fails on its own faults"
+        )
+        assert log.events("gpu.xid") == []
+        for xid in (79, 48, 64, 74, 94, 95, 119, 120, 140, 999):
+            probe.inject(GpuEvent(1, "xid", xid))
+            raised = wait_for(lambda: _raises(w), timeout=2)
+            assert isinstance(raised, GpuFailed) and raised.exit_code == ExitCode.GPU_FAILED, xid
+            assert f"GPU 1: XID {xid}: " in raised.message
+    finally:
+        w.close()
+
+
+def _raises(w: GpuEventWatcher) -> GpuFailed | None:
+    try:
+        w.check()
+    except GpuFailed as exc:
+        return exc
+    return None
+
+
 def test_no_event_support_is_a_warning_not_a_failure() -> None:
     probe = FakeGpuProbe([FakeGpu()])
     probe.event_error = "NVML event set: Not Supported"
@@ -231,3 +271,42 @@ def test_xid_while_serving_stops_the_tree_and_exits_18_within_a_second(tmp_path:
     assert pings and max(pings) < injected[0] + 0.3  # none after the verdict (loop latency aside)
     assert fake_tree_of(str(tmp_path)) == []
     assert probe.watches[0].closed  # the event set is freed once the thread is done
+
+
+def test_a_strangers_xid_31_while_serving_is_logged_and_the_tree_untouched_then_xid_48_exits_18(
+    tmp_path: Path,
+) -> None:
+    cfg = load_config(
+        fake_config(tmp_path, [], preflight={"gpus": [0, 1]}, liveness={"canary_interval_s": 0, "stuck_after_s": 0})
+    )
+    probe = FakeGpuProbe([FakeGpu(), FakeGpu()])
+    log = RecordingLog()
+    notes = Notes()
+    devnull = open(os.devnull, "w")  # noqa: SIM115
+    sup = Supervisor(cfg, Deps(probe, PsutilProcessTable(), notes, log, ConsoleChildSink(devnull), watchdog_s=0.4))
+    seen: dict[str, object] = {}
+
+    def inject() -> None:
+        wait_for(lambda: sup.state.state is State.READY and log.events("gpu.events_watching"), timeout=30)
+        tree = {p.pid: p.create_time() for p in fake_tree_of(str(tmp_path))}
+        probe.inject(GpuEvent(0, "xid", 31))  # another user's faulting kernel on our GPU 0
+        wait_for(lambda: log.events("gpu.xid_application"), timeout=5)
+        pings = len([f for _, f in notes.sent if f.get("WATCHDOG") == 1])
+        wait_for(lambda: len([f for _, f in notes.sent if f.get("WATCHDOG") == 1]) > pings + 1, timeout=5)
+        seen["state"] = sup.state.state
+        seen["tree_same"] = {p.pid: p.create_time() for p in fake_tree_of(str(tmp_path))} == tree and bool(tree)
+        probe.inject(GpuEvent(1, "xid", 48))  # a double-bit ECC error: the device itself
+
+    threading.Thread(target=inject, daemon=True).start()
+    try:
+        with pytest.raises(GpuFailed) as info:
+            sup.run()
+    finally:
+        devnull.close()
+    assert seen == {"state": State.READY, "tree_same": True}  # still serving, still pinging, same processes
+    assert info.value.exit_code == 18
+    assert "GPU 1: XID 48: double-bit ECC error" in info.value.message
+    [app] = log.events("gpu.xid_application")
+    assert (app["gpu"], app["xid"]) == (0, 31)
+    assert [r[2]["xid"] for r in log.records if r[1] == "gpu.xid"] == [48]
+    assert fake_tree_of(str(tmp_path)) == []

@@ -14,23 +14,33 @@ from typing import Any
 import pytest
 
 from kimi_supervisor import cli, instance_lock
-from kimi_supervisor.exitcodes import AnotherInstance, ExitCode
-from tests.conftest import REPO, wait_for
+from kimi_supervisor.exitcodes import AnotherInstance, ExitCode, RuntimeDirectoryError
+from tests.conftest import REPO, ProcSpawner, wait_for
+from tests.fakes.clock import RecordingLog
 from tests.harness import Run, fake_config, fake_tree_of
 
-GPU_CLI = ["-m", "tests.fakes.gpu_cli"]
+
+def supervisor_entry(tmp_path: Path) -> list[str]:
+    """tests.fakes.gpu_cli run from a script named kimi-supervisor: a root process with kimi-supervisor's argv
+    (`python3 .../kimi-supervisor ...`), as the unit's is; another command line's lock would not count."""
+    script = tmp_path / "bin" / "kimi-supervisor"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text("import runpy\nrunpy.run_module('tests.fakes.gpu_cli', run_name='__main__')\n")
+    return [str(script)]
 
 
 def hold_lock(directory: Path, gpus: list[int], port: int) -> subprocess.Popen[bytes]:
-    """A real process that takes the locks through the real code and then just holds them."""
+    """A real root process that looks like kimi-supervisor (its argv), takes the locks through the real code and
+    then just holds them: only such a holder's lock counts."""
     code = (
         "import sys, time\nfrom pathlib import Path\nfrom kimi_supervisor import instance_lock\n"
         f"lock = instance_lock.acquire(Path({str(directory)!r}), {gpus!r}, {port}, 'x.toml')\n"
         "print('locked', flush=True)\ntime.sleep(600)\n"
     )
-    p = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)}
-    )
+    # exec -a changes argv[0], and with it Python's idea of sys.executable: PYTHONHOME names the installation.
+    argv = ["bash", "-c", f'exec -a kimi-supervisor {sys.executable} -c "$0" --config x.toml', code]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHOME": sys.base_prefix}
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env)
     assert p.stdout is not None and p.stdout.readline() == b"locked\n"
     return p
 
@@ -89,7 +99,7 @@ def gpu_file(path: Path, holders: dict[int, int], count: int = 1) -> Path:
 def test_second_supervisor_refuses_at_once_and_the_first_keeps_serving(tmp_path: Path) -> None:
     gpus = gpu_file(tmp_path / "gpus.json", {}, count=2)
     config = fake_config(tmp_path, tp=2, preflight={"gpus": [0, 1], "deadline_s": 3})
-    entry = [*GPU_CLI, str(gpus)]
+    entry = [*supervisor_entry(tmp_path), str(gpus)]
     (tmp_path / "a").mkdir()
     first = Run(config, tmp_path / "a", entry=entry)
     second: Run | None = None
@@ -144,7 +154,7 @@ def test_second_supervisor_refuses_at_once_and_the_first_keeps_serving(tmp_path:
 def test_dry_run_alongside_a_running_supervisor(tmp_path: Path) -> None:
     gpus = gpu_file(tmp_path / "gpus.json", {})
     config = fake_config(tmp_path, tp=1, preflight={"gpus": [0]})
-    entry = [*GPU_CLI, str(gpus)]
+    entry = [*supervisor_entry(tmp_path), str(gpus)]
     (tmp_path / "a").mkdir()
     first = Run(config, tmp_path / "a", entry=entry)
     try:
@@ -174,3 +184,90 @@ def test_dry_run_alongside_a_running_supervisor(tmp_path: Path) -> None:
     finally:
         first.signal()
         assert first.wait() == 0
+
+
+# -- only a root kimi-supervisor's lock counts ------------------------------------------------------------
+
+
+def flock_as_nobody(spawner: ProcSpawner, path: Path) -> subprocess.Popen[bytes]:
+    """nobody opens the lock file read-only (all flock needs) and holds an exclusive flock on it."""
+    code = (
+        "import fcntl, os, time\n"
+        f"fd = os.open({str(path)!r}, os.O_RDONLY)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('up', flush=True)\ntime.sleep(600)\n"
+    )
+    p = spawner.python(code, uid=65534)
+    assert p.stdout is not None and p.stdout.readline() == b"up\n", p.stderr.read() if p.stderr else ""
+    return p
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's process needs root")
+def test_a_lock_held_by_nobody_never_blocks_the_start(open_dir: Path, spawner: ProcSpawner) -> None:
+    lock = open_dir / "gpu-0.lock"
+    lock.write_text("{}")
+    lock.chmod(0o644)  # what earlier versions created: readable by every user
+    nobody = flock_as_nobody(spawner, lock)
+    assert instance_lock.flock_holders(lock) == {nobody.pid}
+    assert instance_lock.lock_owners(open_dir) == set()  # no supervisor: nothing to shield in the reaper
+    assert instance_lock.find_owner(open_dir, [0], 8200) is None  # the dry run does not refuse either
+    log = RecordingLog()
+    held = instance_lock.acquire(open_dir, [0], 8200, "x.toml", log)
+    try:
+        [warning] = log.events("instance.foreign_lock")
+        assert warning["lock"] == str(lock)
+        assert warning["holder"].startswith(f"PID {nobody.pid} (uid 65534, ")
+        assert warning["why"] == "not a kimi-supervisor run by root: not counted, the lock file was replaced"
+        st = lock.stat()
+        assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o600, 0, 0)
+        assert instance_lock.flock_holders(lock) == {os.getpid()}
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+        assert nobody.poll() is None  # the stranger is left alone; its lock is on a file nobody sees now
+        # nobody can no longer open the file at all.
+        again = spawner.python(f"import os\nos.open({str(lock)!r}, os.O_RDONLY)", uid=65534)
+        assert again.wait(10) != 0 and b"PermissionError" in (again.stderr.read() if again.stderr else b"")
+    finally:
+        held.close()
+    assert sorted(p.name for p in open_dir.iterdir()) == [".replace.lock", "gpu-0.lock", "port-8200.lock"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's process needs root")
+def test_a_root_supervisors_lock_still_refuses_beside_a_stranger(open_dir: Path, spawner: ProcSpawner) -> None:
+    owner = hold_lock(open_dir, [0], 8201)
+    try:
+        with pytest.raises(AnotherInstance) as info:
+            instance_lock.acquire(open_dir, [0], 8201, "y.toml", RecordingLog())
+        assert f"another kimi-supervisor (PID {owner.pid})" in info.value.message
+        assert instance_lock.lock_owners(open_dir) == {owner.pid}
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_existing_lock_files_are_repaired_to_0600_and_root(open_dir: Path) -> None:
+    lock = open_dir / "port-8202.lock"
+    lock.write_text("")
+    lock.chmod(0o666)
+    os.chown(lock, 65534, 65534)
+    instance_lock.acquire(open_dir, [], 8202, "x.toml", RecordingLog()).close()
+    st = lock.stat()
+    assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o600, 0, 0)
+    fresh = open_dir / "gpu-3.lock"
+    instance_lock.acquire(open_dir, [3], 8203, "x.toml", RecordingLog()).close()
+    assert fresh.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_link_or_a_fifo_at_a_lock_path_is_refused_and_left_alone(open_dir: Path, tmp_path: Path) -> None:
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    target.chmod(0o644)
+    (open_dir / "gpu-0.lock").symlink_to(target)
+    with pytest.raises(RuntimeDirectoryError, match=r"gpu-0\.lock"):
+        instance_lock.acquire(open_dir, [0], 8204, "x.toml", RecordingLog())
+    assert target.read_text() == "keep me" and target.stat().st_mode & 0o777 == 0o644
+    os.link(target, open_dir / "gpu-1.lock")
+    with pytest.raises(RuntimeDirectoryError, match="hard link"):
+        instance_lock.acquire(open_dir, [1], 8204, "x.toml", RecordingLog())
+    assert target.read_text() == "keep me" and target.stat().st_mode & 0o777 == 0o644
+    os.mkfifo(open_dir / "gpu-2.lock")
+    with pytest.raises(RuntimeDirectoryError, match="not a regular file"):
+        instance_lock.acquire(open_dir, [2], 8204, "x.toml", RecordingLog())

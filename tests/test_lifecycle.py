@@ -127,7 +127,7 @@ def test_fatal_line_while_starting_exits_11_quoting_it(tmp_path: Path) -> None:
     assert w.run() == 11
     assert w.error is not None
     assert w.error.message.startswith("vLLM failed while starting: ")
-    assert "Engine core initialization failed" in w.error.message
+    assert "Worker proc VllmWorker-0 died unexpectedly" in w.error.message
     assert ready_times(w) == []
     assert w.log.when("state.stopping")[0] < 3.0 + TICK
 

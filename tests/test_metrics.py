@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from pathlib import Path
@@ -65,7 +66,18 @@ def test_every_metric_parses_back_with_help_type_and_value() -> None:
     # The text format has no info type: an info metric is a gauge of 1 whose labels carry the data.
     kind, _, [(name, labels, value)] = fam["kimi_supervisor_last_failure_info"]
     assert kind == "gauge" and name == "kimi_supervisor_last_failure_info" and value == 1.0
-    assert labels == {"exit_code": "13", "reason": SNAP.last_failure[1]}  # type: ignore[index]
+    assert labels == {"exit_code": "13", "reason": "child_died"}
+
+
+def test_no_free_text_in_a_label() -> None:
+    """A root cause is vLLM's text (a client's model name, say): never a label value, whatever it says."""
+    cause = 'vLLM failed: "Error with model \\"EngineDeadError\\"\\n} 1\\nfake_metric 9"'
+    for code, reason in ((13, "child_died"), (18, "gpu_failed"), (11, "startup_failed"), (99, "unknown")):
+        text = render(dataclasses.replace(SNAP, last_failure=(code, cause))).decode()
+        assert "EngineDeadError" not in text and "fake_metric" not in text
+        fam = {f.name: f for f in text_string_to_metric_families(text)}
+        [sample] = fam["kimi_supervisor_last_failure_info"].samples
+        assert dict(sample.labels) == {"exit_code": str(code), "reason": reason}
 
 
 def test_unknown_values_are_left_out_not_zero() -> None:

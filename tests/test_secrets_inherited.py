@@ -123,7 +123,7 @@ def test_inherited_token_never_in_child_lines_failure_status_or_logs(tmp_path: P
     assert TOKEN[:6] not in everything
     failed = [f["STATUS"] for f in run.notify.fields() if f.get("STATUS", "").startswith("failed")]
     root_cause = "ERROR 11-29 21:00:00 [core.py:700] Engine core initialization failed: bad token <redacted>"
-    assert failed == [f"failed: vLLM failed while starting: {root_cause}"]
+    assert failed == [f'failed: vLLM exited with status 1 before it was ready: "{root_cause}"']
 
 
 def test_check_config_hides_argv_assignments_and_inherited_values(tmp_path: Path) -> None:

@@ -179,7 +179,7 @@ def test_failure_root_cause_in_state_history_metrics_and_report(tmp_path: Path) 
     assert report.startswith("× kimi-supervisor - not running (failed at ")
     assert "Last failure: exit 11 at " in report
     [(labels, value)] = metrics(prom)["kimi_supervisor_last_failure_info"]
-    assert value == 1.0 and labels["exit_code"] == "11" and "OutOfMemoryError" in labels["reason"]
+    assert value == 1.0 and labels["exit_code"] == "11" and labels["reason"] == "startup_failed"
 
 
 def test_supervisor_killed_leaves_a_stale_state_file_status_calls_out(tmp_path: Path) -> None:

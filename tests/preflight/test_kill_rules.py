@@ -183,7 +183,11 @@ def test_live_supervisor_trees_are_never_victims(tmp_path: Path, spawner: ProcSp
         "from pathlib import Path\nfrom kimi_supervisor import instance_lock\n"
         f"lock = instance_lock.acquire(Path({str(run_dir)!r}), [0], 8555, 'x')\n" + named_code
     )
-    by_lock = spawner.start([sys.executable, "-c", lock_code], env={**os.environ, "PYTHONPATH": str(REPO)})
+    # Only a root kimi-supervisor's lock counts: the holder has kimi-supervisor's argv too.
+    by_lock = spawner.start(
+        ["bash", "-c", f'exec -a kimi-supervisor {sys.executable} -c "$0" --config y', lock_code],
+        env={**AS_NAMED, "PYTHONPATH": str(REPO)},
+    )
     for p in (by_argv, by_lock):
         assert p.stdout is not None and p.stdout.readline() == b"up\n"
     kids = {p.pid: wait_for(lambda p=p: [c for c in TABLE.all() if c.ppid == p.pid])[0] for p in (by_argv, by_lock)}  # type: ignore[index,misc]
@@ -198,6 +202,42 @@ def test_live_supervisor_trees_are_never_victims(tmp_path: Path, spawner: ProcSp
     by_lock.wait()
     orphan = kids[by_lock.pid].pid  # type: ignore[attr-defined]
     wait_for(lambda: [v.proc.pid for v in plan_reap(holders, TABLE, reap_cfg(), os.getpid()).victims] == [orphan])
+
+
+@pytest.mark.skipif(not ROOT, reason="another user's process needs root")
+def test_nobodys_lock_holder_or_supervisor_lookalike_shields_nothing(open_dir: Path, spawner: ProcSpawner) -> None:
+    """vLLM runs as child.user = nobody, so nobody's stale workers may be reaped: a nobody process flocking a lock
+    file (a read-only descriptor is enough) or named kimi-supervisor must not make its GPU holders untouchable."""
+    lock = open_dir / "gpu-0.lock"
+    lock.write_text("{}")
+    lock.chmod(0o644)  # as earlier versions left it
+    title = 'import ctypes; ctypes.CDLL(None).prctl(15, b"VLLM::Worker_TP0", 0, 0, 0); import time; time.sleep(600)'
+    worker = f"import subprocess, time\nsubprocess.Popen(['/usr/bin/python3', '-c', {title!r}])\n"
+    flocker = spawner.python(
+        f"import fcntl, os\nfd = os.open({str(lock)!r}, os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+        + worker
+        + "print('up', flush=True)\ntime.sleep(600)\n",
+        uid=65534,
+    )
+    lookalike = spawner.start(
+        [
+            "bash",
+            "-c",
+            'exec -a kimi-supervisor /usr/bin/python3 -c "$0" --config x',
+            worker + "print('up', flush=True)\ntime.sleep(600)\n",
+        ],
+        uid=65534,
+    )
+    for p in (flocker, lookalike):
+        assert p.stdout is not None and p.stdout.readline() == b"up\n"
+    assert lock_owners(open_dir) == set()
+    kids = [
+        wait_for(lambda p=p: [c for c in TABLE.all() if c.ppid == p.pid and c.name.startswith("VLLM")])[0]
+        for p in (flocker, lookalike)
+    ]  # type: ignore[index,misc]
+    holders = [GpuProcess(k.pid, 0, 1000) for k in kids]  # type: ignore[attr-defined]
+    plan = plan_reap(holders, TABLE, reap_cfg("nobody"), os.getpid(), lock_owners(open_dir))
+    assert sorted(v.proc.pid for v in plan.victims) == sorted(k.pid for k in kids), plan.spared  # type: ignore[attr-defined]
 
 
 class CgroupTable(PsutilProcessTable):
