@@ -159,6 +159,13 @@ WORKERS_PER_CORE = 4
 MAX_WORKERS = 16
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # The host path guard (tests/host_guard.py): the run fails when the suite created or changed
+    # /run/kimi-supervisor, /var/lib/kimi-supervisor or /etc/systemd/system, or left our /dev/shm files behind.
+    if not config.pluginmanager.has_plugin("tests.host_guard"):
+        config.pluginmanager.import_plugin("tests.host_guard")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Plain `python3 -m pytest -q` runs in parallel when pytest-xdist is installed (`-n 0` or
