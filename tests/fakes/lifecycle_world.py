@@ -19,6 +19,7 @@ from kimi_supervisor.exitcodes import SupervisorError
 from kimi_supervisor.proctable import PsutilProcessTable
 from kimi_supervisor.supervisor import Deps, Supervisor
 from tests.fakes.gpu import FakeGpuProbe
+from tests.harness import own_dirs
 from tests.fakes.lifecycle import (
     EventClock,
     FakeChild,
@@ -50,7 +51,7 @@ def lifecycle_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
         "readiness": {"stall_timeout_s": 20, "deadline_s": 60, "poll_interval_s": 0.1},
         "health": {"interval_s": 0.3, "timeout_s": 1, "failures_tolerated": 3},
         "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
-        "paths": {"runtime_directory": str(tmp_path / "run")},
+        "paths": own_dirs(tmp_path),
     }
     for key, value in sections.items():
         raw.setdefault(key.replace("__", "."), {}).update(value)
