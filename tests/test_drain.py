@@ -143,7 +143,7 @@ def test_without_shutdown_timeout_the_stream_is_aborted_and_vllm_exits(tmp_path:
     # SIGKILL at grace_s would end the server.
     assert stop.chunks_at_stop < TOKENS and record[0]["in_flight_at_sigterm"] == 1.0, record
     assert out["error"] is None and out["finish_reason"] == "abort" and out["done"]
-    assert out["chunks"] < TOKENS
+    assert out["chunks"] <= TOKENS  # never the held last token: at most the others and the abort chunk
     assert record[0]["outcome"] == "aborted"
     assert run.event("stop.sigkill") is None
     assert fake_tree_of(str(tmp_path)) == []

@@ -19,7 +19,6 @@ from kimi_supervisor.exitcodes import SupervisorError
 from kimi_supervisor.proctable import PsutilProcessTable
 from kimi_supervisor.supervisor import Deps, Supervisor
 from tests.fakes.gpu import FakeGpuProbe
-from tests.harness import own_dirs
 from tests.fakes.lifecycle import (
     EventClock,
     FakeChild,
@@ -31,6 +30,7 @@ from tests.fakes.lifecycle import (
     RecordingNotifier,
     TimedLog,
 )
+from tests.harness import own_dirs
 
 LOADING = "(Worker_TP0 pid=3) INFO 11-29 16:40:03 [gpu_model_runner.py:1] Starting to load model /models/m..."
 STARTED = "(APIServer pid=1) INFO 11-29 16:49:20 [api_server.py:1] Starting vLLM API server 0 on http://0.0.0.0:8000"
