@@ -159,6 +159,15 @@ WORKERS_PER_CORE = 4
 MAX_WORKERS = 16
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # The host path guard (tests/host_guard.py): the run fails when the suite created or changed
+    # /run/kimi-supervisor, /var/lib/kimi-supervisor or /etc/systemd/system, or left our /dev/shm files behind.
+    from tests import host_guard  # a plain import: the e2e conftest imports it too (no assert rewriting here)
+
+    if not config.pluginmanager.is_registered(host_guard):
+        config.pluginmanager.register(host_guard, "kimi-host-guard")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Plain `python3 -m pytest -q` runs in parallel when pytest-xdist is installed (`-n 0` or

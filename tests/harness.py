@@ -42,7 +42,17 @@ def toml_value(value: object) -> str:
     raise TypeError(value)
 
 
-def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
+def own_dirs(base: Path) -> dict[str, str]:
+    """`[paths]` under `base`: the instance locks, the state file and the history, never the host's own."""
+    return {"runtime_directory": str(base / "run"), "state_directory": str(base / "state")}
+
+
+def write_config(path: Path, sections: dict[str, dict[str, Any]], host_paths: bool = False) -> Path:
+    """Write SECTIONS as TOML.  Without a `paths` table the config gets directories of its own next to the file
+    (a supervisor a test starts must never take the host's port lock or write its state and history);
+    `host_paths=True` keeps the defaults, for a config that runs inside a container, where they are its own."""
+    if "paths" not in sections and not host_paths:
+        sections = {**sections, "paths": own_dirs(path.parent)}
     lines = []
     for name, table in sections.items():
         lines.append(f"[{name}]")
@@ -81,8 +91,7 @@ def fake_config(tmp_path: Path, fake_args: list[str] | None = None, tp: int = 2,
         "readiness": {"stall_timeout_s": 20, "deadline_s": 60, "poll_interval_s": 0.1},
         "health": {"interval_s": 0.3, "timeout_s": 1, "failures_tolerated": 3},
         "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
-        # The instance locks, the state file and the history live here, not in the host's /run or /var/lib.
-        "paths": {"runtime_directory": str(tmp_path / "run"), "state_directory": str(tmp_path / "state")},
+        "paths": own_dirs(tmp_path),
     }
     for key, value in sections.items():
         cfg.setdefault(key.replace("__", "."), {}).update(value)
@@ -267,7 +276,7 @@ def ready_child_times(tmp: Path, poll_s: float, listen_after: float) -> ReadyTim
             "preflight.shm": {"directory": str(shm)},
             "readiness": {"poll_interval_s": poll_s, "deadline_s": 30},
             "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
-            "paths": {"runtime_directory": str(tmp / "run"), "state_directory": str(tmp / "state")},
+            "paths": own_dirs(tmp),
         },
     )
     run = Run(cfg, tmp)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 DRAIN_FAKE = REPO / "tests" / "fakes" / "drain_vllm.py"
 PAGE_ONE = b"vllm:num_requests_running 1.0\nvllm:num_requests_waiting 0.0\n"
 HEAD_METRICS = answer("200 OK", PAGE_ONE, "text/plain")[0]
+TOKENS = 60  # 50 ms apart: the last one held until the test releases it
 
 
 def drain_config(tmp_path: Path, port: int, shutdown_timeout: int | None, grace_s: float) -> Path:
@@ -47,58 +50,104 @@ def drain_config(tmp_path: Path, port: int, shutdown_timeout: int | None, grace_
             "preflight.shm": {"directory": str(tmp_path)},
             "readiness": {"stall_timeout_s": 20, "deadline_s": 60, "poll_interval_s": 0.1},
             "health": {"interval_s": 0.5, "timeout_s": 1},
+            # The supervisor's own /metrics sample (the liveness thread's) comes every 0.2 s: the stop waits for
+            # one that has seen the stream running.
+            "liveness": {"metrics_interval_s": 0.2},
             "shutdown": {"grace_s": grace_s, "gpu_release_timeout_s": 0},
         },
     )
 
 
-def stop_with_stream_in_flight(tmp_path: Path, shutdown_timeout: int | None, grace_s: float) -> tuple[Run, dict]:
+def wait_until(what: str, predicate: Callable[[], object], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.01)
+
+
+def child_said(run: Run, text: str) -> bool:
+    return any(text in str(c.get("line", "")) for c in list(run.child_lines))
+
+
+@dataclasses.dataclass
+class Stop:
+    run: Run
+    out: dict[str, Any]  # what the client saw (tests/sse_client.py)
+    chunks_at_stop: int  # the client's count when the stop was requested (the held last token not among them)
+    released_after_sigterm_s: float | None  # the generation could end this long after SIGTERM was seen
+
+
+def stop_with_stream_in_flight(tmp_path: Path, shutdown_timeout: int | None, grace_s: float) -> Stop:
+    """A stream that cannot end before SIGTERM: its last token waits for a file the test writes only after the
+    draining server got its SIGTERM (with a drain; without one it is never written: vLLM must abort it).  The
+    stop is requested only once the client has chunks and the supervisor's own /metrics sample saw it running,
+    so in flight at SIGTERM holds whatever the machine's speed and however long the supervisor takes to signal."""
     port = free_port()
     run = Run(drain_config(tmp_path, port, shutdown_timeout, grace_s), tmp_path)
     run.wait_event("state.ready", timeout=30)
+    release = tmp_path / "release"
     out: dict[str, Any] = {}
-    body = {"model": "m", "prompt": "hi", "max_tokens": 60}  # 60 tokens x 50 ms: 3 s
+    body = {"model": "m", "prompt": "hi", "max_tokens": TOKENS, "hold": str(release)}
     client = threading.Thread(target=stream_completion, args=(f"http://127.0.0.1:{port}/v1/completions", body, out, 60))
     client.start()
-    deadline = time.monotonic() + 10
-    while out.get("chunks", 0) < 5 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    out["chunks_at_sigterm"] = out["chunks"]
-    run.signal()
-    assert run.wait(timeout=grace_s + 10) == 0
-    client.join(10)
-    return run, out
+    try:
+        wait_until("5 chunks at the client", lambda: out.get("chunks", 0) >= 5, 30)
+        wait_until("the supervisor's sample sees it", lambda: child_said(run, "metrics: 1 in flight, read by kimi"), 30)
+        chunks_at_stop = out["chunks"]
+        run.signal()
+        run.wait_event("stop.sigterm", timeout=30)  # logged once vLLM's main has its SIGTERM
+        sigterm_seen = time.monotonic()
+        released_after = None
+        if shutdown_timeout:
+            wait_until("vLLM draining", lambda: child_said(run, "stopping engine client mode=drain"), 30)
+            release.touch()
+            released_after = time.monotonic() - sigterm_seen
+        assert run.wait(timeout=grace_s + 10) == 0
+    finally:
+        release.touch()  # never leave the client's thread behind
+        client.join(30)
+        run.kill()
+    return Stop(run, out, chunks_at_stop, released_after)
 
 
 def test_drain_lets_the_stream_finish_and_says_so(tmp_path: Path) -> None:
-    run, out = stop_with_stream_in_flight(tmp_path, shutdown_timeout=10, grace_s=25)
-    # The whole generation arrived: the worker was not SIGTERMed under the draining server.
+    stop = stop_with_stream_in_flight(tmp_path, shutdown_timeout=10, grace_s=25)
+    run, out = stop.run, stop.out
+    # In flight at SIGTERM: the last token was held until after it, and the supervisor counted one request.
+    assert stop.chunks_at_stop < TOKENS
+    record = [e for e in run.events if e.get("event") == "stop.drain"]
+    assert len(record) == 1
+    assert record[0]["in_flight_at_sigterm"] == 1.0, record
+    # Drained: the whole generation arrived after SIGTERM (the worker was not SIGTERMed under the draining
+    # server), and the supervisor waited for it.
     assert out["error"] is None and out["status"] == 200
-    assert out["chunks"] == 60 and out["finish_reason"] == "length" and out["done"]
+    assert out["chunks"] == TOKENS and out["finish_reason"] == "length" and out["done"]
+    assert record[0]["outcome"] == "drained" and record[0]["tree_gone"] is True
+    assert stop.released_after_sigterm_s is not None
+    assert stop.released_after_sigterm_s - 0.01 <= record[0]["drain_s"] < 10  # from SIGTERM to after the release
     statuses = [f["STATUS"] for f in run.notify.fields() if "STATUS" in f]
     assert any(s.startswith("stopping: draining 1 request in flight, ") and s.endswith(" of 10s") for s in statuses)
     assert statuses[-2:] == ["stopping: tree gone", "stopped"]
     logged = [e for e in run.events if e.get("event") == "stop.draining"]
     assert logged and logged[0]["status"].startswith("stopping: draining 1 request in flight")
-    record = [e for e in run.events if e.get("event") == "stop.drain"]
-    assert len(record) == 1
-    assert record[0]["in_flight_at_sigterm"] == 1.0 and record[0]["outcome"] == "drained"
-    assert 1.0 < record[0]["drain_s"] < 10  # ~2.7 s of tokens were left at SIGTERM
-    assert record[0]["tree_gone"] is True
     assert run.event("stop.sigkill") is None
     assert fake_tree_of(str(tmp_path)) == []
 
 
 def test_without_shutdown_timeout_the_stream_is_aborted_and_vllm_exits(tmp_path: Path) -> None:
-    run, out = stop_with_stream_in_flight(tmp_path, shutdown_timeout=None, grace_s=5)
-    # vLLM aborts the request (it cannot drain without --shutdown-timeout) and says so in the stream; had the
-    # worker been SIGTERMed too, the stream would hang open and only SIGKILL at grace_s would end the server.
-    assert out["error"] is None and out["finish_reason"] == "abort" and out["done"]
-    assert out["chunks"] < 60
-    assert run.event("stop.sigkill") is None
+    stop = stop_with_stream_in_flight(tmp_path, shutdown_timeout=None, grace_s=5)
+    run, out = stop.run, stop.out
     record = [e for e in run.events if e.get("event") == "stop.drain"]
     assert len(record) == 1
-    assert record[0]["in_flight_at_sigterm"] == 1.0 and record[0]["outcome"] == "aborted"
+    # In flight at SIGTERM (held, never released), then aborted: vLLM cannot drain without --shutdown-timeout
+    # and says so in the stream; had the worker been SIGTERMed too, the stream would hang open and only
+    # SIGKILL at grace_s would end the server.
+    assert stop.chunks_at_stop < TOKENS and record[0]["in_flight_at_sigterm"] == 1.0, record
+    assert out["error"] is None and out["finish_reason"] == "abort" and out["done"]
+    assert out["chunks"] <= TOKENS  # never the held last token: at most the others and the abort chunk
+    assert record[0]["outcome"] == "aborted"
+    assert run.event("stop.sigkill") is None
     assert fake_tree_of(str(tmp_path)) == []
 
 

