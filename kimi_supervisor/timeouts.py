@@ -57,7 +57,10 @@ def check_grace(cfg: Config) -> Check:
         return Check(
             "shutdown_timeouts",
             Status.OK,
-            f"no --shutdown-timeout in child.argv: vLLM aborts in-flight requests on stop; grace {grace:g}s",
+            (
+                "no --shutdown-timeout in child.argv: vLLM stops its engine at once on stop, and a stream open "
+                f"then holds it until SIGKILL at grace {grace:g}s"
+            ),
             {"shutdown_timeout_s": 0, "grace_s": grace},
         )
     need = required_grace_s(cfg)
