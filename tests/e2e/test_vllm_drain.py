@@ -63,9 +63,22 @@ def check_outcome(out: dict[str, Any], drain: bool) -> None:
         assert out["error"] is None and out["done"] and out["finish_reason"] == "stop", out
         assert out["chunks"] > out["chunks_at_sigterm"], out
     else:
-        # vLLM 0.32 without --shutdown-timeout stops its engine at SIGTERM (mode=abort) but never ends a stream
-        # in flight: no finish reason, no [DONE]; its main waits on the connection until SIGKILL (measured).
-        assert out["finish_reason"] is None and not out["done"] and out["chunks"] < MAX_TOKENS, out
+        # vLLM 0.32 without --shutdown-timeout stops its engine at SIGTERM (mode=abort): the held generation never
+        # finishes normally, whatever vLLM then does with the stream (see check_no_drain).
+        assert out["finish_reason"] not in ("stop", "length") and out["chunks"] < MAX_TOKENS, out
+
+
+def check_no_drain(
+    out: dict[str, Any], outcome: str, sigkilled: bool, in_flight_at_sigkill: str | float | None
+) -> None:
+    """Without a drain vLLM 0.32 goes one of two ways, both seen (its API server races its engine's teardown),
+    and the record must say which: it ends the stream (an error chunk or [DONE], no finish reason) and its main
+    exits by itself (`aborted`, no SIGKILL); or it never ends the stream and uvicorn waits on that connection
+    (`Waiting for connections to close`) until the supervisor's SIGKILL at grace_s (`killed`, 1 in flight)."""
+    if out["done"] or out["error"] is not None:
+        assert outcome == "aborted" and not sigkilled, (outcome, out)
+    else:
+        assert outcome == "killed" and sigkilled and float(in_flight_at_sigkill or 0) == 1.0, (outcome, out)
 
 
 @pytest.mark.parametrize("drain", [True, False], ids=["drain", "no_drain"])
@@ -105,13 +118,12 @@ def test_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, tiny_model
             assert statuses[-2:] == ["stopping: tree gone", "stopped"], statuses
             assert run.event("stop.sigkill") is None
         else:
-            # The chain: in flight at SIGTERM, vLLM stopped its engine, then waited on the open stream's
-            # connection (uvicorn's line), so the supervisor SIGKILLed it at grace_s: `killed`, not `aborted`.
             lines = [str(c.get("line", "")) for c in list(run.child_lines)]
             assert any("mode=abort" in line for line in lines), lines[-20:]
-            assert any("Waiting for connections to close" in line for line in lines), lines[-20:]
-            assert run.event("stop.sigkill") is not None
-            assert record[0]["outcome"] == "killed" and record[0]["in_flight_at_sigkill"] == 1.0, record
+            sigkilled = run.event("stop.sigkill") is not None
+            if sigkilled:
+                assert any("Waiting for connections to close" in line for line in lines), lines[-20:]
+            check_no_drain(out, record[0]["outcome"], sigkilled, record[0]["in_flight_at_sigkill"])
         assert fake_tree_of(str(tmp_path)) == []
     finally:
         if run.proc.poll() is None:
@@ -170,8 +182,6 @@ def test_systemctl_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, 
             assert check.returncode == 0, check.stderr
             assert f"warning: {UNIT} has TimeoutStopSec=30s, shorter than shutdown.grace_s 75s" in check.stderr
         else:
-            # As on the host: vLLM held by the open stream until the supervisor's SIGKILL at grace_s (not
-            # systemd's: Result stays "success").
-            assert record[0]["KIMI_OUTCOME"] == "killed", record
-            assert record[0].get("KIMI_IN_FLIGHT_AT_SIGKILL") == "1.0", record
-            assert [e for e in events if e["KIMI_EVENT"] == "stop.sigkill"], events[-10:]
+            # As on the host; a SIGKILL is the supervisor's at grace_s, never systemd's (Result stays "success").
+            sigkilled = any(e["KIMI_EVENT"] == "stop.sigkill" for e in events)
+            check_no_drain(out, record[0]["KIMI_OUTCOME"], sigkilled, record[0].get("KIMI_IN_FLIGHT_AT_SIGKILL"))
