@@ -37,7 +37,6 @@ __all__ = ["ChildProcess", "LineSplitter", "SpawnSpec", "become_subreaper", "chi
 
 PR_SET_CHILD_SUBREAPER = 36
 F_SETPIPE_SZ = 1031
-PIPE_READ = 1 << 20  # the whole (enlarged) pipe in one read: a flood costs a few reads a second, not thousands
 # Removed from the child's environment: they belong to the supervisor (vLLM
 # may learn to notify systemd itself; it must not talk over us).
 PRIVATE_ENV = (
@@ -165,7 +164,7 @@ class LineSplitter:
 def read_pipe(fd: int) -> bytes | None:
     """What a non-blocking pipe holds now; b'' when nothing; None at end of file (or a broken pipe)."""
     try:
-        data = os.read(fd, PIPE_READ)
+        data = os.read(fd, 1 << 16)
     except BlockingIOError:
         return b""
     except OSError:
