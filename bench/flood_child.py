@@ -2,6 +2,7 @@
 """Prints N vLLM-shaped lines to stdout as fast as it can; writes its elapsed seconds to a file.
 
     flood_child.py N ELAPSED_FILE [--port PORT] [--ready] [--flush] [--rate LINES_PER_S] [--hold]
+                   [--fatal-after K --fatal-file PATH]
 
 Each line is one of vLLM's stats lines (`(APIServer pid=N) INFO 11-29 17:07:32 [loggers.py:123] Engine 000:
 Avg prompt throughput ...`, about 200 bytes), printed with print(): block-buffered (8 KiB, Python's
@@ -9,7 +10,9 @@ default for a pipe, whatever PYTHONUNBUFFERED says), or with --flush one write p
 does.  With --ready it first plays a ready vLLM (stdlib only): prints "Application startup complete.",
 answers GET /health on 127.0.0.1:PORT with 200, and floods only once /health has been answered (so the
 supervisor is past READY).  With --hold it keeps answering /health after the flood, until SIGTERM (a
-server that was merely chatty), after printing what it achieved.
+server that was merely chatty), after printing what it achieved.  With --fatal-after K, vLLM's own fatal
+record (EngineCore's "died unexpectedly", from tests/fixtures) follows the K-th line, flushed, and
+the CLOCK_MONOTONIC time just after it goes to --fatal-file (the tests' start of "acted on within 1 s").
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import time
 
 DISTINCT = 1000  # lines built once and printed in turn: the writer's own cost per line stays that of print()
 PACED_BATCH = 100
+FATAL = (
+    "(EngineCore pid=566) ERROR 11-29 17:08:21 [multiproc_executor.py:315] Worker proc VllmWorker-0 died"
+    " unexpectedly (exit code: -9), shutting down executor."
+)
 
 
 def wait_until_probed(port: int) -> threading.Event:
@@ -64,6 +71,8 @@ def main() -> None:
     parser.add_argument("--flush", action="store_true", help="flush after every line (vLLM's logging handler)")
     parser.add_argument("--rate", type=float, default=0.0, help="pace the output at this many lines/s (0: flat out)")
     parser.add_argument("--hold", action="store_true", help="after the flood, serve /health until SIGTERM")
+    parser.add_argument("--fatal-after", type=int, default=-1, help="print vLLM's fatal record after line K")
+    parser.add_argument("--fatal-file", default="", help="where the time of the fatal record goes")
     args = parser.parse_args()
     if args.ready:
         wait_until_probed(args.port)
@@ -71,6 +80,7 @@ def main() -> None:
     out = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115 - our own stream, 8 KiB buffer
     lines = vllm_lines()
     start = time.monotonic()
+    cpu = time.process_time()
     done = 0
     if args.rate:
         while done < args.lines:
@@ -83,18 +93,23 @@ def main() -> None:
             delay = start + done / args.rate - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-    elif args.flush:
-        for i in range(args.lines):
-            print(lines[i % DISTINCT], file=out, flush=True)
-        done = args.lines
     else:
-        for i in range(args.lines):
-            print(lines[i % DISTINCT], file=out)
+        fatal_at = args.fatal_after if args.fatal_after >= 0 else args.lines + 1
+        for i in range(args.lines + 1):
+            if i == fatal_at:
+                print(FATAL, file=out, flush=True)
+                with open(args.fatal_file, "w") as fh:
+                    fh.write(repr(time.monotonic()))
+            if i < args.lines:
+                print(lines[i % DISTINCT], file=out, flush=args.flush)
         done = args.lines
     out.flush()
     elapsed = time.monotonic() - start
     with open(args.elapsed_file, "w") as fh:
         fh.write(repr(elapsed))
+    if args.elapsed_file != "/dev/null":
+        with open(args.elapsed_file + ".cpu", "w") as fh:  # elapsed - cpu: the time it waited (a full pipe)
+            fh.write(repr(time.process_time() - cpu))
     if args.hold:
         # A second later (a fresh metering second), say what was achieved; then serve quietly.
         time.sleep(1.1)
