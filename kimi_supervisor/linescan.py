@@ -30,16 +30,23 @@ _BAD_START = re.compile(rb"\n(?!\(|INFO:)")
 _BAD_CLOSE = re.compile(rb"\)(?! INFO )")
 
 
-def first_not_plain(data: bytes, start: int, end: int) -> int:
-    """The start of the first line in data[start:end] (whole lines, data[start - 1] == \\n) that may not be
-    plain; `end` when all are plain."""
+def bad_start(data: bytes, start: int, end: int) -> int:
+    """The first line of data[start:end] (whole lines, data[start - 1] == \\n) that starts with neither `(`
+    nor `INFO:`; `end` when none does."""
     # endpos end - 1: the block's last \n starts the next block's first line, not one of this block.
     m = _BAD_START.search(data, start - 1, end - 1)
-    hit = end if m is None else m.start() + 1
-    m = _BAD_CLOSE.search(data, start, hit)
-    if m is not None:
-        hit = data.rfind(b"\n", start, m.start()) + 1 or start
-    return hit
+    return end if m is None else m.start() + 1
+
+
+def line_of(rx: re.Pattern[bytes], data: bytes, start: int, end: int) -> int:
+    """The start of the first line of data[start:end] holding a match of `rx`; `end` when none does."""
+    m = rx.search(data, start, end)
+    return end if m is None else data.rfind(b"\n", start, m.start()) + 1 or start
+
+
+def bad_close(data: bytes, start: int, end: int) -> int:
+    """The first line of data[start:end] with a `)` not followed by ` INFO `; `end` when none has."""
+    return line_of(_BAD_CLOSE, data, start, end)
 
 
 def has_long_line(data: bytes, start: int, end: int, limit: int) -> bool:

@@ -30,7 +30,15 @@ from kimi_supervisor.child import LineSplitter
 from kimi_supervisor.childlog import LineClassifier
 from kimi_supervisor.clock import Clock
 from kimi_supervisor.journal import ChildSink
-from kimi_supervisor.linescan import first_not_plain, has_long_line, last_lines_start, line_end_after, literal_scan
+from kimi_supervisor.linescan import (
+    bad_close,
+    bad_start,
+    has_long_line,
+    last_lines_start,
+    line_end_after,
+    line_of,
+    literal_scan,
+)
 from kimi_supervisor.readiness import LineEvent, ReadinessTracker
 from kimi_supervisor.redact import redact_text, secret_bytes
 
@@ -252,17 +260,24 @@ class ChildOutput:
             self._lines(fd, splitter.feed(data[start:end]), now)
             return
         pos = start
+        # Where the next line that is not plain starts, by each test; a test searches again only once
+        # `pos` has passed what it found, so each byte is searched once by each (a block of such lines
+        # costs one short search a line, not one over the rest of the block).
+        next_start = next_words = -1
         while pos < end:
             if classifier.in_traceback:  # every line until the exception line belongs to it: one at a time
                 nl = data.index(b"\n", pos, end) + 1
                 self._lines(fd, splitter.feed(data[pos:nl]), now)
                 pos = nl
                 continue
-            hit = first_not_plain(data, pos, end)
+            if next_start < pos:
+                next_start = bad_start(data, pos, end)
+            limit = next_start
             if words is not None:  # while starting: also any line with one of the tracker's words
-                m = words.search(data, pos, hit)
-                if m is not None:
-                    hit = data.rfind(b"\n", pos, m.start()) + 1 or pos
+                if next_words < pos:
+                    next_words = line_of(words, data, pos, end)
+                limit = min(limit, next_words)
+            hit = bad_close(data, pos, limit)
             if hit > pos:
                 self._plain(fd, data, pos, hit, now)
             if hit < end:
