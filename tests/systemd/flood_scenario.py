@@ -90,7 +90,7 @@ def run_flood(m: NspawnMachine, lines: int = 2_000_000, rate: int = 200_000) -> 
     m.systemctl("stop", UNIT, timeout=30)
     records = m.journal_json(UNIT, "--since", since)
     events = {r.get("KIMI_EVENT") for r in records if r.get("KIMI_SOURCE") == "supervisor"}
-    child = [r for r in records if r.get("KIMI_SOURCE") == "child" and "flood line" in r.get("MESSAGE", "")]
+    child = [r for r in records if r.get("KIMI_SOURCE") == "child" and "[loggers.py:123] Engine 000: " in r.get("MESSAGE", "")]
     suppressed = sum(int(r.get("KIMI_LINES", 0)) for r in records if r.get("KIMI_EVENT") == "child.suppressed")
     dropped = sum(int(r.get("KIMI_LINES", 0)) for r in records if r.get("KIMI_EVENT") == "child.dropped")
     done_line = next((r["MESSAGE"] for r in records if "flood done" in r.get("MESSAGE", "")), "")
