@@ -104,19 +104,26 @@ def read_config_bytes(path: Path, *, as_root: bool | None = None, max_bytes: int
             _check_directories(real, path)
         if st.st_size > max_bytes:
             raise ConfigError(f"{path}: {st.st_size} bytes, larger than the {max_bytes}-byte limit for a config")
-        chunks: list[bytes] = []
-        total = 0
-        while total <= max_bytes:  # a file growing while read is still cut at the cap
-            try:
-                chunk = os.read(fd, max_bytes + 1 - total)
-            except OSError as exc:
-                raise ConfigError(f"{path}: cannot read config{shown_target}: {exc.strerror}") from None
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        if total > max_bytes:
+        try:
+            data = read_fd_capped(fd, max_bytes)
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read config{shown_target}: {exc.strerror}") from None
+        if data is None:
             raise ConfigError(f"{path}: larger than the {max_bytes}-byte limit for a config")
-        return b"".join(chunks)
+        return data
     finally:
         os.close(fd)
+
+
+def read_fd_capped(fd: int, max_bytes: int) -> bytes | None:
+    """Everything FD holds, or None past MAX_BYTES: a file growing while it is read is still cut at the cap
+    (fstat's size alone is not enough).  OSError from read(2) goes to the caller, which names the file."""
+    chunks: list[bytes] = []
+    total = 0
+    while total <= max_bytes:
+        chunk = os.read(fd, max_bytes + 1 - total)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return None if total > max_bytes else b"".join(chunks)

@@ -21,7 +21,7 @@ import re
 import stat
 from pathlib import Path
 
-from kimi_supervisor.configfile import file_kind
+from kimi_supervisor.configfile import file_kind, read_fd_capped
 
 # JSON strings (with escapes) dropped before brackets are counted: a "[" inside a string is no nesting.
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
@@ -61,20 +61,13 @@ def read_capped(path: Path, max_bytes: int) -> bytes | None:
             raise Untrusted(f"is {file_kind(st.st_mode)}, expected a regular file")
         if st.st_size > max_bytes:
             raise Untrusted(f"{st.st_size} bytes, larger than the {max_bytes}-byte limit")
-        chunks: list[bytes] = []
-        total = 0
-        while total <= max_bytes:  # a file growing while read is still cut at the cap
-            try:
-                chunk = os.read(fd, max_bytes + 1 - total)
-            except OSError as exc:  # EIO, EISDIR on odd filesystems: the bytes cannot be had
-                raise Untrusted(f"cannot read it: {exc.strerror}") from None
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        if total > max_bytes:
+        try:
+            data = read_fd_capped(fd, max_bytes)
+        except OSError as exc:  # EIO, EISDIR on odd filesystems: the bytes cannot be had
+            raise Untrusted(f"cannot read it: {exc.strerror}") from None
+        if data is None:
             raise Untrusted(f"larger than the {max_bytes}-byte limit")
-        return b"".join(chunks)
+        return data
     finally:
         os.close(fd)
 
