@@ -88,7 +88,7 @@ def log_tail(ctx: Ctx, name: str, n: int = 30) -> str:
 
 
 def make_config(ctx: Ctx, *, deadline_s: float = 30.0, port: int | None = None, tp: int | None = None) -> Any:
-    from kimi_supervisor.config import parse_config
+    from kimi_supervisor.config.load import parse_config
 
     port = port or free_port()
     data = {
@@ -124,7 +124,7 @@ class TimingTable:
     """PsutilProcessTable that records when each signal was sent (delegation, no edits)."""
 
     def __init__(self) -> None:
-        from kimi_supervisor.proctable import PsutilProcessTable
+        from kimi_supervisor.host.proctable import PsutilProcessTable
 
         self.inner = PsutilProcessTable()
         self.sent: list[tuple[float, int, str]] = []

@@ -27,7 +27,7 @@ from kimi_supervisor.fdwriter import RECORD_BUFFER, RecordStream, Writer, writer
 from kimi_supervisor.redact import is_secret_name, redact_text
 
 if TYPE_CHECKING:
-    from kimi_supervisor.boundaries import Logger
+    from kimi_supervisor.lifecycle.deps import Logger
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 IDENTIFIER = "kimi-supervisor"

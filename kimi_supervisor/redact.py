@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from kimi_supervisor.notify import Notifier
+from kimi_supervisor.systemd.notify import Notifier
 
 REDACTED = "<redacted>"
 REDACTED_BYTES = REDACTED.encode()

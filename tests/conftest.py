@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 if TYPE_CHECKING:
-    from kimi_supervisor.child import ChildProcess
+    from kimi_supervisor.child.process import ChildProcess
 
 
 def interpreter(uid: int | None) -> str:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.config import parse_config
-from kimi_supervisor.configtypes import Config
+from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import EngineWedged, ExitCode, ThreadDied
-from kimi_supervisor.httpget import Answer
-from kimi_supervisor.liveness import DeepLiveness, send_canary
-from kimi_supervisor.threadwatch import ThreadWatch
+from kimi_supervisor.lifecycle.threadwatch import ThreadWatch
+from kimi_supervisor.liveness.engine import DeepLiveness, send_canary
+from kimi_supervisor.liveness.http import Answer
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpuProbe
 from tests.fakes.lifecycle import FakeLiveness, SilentNotifier

@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from kimi_supervisor.child import ChildProcess, LineSplitter, SpawnSpec, child_environment
+from kimi_supervisor.child.process import ChildProcess, LineSplitter, SpawnSpec, child_environment
 from kimi_supervisor.exitcodes import ExitCode, SpawnError
 from tests.conftest import close_pipes, wait_for
 

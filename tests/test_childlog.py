@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kimi_supervisor.childlog import LineClassifier
+from kimi_supervisor.child.lines import LineClassifier
 
 
 @pytest.mark.parametrize(

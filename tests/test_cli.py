@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.config import load_config
+from kimi_supervisor.config.load import load_config
 from kimi_supervisor.exitcodes import ConfigError
 from tests.harness import REPO, fake_config
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor import cli
+from kimi_supervisor.cli import entry as cli
 from tests.harness import REPO
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.config import effective_config, load_config, parse_config
+from kimi_supervisor.config.load import effective_config, load_config, parse_config
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.config import load_config
-from kimi_supervisor.configfile import MAX_BYTES
+from kimi_supervisor.config.file import MAX_BYTES
+from kimi_supervisor.config.load import load_config
 from kimi_supervisor.exitcodes import ConfigError
 from tests.harness import REPO
 
@@ -92,7 +92,7 @@ def test_size_cap(tmp_path: Path) -> None:
 
 def test_a_file_that_reports_size_zero_is_read_only_up_to_the_cap(tmp_path: Path) -> None:
     # /proc files report size 0 and can produce any amount: the reader stops at the cap all the same.
-    from kimi_supervisor.configfile import read_config_bytes
+    from kimi_supervisor.config.file import read_config_bytes
 
     data = read_config_bytes(Path("/proc/self/maps"), max_bytes=1 << 20)
     assert 0 < len(data) <= 1 << 20

@@ -16,8 +16,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kimi_supervisor.config import load_config
-from kimi_supervisor.configtypes import Config
+from kimi_supervisor.config.load import load_config
+from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import ConfigError
 from tests.harness import REPO, write_config
 
@@ -94,7 +94,7 @@ def test_ctrl_c_during_dry_run_exits_130_without_a_traceback(tmp_path: Path) -> 
     )
     code = (
         "import os, signal, sys\n"
-        "from kimi_supervisor import cli, preflight\n"
+        "from kimi_supervisor import preflight\nfrom kimi_supervisor.cli import entry as cli\n"
         "real = preflight.Preflight.run\n"
         "def run(self, **kw):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"

@@ -13,13 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.config import parse_config
-from kimi_supervisor.drain import SAMPLE_AT_SIGTERM_S, Drain
+from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ExitCode
+from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.journal import ConsoleChildSink
-from kimi_supervisor.proctable import PsutilProcessTable
-from kimi_supervisor.state import State
-from kimi_supervisor.supervisor import Deps, Supervisor
+from kimi_supervisor.lifecycle.drain import SAMPLE_AT_SIGTERM_S, Drain
+from kimi_supervisor.lifecycle.machine import State
+from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe
 from tests.fakes.lifecycle import SilentNotifier

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kimi_supervisor.config import parse_config
-from kimi_supervisor.eta import Estimate, LoadEta
-from kimi_supervisor.history import RunRecord
-from kimi_supervisor.readiness import Progress, ReadinessTracker
+from kimi_supervisor.child.readiness import Progress, ReadinessTracker
+from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.opsview.eta import Estimate, LoadEta
+from kimi_supervisor.opsview.history import RunRecord
 
 LAST = RunRecord(start=0.0, pid=1, load_s=540.0, post_weights_s=60.0)
 

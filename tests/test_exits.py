@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.config import load_config
-from kimi_supervisor.proctable import PsutilProcessTable
-from kimi_supervisor.state import State
-from kimi_supervisor.supervisor import Deps, Supervisor
+from kimi_supervisor.config.load import load_config
+from kimi_supervisor.host.proctable import PsutilProcessTable
+from kimi_supervisor.lifecycle.machine import State
+from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
 from tests.conftest import wait_for
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpuProbe
@@ -69,8 +69,8 @@ def test_any_exception_stops_the_tree_first(tmp_path: Path, exc: BaseException) 
 LOST_GPU = textwrap.dedent(
     """
     import sys
-    from kimi_supervisor import cli
-    from kimi_supervisor.gpu import GpuUnavailable
+    from kimi_supervisor.cli import entry as cli
+    from kimi_supervisor.host.gpu import GpuUnavailable
     from tests.fakes.gpu import FakeGpu, FakeGpuProbe
 
     class LostGpu(FakeGpuProbe):

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.config import parse_config
+from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ExitCode, PreflightError
+from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.journal import ConsoleChildSink
+from kimi_supervisor.lifecycle.machine import State
+from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
 from kimi_supervisor.preflight import Preflight
-from kimi_supervisor.proctable import PsutilProcessTable
-from kimi_supervisor.state import State
-from kimi_supervisor.supervisor import Deps, Supervisor
 from tests.conftest import ProcSpawner
 from tests.fakes.clock import FakeClock, RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe

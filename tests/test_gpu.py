@@ -7,7 +7,7 @@ import types
 import pynvml
 import pytest
 
-from kimi_supervisor.gpu import MIB, GpuUnavailable, NvmlProbe
+from kimi_supervisor.host.gpu import MIB, GpuUnavailable, NvmlProbe
 
 
 def test_no_driver_here_is_a_clear_error() -> None:

@@ -13,15 +13,15 @@ from typing import Any
 import pynvml
 import pytest
 
-from kimi_supervisor.config import load_config
+from kimi_supervisor.config.load import load_config
 from kimi_supervisor.exitcodes import ExitCode, GpuFailed
-from kimi_supervisor.gpu import GpuEvent
-from kimi_supervisor.gpu_events import GpuEventWatcher, describe
+from kimi_supervisor.host.gpu import GpuEvent
+from kimi_supervisor.host.nvml_counters import NvmlEventWatch
+from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.journal import ConsoleChildSink
-from kimi_supervisor.nvml_health import NvmlEventWatch
-from kimi_supervisor.proctable import PsutilProcessTable
-from kimi_supervisor.state import State
-from kimi_supervisor.supervisor import Deps, Supervisor
+from kimi_supervisor.lifecycle.machine import State
+from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.liveness.gpu_events import GpuEventWatcher, describe
 from tests.conftest import wait_for
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe

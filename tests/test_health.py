@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kimi_supervisor.health import HealthProber, probe
+from kimi_supervisor.liveness.health_probe import HealthProber, probe
 from tests.harness import free_port, http_server
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.history import KEEP, UNRECORDED, History, load_history
+from kimi_supervisor.opsview.history import KEEP, UNRECORDED, History, load_history
 from tests.fakes.clock import RecordingLog
 
 

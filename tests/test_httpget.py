@@ -1,4 +1,4 @@
-"""The one HTTP client (kimi_supervisor/httpget.py) against loopback servers that trickle, lie and nest."""
+"""The one HTTP client (kimi_supervisor/liveness/http.py) against loopback servers that trickle, lie and nest."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kimi_supervisor.httpget import finite_count, parse_json, request
+from kimi_supervisor.liveness.http import finite_count, parse_json, request
 from tests.harness import free_port
 from tests.rawserver import answer, raw_server
 

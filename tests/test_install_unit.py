@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor import unit
-from kimi_supervisor.cli import main as cli_main  # imported before a test drops to nobody (/root is closed)
+from kimi_supervisor.cli.entry import main as cli_main  # imported before a test drops to nobody (/root is closed)
 from kimi_supervisor.exitcodes import ServiceUnavailable
+from kimi_supervisor.systemd import unit
 from tests.harness import REPO
 from tests.test_unit import directives
 
@@ -26,7 +26,7 @@ def console_script(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO)!r})\n"
-        "from kimi_supervisor.cli import main\nsys.exit(main())\n"
+        "from kimi_supervisor.cli.entry import main\nsys.exit(main())\n"
     )
     path.chmod(0o755)
     return path

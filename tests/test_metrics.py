@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kimi_supervisor.metrics import MetricsSnapshot, MetricsWriter, render
+from kimi_supervisor.opsview.textfile import MetricsSnapshot, MetricsWriter, render
 from tests.fakes.clock import RecordingLog
 
 SNAP = MetricsSnapshot(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.notify import NullNotifier, SdNotifier, notifier_from_env, watchdog_interval
+from kimi_supervisor.systemd.notify import NullNotifier, SdNotifier, notifier_from_env, watchdog_interval
 from tests.conftest import wait_for
 from tests.fakes.notify_socket import NotifySocket
 

@@ -11,14 +11,14 @@ import psutil
 import pynvml
 import pytest
 
-from kimi_supervisor.config import parse_config
-from kimi_supervisor.configtypes import Config
-from kimi_supervisor.gpu import NvmlProbe
-from kimi_supervisor.health import HealthResult
-from kimi_supervisor.opsview import OperatorView
-from kimi_supervisor.readiness import ReadinessTracker
-from kimi_supervisor.state import State, StateMachine
-from kimi_supervisor.vllm_tree import classify
+from kimi_supervisor.child.readiness import ReadinessTracker
+from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.config.model import Config
+from kimi_supervisor.host.gpu import NvmlProbe
+from kimi_supervisor.lifecycle.machine import State, StateMachine
+from kimi_supervisor.liveness.health_probe import HealthResult
+from kimi_supervisor.opsview.tree import classify
+from kimi_supervisor.opsview.view import OperatorView
 from tests.conftest import ProcSpawner, wait_for
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe

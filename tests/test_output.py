@@ -6,12 +6,12 @@ import os
 import sys
 from pathlib import Path
 
-from kimi_supervisor.child import ChildProcess, SpawnSpec
-from kimi_supervisor.config import parse_config
+from kimi_supervisor.child.process import ChildProcess, SpawnSpec
+from kimi_supervisor.child.readiness import ReadinessTracker
+from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.fdwriter import FdWriter
 from kimi_supervisor.journal import JournalChildSink, JournalWriter
 from kimi_supervisor.output import ChildOutput, LineMeter
-from kimi_supervisor.readiness import ReadinessTracker
 from tests.fakes.clock import RecordingLog
 from tests.fakes.journal_socket import JournalSocket
 from tests.harness import FAKE

@@ -12,14 +12,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kimi_supervisor.child import ChildProcess, SpawnSpec, prepare_spawn
-from kimi_supervisor.config import parse_config
+from kimi_supervisor.child.process import ChildProcess, SpawnSpec, prepare_spawn
+from kimi_supervisor.child.spawnplan import Unresolvable, resolve_identity
+from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
+from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.journal import ConsoleChildSink
-from kimi_supervisor.proctable import PsutilProcessTable
-from kimi_supervisor.spawnplan import Unresolvable, resolve_identity
-from kimi_supervisor.state import State
-from kimi_supervisor.supervisor import Deps, Supervisor
+from kimi_supervisor.lifecycle.machine import State
+from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
 from tests.conftest import ProcSpawner, close_pipes
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe

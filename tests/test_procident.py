@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor import procident
-from kimi_supervisor.child import ChildProcess, SpawnSpec
+from kimi_supervisor.child.process import ChildProcess, SpawnSpec
 from kimi_supervisor.clock import SystemClock
-from kimi_supervisor.gpu import GpuProcess
+from kimi_supervisor.host import procident
+from kimi_supervisor.host.gpu import GpuProcess
+from kimi_supervisor.host.procident import ProcIdent, identify, send_signal
+from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight.reaper import execute_reap, plan_reap
-from kimi_supervisor.procident import ProcIdent, identify, send_signal
-from kimi_supervisor.proctable import PsutilProcessTable
 from tests.conftest import ProcSpawner, close_pipes, wait_for
 from tests.preflight.test_kill_rules import reap_cfg
 

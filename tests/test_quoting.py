@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.quoting import quote
-from kimi_supervisor.readiness import ReadinessTracker
 from tests.test_readiness import CFG
 
 

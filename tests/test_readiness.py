@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kimi_supervisor.config import parse_config
-from kimi_supervisor.readiness import ReadinessTracker
+from kimi_supervisor.child.readiness import ReadinessTracker
+from kimi_supervisor.config.load import parse_config
 
 CFG = parse_config({"child": {"argv": ["vllm", "serve", "/m"]}}, Path("t.toml")).readiness
 
@@ -181,7 +181,7 @@ def test_tail_is_bounded() -> None:
 
 
 def test_prefilter_words_are_required_by_each_pattern() -> None:
-    from kimi_supervisor.readiness import literal_prefilter
+    from kimi_supervisor.child.readiness import literal_prefilter
 
     assert literal_prefilter([r"Starting vLLM (?:API )?server", r"torch\.compile|colou?r"]) is not None
     rx = literal_prefilter([r"Starting vLLM (?:API )?server", r"torch\.compile|colou?r"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kimi_supervisor.config import effective_config, parse_config
+from kimi_supervisor.config.load import effective_config, parse_config
 from kimi_supervisor.exitcodes import ExitCode
 
 REPO = Path(__file__).resolve().parent.parent

@@ -17,11 +17,11 @@ from typing import Any
 import psutil
 import pytest
 
-from kimi_supervisor import cli
+from kimi_supervisor.cli import entry as cli
+from kimi_supervisor.cli.status import gather, render_text
 from kimi_supervisor.exitcodes import ExitCode, exit_outcome
-from kimi_supervisor.gpu import GpuUnavailable
-from kimi_supervisor.history import load_history
-from kimi_supervisor.status import gather, render_text
+from kimi_supervisor.host.gpu import GpuUnavailable
+from kimi_supervisor.opsview.history import load_history
 from tests.fakes.gpu import FakeGpu
 from tests.fakes.lifecycle import RaisingSink
 from tests.fakes.lifecycle_world import HEALTH_LINE, World, lifecycle_config, serving_world

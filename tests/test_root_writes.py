@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor import atomicfile, dirtrust
-from kimi_supervisor.atomicfile import UnsafeDirectory, write_atomic
-from kimi_supervisor.config import load_config, parse_config
+from kimi_supervisor.config.load import load_config, parse_config
 from kimi_supervisor.exitcodes import ConfigError
-from kimi_supervisor.statefile import StateFile
+from kimi_supervisor.files import atomic as atomicfile
+from kimi_supervisor.files import dirtrust
+from kimi_supervisor.files.atomic import UnsafeDirectory, write_atomic
+from kimi_supervisor.opsview.statefile import StateFile
 from tests.fakes.clock import RecordingLog
 from tests.harness import REPO, fake_config
 

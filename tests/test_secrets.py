@@ -6,8 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight import Preflight
-from kimi_supervisor.proctable import PsutilProcessTable
 from kimi_supervisor.redact import redact_argv, redact_env
 from tests.conftest import ProcSpawner
 from tests.fakes.clock import FakeClock, RecordingLog

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kimi_supervisor.signals import InterruptibleClock, SignalRecorder, StopRequested
+from kimi_supervisor.lifecycle.signals import InterruptibleClock, SignalRecorder, StopRequested
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_interruptible_sleep_is_constant_time_per_wake_up(rec: SignalRecorder) -
 
 def test_every_terminating_signal_is_a_stop_or_ignored(rec: SignalRecorder) -> None:
     """Catchable signals whose default would end the process: none is left at its default."""
-    from kimi_supervisor.signals import IGNORED_SIGNALS, STOP_SIGNALS
+    from kimi_supervisor.lifecycle.signals import IGNORED_SIGNALS, STOP_SIGNALS
 
     terminating = {
         signal.SIGHUP,

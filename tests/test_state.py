@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kimi_supervisor.state import ALLOWED, InvalidTransition, State, StateMachine
+from kimi_supervisor.lifecycle.machine import ALLOWED, InvalidTransition, State, StateMachine
 from tests.fakes.clock import RecordingLog
 
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from kimi_supervisor.config import parse_config
-from kimi_supervisor.history import HistoryData, RunRecord, dump_history
-from kimi_supervisor.statefile import process_start_time
-from kimi_supervisor.status import gather, render_text, run_status
+from kimi_supervisor.cli.status import gather, render_text, run_status
+from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.opsview.history import HistoryData, RunRecord, dump_history
+from kimi_supervisor.opsview.statefile import process_start_time
 
 T0 = 1_795_985_200.0  # 2026-11-29 20:46:40 UTC
 NOW = T0 + 900.0
@@ -289,8 +289,8 @@ def test_watch_refreshes_every_second_until_ready(tmp_path: Path, final: str) ->
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
 def test_a_non_root_user_can_read_what_the_daemon_wrote(tmp_path: Path) -> None:
-    from kimi_supervisor.history import History
-    from kimi_supervisor.statefile import StateFile
+    from kimi_supervisor.opsview.history import History
+    from kimi_supervisor.opsview.statefile import StateFile
     from tests.fakes.clock import RecordingLog
 
     base = Path(tempfile.mkdtemp(prefix="kimi-status-"))  # tmp_path's parents are 0700: nobody could reach it

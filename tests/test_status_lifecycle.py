@@ -18,7 +18,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kimi_supervisor.statefile import TOP_LEVEL_KEYS
+from kimi_supervisor.opsview.statefile import TOP_LEVEL_KEYS
 from tests.conftest import wait_for
 from tests.harness import REPO, Run, fake_config, fake_tree_of
 

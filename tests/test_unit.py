@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor import unit
-from kimi_supervisor.config import DEFAULT_PATH, parse_config
+from kimi_supervisor.config.load import DEFAULT_PATH, parse_config
 from kimi_supervisor.exitcodes import ExitCode
+from kimi_supervisor.systemd import unit
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGED = REPO / "packaging" / "systemd" / "kimi-supervisor.service"

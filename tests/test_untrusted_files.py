@@ -24,8 +24,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kimi_supervisor.history import History, HistoryData, RunRecord, dump_history, load_history
-from kimi_supervisor.status import gather, render_text, run_status
+from kimi_supervisor.cli.status import gather, render_text, run_status
+from kimi_supervisor.opsview.history import History, HistoryData, RunRecord, dump_history, load_history
 from tests.fakes.clock import RecordingLog
 from tests.harness import REPO, Run, fake_config
 from tests.test_status import NOW, history, paths, setup, state_doc

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kimi_supervisor.vllm_args import parse_vllm_args
+from kimi_supervisor.config.vllm_args import parse_vllm_args
 
 
 def test_seeds_argv() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kimi_supervisor.vllm_metrics import EngineMetrics, MetricsError, fetch_metrics, parse_metrics
+from kimi_supervisor.liveness.vllm_metrics import EngineMetrics, MetricsError, fetch_metrics, parse_metrics
 from tests.harness import http_server
 
 PAGE = """\

@@ -19,8 +19,8 @@ from typing import Any
 
 import psutil
 
-from kimi_supervisor.configfile import file_kind
-from kimi_supervisor.gpu import GpuMemory
+from kimi_supervisor.config.file import file_kind
+from kimi_supervisor.host.gpu import GpuMemory
 
 
 class Status(str, enum.Enum):

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from kimi_supervisor import timeouts, unit
-from kimi_supervisor.config import load_config
+from kimi_supervisor.config import timeouts
+from kimi_supervisor.config.load import load_config
+from kimi_supervisor.systemd import unit
 from tests.e2e import drain_client
 from tests.e2e.vllm_serve import VENV, VLLM_ENV, long_generation_argv
 from tests.harness import REPO, Run, fake_tree_of, free_port, write_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kimi_supervisor.vllm_metrics import fetch_metrics
+from kimi_supervisor.liveness.vllm_metrics import fetch_metrics
 from tests.e2e.test_vllm_cpu import completion, tree_of, vllm_config
 from tests.harness import Run, free_port
 

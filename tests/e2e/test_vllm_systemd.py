@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor import unit
+from kimi_supervisor.systemd import unit
 from tests.e2e.vllm_serve import VENV
 from tests.systemd import checkout
 from tests.systemd.nspawn import NspawnMachine, available

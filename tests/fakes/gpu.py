@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 
 import psutil
 
-from kimi_supervisor.gpu import GpuEvent, GpuHealth, GpuMemory, GpuProcess, GpuUnavailable
+from kimi_supervisor.host.gpu import GpuEvent, GpuHealth, GpuMemory, GpuProcess, GpuUnavailable
 
 # An H200 in good shape, as NVML reports it (bench/results/gpu_health_h200.md).
 HEALTHY = GpuHealth(

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from kimi_supervisor import cli
+from kimi_supervisor.cli import entry as cli
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe
 
 

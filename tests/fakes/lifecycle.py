@@ -1,4 +1,4 @@
-"""Fakes for every boundary `Supervisor` has (kimi_supervisor/boundaries.py), on one event-driven fake clock.
+"""Fakes for every boundary `Supervisor` has (kimi_supervisor/lifecycle/deps.py), on one event-driven fake clock.
 
 tests/fakes/lifecycle_world.py puts them together into one `World` around a real `Supervisor`.
 
@@ -18,9 +18,9 @@ import signal
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kimi_supervisor.child import read_pipe
-from kimi_supervisor.health import HealthResult
-from kimi_supervisor.signals import SignalRecorder
+from kimi_supervisor.child.process import read_pipe
+from kimi_supervisor.lifecycle.signals import SignalRecorder
+from kimi_supervisor.liveness.health_probe import HealthResult
 from tests.fakes.clock import RecordingLog
 
 T0 = 1000.0

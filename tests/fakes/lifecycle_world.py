@@ -13,11 +13,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.config import parse_config
-from kimi_supervisor.configtypes import Config, SpawnSpec
+from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.config.model import Config, SpawnSpec
 from kimi_supervisor.exitcodes import SupervisorError
-from kimi_supervisor.proctable import PsutilProcessTable
-from kimi_supervisor.supervisor import Deps, Supervisor
+from kimi_supervisor.host.proctable import PsutilProcessTable
+from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
 from tests.fakes.gpu import FakeGpuProbe
 from tests.fakes.lifecycle import (
     EventClock,

@@ -12,13 +12,13 @@ import pynvml
 import pytest
 
 from kimi_supervisor.clock import Clock, SystemClock
-from kimi_supervisor.config import parse_config
-from kimi_supervisor.configtypes import Config
+from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import PreflightError
-from kimi_supervisor.gpu import GpuProbe, NvmlProbe
+from kimi_supervisor.host.gpu import GpuProbe, NvmlProbe
+from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.preflight.checks import Status
-from kimi_supervisor.proctable import PsutilProcessTable
 from tests.conftest import ProcSpawner
 from tests.fakes.clock import FakeClock, RecordingLog
 from tests.fakes.gpu import INVISIBLE_PID, FakeGpu, FakeGpuProbe

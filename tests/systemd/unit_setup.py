@@ -1,7 +1,7 @@
 """The shipped unit inside a container, running this checkout: install it, deploy a config and a drop-in
 with short timers, read it back. Shared by the kimi-supervisor tests of this tier and bench row 8.
 
-The unit is the packaged one (kimi_supervisor.unit.render) with ExecStart pointing at a launcher that runs
+The unit is the packaged one (kimi_supervisor.systemd.unit.render) with ExecStart pointing at a launcher that runs
 this checkout's code (checkout.py).
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import checkout
 from nspawn import NspawnMachine
 
-from kimi_supervisor import unit
+from kimi_supervisor.systemd import unit
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = REPO / "tests" / "fakes" / "fake_vllm.py"

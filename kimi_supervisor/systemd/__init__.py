@@ -1,0 +1,1 @@
+"""systemd: sd_notify and the watchdog, the installed unit."""
