@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kimi_supervisor.config.load import parse_config  # noqa: E402
-from kimi_supervisor.host.gpu import NvmlProbe  # noqa: E402
+from kimi_supervisor.host.nvml import NvmlProbe  # noqa: E402
 from kimi_supervisor.preflight import gpu_health  # noqa: E402
 
 # A store to an address no allocation maps: the MMU faults in our own context only.
@@ -219,10 +219,10 @@ def part_d(res: dict[str, Any], do_fault: bool, stranger_uid: int = 65534) -> No
     from kimi_supervisor.exitcodes import SupervisorError
     from kimi_supervisor.host.proctable import PsutilProcessTable
     from kimi_supervisor.journal import ConsoleChildSink
-    from kimi_supervisor.lifecycle.machine import State
     from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
-    from kimi_supervisor.preflight import Preflight
     from kimi_supervisor.preflight.report import render_text
+    from kimi_supervisor.preflight.run import Preflight
+    from kimi_supervisor.states import State
     from kimi_supervisor.systemd.notify import NullNotifier
     from tests.harness import fake_config, fake_tree_of
 

@@ -72,7 +72,7 @@ def main_bench(a: argparse.Namespace) -> int:
         os.makedirs(shm_dir)
         probe: Any = FakeProbe(fake_dir, a.fake_gpus)  # type: ignore[arg-type]
     else:
-        from kimi_supervisor.host.gpu import NvmlProbe
+        from kimi_supervisor.host.nvml import NvmlProbe
 
         shm_dir = "/dev/shm"
         probe = NvmlProbe()

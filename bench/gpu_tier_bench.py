@@ -42,9 +42,9 @@ def _bench_warm_preflight(ctx: Ctx, res: dict[str, Any]) -> Any:
     import structlog
 
     from kimi_supervisor.clock import SystemClock
-    from kimi_supervisor.host.gpu import NvmlProbe
+    from kimi_supervisor.host.nvml import NvmlProbe
     from kimi_supervisor.host.proctable import PsutilProcessTable
-    from kimi_supervisor.preflight import Preflight
+    from kimi_supervisor.preflight.run import Preflight
 
     quiet = structlog.get_logger()  # events still go through the chain; level info is fine
     cfg = make_config(ctx)

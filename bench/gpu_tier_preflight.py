@@ -197,8 +197,8 @@ def _orphan_the_workers(ctx: Ctx, sc: Scene) -> None:
 
 def _dry_run(ctx: Ctx, sc: Scene, cfg: Any, log: Any) -> None:
     from kimi_supervisor.clock import SystemClock
-    from kimi_supervisor.preflight import Preflight
     from kimi_supervisor.preflight.report import render_text
+    from kimi_supervisor.preflight.run import Preflight
 
     res, workers, held, stale = sc.res, sc.workers, sc.held, sc.stale
     # Dry run.
@@ -221,8 +221,8 @@ def _dry_run(ctx: Ctx, sc: Scene, cfg: Any, log: Any) -> None:
 
 def _real_run(ctx: Ctx, sc: Scene, cfg: Any, log: Any) -> tuple[TimingTable, Monitor, float, list[int]]:
     from kimi_supervisor.clock import SystemClock
-    from kimi_supervisor.preflight import Preflight
     from kimi_supervisor.preflight.report import render_text
+    from kimi_supervisor.preflight.run import Preflight
 
     res, workers, decoys, held, stale, shm_before = sc.res, sc.workers, sc.decoys, sc.held, sc.stale, sc.shm_before
     # Real run, watched.
@@ -328,8 +328,8 @@ def step_holder(ctx: Ctx) -> None:
     from kimi_supervisor.clock import SystemClock
     from kimi_supervisor.exitcodes import PreflightError
     from kimi_supervisor.journal import get_logger
-    from kimi_supervisor.preflight import Preflight
     from kimi_supervisor.preflight.report import render_text
+    from kimi_supervisor.preflight.run import Preflight
 
     print("\n== b(ii). a GPU holder that matches no kill rule ==", flush=True)
     res: dict[str, Any] = {}

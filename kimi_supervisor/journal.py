@@ -19,15 +19,13 @@ import struct
 import sys
 import time
 from collections.abc import Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any, Protocol, TextIO, cast
+from typing import Any, Protocol, TextIO, cast
 
 import structlog
 
 from kimi_supervisor.fdwriter import RECORD_BUFFER, RecordStream, Writer, writer_for
+from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.redact import is_secret_name, redact_text
-
-if TYPE_CHECKING:
-    from kimi_supervisor.lifecycle.deps import Logger
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 IDENTIFIER = "kimi-supervisor"

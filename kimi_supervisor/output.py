@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 
 from kimi_supervisor.child.lines import LineClassifier
-from kimi_supervisor.child.process import LineSplitter
+from kimi_supervisor.child.process import Child, LineSplitter
 from kimi_supervisor.child.readiness import LineEvent, ReadinessTracker
 from kimi_supervisor.clock import Clock
 from kimi_supervisor.journal import ChildSink
-from kimi_supervisor.lifecycle.deps import Child, Logger
+from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.redact import redact_text
 
 SLICE_S = 0.05  # reading one wake-up's output stops after this long: the loop's other duties come first

@@ -94,7 +94,7 @@ def test_ctrl_c_during_dry_run_exits_130_without_a_traceback(tmp_path: Path) -> 
     )
     code = (
         "import os, signal, sys\n"
-        "from kimi_supervisor import preflight\nfrom kimi_supervisor.cli import entry as cli\n"
+        "from kimi_supervisor.cli import entry as cli\nfrom kimi_supervisor.preflight import run as preflight\n"
         "real = preflight.Preflight.run\n"
         "def run(self, **kw):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"

@@ -24,8 +24,8 @@ import pytest
 
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.host.proctable import PsutilProcessTable
-from kimi_supervisor.lifecycle.machine import State
 from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.states import State
 from tests.conftest import wait_for
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpuProbe

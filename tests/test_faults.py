@@ -15,9 +15,9 @@ from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ExitCode, PreflightError
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.journal import ConsoleChildSink
-from kimi_supervisor.lifecycle.machine import State
 from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
-from kimi_supervisor.preflight import Preflight
+from kimi_supervisor.preflight.run import Preflight
+from kimi_supervisor.states import State
 from tests.conftest import ProcSpawner
 from tests.fakes.clock import FakeClock, RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe

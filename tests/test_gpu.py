@@ -7,7 +7,8 @@ import types
 import pynvml
 import pytest
 
-from kimi_supervisor.host.gpu import MIB, GpuUnavailable, NvmlProbe
+from kimi_supervisor.host.gpu import MIB, GpuUnavailable
+from kimi_supervisor.host.nvml import NvmlProbe
 
 
 def test_no_driver_here_is_a_clear_error() -> None:

@@ -19,9 +19,9 @@ from kimi_supervisor.host.gpu import GpuEvent
 from kimi_supervisor.host.nvml_counters import NvmlEventWatch
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.journal import ConsoleChildSink
-from kimi_supervisor.lifecycle.machine import State
 from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
 from kimi_supervisor.liveness.gpu_events import GpuEventWatcher, describe
+from kimi_supervisor.states import State
 from tests.conftest import wait_for
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe

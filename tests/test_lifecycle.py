@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.lifecycle.machine import State
+from kimi_supervisor.states import State
 from tests.fakes.lifecycle_world import (
     FATAL,
     LOADING,

@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from kimi_supervisor.host.gpu import GpuMemory, GpuUnavailable
-from kimi_supervisor.lifecycle.machine import State
 from kimi_supervisor.lifecycle.signals import STOP_SIGNALS
+from kimi_supervisor.states import State
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe
 from tests.fakes.lifecycle import RaisingSink
 from tests.fakes.lifecycle_world import HEALTH_LINE, LOADING, TICK, World, lifecycle_config, ready_times, serving_world

@@ -14,11 +14,12 @@ import pytest
 from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.config.model import Config
-from kimi_supervisor.host.gpu import NvmlProbe
-from kimi_supervisor.lifecycle.machine import State, StateMachine
+from kimi_supervisor.host.nvml import NvmlProbe
+from kimi_supervisor.lifecycle.machine import StateMachine
 from kimi_supervisor.liveness.health_probe import HealthResult
 from kimi_supervisor.opsview.tree import classify
 from kimi_supervisor.opsview.view import OperatorView
+from kimi_supervisor.states import State
 from tests.conftest import ProcSpawner, wait_for
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe

@@ -18,8 +18,8 @@ from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.journal import ConsoleChildSink
-from kimi_supervisor.lifecycle.machine import State
 from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.states import State
 from tests.conftest import ProcSpawner, close_pipes
 from tests.fakes.clock import RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe

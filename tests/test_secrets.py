@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from kimi_supervisor.host.proctable import PsutilProcessTable
-from kimi_supervisor.preflight import Preflight
+from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.redact import redact_argv, redact_env
 from tests.conftest import ProcSpawner
 from tests.fakes.clock import FakeClock, RecordingLog

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from kimi_supervisor.lifecycle.machine import ALLOWED, InvalidTransition, State, StateMachine
+from kimi_supervisor.lifecycle.machine import InvalidTransition, StateMachine
+from kimi_supervisor.states import ALLOWED, State
 from tests.fakes.clock import RecordingLog
 
 

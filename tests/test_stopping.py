@@ -6,10 +6,9 @@ import signal
 
 from kimi_supervisor.config.timeouts import SIGKILL_WAIT_S
 from kimi_supervisor.host.gpu import GpuMemory, GpuUnavailable
-from kimi_supervisor.lifecycle.deps import HttpClient
 from kimi_supervisor.lifecycle.drain import Drain, stopped_status
 from kimi_supervisor.lifecycle.stopping import TERM_POLL_S, TreeStopper, confirm_gpus_free
-from kimi_supervisor.liveness.http import Answer
+from kimi_supervisor.liveness.http import Answer, HttpClient
 from tests.fakes.clock import FakeClock, RecordingLog
 from tests.fakes.gpu import FakeGpu, FakeGpuProbe
 from tests.fakes.lifecycle import EventClock, FakeChild

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from kimi_supervisor.checks import Status
 from kimi_supervisor.cli import entry as cli
 from kimi_supervisor.config import timeouts
 from kimi_supervisor.config.load import load_config
-from kimi_supervisor.preflight.checks import Status
 from kimi_supervisor.systemd import unit
 from tests.harness import REPO, fake_config
 from tests.test_cli import cli as run_cli

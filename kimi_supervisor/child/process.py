@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 import psutil
 
@@ -170,6 +171,26 @@ def read_pipe(fd: int) -> bytes | None:
     except OSError:
         return None
     return data if data else None
+
+
+class Child(Protocol):
+    """The spawned vLLM and its process tree (child.ChildProcess)."""
+
+    pid: int
+    returncode: int | None
+    streams: dict[str, int]
+
+    def read(self, fd: int) -> bytes | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def refresh_members(self) -> Any: ...
+
+    def alive_members(self) -> list[Any]: ...  # psutil.Process in production: the loop reads only .pid
+
+    def signal_tree(self, sig: signal.Signals) -> int: ...
+
+    def reap(self) -> None: ...
 
 
 class ChildProcess:

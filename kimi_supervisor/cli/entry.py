@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import ClassVar, NoReturn
 
 from kimi_supervisor import __version__
+from kimi_supervisor.checks import Check, Status
 from kimi_supervisor.child.process import prepare_spawn
 from kimi_supervisor.child.spawnplan import Unresolvable
 from kimi_supervisor.clock import SystemClock
@@ -22,15 +23,15 @@ from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import DESCRIPTIONS, ConfigError, ExitCode, SupervisorError
 from kimi_supervisor.files import dirtrust
 from kimi_supervisor.host import instance_lock
-from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, NvmlProbe, configured_gpus
+from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, configured_gpus
+from kimi_supervisor.host.nvml import NvmlProbe
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.journal import FORMATS, ChildSink, close_outputs, configure, get_logger, resolve_format
-from kimi_supervisor.preflight import Preflight
-from kimi_supervisor.preflight.checks import Check, Status
 from kimi_supervisor.preflight.report import render_json, render_text
-from kimi_supervisor.redact import RedactingNotifier, redact_argv, redact_env, redact_text, secrets_of
+from kimi_supervisor.preflight.run import Preflight
+from kimi_supervisor.redact import redact_argv, redact_env, redact_text, secrets_of
 from kimi_supervisor.systemd import unit
-from kimi_supervisor.systemd.notify import notifier_from_env, watchdog_interval
+from kimi_supervisor.systemd.notify import RedactingNotifier, notifier_from_env, watchdog_interval
 
 EPILOG = (
     "exit codes:\n"

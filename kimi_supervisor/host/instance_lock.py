@@ -42,12 +42,9 @@ import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kimi_supervisor.exitcodes import AnotherInstance, RuntimeDirectoryError
-
-if TYPE_CHECKING:
-    from kimi_supervisor.lifecycle.deps import Logger
+from kimi_supervisor.logs.types import Logger
 
 LOCKS = "/proc/locks"
 # How a running kimi-supervisor looks in the process table: the console script, or python running it.

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from kimi_supervisor.host.gpu import GpuEvent, GpuHealth, GpuUnavailable
+from kimi_supervisor.host.gpu import GpuEvent, GpuHealth, GpuUnavailable, nvml_text
 
 _T = TypeVar("_T")
 
@@ -23,10 +23,6 @@ EVENT_KINDS = {
     pynvml.nvmlEventTypeXidCriticalError: "xid",
     pynvml.nvmlEventTypeDoubleBitEccError: "double_bit_ecc",
 }
-
-
-def _text(exc: Exception) -> str:
-    return str(exc) or type(exc).__name__
 
 
 def read_health(handle: object, index: int) -> GpuHealth:
@@ -38,7 +34,7 @@ def read_health(handle: object, index: int) -> GpuHealth:
         except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
             return None
         except pynvml.NVMLError as exc:
-            errors[field] = _text(exc)
+            errors[field] = nvml_text(exc)
             return None
 
     def retired() -> int:
@@ -100,7 +96,7 @@ class NvmlEventWatch:
         try:
             self._set: Any = pynvml.nvmlEventSetCreate()
         except pynvml.NVMLError as exc:
-            raise GpuUnavailable(f"NVML event set: {_text(exc)}") from None
+            raise GpuUnavailable(f"NVML event set: {nvml_text(exc)}") from None
         self._by_address: dict[int, int] = {}
         registered: dict[int, tuple[str, ...]] = {}
         for index, handle in handles.items():
@@ -131,7 +127,7 @@ class NvmlEventWatch:
         except pynvml.NVMLError_GpuIsLost:
             return GpuEvent(gpu=-1, kind="gpu_lost")
         except pynvml.NVMLError as exc:
-            raise GpuUnavailable(f"NVML event wait: {_text(exc)}") from None
+            raise GpuUnavailable(f"NVML event wait: {nvml_text(exc)}") from None
         gpu = self._by_address.get(_address(data.device) or 0, -1)
         kind = EVENT_KINDS.get(int(data.eventType), f"event 0x{int(data.eventType):x}")
         return GpuEvent(gpu=gpu, kind=kind, xid=int(data.eventData) if kind == "xid" else None)

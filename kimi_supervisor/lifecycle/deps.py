@@ -9,56 +9,15 @@ without patching anything.
 from __future__ import annotations
 
 import selectors
-import signal
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Protocol
 
+from kimi_supervisor.child.process import Child, PreparedSpawn
 from kimi_supervisor.config.model import Config, SpawnSpec
 from kimi_supervisor.host.gpu import GpuProbe
 from kimi_supervisor.liveness.health_probe import HealthResult
-from kimi_supervisor.liveness.http import Answer
+from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.systemd.notify import Notifier
-
-if TYPE_CHECKING:
-    from kimi_supervisor.child.process import PreparedSpawn
-
-
-class Warns(Protocol):
-    """All a reader that only collects problems needs (status.py's notes on a history it reads)."""
-
-    def warning(self, event: str, **fields: Any) -> Any: ...
-
-
-class Logger(Warns, Protocol):
-    """The structlog calls the package makes: an event name and fields."""
-
-    def debug(self, event: str, **fields: Any) -> Any: ...
-
-    def info(self, event: str, **fields: Any) -> Any: ...
-
-    def error(self, event: str, **fields: Any) -> Any: ...
-
-    def critical(self, event: str, **fields: Any) -> Any: ...
-
-
-class Child(Protocol):
-    """The spawned vLLM and its process tree (child.ChildProcess)."""
-
-    pid: int
-    returncode: int | None
-    streams: dict[str, int]
-
-    def read(self, fd: int) -> bytes | None: ...
-
-    def poll(self) -> int | None: ...
-
-    def refresh_members(self) -> Any: ...
-
-    def alive_members(self) -> list[Any]: ...  # psutil.Process in production: the loop reads only .pid
-
-    def signal_tree(self, sig: signal.Signals) -> int: ...
-
-    def reap(self) -> None: ...
 
 
 class Spawner(Protocol):
@@ -85,24 +44,6 @@ class Prober(Protocol):
 
 class ProberFactory(Protocol):
     def __call__(self, url: str, timeout_s: float, interval_s: float, wake: Callable[[], None]) -> Prober: ...
-
-
-class HttpClient(Protocol):
-    """One HTTP request within `timeout_s` in all, never raising for what a server does (httpget.request).
-
-    `/health` (HealthProber), the canary and `/metrics` (DeepLiveness, Drain) take one; tests pass a fake.
-    """
-
-    def __call__(
-        self,
-        method: str,
-        url: str,
-        timeout_s: float,
-        *,
-        body: bytes | None = None,
-        headers: Mapping[str, str] | None = None,
-        max_body: int = ...,
-    ) -> Answer: ...
 
 
 class Signals(Protocol):

@@ -29,9 +29,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from kimi_supervisor.lifecycle.deps import Child, HttpClient, Logger
-from kimi_supervisor.liveness.http import request
+from kimi_supervisor.child.process import Child
+from kimi_supervisor.liveness.http import HttpClient, request
 from kimi_supervisor.liveness.vllm_metrics import MetricsError, fetch_metrics
+from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.systemd.notify import Notifier
 
 # The one read before SIGTERM: SIGTERM follows the stop request within this (plus a process-tree scan), never

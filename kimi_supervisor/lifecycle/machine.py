@@ -9,31 +9,12 @@ the observer (the operator's view: state file, history, metrics).
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from kimi_supervisor.lifecycle.deps import Logger
+from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.states import ALLOWED, State
 from kimi_supervisor.systemd.notify import Notifier
-
-
-class State(enum.Enum):
-    PREFLIGHT = "preflight"
-    STARTING = "starting"
-    READY = "ready"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-    FAILED = "failed"
-
-
-ALLOWED: dict[State, frozenset[State]] = {
-    State.PREFLIGHT: frozenset({State.STARTING, State.STOPPING, State.FAILED}),
-    State.STARTING: frozenset({State.READY, State.STOPPING, State.FAILED}),
-    State.READY: frozenset({State.STOPPING}),
-    State.STOPPING: frozenset({State.STOPPED, State.FAILED}),
-    State.STOPPED: frozenset(),
-    State.FAILED: frozenset(),
-}
 
 
 class InvalidTransition(RuntimeError):

@@ -25,10 +25,9 @@ import os
 import selectors
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from kimi_supervisor.lifecycle.deps import Signals
+from kimi_supervisor.lifecycle.deps import Signals
 
 STOP_SIGNALS = frozenset(
     s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, getattr(signal, "SIGPWR", None)) if s is not None

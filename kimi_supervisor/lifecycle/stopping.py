@@ -15,11 +15,12 @@ import dataclasses
 import signal
 from collections.abc import Callable
 
+from kimi_supervisor.child.process import Child
 from kimi_supervisor.clock import Clock, SystemClock
 from kimi_supervisor.config.timeouts import SIGKILL_WAIT_S
 from kimi_supervisor.host.gpu import GpuMemory, GpuProbe, GpuUnavailable, wait_until_free
-from kimi_supervisor.lifecycle.deps import Child, Logger
 from kimi_supervisor.lifecycle.drain import Drain
+from kimi_supervisor.logs.types import Logger
 
 # While stopping, how often the loop looks at the tree: short, since each look may end the stop.
 TERM_POLL_S = 0.05

@@ -18,7 +18,8 @@ import selectors
 import signal
 from collections.abc import Callable, Mapping
 
-from kimi_supervisor.child.process import PreparedSpawn, ProcessSpawner
+from kimi_supervisor.checks import Status
+from kimi_supervisor.child.process import Child, PreparedSpawn, ProcessSpawner
 from kimi_supervisor.child.readiness import LineEvent, ReadinessTracker
 from kimi_supervisor.child.spawnplan import Unresolvable
 from kimi_supervisor.clock import Clock, format_duration
@@ -37,10 +38,8 @@ from kimi_supervisor.host.gpu import GpuProbe, configured_gpus
 from kimi_supervisor.host.proctable import ProcessTable
 from kimi_supervisor.journal import ChildSink
 from kimi_supervisor.lifecycle.deps import (
-    Child,
     Liveness,
     LivenessFactory,
-    Logger,
     Prober,
     ProberFactory,
     SelectorFactory,
@@ -48,7 +47,7 @@ from kimi_supervisor.lifecycle.deps import (
     Spawner,
 )
 from kimi_supervisor.lifecycle.drain import Drain, stopped_status
-from kimi_supervisor.lifecycle.machine import State, StateMachine
+from kimi_supervisor.lifecycle.machine import StateMachine
 from kimi_supervisor.lifecycle.signals import (
     STOP_SIGNALS,
     InterruptibleClock,
@@ -60,11 +59,12 @@ from kimi_supervisor.lifecycle.stopping import TreeStopper, confirm_gpus_free
 from kimi_supervisor.lifecycle.threadwatch import ThreadWatch
 from kimi_supervisor.liveness.engine import DeepLiveness
 from kimi_supervisor.liveness.health_probe import HealthProber, HealthResult
+from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.opsview.view import OperatorView
 from kimi_supervisor.output import ChildOutput
-from kimi_supervisor.preflight import Preflight
-from kimi_supervisor.preflight.checks import Status
+from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.quoting import quote
+from kimi_supervisor.states import State
 from kimi_supervisor.systemd.notify import Notifier, Watchdog
 
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC at most this often while output flows

@@ -22,18 +22,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import EngineWedged
 from kimi_supervisor.host.gpu import GpuProbe
 from kimi_supervisor.liveness.gpu_events import GpuEventWatcher
-from kimi_supervisor.liveness.http import one_line, parse_json, request
+from kimi_supervisor.liveness.http import HttpClient, one_line, parse_json, request
 from kimi_supervisor.liveness.vllm_metrics import EngineMetrics, MetricsError, fetch_metrics
+from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.systemd.notify import Notifier
-
-if TYPE_CHECKING:
-    from kimi_supervisor.lifecycle.deps import HttpClient, Logger
 
 RETRY_S = 1.0  # after a failed canary, the next one follows this soon (not a whole interval later)
 CANARY_PROMPT = "Hi"

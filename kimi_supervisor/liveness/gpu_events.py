@@ -19,13 +19,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from kimi_supervisor.exitcodes import GpuFailed
 from kimi_supervisor.host.gpu import GpuEvent, GpuEventWatch, GpuProbe, GpuUnavailable
-
-if TYPE_CHECKING:
-    from kimi_supervisor.lifecycle.deps import Logger
+from kimi_supervisor.logs.types import Logger
 
 # NVIDIA's XID catalog, the ones a vLLM host meets (docs.nvidia.com/deploy/xid-errors).
 XID_MEANINGS = {

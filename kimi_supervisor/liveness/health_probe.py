@@ -11,12 +11,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from kimi_supervisor.liveness.http import request
-
-if TYPE_CHECKING:
-    from kimi_supervisor.lifecycle.deps import HttpClient
+from kimi_supervisor.liveness.http import HttpClient, request
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ import ssl
 import time
 import urllib.parse
 from collections.abc import Mapping
+from typing import Protocol
 
 MAX_HEAD = 64 * 1024  # a status line and headers longer than this are not an answer
 MAX_BODY = 4 << 20  # a /metrics page is tens of KiB, a canary answer < 1 KiB: never buffer an unbounded one
@@ -40,6 +41,24 @@ class Answer:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+class HttpClient(Protocol):
+    """One HTTP request within `timeout_s` in all, never raising for what a server does (httpget.request).
+
+    `/health` (HealthProber), the canary and `/metrics` (DeepLiveness, Drain) take one; tests pass a fake.
+    """
+
+    def __call__(
+        self,
+        method: str,
+        url: str,
+        timeout_s: float,
+        *,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        max_body: int = ...,
+    ) -> Answer: ...
 
 
 class _Failed(Exception):

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import urllib.parse
-from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kimi_supervisor.liveness.http import finite_count, one_line, request
-
-if TYPE_CHECKING:
-    from kimi_supervisor.lifecycle.deps import HttpClient
+from kimi_supervisor.liveness.http import HttpClient, finite_count, one_line, request
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"

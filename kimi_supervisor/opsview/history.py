@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kimi_supervisor.files.atomic import ensure_directory, write_atomic
 from kimi_supervisor.files.untrusted import integer, number, parse_json, printable, read_capped, string
-from kimi_supervisor.lifecycle.deps import Logger, Warns
+from kimi_supervisor.logs.types import Logger, Warns
 from kimi_supervisor.opsview.statefile import PID_MAX
 
 FILE_NAME = "history.json"

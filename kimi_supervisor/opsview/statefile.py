@@ -31,7 +31,7 @@ from kimi_supervisor.files.untrusted import (
     read_json,
     string,
 )
-from kimi_supervisor.lifecycle.deps import Logger
+from kimi_supervisor.logs.types import Logger
 
 SCHEMA = 1
 FILE_NAME = "state.json"

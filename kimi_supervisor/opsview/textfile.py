@@ -25,8 +25,8 @@ from prometheus_client.registry import Collector
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.files.atomic import write_atomic
 from kimi_supervisor.host.gpu import MIB
-from kimi_supervisor.lifecycle.deps import Logger
-from kimi_supervisor.lifecycle.machine import State
+from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.states import State
 
 PREFIX = "kimi_supervisor"
 

@@ -23,15 +23,15 @@ from kimi_supervisor import __version__
 from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable
-from kimi_supervisor.lifecycle.deps import Logger
-from kimi_supervisor.lifecycle.machine import State
 from kimi_supervisor.liveness.health_probe import HealthResult
+from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.opsview.eta import LoadEta
 from kimi_supervisor.opsview.history import FILE_NAME as HISTORY_FILE
 from kimi_supervisor.opsview.history import History
 from kimi_supervisor.opsview.statefile import SCHEMA, StateFile, process_start_time
 from kimi_supervisor.opsview.textfile import MetricsSnapshot, MetricsWriter
 from kimi_supervisor.opsview.tree import describe_tree, with_gpu_memory
+from kimi_supervisor.states import State
 from kimi_supervisor.systemd.notify import Notifier
 
 STARTING_REFRESH_S = 2.0

@@ -18,6 +18,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+from kimi_supervisor.checks import Check, Status
 from kimi_supervisor.clock import Clock
 from kimi_supervisor.config import timeouts
 from kimi_supervisor.config.model import Config
@@ -33,9 +34,8 @@ from kimi_supervisor.host.gpu import (
 )
 from kimi_supervisor.host.instance_lock import lock_owners
 from kimi_supervisor.host.proctable import ProcessTable
-from kimi_supervisor.lifecycle.deps import Logger
+from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.preflight import checks, gpu_health
-from kimi_supervisor.preflight.checks import Check, Status
 from kimi_supervisor.preflight.reaper import ReapPlan, Victim, execute_reap, plan_reap
 from kimi_supervisor.preflight.shm import plan_shm, remove_stale
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from kimi_supervisor.lifecycle.deps import Logger
+from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.redact import redact_text
 
 # A datagram systemd has not taken within this long is reported, not waited for (the loop must go on).
 SEND_TIMEOUT_S = 1.0
@@ -122,3 +122,15 @@ class Watchdog:
         if self._may_ping(now, healthy) and now - self._last_ping >= self.period_s / 2:
             self._notifier.send(WATCHDOG=1)
             self._last_ping = now
+
+
+class RedactingNotifier:
+    """sd_notify fields (STATUS= is world-readable in `systemctl status`) without secrets."""
+
+    def __init__(self, inner: Notifier, secrets: tuple[str, ...]) -> None:
+        self._inner = inner
+        self._secrets = secrets
+
+    def send(self, **fields: str | int) -> None:
+        clean = {k: redact_text(v, self._secrets) if isinstance(v, str) else v for k, v in fields.items()}
+        self._inner.send(**clean)

@@ -12,8 +12,8 @@ import pytest
 from kimi_supervisor.config.model import ShmConfig
 from kimi_supervisor.host.procfiles import maps_names
 from kimi_supervisor.host.proctable import PsutilProcessTable
-from kimi_supervisor.preflight import Preflight
 from kimi_supervisor.preflight.report import render_text
+from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.preflight.shm import plan_shm, remove_stale, write_lease_granted
 from kimi_supervisor.systemd import unit
 from tests.conftest import ProcSpawner
