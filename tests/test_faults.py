@@ -132,7 +132,7 @@ def test_another_users_processes_survive_every_path(tmp_path: Path, spawner: Pro
 def test_supervisor_sigkilled_leaves_a_tree_the_next_preflight_names(tmp_path: Path) -> None:
     """Outside systemd nothing kills the orphaned tree; the next start refuses to double-start, naming it.
 
-    Under systemd, KillMode=mixed kills the cgroup: see tests/systemd (test_supervisor_sigkilled_*).
+    Under systemd, KillMode=mixed kills the cgroup: see tests/nspawn (test_supervisor_sigkilled_*).
     """
     cfg = fake_config(tmp_path)
     run = Run(cfg, tmp_path)

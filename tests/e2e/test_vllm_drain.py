@@ -21,8 +21,8 @@ from kimi_supervisor.systemd import unit
 from tests.e2e import drain_client
 from tests.e2e.vllm_serve import VENV, VLLM_ENV, long_generation_argv
 from tests.harness import REPO, Run, fake_tree_of, free_port, write_config
-from tests.systemd import checkout
-from tests.systemd.nspawn import NspawnMachine, available
+from tests.nspawn import checkout
+from tests.nspawn.nspawn import NspawnMachine, available
 
 UNIT = unit.UNIT_NAME
 CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"

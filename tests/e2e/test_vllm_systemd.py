@@ -10,8 +10,8 @@ import pytest
 
 from kimi_supervisor.systemd import unit
 from tests.e2e.vllm_serve import VENV
-from tests.systemd import checkout
-from tests.systemd.nspawn import NspawnMachine, available
+from tests.nspawn import checkout
+from tests.nspawn.nspawn import NspawnMachine, available
 
 UNIT = unit.UNIT_NAME
 CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"

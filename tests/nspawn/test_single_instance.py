@@ -1,6 +1,6 @@
 """Issue 11 under a real systemd: a second kimi-supervisor from a shell leaves the serving unit alone.
 
-The unit and the shell both run this checkout (tests/systemd/checkout.py's launcher).
+The unit and the shell both run this checkout (tests/nspawn/checkout.py's launcher).
 """
 
 from __future__ import annotations

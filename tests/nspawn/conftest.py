@@ -32,7 +32,7 @@ __all__ = ["REPO_ROOT", "default_binds_ro"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Everything under tests/systemd/ carries the `systemd` marker, so
+    """Everything under tests/nspawn/ carries the `systemd` marker, so
     `pytest -m "not systemd"` deselects this tier."""
     for item in items:
         if _HERE in Path(str(item.path)).resolve().parents:

@@ -245,10 +245,10 @@ def test_python_module_from_repo_checkout(machine: NspawnMachine) -> None:
             "--setenv=PYTHONDONTWRITEBYTECODE=1",
             PY,
             "-c",
-            "import tests.systemd.nspawn as n, sys; print(n.__file__); print(sys.version_info[:2])",
+            "import tests.nspawn.nspawn as n, sys; print(n.__file__); print(sys.version_info[:2])",
         ]
     )
-    assert r.stdout.splitlines()[0] == str(REPO_ROOT / "tests/systemd/nspawn.py")
+    assert r.stdout.splitlines()[0] == str(REPO_ROOT / "tests/nspawn/nspawn.py")
     assert r.stdout.splitlines()[1] == str(sys.version_info[:2])
 
 

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-# The e2e tier imports this as tests.systemd.checkout, without this directory's conftest.
+# The e2e tier imports this as tests.nspawn.checkout, without this directory's conftest.
 if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
 
