@@ -19,7 +19,7 @@ Writes DIR/gpu_health.json and DIR/gpu_health.md and prints a readable summary.
      XID 31 is application-scoped, so it must be logged (`gpu.xid_application`)
      while the tree keeps its PIDs and the supervisor stays ready; then SIGTERM
      stops it (exit 0).  A device-level XID (exit 18) cannot be made on purpose:
-     tests/test_gpu_events.py covers it with the fake probe.  The dry-run report
+     tests/liveness/test_gpu_events.py covers it with the fake probe.  The dry-run report
      on this host is kept too.
 """
 

@@ -25,7 +25,7 @@ from kimi_supervisor.opsview.history import load_history
 from tests.fakes.gpu import FakeGpu
 from tests.fakes.lifecycle import RaisingSink
 from tests.fakes.lifecycle_world import HEALTH_LINE, World, lifecycle_config, serving_world
-from tests.test_lifecycle_exits import LostGpu
+from tests.lifecycle.test_lifecycle_exits import LostGpu
 
 
 def _files(w: World) -> tuple[dict[str, Any], dict[str, Any]]:

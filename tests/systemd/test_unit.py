@@ -13,7 +13,7 @@ from kimi_supervisor.config.load import DEFAULT_PATH, parse_config
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.systemd import unit
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGED = REPO / "packaging" / "systemd" / "kimi-supervisor.service"
 
 

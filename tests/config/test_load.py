@@ -12,7 +12,7 @@ import pytest
 from kimi_supervisor.config.load import effective_config, load_config, parse_config
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MINIMAL = '[child]\nargv = ["vllm", "serve", "/m"]\n'
 
 

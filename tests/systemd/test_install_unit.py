@@ -14,7 +14,7 @@ from kimi_supervisor.cli.entry import main as cli_main  # imported before a test
 from kimi_supervisor.exitcodes import ServiceUnavailable
 from kimi_supervisor.systemd import unit
 from tests.harness import REPO
-from tests.test_unit import directives
+from tests.systemd.test_unit import directives
 
 ROOT = os.geteuid() == 0
 MINIMAL = '[child]\nargv = ["vllm", "serve", "/m"]\n'

