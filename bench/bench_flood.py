@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from bench.common import Row, median
-from tests.harness import REPO, free_port, write_config
+from testkit.harness import REPO, free_port, write_config
 
 FLOOD_CHILD = Path(__file__).resolve().parent / "flood_child.py"
 LINES = 1_000_000

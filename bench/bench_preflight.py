@@ -20,8 +20,8 @@ from kimi_supervisor.preflight import checks
 from kimi_supervisor.preflight.reaper import plan_reap
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.preflight.shm import plan_shm
-from tests.fakes.gpu import FakeGpu, FakeGpuProbe
-from tests.harness import free_port
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.harness import free_port
 
 RUNS = 30
 BASH_RUNS = 20

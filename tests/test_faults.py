@@ -18,11 +18,11 @@ from kimi_supervisor.journal import ConsoleChildSink
 from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.states import State
+from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.lifecycle import SilentNotifier
+from testkit.harness import Run, fake_config, free_port
 from tests.conftest import ProcSpawner
-from tests.fakes.clock import FakeClock, RecordingLog
-from tests.fakes.gpu import FakeGpu, FakeGpuProbe
-from tests.fakes.lifecycle import SilentNotifier
-from tests.harness import Run, fake_config, free_port
 
 ROOT = os.geteuid() == 0
 

@@ -19,7 +19,7 @@ from kimi_supervisor.journal import (
     journal_stream_is_stderr,
     resolve_format,
 )
-from tests.fakes.journal_socket import JournalSocket, decode
+from testkit.fakes.journal_socket import JournalSocket, decode
 
 
 @pytest.fixture

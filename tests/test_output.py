@@ -12,9 +12,9 @@ from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.fdwriter import FdWriter
 from kimi_supervisor.journal import JournalChildSink, JournalWriter
 from kimi_supervisor.output import ChildOutput, LineMeter
-from tests.fakes.clock import RecordingLog
-from tests.fakes.journal_socket import JournalSocket
-from tests.harness import FAKE
+from testkit.fakes.clock import RecordingLog
+from testkit.fakes.journal_socket import JournalSocket
+from testkit.harness import FAKE
 
 CFG = parse_config({"child": {"argv": ["vllm"]}}, Path("t.toml")).readiness
 

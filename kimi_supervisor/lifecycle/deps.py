@@ -2,7 +2,7 @@
 
 `Deps`' defaults are the real ones (a spawned `ChildProcess`, a threaded `HealthProber`, `DeepLiveness`,
 `drain.Drain`, a `DefaultSelector`); cli passes the `SignalRecorder` and the `InterruptibleClock` over it.
-tests/fakes/lifecycle.py passes fakes and drives the whole lifecycle on a fake clock in milliseconds,
+testkit/fakes/lifecycle.py passes fakes and drives the whole lifecycle on a fake clock in milliseconds,
 without patching anything.
 """
 

@@ -20,10 +20,10 @@ from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.journal import ConsoleChildSink
 from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
 from kimi_supervisor.states import State
+from testkit.fakes.clock import RecordingLog
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.harness import REPO, free_port, own_dirs, write_config
 from tests.conftest import ProcSpawner, close_pipes
-from tests.fakes.clock import RecordingLog
-from tests.fakes.gpu import FakeGpu, FakeGpuProbe
-from tests.harness import REPO, free_port, own_dirs, write_config
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="switching users needs root")

@@ -12,7 +12,7 @@ import pytest
 
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.exitcodes import ConfigError
-from tests.harness import REPO, fake_config
+from testkit.harness import REPO, fake_config
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kimi_supervisor.cli import entry as cli
-from tests.harness import REPO
+from testkit.harness import REPO
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -19,8 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kimi_supervisor.opsview.statefile import TOP_LEVEL_KEYS
+from testkit.harness import REPO, Run, fake_config, fake_tree_of
 from tests.conftest import wait_for
-from tests.harness import REPO, Run, fake_config, fake_tree_of
 
 
 def status(config: Path, *args: str) -> subprocess.CompletedProcess[str]:

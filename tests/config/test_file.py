@@ -14,7 +14,7 @@ import pytest
 from kimi_supervisor.config.file import MAX_BYTES
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.exitcodes import ConfigError
-from tests.harness import REPO
+from testkit.harness import REPO
 
 ROOT = os.geteuid() == 0
 NOBODY = 65534

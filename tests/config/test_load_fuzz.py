@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import ConfigError
-from tests.harness import REPO, write_config
+from testkit.harness import REPO, write_config
 
 TOKENS = [
     "[", "]", "[[", "]]", "{", "}", "=", " = ", ",", ".", '"', "'", '"""', "'''", "\n", " ", "\t", "#", "\\",

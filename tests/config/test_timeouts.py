@@ -14,8 +14,8 @@ from kimi_supervisor.cli import entry as cli
 from kimi_supervisor.config import timeouts
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.systemd import unit
+from testkit.harness import REPO, fake_config
 from tests.cli.test_entry import cli as run_cli
-from tests.harness import REPO, fake_config
 from tests.systemd.test_unit import PACKAGED, directives
 
 SHIPPED = REPO / "etc" / "kimi-supervisor.toml"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.vllm_serve import MODEL_DIR, VENV
+from testkit.vllm_serve import MODEL_DIR, VENV
 from tests.host_guard import held_files, shm_dir, shm_names
 
 HERE = Path(__file__).resolve().parent

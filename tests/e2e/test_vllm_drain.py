@@ -18,9 +18,9 @@ import pytest
 from kimi_supervisor.config import timeouts
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.systemd import unit
+from testkit.harness import REPO, Run, fake_tree_of, free_port, write_config
+from testkit.vllm_serve import VENV, VLLM_ENV, long_generation_argv
 from tests.e2e import drain_client
-from tests.e2e.vllm_serve import VENV, VLLM_ENV, long_generation_argv
-from tests.harness import REPO, Run, fake_tree_of, free_port, write_config
 from tests.nspawn import checkout
 from tests.nspawn.nspawn import NspawnMachine, available
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kimi_supervisor.systemd import unit
-from tests.e2e.vllm_serve import VENV
+from testkit.vllm_serve import VENV
 from tests.nspawn import checkout
 from tests.nspawn.nspawn import NspawnMachine, available
 

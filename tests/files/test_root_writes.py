@@ -23,8 +23,8 @@ from kimi_supervisor.files import atomic as atomicfile
 from kimi_supervisor.files import dirtrust
 from kimi_supervisor.files.atomic import UnsafeDirectory, write_atomic
 from kimi_supervisor.opsview.statefile import StateFile
-from tests.fakes.clock import RecordingLog
-from tests.harness import REPO, fake_config
+from testkit.fakes.clock import RecordingLog
+from testkit.harness import REPO, fake_config
 
 NOBODY = 65534
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the attack is on root's writes")

@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 
 from kimi_supervisor.cli.status import gather, render_text, run_status
 from kimi_supervisor.opsview.history import History, HistoryData, RunRecord, dump_history, load_history
+from testkit.fakes.clock import RecordingLog
+from testkit.harness import REPO, Run, fake_config
 from tests.cli.test_status import NOW, history, paths, setup, state_doc
-from tests.fakes.clock import RecordingLog
-from tests.harness import REPO, Run, fake_config
 
 ESC_TEXT = "\x1b]0;owned\x07\x1b[2J\x1b[31mred\u202eevil\u2028\x9b1m\ud800"
 

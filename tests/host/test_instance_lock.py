@@ -16,17 +16,17 @@ import pytest
 from kimi_supervisor.cli import entry as cli
 from kimi_supervisor.exitcodes import AnotherInstance, ExitCode, RuntimeDirectoryError
 from kimi_supervisor.host import instance_lock
+from testkit.fakes.clock import RecordingLog
+from testkit.harness import Run, fake_config, fake_tree_of
 from tests.conftest import REPO, ProcSpawner, wait_for
-from tests.fakes.clock import RecordingLog
-from tests.harness import Run, fake_config, fake_tree_of
 
 
 def supervisor_entry(tmp_path: Path) -> list[str]:
-    """tests.fakes.gpu_cli run from a script named kimi-supervisor: a root process with kimi-supervisor's argv
+    """testkit.fakes.gpu_cli run from a script named kimi-supervisor: a root process with kimi-supervisor's argv
     (`python3 .../kimi-supervisor ...`), as the unit's is; another command line's lock would not count."""
     script = tmp_path / "bin" / "kimi-supervisor"
     script.parent.mkdir(exist_ok=True)
-    script.write_text("import runpy\nrunpy.run_module('tests.fakes.gpu_cli', run_name='__main__')\n")
+    script.write_text("import runpy\nrunpy.run_module('testkit.fakes.gpu_cli', run_name='__main__')\n")
     return [str(script)]
 
 

@@ -20,19 +20,19 @@ from kimi_supervisor.journal import ConsoleChildSink
 from kimi_supervisor.lifecycle.drain import SAMPLE_AT_SIGTERM_S, Drain
 from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
 from kimi_supervisor.states import State
-from tests.fakes.clock import RecordingLog
-from tests.fakes.gpu import FakeGpu, FakeGpuProbe
-from tests.fakes.lifecycle import SilentNotifier
-from tests.harness import REPO, Run, fake_config, fake_tree_of, free_port, write_config
+from testkit.fakes.clock import RecordingLog
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.lifecycle import SilentNotifier
+from testkit.harness import REPO, Run, fake_config, fake_tree_of, free_port, write_config
+from testkit.sse_client import stream_completion
 from tests.rawserver import answer, raw_server
-from tests.sse_client import stream_completion
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-DRAIN_FAKE = REPO / "tests" / "fakes" / "drain_vllm.py"
+DRAIN_FAKE = REPO / "testkit" / "fakes" / "drain_vllm.py"
 PAGE_ONE = b"vllm:num_requests_running 1.0\nvllm:num_requests_waiting 0.0\n"
 HEAD_METRICS = answer("200 OK", PAGE_ONE, "text/plain")[0]
 TOKENS = 60  # 50 ms apart: the last one held until the test releases it
@@ -73,7 +73,7 @@ def child_said(run: Run, text: str) -> bool:
 @dataclasses.dataclass
 class Stop:
     run: Run
-    out: dict[str, Any]  # what the client saw (tests/sse_client.py)
+    out: dict[str, Any]  # what the client saw (testkit/sse_client.py)
     chunks_at_stop: int  # the client's count when the stop was requested (the held last token not among them)
     released_after_sigterm_s: float | None  # the generation could end this long after SIGTERM was seen
 

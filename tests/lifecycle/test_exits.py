@@ -26,11 +26,11 @@ from kimi_supervisor.config.load import load_config
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
 from kimi_supervisor.states import State
+from testkit.fakes.clock import RecordingLog
+from testkit.fakes.gpu import FakeGpuProbe
+from testkit.fakes.lifecycle import RaisingSink, SilentNotifier
+from testkit.harness import REPO, Run, fake_config, fake_tree_of
 from tests.conftest import wait_for
-from tests.fakes.clock import RecordingLog
-from tests.fakes.gpu import FakeGpuProbe
-from tests.fakes.lifecycle import RaisingSink, SilentNotifier
-from tests.harness import REPO, Run, fake_config, fake_tree_of
 
 # The other four causes (SystemExit, psutil.AccessDenied, GpuUnavailable, a bug) take the same path, proven in
 # fake time (test_lifecycle_exits.py::test_any_exception_stops_the_tree_before_it_goes_on, all six).  These two
@@ -71,7 +71,7 @@ LOST_GPU = textwrap.dedent(
     import sys
     from kimi_supervisor.cli import entry as cli
     from kimi_supervisor.host.gpu import GpuUnavailable
-    from tests.fakes.gpu import FakeGpu, FakeGpuProbe
+    from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 
     class LostGpu(FakeGpuProbe):
         def memory(self, index):
@@ -206,7 +206,7 @@ def test_health_failures_before_ready_are_logged_and_named_at_the_deadline(tmp_p
     The deadline logic is also proven in fake time (test_lifecycle::test_not_ready_by_the_deadline_exits_12);
     this run adds the real prober's "connection refused" from a real closed port.
     """
-    from tests.harness import free_port
+    from testkit.harness import free_port
 
     url = f"http://127.0.0.1:{free_port()}/health"
     run = Run(fake_config(tmp_path, readiness={"health_url": url, "deadline_s": 1.5}), tmp_path)

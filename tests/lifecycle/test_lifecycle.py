@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kimi_supervisor.states import State
-from tests.fakes.lifecycle_world import (
+from testkit.fakes.lifecycle_world import (
     FATAL,
     LOADING,
     STARTED,

@@ -1,4 +1,4 @@
-"""Every way out of a run, every signal and the notify stream, on a fake clock (tests/fakes/lifecycle_world.py).
+"""Every way out of a run, every signal and the notify stream, on a fake clock (testkit/fakes/lifecycle_world.py).
 
 The real-process counterparts in test_exits.py and test_supervisor.py keep what only real processes prove: a
 real pipe that breaks, real signals delivered to the CLI, a real tree killed, real datagrams on a socket,
@@ -16,9 +16,17 @@ import pytest
 from kimi_supervisor.host.gpu import GpuMemory, GpuUnavailable
 from kimi_supervisor.lifecycle.signals import STOP_SIGNALS
 from kimi_supervisor.states import State
-from tests.fakes.gpu import FakeGpu, FakeGpuProbe
-from tests.fakes.lifecycle import RaisingSink
-from tests.fakes.lifecycle_world import HEALTH_LINE, LOADING, TICK, World, lifecycle_config, ready_times, serving_world
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.lifecycle import RaisingSink
+from testkit.fakes.lifecycle_world import (
+    HEALTH_LINE,
+    LOADING,
+    TICK,
+    World,
+    lifecycle_config,
+    ready_times,
+    serving_world,
+)
 
 SERVED = [State.PREFLIGHT, State.STARTING, State.READY, State.STOPPING, State.STOPPED]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.harness import ready_child_times
+from testkit.harness import ready_child_times
 
 
 def test_ready_follows_the_first_possible_200_within_50ms_whatever_the_poll_interval(tmp_path: Path) -> None:

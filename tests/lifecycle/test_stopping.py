@@ -1,4 +1,4 @@
-"""The tree stop on a fake clock (tests/fakes/lifecycle.py's child and clock), and the GPU-release wait."""
+"""The tree stop on a fake clock (testkit/fakes/lifecycle.py's child and clock), and the GPU-release wait."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from kimi_supervisor.host.gpu import GpuMemory, GpuUnavailable
 from kimi_supervisor.lifecycle.drain import Drain, stopped_status
 from kimi_supervisor.lifecycle.stopping import TERM_POLL_S, TreeStopper, confirm_gpus_free
 from kimi_supervisor.liveness.http import Answer, HttpClient
-from tests.fakes.clock import FakeClock, RecordingLog
-from tests.fakes.gpu import FakeGpu, FakeGpuProbe
-from tests.fakes.lifecycle import EventClock, FakeChild
+from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.lifecycle import EventClock, FakeChild
 
 
 class Scene:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from testkit.harness import Run, fake_config, fake_tree_of
 from tests.conftest import wait_for
-from tests.harness import Run, fake_config, fake_tree_of
 
 
 def test_ready_only_after_health_then_clean_stop(tmp_path: Path) -> None:

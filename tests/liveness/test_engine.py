@@ -16,7 +16,7 @@ from kimi_supervisor.config.load import load_config, parse_config
 from kimi_supervisor.exitcodes import ConfigError
 from kimi_supervisor.liveness.engine import ProgressTracker, api_key, send_canary
 from kimi_supervisor.liveness.vllm_metrics import EngineMetrics, parse_metrics
-from tests.harness import Run, fake_config, fake_tree_of, http_server
+from testkit.harness import Run, fake_config, fake_tree_of, http_server
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu_0.32"
 

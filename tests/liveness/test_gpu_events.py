@@ -22,10 +22,10 @@ from kimi_supervisor.journal import ConsoleChildSink
 from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
 from kimi_supervisor.liveness.gpu_events import GpuEventWatcher, describe
 from kimi_supervisor.states import State
+from testkit.fakes.clock import RecordingLog
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.harness import fake_config, fake_tree_of
 from tests.conftest import wait_for
-from tests.fakes.clock import RecordingLog
-from tests.fakes.gpu import FakeGpu, FakeGpuProbe
-from tests.harness import fake_config, fake_tree_of
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from kimi_supervisor.liveness.health_probe import HealthProber, probe
-from tests.harness import free_port, http_server
+from testkit.harness import free_port, http_server
 
 
 class Handler(http.server.BaseHTTPRequestHandler):

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kimi_supervisor.liveness.http import finite_count, parse_json, request
-from tests.harness import free_port
+from testkit.harness import free_port
 from tests.rawserver import answer, raw_server
 
 HEAD_200 = b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\ncontent-length: 0\r\n\r\n"

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from kimi_supervisor.liveness.vllm_metrics import EngineMetrics, MetricsError, fetch_metrics, parse_metrics
-from tests.harness import http_server
+from testkit.harness import http_server
 
 PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -10,7 +10,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from kimi_supervisor.opsview.textfile import MetricsSnapshot, MetricsWriter, render
-from tests.fakes.clock import RecordingLog
+from testkit.fakes.clock import RecordingLog
 
 SNAP = MetricsSnapshot(
     state="ready",

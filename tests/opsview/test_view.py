@@ -20,9 +20,9 @@ from kimi_supervisor.liveness.health_probe import HealthResult
 from kimi_supervisor.opsview.tree import classify
 from kimi_supervisor.opsview.view import OperatorView
 from kimi_supervisor.states import State
+from testkit.fakes.clock import RecordingLog
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from tests.conftest import ProcSpawner, wait_for
-from tests.fakes.clock import RecordingLog
-from tests.fakes.gpu import FakeGpu, FakeGpuProbe
 
 TREE = """
 import subprocess, sys, time

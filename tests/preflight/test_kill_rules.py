@@ -16,9 +16,9 @@ from kimi_supervisor.host.gpu import GpuProcess
 from kimi_supervisor.host.instance_lock import lock_owners
 from kimi_supervisor.host.proctable import ProcInfo, PsutilProcessTable
 from kimi_supervisor.preflight.reaper import KillRules, execute_reap, plan_reap
+from testkit.fakes.clock import RecordingLog
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from tests.conftest import REPO, ProcSpawner, wait_for
-from tests.fakes.clock import RecordingLog
-from tests.fakes.gpu import FakeGpu, FakeGpuProbe
 from tests.preflight.test_preflight import make_cfg, run
 
 TABLE = PsutilProcessTable()

@@ -20,10 +20,10 @@ from kimi_supervisor.host.gpu import GpuProbe
 from kimi_supervisor.host.nvml import NvmlProbe
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight.run import Preflight
+from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.gpu import INVISIBLE_PID, FakeGpu, FakeGpuProbe
+from testkit.procutil import free_port
 from tests.conftest import ProcSpawner
-from tests.fakes.clock import FakeClock, RecordingLog
-from tests.fakes.gpu import INVISIBLE_PID, FakeGpu, FakeGpuProbe
-from tests.procutil import free_port
 
 
 def make_cfg(tmp_path: Path, *, tp: int = 2, util: str = "0.9", model: Path | None = None, **preflight: Any) -> Config:

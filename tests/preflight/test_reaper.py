@@ -13,8 +13,8 @@ from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.host.gpu import GpuProcess
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight.reaper import execute_reap, plan_reap
+from testkit.fakes.gpu import INVISIBLE_PID
 from tests.conftest import ProcSpawner, wait_for
-from tests.fakes.gpu import INVISIBLE_PID
 
 TABLE = PsutilProcessTable()
 

@@ -13,7 +13,7 @@ import pytest
 from kimi_supervisor.cli.entry import main as cli_main  # imported before a test drops to nobody (/root is closed)
 from kimi_supervisor.exitcodes import ServiceUnavailable
 from kimi_supervisor.systemd import unit
-from tests.harness import REPO
+from testkit.harness import REPO
 from tests.systemd.test_unit import directives
 
 ROOT = os.geteuid() == 0

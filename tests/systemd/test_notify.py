@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kimi_supervisor.systemd.notify import NullNotifier, SdNotifier, notifier_from_env, watchdog_interval
+from testkit.fakes.notify_socket import NotifySocket
 from tests.conftest import wait_for
-from tests.fakes.notify_socket import NotifySocket
 
 
 @pytest.fixture
@@ -88,7 +88,7 @@ def test_abstract_namespace_socket() -> None:
 
 
 def test_failure_is_logged_once_then_recovery_counts_the_lost(tmp_path: Path) -> None:
-    from tests.fakes.clock import RecordingLog
+    from testkit.fakes.clock import RecordingLog
 
     log = RecordingLog()
     path = tmp_path / "late.sock"
