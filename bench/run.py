@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The CPU benchmark suite of kimi-supervisor: one command, one table, bench/results/cpu.md.
 
-    python3 bench/run.py
+    python3 bench/run.py [--only KEY ...]
+
+`--only flood` runs only the named benchmarks (keys in BENCHMARKS) and leaves cpu.md alone.
 
 Rows: 1 preflight wall time vs the seeds' nvidia-smi loop; 2 READY=1 latency
 after the first /health 200; 3 stop time and orphans; 4 log forwarding
@@ -13,6 +15,7 @@ row misses its target.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -35,15 +38,16 @@ from bench import (  # noqa: E402 - needs the repo on sys.path
 from bench.common import Row  # noqa: E402
 
 COMMAND = "python3 bench/run.py"
-BENCHMARKS: tuple[tuple[str, Callable[[], list[Row]]], ...] = (
-    ("1. preflight", bench_preflight.run),
-    ("2. READY=1 latency", bench_lifecycle.ready_rows),
-    ("3. stop", bench_lifecycle.stop_rows),
-    ("4. log forwarding", bench_flood.run),
-    ("5. idle", bench_lifecycle.idle_rows),
-    ("6. READY=1 lag after the first possible 200", bench_liveness.ready_rows),
-    ("7. wedged engine detection", bench_liveness.detection_rows),
-    ("8. journal flood (real systemd)", bench_journal_flood.run),
+# (key for --only, name, rows)
+BENCHMARKS: tuple[tuple[str, str, Callable[[], list[Row]]], ...] = (
+    ("preflight", "1. preflight", bench_preflight.run),
+    ("ready", "2. READY=1 latency", bench_lifecycle.ready_rows),
+    ("stop", "3. stop", bench_lifecycle.stop_rows),
+    ("flood", "4. log forwarding", bench_flood.run),
+    ("idle", "5. idle", bench_lifecycle.idle_rows),
+    ("ready-lag", "6. READY=1 lag after the first possible 200", bench_liveness.ready_rows),
+    ("wedged", "7. wedged engine detection", bench_liveness.detection_rows),
+    ("journal", "8. journal flood (real systemd)", bench_journal_flood.run),
 )
 
 
@@ -66,11 +70,16 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="The CPU benchmark suite; writes bench/results/cpu.md.")
+    keys = [k for k, _, _ in BENCHMARKS]
+    parser.add_argument("--only", nargs="+", choices=keys, metavar="KEY", help=f"only these: {', '.join(keys)}")
+    args = parser.parse_args(argv)
+    chosen = [(n, b) for k, n, b in BENCHMARKS if not args.only or k in args.only]
     os.chdir(REPO)
     started = time.monotonic()
     rows: list[Row] = []
-    for name, bench in BENCHMARKS:
+    for name, bench in chosen:
         t0 = time.monotonic()
         print(f"running {name} ...", file=sys.stderr, flush=True)
         try:
@@ -82,6 +91,9 @@ def main() -> int:
     took = time.monotonic() - started
     text = table(rows)
     print(text)
+    if args.only:
+        print(f"\n--only: bench/results/cpu.md not written ({took:.0f} s)")
+        return 1 if any(r.ok is False for r in rows) else 0
     facts = [
         f"- command: `{COMMAND}` (from the repository root), {took:.0f} s in all",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M:%S UTC')}",
@@ -96,4 +108,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -178,7 +178,8 @@ class ChildSink(Protocol):
 
     name: str
     # journald rate-limits per unit and priority: what goes there is metered so the supervisor's own
-    # records always fit (see output.LineMeter).
+    # records always fit; stdout too, so that formatting a flood never costs the loop more than a few
+    # percent of a core (see output.LineMeter).
     metered: bool
 
     def line(self, text: str, priority: int, fields: Mapping[str, str]) -> None: ...
@@ -199,7 +200,7 @@ class ConsoleChildSink:
     """Child lines as they are (vLLM's own prefixes already say who spoke), to stdout."""
 
     name = "stdout"
-    metered = False
+    metered = True
 
     def __init__(self, stream: TextIO | None = None, records: Writer | None = None) -> None:
         self._writer = writer_for(stream or sys.stdout)

@@ -158,5 +158,6 @@ def test_flooding_child_is_never_blocked_and_nothing_is_lost_silently(tmp_path: 
     assert run.wait() == 0
     flood = [int(c["line"].split("] flood line ")[1][:9]) for c in run.child_lines if "] flood line " in c["line"]]
     assert flood == sorted(set(flood))  # in order, no duplicates
-    dropped = sum(int(e["lines"]) for e in run.events if e["event"] == "child.dropped")
-    assert len(flood) <= 200000 <= len(flood) + dropped
+    # Over the meter's budget (stdout is metered too): suppressed; past a stalled reader: dropped; both counted.
+    counted = sum(int(e["lines"]) for e in run.events if e["event"] in ("child.dropped", "child.suppressed"))
+    assert len(flood) <= 200000 <= len(flood) + counted

@@ -70,6 +70,11 @@ class LineClassifier:
         self._default = default_priority
         self._in_traceback = False
 
+    @property
+    def in_traceback(self) -> bool:
+        """Inside an unprefixed traceback: every line until its exception line is part of it (output.py)."""
+        return self._in_traceback
+
     def classify(self, line: str) -> tuple[int, dict[str, str]]:
         c = self.classify_line(line)
         return c.priority, c.fields

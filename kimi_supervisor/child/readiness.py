@@ -180,6 +180,18 @@ class ReadinessTracker:
         self._classifier = LineClassifier()
 
     @property
+    def prefilter(self) -> re.Pattern[str] | None:
+        """Literal words one of which every line that can move the phase, progress or "started" contains;
+        None when unsure (output.py's bulk path then looks at every line while starting)."""
+        return self._prefilter
+
+    def skip(self, count: int) -> None:
+        """`count` lines that feed would have ignored (no fatal, phase, progress or started pattern can see them:
+        output.py proves it for a whole block at once): the line count moves; output.py appends the block's
+        last lines to `tail` itself, once per wake-up rather than once per read."""
+        self._line_no += count
+
+    @property
     def phase(self) -> str:
         if self.server_started:
             return "API server up, waiting for /health"
