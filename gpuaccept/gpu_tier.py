@@ -58,7 +58,7 @@ def main_bench(a: argparse.Namespace) -> int:
     from gpuaccept.gpu_tier_preflight import step_facts_idle, step_holder, step_orphans
     from gpuaccept.gpu_tier_report import write_outputs
     from gpuaccept.gpu_tier_supervise import step_supervisor
-    from kimi_supervisor.journal import configure
+    from kimi_supervisor.logs.journal import configure
 
     t0 = time.monotonic()
     # Marks every process this run starts (they inherit it): the final sweep ends them all.

@@ -65,7 +65,7 @@ class Scene:
 
 
 def step_orphans(ctx: Ctx) -> None:
-    from kimi_supervisor.journal import get_logger
+    from kimi_supervisor.logs.journal import get_logger
 
     print("\n== b. orphans + decoys ==", flush=True)
     res: dict[str, Any] = {}
@@ -327,7 +327,7 @@ def _nccl_transport(ctx: Ctx) -> list[str]:
 def step_holder(ctx: Ctx) -> None:
     from kimi_supervisor.clock import SystemClock
     from kimi_supervisor.exitcodes import PreflightError
-    from kimi_supervisor.journal import get_logger
+    from kimi_supervisor.logs.journal import get_logger
     from kimi_supervisor.preflight.report import render_text
     from kimi_supervisor.preflight.run import Preflight
 

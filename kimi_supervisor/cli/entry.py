@@ -26,7 +26,7 @@ from kimi_supervisor.host import instance_lock
 from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, configured_gpus
 from kimi_supervisor.host.nvml import NvmlProbe
 from kimi_supervisor.host.proctable import PsutilProcessTable
-from kimi_supervisor.journal import FORMATS, ChildSink, close_outputs, configure, get_logger, resolve_format
+from kimi_supervisor.logs.journal import FORMATS, ChildSink, close_outputs, configure, get_logger, resolve_format
 from kimi_supervisor.preflight.report import render_json, render_text
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.redact import redact_argv, redact_env, redact_text, secrets_of

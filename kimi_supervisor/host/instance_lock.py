@@ -341,7 +341,7 @@ def _take(directory: Path, resource: Resource, log: Logger | None) -> int:
 def acquire(directory: Path, gpus: Sequence[int], port: int, config: str, log: Logger | None = None) -> InstanceLock:
     """Take every lock, or none: raise AnotherInstance naming the root kimi-supervisor that holds one."""
     if log is None:
-        from kimi_supervisor.journal import get_logger  # not at import: a dry run only reads the locks
+        from kimi_supervisor.logs.journal import get_logger  # not at import: a dry run only reads the locks
 
         log = get_logger()
     _ensure_directory(directory)

@@ -19,6 +19,7 @@ import signal
 from collections.abc import Callable, Mapping
 
 from kimi_supervisor.checks import Status
+from kimi_supervisor.child.output import ChildOutput
 from kimi_supervisor.child.process import Child, PreparedSpawn, ProcessSpawner
 from kimi_supervisor.child.readiness import LineEvent, ReadinessTracker
 from kimi_supervisor.child.spawnplan import Unresolvable
@@ -36,7 +37,6 @@ from kimi_supervisor.exitcodes import (
 )
 from kimi_supervisor.host.gpu import GpuProbe, configured_gpus
 from kimi_supervisor.host.proctable import ProcessTable
-from kimi_supervisor.journal import ChildSink
 from kimi_supervisor.lifecycle.deps import (
     Liveness,
     LivenessFactory,
@@ -59,9 +59,9 @@ from kimi_supervisor.lifecycle.stopping import TreeStopper, confirm_gpus_free
 from kimi_supervisor.lifecycle.threadwatch import ThreadWatch
 from kimi_supervisor.liveness.engine import DeepLiveness
 from kimi_supervisor.liveness.health_probe import HealthProber, HealthResult
+from kimi_supervisor.logs.journal import ChildSink
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.opsview.view import OperatorView
-from kimi_supervisor.output import ChildOutput
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.quoting import quote
 from kimi_supervisor.states import State

@@ -16,9 +16,9 @@ from typing import Any
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.host.proctable import PsutilProcessTable
-from kimi_supervisor.journal import ConsoleChildSink
 from kimi_supervisor.lifecycle.drain import SAMPLE_AT_SIGTERM_S, Drain
 from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.logs.journal import ConsoleChildSink
 from kimi_supervisor.states import State
 from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe

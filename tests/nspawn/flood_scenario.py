@@ -1,7 +1,7 @@
 """A chatty child under the real systemd and journald: shared by the systemd test and bench row 6.
 
 The shipped unit (LogRateLimit* included) runs this checkout's supervisor (a wrapper in the container
-runs `python -m kimi_supervisor` from the bound checkout) around bench/flood_child.py, which answers
+runs `python -m kimi_supervisor` from the bound checkout) around testkit/flood_child.py, which answers
 /health, then prints LINES lines at RATE lines/s after READY and keeps serving.  Measured from systemd
 itself: WatchdogTimestampMonotonic (updated on every WATCHDOG=1), the unit's journal (every lifecycle
 record present?), and journald's own "Suppressed N messages" notices.
@@ -18,7 +18,7 @@ import time
 from nspawn import NspawnMachine
 from unit_setup import REPO, UNIT, config_toml, deploy, now
 
-FLOOD_CHILD = REPO / "bench" / "flood_child.py"
+FLOOD_CHILD = REPO / "testkit" / "flood_child.py"
 WATCHDOG_S = 2.0
 LIFECYCLE = (
     "supervisor.start",

