@@ -153,7 +153,7 @@ HEAVY_TIERS = ("systemd", "vllm")
 HEAVY_GROUP = "heavy-tiers"
 HEAVY_DIRS = (REPO / "tests" / "nspawn", REPO / "tests" / "e2e")
 # The unit tier mostly waits on child processes, sockets and timers, not on the CPU: more workers than cores
-# pay off.  Measured on 2 cores (README, Test tiers): 3 workers 80 s, 4: 74 s, 6: 52 s, 8: 49 s (by then the
+# pay off.  Measured on 2 cores (docs/test-tiers.md): 3 workers 80 s, 4: 74 s, 6: 52 s, 8: 49 s (by then the
 # two cores are ~90% busy).  Capped: past that, many cores only add start-up (each worker collects the suite).
 WORKERS_PER_CORE = 4
 MAX_WORKERS = 16

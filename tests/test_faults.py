@@ -1,4 +1,4 @@
-"""Fault-matrix rows not covered by a module's own tests (see README, "Fault matrix")."""
+"""Fault-matrix rows not covered by a module's own tests (see docs/fault-matrix.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """gpuaccept/gpu_tier.py on CPU: it imports, its report renders the recorded device run byte for byte, its
 fake GPU counts what live processes registered, and its pure helpers work. The tier itself needs the
-GPUs (README, "GPU tier"); `python3 gpuaccept/gpu_tier.py --fake --out DIR` runs its orchestration on CPU."""
+GPUs (docs/gpu-tier.md); `python3 gpuaccept/gpu_tier.py --fake --out DIR` runs its orchestration on CPU."""
 
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ DEFAULT_PATH = Path("/etc/kimi-supervisor/kimi-supervisor.toml")
 # its processes (setproctitle; the kernel keeps 15 characters in comm), `vllm serve` run
 # directly or through its console script, and `python -m vllm.entrypoints...`.  Each regex is
 # anchored at argv[0], so a wrapper whose argv merely contains such a command line (runuser,
-# sudo, tmux, `bash -c`) never matches.  README, "Kill rules", lists what does and does not match.
+# sudo, tmux, `bash -c`) never matches.  docs/kill-safety.md, "Kill rules", lists what does and does not match.
 DEFAULT_REAP_NAMES = ("VLLM::*",)
 _PYTHON = r"^(\S*/)?python[0-9.]*( -[WX] \S+| -[^ cm]\S*)*"
 DEFAULT_REAP_CMDLINE = (

@@ -38,7 +38,7 @@ def proc(*argv: str, name: str | None = None, pid: int = 5_000_001) -> ProcInfo:
     return ProcInfo(pid, 1, name or os.path.basename(argv[0])[:15], tuple(argv), 0, pid, 1.0)
 
 
-# The README's "Kill rules" examples, verbatim.
+# docs/kill-safety.md's "Kill rules" examples, verbatim.
 MATCH = [
     ("vllm", "serve", "/models/kimi", "--tensor-parallel-size", "8"),
     ("/root/ml-env/bin/vllm", "serve", "/m"),
