@@ -30,7 +30,7 @@ from kimi_supervisor.logs.journal import FORMATS, ChildSink, close_outputs, conf
 from kimi_supervisor.preflight.report import render_json, render_text
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.redact import redact_argv, redact_env, redact_text, secrets_of
-from kimi_supervisor.systemd import unit
+from kimi_supervisor.systemd import show, unit
 from kimi_supervisor.systemd.notify import RedactingNotifier, notifier_from_env, watchdog_interval
 
 EPILOG = (
@@ -187,9 +187,9 @@ def _load(args: argparse.Namespace) -> Config:
 
 
 def _unit_stop_check(cfg: Config) -> Check | None:
-    if not timeouts.systemd_running():
+    if not show.systemd_running():
         return None
-    return timeouts.check_unit_stop(cfg, timeouts.installed_stop_timeout_s(unit.UNIT_NAME), unit.UNIT_NAME)
+    return timeouts.check_unit_stop(cfg, show.installed_stop_timeout_s(unit.UNIT_NAME), unit.UNIT_NAME)
 
 
 def _check_config(cfg: Config, as_json: bool) -> int:

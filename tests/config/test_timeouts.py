@@ -13,7 +13,7 @@ from kimi_supervisor.checks import Status
 from kimi_supervisor.cli import entry as cli
 from kimi_supervisor.config import timeouts
 from kimi_supervisor.config.load import load_config
-from kimi_supervisor.systemd import unit
+from kimi_supervisor.systemd import show, unit
 from testkit.harness import REPO, fake_config
 from tests.cli.test_entry import cli as run_cli
 from tests.systemd.test_unit import PACKAGED, directives
@@ -72,12 +72,12 @@ def test_dry_run_shows_a_failed_check(tmp_path: Path) -> None:
     [("1min 30s", 90.0), ("90", 90.0), ("6min", 360.0), ("1h 2min 3s", 3723.0), ("500ms", 0.5), ("1.5s", 1.5)],
 )
 def test_parse_timespan(text: str, seconds: float) -> None:
-    assert timeouts.parse_timespan(text) == seconds
+    assert show.parse_timespan(text) == seconds
 
 
 @pytest.mark.parametrize("text", ["infinity", "", "soon", "5 parsecs", "1min x"])
 def test_parse_timespan_unknown(text: str) -> None:
-    assert timeouts.parse_timespan(text) is None
+    assert show.parse_timespan(text) is None
 
 
 def fake_systemctl(tmp_path: Path, load_state: str, timeout: str) -> dict[str, str]:
@@ -96,11 +96,11 @@ def fake_systemctl(tmp_path: Path, load_state: str, timeout: str) -> dict[str, s
 
 def test_installed_timeout_read_from_systemctl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", fake_systemctl(tmp_path, "loaded", "1min 30s")["PATH"])
-    assert timeouts.installed_stop_timeout_s("kimi-supervisor.service") == 90.0
+    assert show.installed_stop_timeout_s("kimi-supervisor.service") == 90.0
     args = (tmp_path / "systemctl.args").read_text().split()
     assert args == ["show", "kimi-supervisor.service", "-p", "LoadState", "-p", "TimeoutStopUSec"]
     monkeypatch.setenv("PATH", fake_systemctl(tmp_path, "not-found", "1min 30s")["PATH"])
-    assert timeouts.installed_stop_timeout_s("kimi-supervisor.service") is None  # systemd's default, not ours
+    assert show.installed_stop_timeout_s("kimi-supervisor.service") is None  # systemd's default, not ours
 
 
 def test_unit_stop_shorter_than_grace_warns(tmp_path: Path) -> None:
@@ -119,7 +119,7 @@ def test_check_config_and_dry_run_warn_about_the_installed_unit(
 ) -> None:
     path = drain_cfg(tmp_path, "--shutdown-timeout 300", 315)
     monkeypatch.setenv("PATH", fake_systemctl(tmp_path, "loaded", "1min 30s")["PATH"])
-    monkeypatch.setattr(timeouts, "systemd_running", lambda: True)
+    monkeypatch.setattr(show, "systemd_running", lambda: True)
     assert cli.main(["check-config", "--config", str(path)]) == 0
     err = capsys.readouterr().err
     assert "warning: kimi-supervisor.service has TimeoutStopSec=90s, shorter than shutdown.grace_s 315s" in err
@@ -150,7 +150,7 @@ def test_shipped_config_unit_and_drain_line_up() -> None:
     assert check is not None and check.status is Status.OK
 
 
-@pytest.mark.skipif(not timeouts.systemd_running(), reason="systemd is not PID 1 here")
+@pytest.mark.skipif(not show.systemd_running(), reason="systemd is not PID 1 here")
 def test_systemctl_show_on_this_host() -> None:
     result = subprocess.run(["systemctl", "show", "-p", "DefaultTimeoutStopUSec"], capture_output=True, text=True)
-    assert timeouts.parse_timespan(result.stdout.partition("=")[2]) is not None
+    assert show.parse_timespan(result.stdout.partition("=")[2]) is not None
