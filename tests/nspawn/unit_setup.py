@@ -16,7 +16,7 @@ from nspawn import NspawnMachine
 from kimi_supervisor.systemd import unit
 
 REPO = Path(__file__).resolve().parents[2]
-FAKE = REPO / "tests" / "fakes" / "fake_vllm.py"
+FAKE = REPO / "testkit" / "fakes" / "fake_vllm.py"
 UNIT = unit.UNIT_NAME
 CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
 DROPIN = f"/etc/systemd/system/{UNIT}.d/test.conf"
