@@ -1,5 +1,5 @@
 import sys
 
-from kimi_supervisor.cli.entry import main
+from kimi_supervisor.cli import main
 
 sys.exit(main())
