@@ -1,4 +1,4 @@
-"""The command line: `kimi-supervisor` (entry.py) and its `status` command (status.py)."""
+"""The command line: its grammar (args.py), run, dry run, check-config, install-unit (entry.py), status.py."""
 
 from kimi_supervisor.cli.entry import main
 
