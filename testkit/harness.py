@@ -98,6 +98,9 @@ def fake_config(tmp_path: Path, fake_args: list[str] | None = None, tp: int = 2,
     return write_config(tmp_path / "kimi.toml", cfg)
 
 
+PRIVATE_SHM = 'mount -t tmpfs -o mode=1777 kimi-test-shm /dev/shm && exec "$@"'
+
+
 class Run:
     """A running supervisor: its JSON events, child lines and notify datagrams."""
 
@@ -109,12 +112,18 @@ class Run:
         args: list[str] | None = None,
         read_stdout: bool = True,
         entry: list[str] | None = None,
+        private_shm: bool = False,
     ) -> None:
         self.notify = NotifySocket(tmp_path)
         full_env = {**os.environ, "NOTIFY_SOCKET": self.notify.path, "PYTHONPATH": str(REPO), **(env or {})}
         command = [*(entry or ["-m", "kimi_supervisor"]), "--config", str(config), "--log-format", "json"]
+        # private_shm: the supervisor and its tree in a mount namespace of their own with a fresh tmpfs on
+        # /dev/shm (root only), for a real vLLM, which leaves psm_*/sem.mp-* files there when it is killed: they
+        # vanish with the namespace, and nothing of the host's /dev/shm is ever read, removed or left behind.
+        # `exec`: run.proc.pid is the supervisor itself.
+        wrapper = ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM, "sh"]
         self.proc = subprocess.Popen(
-            [sys.executable, *command, *(args or [])],
+            [*(wrapper if private_shm else []), sys.executable, *command, *(args or [])],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=full_env,

@@ -45,7 +45,7 @@ def post(port: int, path: str, body: dict[str, object]) -> int:
 
 def test_requests_spelling_fatal_messages_leave_the_server_up(tmp_path: Path, vllm_bin: Path, tiny_model: Path) -> None:
     port = free_port()
-    run = Run(vllm_config(tmp_path, vllm_bin, tiny_model, port), tmp_path)
+    run = Run(vllm_config(tmp_path, vllm_bin, tiny_model, port), tmp_path, private_shm=True)
     try:
         run.wait_event("state.ready", timeout=300)
         statuses = []

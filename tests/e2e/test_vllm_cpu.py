@@ -88,7 +88,7 @@ def health_status(port: int) -> int | None:
 
 def test_ready_serves_and_stops_with_no_orphan(tmp_path: Path, vllm_bin: Path, tiny_model: Path) -> None:
     port = free_port()
-    run = Run(vllm_config(tmp_path, vllm_bin, tiny_model, port), tmp_path)
+    run = Run(vllm_config(tmp_path, vllm_bin, tiny_model, port), tmp_path, private_shm=True)
     # Watch /health from outside: before READY it must not have been the supervisor's guess.
     seen_before_ready: list[int | None] = []
     ready = threading.Event()
@@ -148,7 +148,7 @@ def test_ready_serves_and_stops_with_no_orphan(tmp_path: Path, vllm_bin: Path, t
 def test_killed_worker_after_ready_is_reported_and_exits_nonzero(
     tmp_path: Path, vllm_bin: Path, tiny_model: Path
 ) -> None:
-    run = Run(vllm_config(tmp_path, vllm_bin, tiny_model, free_port()), tmp_path)
+    run = Run(vllm_config(tmp_path, vllm_bin, tiny_model, free_port()), tmp_path, private_shm=True)
     try:
         run.wait_event("state.ready", timeout=300)
         workers = [p for p in tree_of(run, tmp_path) if p.name().startswith("VLLM::Worker")]
@@ -172,7 +172,7 @@ def test_sigterm_while_engine_starts_is_escalated(tmp_path: Path, vllm_bin: Path
     """vLLM 0.32 ignores (or deadlocks on) SIGTERM while its engine starts: only the escalation ends it."""
     cfg = vllm_config(tmp_path, vllm_bin, tiny_model, free_port())
     cfg.write_text(cfg.read_text().replace("grace_s = 20", "grace_s = 4"))
-    run = Run(cfg, tmp_path)
+    run = Run(cfg, tmp_path, private_shm=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -89,7 +89,7 @@ def test_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, tiny_model
     host = sections(vllm_argv(vllm_bin, tiny_model, port, drain), env, GRACE_S if drain else 20)
     host["preflight.shm"] = {"directory": str(tmp_path)}  # never clean the host's /dev/shm of others' files
     cfg = write_config(tmp_path / "kimi.toml", host)
-    run = Run(cfg, tmp_path)
+    run = Run(cfg, tmp_path, private_shm=True)
     try:
         run.wait_event("state.ready", timeout=300)
 

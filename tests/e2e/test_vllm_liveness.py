@@ -18,7 +18,7 @@ def test_canary_and_metrics_on_the_real_server(tmp_path: Path, vllm_bin: Path, t
         + '[liveness]\ncanary_interval_s = 1\ncanary_timeout_s = 10\nwhen = "always"\n'
         + "stuck_after_s = 10\nmetrics_interval_s = 1\n"
     )
-    run = Run(cfg, tmp_path)
+    run = Run(cfg, tmp_path, private_shm=True)
     try:
         run.wait_event("state.ready", timeout=300)
         ok = run.wait_event("liveness.canary_ok", timeout=30)

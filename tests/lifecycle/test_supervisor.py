@@ -18,9 +18,10 @@ def test_ready_only_after_health_then_clean_stop(tmp_path: Path) -> None:
     try:
         ready = run.wait_event("state.ready")
         assert ready["status"].startswith("ready: serving on http://127.0.0.1:")
+        # The state.ready record and the READY=1 datagram travel apart (stderr, the notify socket): wait for it.
+        ready_at = wait_for(lambda: run.notify.first("READY", "1"), timeout=10)
         fields = run.notify.fields()
-        ready_at = run.notify.first("READY", "1")
-        assert ready_at is not None and ready_at[1]["STATUS"] == ready["status"]
+        assert isinstance(ready_at, tuple) and ready_at[1]["STATUS"] == ready["status"]
         statuses = [f["STATUS"] for f in fields if "STATUS" in f]
         assert statuses[0] == "preflight: checking GPUs, stale processes and shared memory"
         assert statuses[1] == "starting: vLLM spawned"

@@ -19,6 +19,7 @@ from nspawn import NspawnMachine
 from unit_setup import REPO, UNIT, config_toml, deploy, now
 
 FLOOD_CHILD = REPO / "testkit" / "flood_child.py"
+FLOOD_MARK = "[loggers.py:123] Engine 000: "  # in each of the flood child's vLLM stats lines
 WATCHDOG_S = 2.0
 LIFECYCLE = (
     "supervisor.start",
@@ -90,7 +91,7 @@ def run_flood(m: NspawnMachine, lines: int = 2_000_000, rate: int = 200_000) -> 
     m.systemctl("stop", UNIT, timeout=30)
     records = m.journal_json(UNIT, "--since", since)
     events = {r.get("KIMI_EVENT") for r in records if r.get("KIMI_SOURCE") == "supervisor"}
-    child = [r for r in records if r.get("KIMI_SOURCE") == "child" and "flood line" in r.get("MESSAGE", "")]
+    child = [r for r in records if r.get("KIMI_SOURCE") == "child" and FLOOD_MARK in r.get("MESSAGE", "")]
     suppressed = sum(int(r.get("KIMI_LINES", 0)) for r in records if r.get("KIMI_EVENT") == "child.suppressed")
     dropped = sum(int(r.get("KIMI_LINES", 0)) for r in records if r.get("KIMI_EVENT") == "child.dropped")
     done_line = next((r["MESSAGE"] for r in records if "flood done" in r.get("MESSAGE", "")), "")
