@@ -1,5 +1,5 @@
 #!/bin/sh
-# Install what the systemd-nspawn test tier (tests/systemd/) needs on a
+# Install what the systemd-nspawn test tier (tests/nspawn/) needs on a
 # Debian/Ubuntu host.  Idempotent: does nothing (no apt-get update either)
 # when everything is already there.  Needs root.
 #

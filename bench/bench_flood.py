@@ -1,4 +1,4 @@
-"""Row 4: a log flood never slows vLLM.  The same writer (bench/flood_child.py, vLLM's stats line, print()
+"""Row 4: a log flood never slows vLLM.  The same writer (testkit/flood_child.py, vLLM's stats line, print()
 per line, block-buffered or flushed per line as vLLM's logger does) piped into `cat` and as the supervised
 child, side by side in one run, 500k and 2M lines; the row is the ratio of the child's own elapsed time."""
 
@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 from bench.common import Row, median
-from tests.harness import REPO, free_port, write_config
+from testkit.harness import REPO, free_port, write_config
 
-FLOOD_CHILD = Path(__file__).resolve().parent / "flood_child.py"
+FLOOD_CHILD = Path(__file__).resolve().parent.parent / "testkit" / "flood_child.py"
 RUNS = 3
 TARGET_RATIO = 1.25
 # (lines, flushed, --log-format, flood after READY).  After READY is the case the target is for (a serving

@@ -1,6 +1,6 @@
 """Row 8: a chatty child under the real systemd and journald (nspawn): lines/s, watchdog lateness, and the
-supervisor's own records lost (target 0).  The scenario is tests/systemd/flood_scenario.py, the same one
-tests/systemd/test_flood.py asserts on.
+supervisor's own records lost (target 0).  The scenario is tests/nspawn/flood_scenario.py, the same one
+tests/nspawn/test_flood.py asserts on.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from bench.common import Row
 
-SYSTEMD_TESTS = Path(__file__).resolve().parent.parent / "tests" / "systemd"
+SYSTEMD_TESTS = Path(__file__).resolve().parent.parent / "tests" / "nspawn"
 LINES = 2_000_000
 RATE = 200_000
 

@@ -1,4 +1,4 @@
-"""Rows 2, 3 and 5: READY=1 latency, stop time, idle cost; the real CLI under tests.harness.Run."""
+"""Rows 2, 3 and 5: READY=1 latency, stop time, idle cost; the real CLI under testkit.harness.Run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import psutil
 
 from bench.common import Row, median, ready_lags, spread
-from tests.harness import Run, fake_config, fake_tree_of
+from testkit.harness import Run, fake_config, fake_tree_of
 
 READY_RUNS = 10
 STOP_RUNS = 5

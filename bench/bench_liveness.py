@@ -3,7 +3,7 @@
 
     python3 bench/bench_liveness.py      (also a part of bench/run.py; alone it writes bench/results/liveness.md)
 
-6. The real CLI around bench/ready_child.py, which starts listening a random
+6. The real CLI around testkit/ready_child.py, which starts listening a random
    0-0.3 s after printing vLLM's "started" line: READY=1 at the notify socket
    minus the moment it started listening (the first moment a probe could get a
    200), 20 starts, the default readiness poll interval (0.25 s).
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.common import Row, median, ready_lags, spread  # noqa: E402
-from tests.harness import Run, fake_config  # noqa: E402
+from testkit.harness import Run, fake_config  # noqa: E402
 
 READY_RUNS = 20
 WEDGE_RUNS = 3

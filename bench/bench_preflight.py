@@ -12,15 +12,16 @@ from typing import Any
 
 from bench.common import Row, median, ms, p95
 from kimi_supervisor.clock import SystemClock
-from kimi_supervisor.config import parse_config
-from kimi_supervisor.configtypes import Config
-from kimi_supervisor.gpu import busy_gpus, holders, wait_until_free
-from kimi_supervisor.preflight import Preflight, checks
+from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.config.model import Config
+from kimi_supervisor.host.gpu import busy_gpus, holders, wait_until_free
+from kimi_supervisor.host.proctable import PsutilProcessTable
+from kimi_supervisor.preflight import checks
 from kimi_supervisor.preflight.reaper import plan_reap
+from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.preflight.shm import plan_shm
-from kimi_supervisor.proctable import PsutilProcessTable
-from tests.fakes.gpu import FakeGpu, FakeGpuProbe
-from tests.harness import free_port
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.harness import free_port
 
 RUNS = 30
 BASH_RUNS = 20

@@ -10,7 +10,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.harness import ReadyTimes, ready_child_times
+from testkit.harness import ReadyTimes, ready_child_times
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ def spread(values: list[float]) -> str:
 
 
 def ready_lags(runs: int, poll_s: float, rng: random.Random, since: Callable[[ReadyTimes], float]) -> list[float]:
-    """Seconds from SINCE(times) to READY=1 over RUNS real starts around bench/ready_child.py, each listening
+    """Seconds from SINCE(times) to READY=1 over RUNS real starts around testkit/ready_child.py, each listening
     a random 0-0.3 s after its start line."""
     lags = []
     for _ in range(runs):

@@ -25,9 +25,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kimi_supervisor.vllm_metrics import MetricsError, fetch_metrics  # noqa: E402
-from tests.e2e.vllm_serve import MODEL_DIR, VENV, VLLM_ENV, long_generation_argv  # noqa: E402
-from tests.sse_client import stream_completion  # noqa: E402
+from kimi_supervisor.liveness.vllm_metrics import MetricsError, fetch_metrics  # noqa: E402
+from testkit.sse_client import stream_completion  # noqa: E402
+from testkit.vllm_serve import MODEL_DIR, VENV, VLLM_ENV, long_generation_argv  # noqa: E402
 
 HANG_S = 75.0  # longer than any --shutdown-timeout measured here plus its teardown
 

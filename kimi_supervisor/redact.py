@@ -14,8 +14,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from kimi_supervisor.notify import Notifier
-
 REDACTED = "<redacted>"
 REDACTED_BYTES = REDACTED.encode()
 MIN_SECRET_LEN = 4  # shorter values ("1", "yes") would blank out ordinary text
@@ -86,15 +84,3 @@ def redact_text(text: str, secrets: Iterable[str]) -> str:
         if len(secret) >= MIN_SECRET_LEN and secret in text:
             text = text.replace(secret, REDACTED)
     return text
-
-
-class RedactingNotifier:
-    """sd_notify fields (STATUS= is world-readable in `systemctl status`) without secrets."""
-
-    def __init__(self, inner: Notifier, secrets: tuple[str, ...]) -> None:
-        self._inner = inner
-        self._secrets = secrets
-
-    def send(self, **fields: str | int) -> None:
-        clean = {k: redact_text(v, self._secrets) if isinstance(v, str) else v for k, v in fields.items()}
-        self._inner.send(**clean)

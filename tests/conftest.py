@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 if TYPE_CHECKING:
-    from kimi_supervisor.child import ChildProcess
+    from kimi_supervisor.child.process import ChildProcess
 
 
 def interpreter(uid: int | None) -> str:
@@ -151,9 +151,9 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: f
 # one worker, one test at a time as before, so two heavy tests never overlap (the unit tests run beside them).
 HEAVY_TIERS = ("systemd", "vllm")
 HEAVY_GROUP = "heavy-tiers"
-HEAVY_DIRS = (REPO / "tests" / "systemd", REPO / "tests" / "e2e")
+HEAVY_DIRS = (REPO / "tests" / "nspawn", REPO / "tests" / "e2e")
 # The unit tier mostly waits on child processes, sockets and timers, not on the CPU: more workers than cores
-# pay off.  Measured on 2 cores (README, Test tiers): 3 workers 80 s, 4: 74 s, 6: 52 s, 8: 49 s (by then the
+# pay off.  Measured on 2 cores (docs/test-tiers.md): 3 workers 80 s, 4: 74 s, 6: 52 s, 8: 49 s (by then the
 # two cores are ~90% busy).  Capped: past that, many cores only add start-up (each worker collects the suite).
 WORKERS_PER_CORE = 4
 MAX_WORKERS = 16
@@ -202,7 +202,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not config.pluginmanager.hasplugin("xdist"):
         return  # one process: nothing to group (and the marker is xdist's)
     # First, because xdist's worker reads the group in its own hook, which runs before this conftest's
-    # plain hooks; so before tests/systemd's and tests/e2e's conftests add their tier's marker too: their
+    # plain hooks; so before tests/nspawn's and tests/e2e's conftests add their tier's marker too: their
     # directories are named here as well.
     heavy = []
     for item in items:

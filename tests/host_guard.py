@@ -26,7 +26,7 @@ import pytest
 PROTECTED = ("/run/kimi-supervisor", "/var/lib/kimi-supervisor", "/etc/systemd/system")
 SHM_DIR = "/dev/shm"
 # What the suite's processes name their /dev/shm files: vLLM / torch / multiprocessing (the preflight's own
-# globs) and the nspawn tier's container roots (tests/systemd/nspawn.py).
+# globs) and the nspawn tier's container roots (tests/nspawn/nspawn.py).
 SHM_GLOBS = ("psm_*", "sem.mp-*", "nccl-*", "kimi-nspawn-*", "kimi-test-*")
 # Our own unit files: their contents count too, not only their mtimes (a rewrite within one mtime tick).
 OUR_UNITS = ("kimi-supervisor*",)

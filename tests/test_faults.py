@@ -1,4 +1,4 @@
-"""Fault-matrix rows not covered by a module's own tests (see README, "Fault matrix")."""
+"""Fault-matrix rows not covered by a module's own tests (see docs/fault-matrix.md)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.config import parse_config
+from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ExitCode, PreflightError
-from kimi_supervisor.journal import ConsoleChildSink
-from kimi_supervisor.preflight import Preflight
-from kimi_supervisor.proctable import PsutilProcessTable
-from kimi_supervisor.state import State
-from kimi_supervisor.supervisor import Deps, Supervisor
+from kimi_supervisor.host.proctable import PsutilProcessTable
+from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.logs.journal import ConsoleChildSink
+from kimi_supervisor.preflight.run import Preflight
+from kimi_supervisor.states import State
+from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.lifecycle import SilentNotifier
+from testkit.harness import Run, fake_config, free_port
 from tests.conftest import ProcSpawner
-from tests.fakes.clock import FakeClock, RecordingLog
-from tests.fakes.gpu import FakeGpu, FakeGpuProbe
-from tests.fakes.lifecycle import SilentNotifier
-from tests.harness import Run, fake_config, free_port
 
 ROOT = os.geteuid() == 0
 
@@ -132,7 +132,7 @@ def test_another_users_processes_survive_every_path(tmp_path: Path, spawner: Pro
 def test_supervisor_sigkilled_leaves_a_tree_the_next_preflight_names(tmp_path: Path) -> None:
     """Outside systemd nothing kills the orphaned tree; the next start refuses to double-start, naming it.
 
-    Under systemd, KillMode=mixed kills the cgroup: see tests/systemd (test_supervisor_sigkilled_*).
+    Under systemd, KillMode=mixed kills the cgroup: see tests/nspawn (test_supervisor_sigkilled_*).
     """
     cfg = fake_config(tmp_path)
     run = Run(cfg, tmp_path)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO
+from testkit.harness import REPO
 
 
 def run_suite(tmp_path: Path, body: str, existing: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

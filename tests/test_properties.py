@@ -8,12 +8,12 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kimi_supervisor.child import LineSplitter
-from kimi_supervisor.childlog import LineClassifier
-from kimi_supervisor.config import load_config, parse_config
+from kimi_supervisor.child.lines import LineClassifier
+from kimi_supervisor.child.process import LineSplitter
+from kimi_supervisor.child.readiness import ReadinessTracker
+from kimi_supervisor.config.load import load_config, parse_config
+from kimi_supervisor.config.vllm_args import parse_vllm_args
 from kimi_supervisor.exitcodes import ConfigError
-from kimi_supervisor.readiness import ReadinessTracker
-from kimi_supervisor.vllm_args import parse_vllm_args
 
 CFG = parse_config({"child": {"argv": ["vllm"]}}, Path("t.toml")).readiness
 KEYS = [

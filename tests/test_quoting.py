@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.quoting import quote
-from kimi_supervisor.readiness import ReadinessTracker
-from tests.test_readiness import CFG
+from tests.child.test_readiness import CFG
 
 
 def test_quote_escapes_what_could_end_the_quote_fake_a_line_or_drive_a_terminal() -> None:

@@ -1,15 +1,20 @@
-"""The README documents every config key and every exit code, and its commands are the real ones."""
+"""README and docs/ document every config key and every exit code, its commands are the real ones, and every test
+they name exists."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from kimi_supervisor.config import effective_config, parse_config
+from kimi_supervisor.config.load import effective_config, parse_config
 from kimi_supervisor.exitcodes import ExitCode
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
+DOCS = REPO / "docs"
+PAGES = {p.name: p.read_text() for p in sorted(DOCS.glob("*.md"))}
+CONFIGURATION = PAGES["configuration.md"]
+FAULT_MATRIX = PAGES["fault-matrix.md"]
 
 
 def flat_keys(data: object, prefix: str = "") -> set[str]:
@@ -21,7 +26,7 @@ def flat_keys(data: object, prefix: str = "") -> set[str]:
 def test_every_config_key_is_documented() -> None:
     cfg = parse_config({"child": {"argv": ["vllm"]}}, Path("x.toml"))
     keys = {k for k in flat_keys(effective_config(cfg)) if k != "path" and not k.startswith("child.vllm")}
-    documented = set(re.findall(r"^\| `([a-z_.]+)` \|", README, re.MULTILINE))
+    documented = set(re.findall(r"^\| `([a-z_.]+)` \|", CONFIGURATION, re.MULTILINE))
     assert keys == documented
 
 
@@ -37,11 +42,28 @@ def test_first_lines_give_the_two_commands() -> None:
     assert "bash .ci/setup && python3 -m pytest -q" in (REPO / ".ci" / "run").read_text()
 
 
+def test_every_docs_page_is_linked_from_the_readme_and_every_link_resolves() -> None:
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)\)", README))
+    assert linked == set(PAGES)
+    for name, text in PAGES.items():
+        for target in re.findall(r"\]\(([\w./-]+\.md)(?:#[\w-]+)?\)", text):
+            assert (DOCS / target).resolve().is_file(), f"docs/{name} links to {target}"
+
+
+def test_every_fault_matrix_row_names_a_test() -> None:
+    rows = [line for line in FAULT_MATRIX.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) > 40
+    # "same": the row above's test covers this one too.
+    untested = [row for row in rows if not re.search(r"tests/|gpuaccept/|bench row|\| same \|$", row)]
+    assert untested == []
+
+
 def test_every_test_the_readme_names_exists() -> None:
-    # Test files move (tests/preflight/ mirrors kimi_supervisor/preflight/): a stale node id in the fault
-    # matrix would point a reader at nothing.
-    named = set(re.findall(r"`(tests/[\w/]+\.py)(?:::(\w+))?", README))
-    assert len(named) > 40
+    # Test files move (tests/<subpackage>/ mirrors kimi_supervisor/<subpackage>/): a stale node id in the
+    # fault matrix or any page would point a reader at nothing.
+    text = "\n".join([README, *PAGES.values()])
+    named = set(re.findall(r"`(tests/[\w/]+\.py)(?:::(\w+))?", text))
+    assert len(set(re.findall(r"`(tests/[\w/]+\.py)(?:::(\w+))?", FAULT_MATRIX))) > 40
     missing = []
     for path, name in sorted(named):
         source = (REPO / path).read_text() if (REPO / path).is_file() else None

@@ -3,7 +3,7 @@
 A run ended by something other than a SupervisorError (a GPU lost during the preflight, psutil.AccessDenied,
 a bug) used to leave the state file in "stopping"/"preflight" and the history's run unfinished, so `status`
 said "gone without a final state (killed?)" and the next start wrote "ended without recording an exit".
-Fake-time lifecycle runs (tests/fakes/lifecycle_world.py), each with its own runtime and state directories.
+Fake-time lifecycle runs (testkit/fakes/lifecycle_world.py), each with its own runtime and state directories.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from typing import Any
 import psutil
 import pytest
 
-from kimi_supervisor import cli
+from kimi_supervisor.cli import entry as cli
+from kimi_supervisor.cli.status import gather, render_text
 from kimi_supervisor.exitcodes import ExitCode, exit_outcome
-from kimi_supervisor.gpu import GpuUnavailable
-from kimi_supervisor.history import load_history
-from kimi_supervisor.status import gather, render_text
-from tests.fakes.gpu import FakeGpu
-from tests.fakes.lifecycle import RaisingSink
-from tests.fakes.lifecycle_world import HEALTH_LINE, World, lifecycle_config, serving_world
-from tests.test_lifecycle_exits import LostGpu
+from kimi_supervisor.host.gpu import GpuUnavailable
+from kimi_supervisor.opsview.history import load_history
+from testkit.fakes.gpu import FakeGpu
+from testkit.fakes.lifecycle import RaisingSink
+from testkit.fakes.lifecycle_world import HEALTH_LINE, World, lifecycle_config, serving_world
+from tests.lifecycle.test_lifecycle_exits import LostGpu
 
 
 def _files(w: World) -> tuple[dict[str, Any], dict[str, Any]]:

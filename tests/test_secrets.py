@@ -6,13 +6,13 @@ import json
 import sys
 from pathlib import Path
 
-from kimi_supervisor.preflight import Preflight
-from kimi_supervisor.proctable import PsutilProcessTable
+from kimi_supervisor.host.proctable import PsutilProcessTable
+from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.redact import redact_argv, redact_env
+from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.harness import FAKE, Run, fake_config, free_port
 from tests.conftest import ProcSpawner
-from tests.fakes.clock import FakeClock, RecordingLog
-from tests.fakes.gpu import FakeGpu, FakeGpuProbe
-from tests.harness import FAKE, Run, fake_config, free_port
 from tests.preflight.test_preflight import make_cfg
 
 SECRET = "sk-live-5ecret-value"

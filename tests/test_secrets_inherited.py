@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kimi_supervisor.child import LineSplitter
+from kimi_supervisor.child.process import LineSplitter
 from kimi_supervisor.redact import is_secret_name, redact_argv, redact_text, secrets_of
-from tests.harness import REPO, Run, write_config
+from testkit.harness import REPO, Run, write_config
 
 TOKEN = "hf_Inherited5ecretT0ken"
 KEY = "sk-argv-key-0123456789"

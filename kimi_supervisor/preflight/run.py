@@ -18,18 +18,26 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from kimi_supervisor import timeouts
-from kimi_supervisor.boundaries import Logger
+from kimi_supervisor.checks import Check, Status
 from kimi_supervisor.clock import Clock
-from kimi_supervisor.configtypes import Config
+from kimi_supervisor.config import timeouts
+from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import PreflightError
-from kimi_supervisor.gpu import GpuMemory, GpuProbe, GpuProcess, GpuUnavailable, busy_gpus, holders, wait_until_free
-from kimi_supervisor.instance_lock import lock_owners
+from kimi_supervisor.host.gpu import (
+    GpuMemory,
+    GpuProbe,
+    GpuProcess,
+    GpuUnavailable,
+    busy_gpus,
+    holders,
+    wait_until_free,
+)
+from kimi_supervisor.host.instance_lock import lock_owners
+from kimi_supervisor.host.proctable import ProcessTable
+from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.preflight import checks, gpu_health
-from kimi_supervisor.preflight.checks import Check, Status
 from kimi_supervisor.preflight.reaper import ReapPlan, Victim, execute_reap, plan_reap
 from kimi_supervisor.preflight.shm import plan_shm, remove_stale
-from kimi_supervisor.proctable import ProcessTable
 
 
 @dataclasses.dataclass

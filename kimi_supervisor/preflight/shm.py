@@ -15,8 +15,8 @@ import os
 import stat
 from pathlib import Path
 
-from kimi_supervisor.configtypes import ShmConfig
-from kimi_supervisor.proctable import ProcessTable
+from kimi_supervisor.config.model import ShmConfig
+from kimi_supervisor.host.proctable import ProcessTable
 
 F_SETLEASE = 1024  # fcntl.F_SETLEASE, which Python exposes only from 3.13 on some builds
 

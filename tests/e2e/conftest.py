@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.vllm_serve import MODEL_DIR, VENV
+from testkit.vllm_serve import MODEL_DIR, VENV
 
 HERE = Path(__file__).resolve().parent
 

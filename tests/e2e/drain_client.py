@@ -1,7 +1,7 @@
 """Stream one long completion that only ends when released, run a stop command once it is provably in flight,
 release it once SIGTERM has landed (with `--release`); report JSON.
 
-Used inside the nspawn container by the real-vLLM drain test (stdlib and tests/sse_client.py only: nothing is
+Used inside the nspawn container by the real-vLLM drain test (stdlib and testkit/sse_client.py only: nothing is
 installed there), so the client, the stop and their timings live in one process: `stop_returned_s` vs
 `stream_end_s` says whether the stop waited for the generation.  The generation is held by
 tests/e2e/hold_logits.py (`vllm_xargs.kimi_hold`): it cannot end before the test lets it, on any machine.
@@ -26,7 +26,7 @@ from typing import Any
 
 # Run as a script (also inside the container, where the checkout is bound at its host path).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.sse_client import stream_completion
+from testkit.sse_client import stream_completion
 
 METRICS_LINE = '"GET /metrics HTTP/1.1" 200'
 

@@ -15,9 +15,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from testkit.harness import Run, free_port
 from tests.conftest import wait_for
 from tests.e2e.test_vllm_cpu import health_status, tree_of, vllm_config
-from tests.harness import Run, free_port
 
 # Each a model name (the 404 path logs it at ERROR) or a prompt; the last forges a whole engine record after
 # a newline: vLLM's formatter gives the continuation line serving.py's own header.

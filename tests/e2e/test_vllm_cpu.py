@@ -12,9 +12,9 @@ from typing import Any
 
 import psutil
 
+from testkit.harness import Run, fake_tree_of, free_port, session_members, write_config
+from testkit.vllm_serve import VLLM_ENV
 from tests.conftest import wait_for
-from tests.e2e.vllm_serve import VLLM_ENV
-from tests.harness import Run, fake_tree_of, free_port, session_members, write_config
 
 
 def vllm_config(tmp_path: Path, vllm_bin: Path, model: Path, port: int) -> Path:

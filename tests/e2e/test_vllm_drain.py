@@ -15,13 +15,14 @@ from typing import Any
 
 import pytest
 
-from kimi_supervisor import timeouts, unit
-from kimi_supervisor.config import load_config
+from kimi_supervisor.config import timeouts
+from kimi_supervisor.config.load import load_config
+from kimi_supervisor.systemd import show, unit
+from testkit.harness import REPO, Run, fake_tree_of, free_port, write_config
+from testkit.vllm_serve import VENV, VLLM_ENV, long_generation_argv
 from tests.e2e import drain_client
-from tests.e2e.vllm_serve import VENV, VLLM_ENV, long_generation_argv
-from tests.harness import REPO, Run, fake_tree_of, free_port, write_config
-from tests.systemd import checkout
-from tests.systemd.nspawn import NspawnMachine, available
+from tests.nspawn import checkout
+from tests.nspawn.nspawn import NspawnMachine, available
 
 UNIT = unit.UNIT_NAME
 CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
@@ -149,7 +150,7 @@ def test_systemctl_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, 
         m.write_file(CONFIG, host_cfg.read_text())
         exe = checkout.install(m, UNIT, extra)  # this checkout's code, not whatever is on PATH
         m.install_unit(UNIT, unit.render(exe, Path(CONFIG), stop_s))
-        assert timeouts.parse_timespan(m.unit_property(UNIT, "TimeoutStopUSec")) == stop_s
+        assert show.parse_timespan(m.unit_property(UNIT, "TimeoutStopUSec")) == stop_s
         m.systemctl("start", UNIT, timeout=300)
         assert m.unit_property(UNIT, "ActiveState") == "active"
         client_argv = [sys.executable, str(CLIENT), "--url", f"http://127.0.0.1:{port}"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kimi_supervisor.vllm_metrics import fetch_metrics
+from kimi_supervisor.liveness.vllm_metrics import fetch_metrics
+from testkit.harness import Run, free_port
 from tests.e2e.test_vllm_cpu import completion, tree_of, vllm_config
-from tests.harness import Run, free_port
 
 
 def test_canary_and_metrics_on_the_real_server(tmp_path: Path, vllm_bin: Path, tiny_model: Path) -> None:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor import unit
-from tests.e2e.vllm_serve import VENV
-from tests.systemd import checkout
-from tests.systemd.nspawn import NspawnMachine, available
+from kimi_supervisor.systemd import unit
+from testkit.vllm_serve import VENV
+from tests.nspawn import checkout
+from tests.nspawn.nspawn import NspawnMachine, available
 
 UNIT = unit.UNIT_NAME
 CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"

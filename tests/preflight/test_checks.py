@@ -8,7 +8,7 @@ import socket
 import threading
 from pathlib import Path
 
-from kimi_supervisor.gpu import GpuMemory
+from kimi_supervisor.host.gpu import GpuMemory
 from kimi_supervisor.preflight.checks import (
     Check,
     Status,

@@ -15,13 +15,13 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kimi_supervisor.config import parse_config
+from kimi_supervisor.checks import Status
+from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import PreflightError
-from kimi_supervisor.preflight import Preflight
-from kimi_supervisor.preflight.checks import Status
-from kimi_supervisor.proctable import ProcInfo
-from tests.fakes.clock import FakeClock, RecordingLog
-from tests.fakes.gpu import FakeGpu, FakeGpuProbe
+from kimi_supervisor.host.proctable import ProcInfo
+from kimi_supervisor.preflight.run import Preflight
+from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 
 SELF = 5_000_000  # the supervisor running the preflight
 SUPERVISOR = 5_000_001  # another, live kimi-supervisor (its tree is not stale)

@@ -9,19 +9,19 @@ from typing import Any
 import pynvml
 import pytest
 
-from kimi_supervisor import nvml_health
-from kimi_supervisor.config import parse_config
-from kimi_supervisor.configtypes import GpuHealthConfig
+from kimi_supervisor.checks import Status
+from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.config.model import GpuHealthConfig
 from kimi_supervisor.exitcodes import ExitCode, PreflightError
-from kimi_supervisor.gpu import GpuHealth
-from kimi_supervisor.preflight import Preflight
-from kimi_supervisor.preflight.checks import Status
+from kimi_supervisor.host import nvml_counters as nvml_health
+from kimi_supervisor.host.gpu import GpuHealth
+from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight.gpu_health import evaluate
 from kimi_supervisor.preflight.report import render_text
-from kimi_supervisor.proctable import PsutilProcessTable
+from kimi_supervisor.preflight.run import Preflight
+from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.gpu import HEALTHY, FakeGpu, FakeGpuProbe
 from tests.conftest import ProcSpawner
-from tests.fakes.clock import FakeClock, RecordingLog
-from tests.fakes.gpu import HEALTHY, FakeGpu, FakeGpuProbe
 
 DEFAULT = GpuHealthConfig(True, (63, 92), "fail", "fail", "fail", "warn", "warn", "warn")
 

@@ -11,14 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kimi_supervisor.clock import SystemClock
-from kimi_supervisor.config import parse_config
-from kimi_supervisor.gpu import GpuProcess
-from kimi_supervisor.instance_lock import lock_owners
+from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.host.gpu import GpuProcess
+from kimi_supervisor.host.instance_lock import lock_owners
+from kimi_supervisor.host.proctable import ProcInfo, PsutilProcessTable
 from kimi_supervisor.preflight.reaper import KillRules, execute_reap, plan_reap
-from kimi_supervisor.proctable import ProcInfo, PsutilProcessTable
+from testkit.fakes.clock import RecordingLog
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from tests.conftest import REPO, ProcSpawner, wait_for
-from tests.fakes.clock import RecordingLog
-from tests.fakes.gpu import FakeGpu, FakeGpuProbe
 from tests.preflight.test_preflight import make_cfg, run
 
 TABLE = PsutilProcessTable()
@@ -38,7 +38,7 @@ def proc(*argv: str, name: str | None = None, pid: int = 5_000_001) -> ProcInfo:
     return ProcInfo(pid, 1, name or os.path.basename(argv[0])[:15], tuple(argv), 0, pid, 1.0)
 
 
-# The README's "Kill rules" examples, verbatim.
+# docs/kill-safety.md's "Kill rules" examples, verbatim.
 MATCH = [
     ("vllm", "serve", "/models/kimi", "--tensor-parallel-size", "8"),
     ("/root/ml-env/bin/vllm", "serve", "/m"),
@@ -180,7 +180,7 @@ def test_live_supervisor_trees_are_never_victims(tmp_path: Path, spawner: ProcSp
     )
     run_dir = tmp_path / "run"
     lock_code = (
-        "from pathlib import Path\nfrom kimi_supervisor import instance_lock\n"
+        "from pathlib import Path\nfrom kimi_supervisor.host import instance_lock\n"
         f"lock = instance_lock.acquire(Path({str(run_dir)!r}), [0], 8555, 'x')\n" + named_code
     )
     # Only a root kimi-supervisor's lock counts: the holder has kimi-supervisor's argv too.

@@ -11,18 +11,19 @@ from typing import Any
 import pynvml
 import pytest
 
+from kimi_supervisor.checks import Status
 from kimi_supervisor.clock import Clock, SystemClock
-from kimi_supervisor.config import parse_config
-from kimi_supervisor.configtypes import Config
+from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import PreflightError
-from kimi_supervisor.gpu import GpuProbe, NvmlProbe
-from kimi_supervisor.preflight import Preflight
-from kimi_supervisor.preflight.checks import Status
-from kimi_supervisor.proctable import PsutilProcessTable
+from kimi_supervisor.host.gpu import GpuProbe
+from kimi_supervisor.host.nvml import NvmlProbe
+from kimi_supervisor.host.proctable import PsutilProcessTable
+from kimi_supervisor.preflight.run import Preflight
+from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.gpu import INVISIBLE_PID, FakeGpu, FakeGpuProbe
+from testkit.procutil import free_port
 from tests.conftest import ProcSpawner
-from tests.fakes.clock import FakeClock, RecordingLog
-from tests.fakes.gpu import INVISIBLE_PID, FakeGpu, FakeGpuProbe
-from tests.procutil import free_port
 
 
 def make_cfg(tmp_path: Path, *, tp: int = 2, util: str = "0.9", model: Path | None = None, **preflight: Any) -> Config:

@@ -9,12 +9,12 @@ from pathlib import Path
 import psutil
 
 from kimi_supervisor.clock import SystemClock
-from kimi_supervisor.config import parse_config
-from kimi_supervisor.gpu import GpuProcess
+from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.host.gpu import GpuProcess
+from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight.reaper import execute_reap, plan_reap
-from kimi_supervisor.proctable import PsutilProcessTable
+from testkit.fakes.gpu import INVISIBLE_PID
 from tests.conftest import ProcSpawner, wait_for
-from tests.fakes.gpu import INVISIBLE_PID
 
 TABLE = PsutilProcessTable()
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kimi_supervisor.configtypes import ShmConfig
+from kimi_supervisor.config.model import ShmConfig
+from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight.shm import plan_shm, remove_stale
-from kimi_supervisor.proctable import PsutilProcessTable
 from tests.conftest import ProcSpawner
 
 TABLE = PsutilProcessTable()

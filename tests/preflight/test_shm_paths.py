@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor import unit
-from kimi_supervisor.configtypes import ShmConfig
-from kimi_supervisor.preflight import Preflight
+from kimi_supervisor.config.model import ShmConfig
+from kimi_supervisor.host.procfiles import maps_names
+from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight.report import render_text
+from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.preflight.shm import plan_shm, remove_stale, write_lease_granted
-from kimi_supervisor.procfiles import maps_names
-from kimi_supervisor.proctable import PsutilProcessTable
+from kimi_supervisor.systemd import unit
+from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.gpu import FakeGpuProbe
 from tests.conftest import ProcSpawner
-from tests.fakes.clock import FakeClock, RecordingLog
-from tests.fakes.gpu import FakeGpuProbe
 from tests.preflight.test_preflight import make_cfg
 
 ROOT = os.geteuid() == 0

@@ -1,0 +1,1 @@
+"""The child vLLM: spawn plan, the process and its tree, its output lines, readiness."""

@@ -1,0 +1,220 @@
+"""Command line: parse, build the parts, run; every SupervisorError is caught here, once."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+from kimi_supervisor import __version__
+from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.child.process import prepare_spawn
+from kimi_supervisor.child.spawnplan import Unresolvable
+from kimi_supervisor.cli.args import parse_args
+from kimi_supervisor.clock import SystemClock
+from kimi_supervisor.config import timeouts
+from kimi_supervisor.config.load import effective_config, load_config
+from kimi_supervisor.config.model import Config
+from kimi_supervisor.exitcodes import ConfigError, ExitCode, SupervisorError
+from kimi_supervisor.files import dirtrust
+from kimi_supervisor.host import instance_lock
+from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, configured_gpus
+from kimi_supervisor.host.nvml import NvmlProbe
+from kimi_supervisor.host.proctable import PsutilProcessTable
+from kimi_supervisor.logs.journal import ChildSink, close_outputs, configure, get_logger, resolve_format
+from kimi_supervisor.preflight.report import render_json, render_text
+from kimi_supervisor.preflight.run import Preflight
+from kimi_supervisor.redact import redact_argv, redact_env, redact_text, secrets_of
+from kimi_supervisor.systemd import show, unit
+from kimi_supervisor.systemd.notify import RedactingNotifier, notifier_from_env, watchdog_interval
+
+
+def _load(args: argparse.Namespace) -> Config:
+    # Ownership, mode, file type and size are checked on the open file (configfile.py).
+    cfg = load_config(args.config)
+    grace = timeouts.check_grace(cfg)
+    if grace.blocking and not args.dry_run:  # the dry run shows it as a FAILED check instead
+        raise ConfigError(grace.message)
+    return cfg
+
+
+def _unit_stop_check(cfg: Config) -> Check | None:
+    if not show.systemd_running():
+        return None
+    return timeouts.check_unit_stop(cfg, show.installed_stop_timeout_s(unit.UNIT_NAME), unit.UNIT_NAME)
+
+
+def _check_config(cfg: Config, as_json: bool) -> int:
+    data = effective_config(cfg)
+    data["child"]["argv"] = redact_argv(cfg.child.argv)
+    data["child"]["env"] = redact_env(cfg.child.env)
+    stop = _unit_stop_check(cfg)
+    if stop is not None and stop.status is Status.WARN:
+        print(f"kimi-supervisor: warning: {stop.message}", file=sys.stderr)
+    if as_json:
+        text = json.dumps(data, indent=2)
+    else:
+        text = f"# {cfg.path}: valid\n" + "\n".join(f"{key} = {json.dumps(value)}" for key, value in _flatten(data))
+    # A secret value may also sit where no rule names it (a model path, a URL): remove it everywhere.
+    print(redact_text(text, secret_values(cfg)))
+    return ExitCode.OK
+
+
+def _flatten(data: object, prefix: str = "") -> list[tuple[str, object]]:
+    if isinstance(data, dict):
+        out: list[tuple[str, object]] = []
+        for k, v in data.items():
+            if k == "path" and not prefix:
+                continue
+            out += _flatten(v, f"{prefix}{k}.") if isinstance(v, dict) and k != "env" else [(f"{prefix}{k}", v)]
+        return out
+    return [(prefix.rstrip("."), data)]
+
+
+def _dry_run(cfg: Config, as_json: bool) -> int:
+    log = get_logger()
+    probe = NvmlProbe()
+    try:
+        # Never takes the lock (a real start beside us must not refuse because of a dry run): only reads it.
+        owner = instance_lock.find_owner(
+            cfg.paths.runtime_directory, configured_gpus(probe, cfg.preflight.gpus), cfg.child.vllm.port
+        )
+        report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
+    finally:
+        probe.close()
+    stop = _unit_stop_check(cfg)
+    if stop is not None:
+        report.checks.append(stop)
+    try:
+        prepare_spawn(cfg.child, os.environ)
+    except Unresolvable as exc:
+        # A real start stops here (exit 78) before the preflight acts; the report says so first.
+        report.checks.insert(0, Check("child", Status.FAIL, f"child.{exc.key}: {exc.message}"))
+    try:
+        dirtrust.prepare_directories(cfg, create=False)
+    except ConfigError as exc:  # a real start exits 78 here, before the preflight acts
+        report.checks.insert(0, Check("paths", Status.FAIL, exc.message))
+    if owner is not None:
+        report.checks.insert(0, Check("instance", Status.FAIL, instance_lock.dry_run_text(owner), {"pid": owner.pid}))
+    print(render_json(report, str(cfg.path)) if as_json else render_text(report, str(cfg.path)))
+    if owner is not None:
+        return ExitCode.ANOTHER_INSTANCE
+    return ExitCode.OK if report.proceed else ExitCode.PREFLIGHT_FAILED
+
+
+def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
+    try:
+        # Root's files go only where no other account can steer the writes (exit 78 naming the key).
+        dirtrust.prepare_directories(cfg)
+        # Before any preflight action: a second supervisor must change nothing (exit 16).  Without NVML no GPU
+        # is locked: the preflight fails on NVML before touching anything, and the port lock still holds.
+        lock = instance_lock.acquire(
+            cfg.paths.runtime_directory, configured_gpus(probe, cfg.preflight.gpus), cfg.child.vllm.port, str(cfg.path)
+        )
+        try:
+            return _supervise(cfg, sink, probe)
+        finally:
+            lock.close()
+    finally:
+        probe.close()
+
+
+def _supervise(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
+    # Imported here: a refused second instance (exit 16) should not pay for the whole lifecycle.
+    from kimi_supervisor.child.process import become_subreaper
+    from kimi_supervisor.lifecycle.signals import InterruptibleClock, SignalRecorder
+    from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+
+    log = get_logger()
+    if not become_subreaper():
+        log.warning("subreaper.unavailable", why="orphaned workers will be reparented to PID 1")
+    signals = SignalRecorder()
+    deps = Deps(
+        probe=probe,
+        table=PsutilProcessTable(),
+        notifier=RedactingNotifier(notifier_from_env(log=log), secret_values(cfg)),
+        log=log,
+        sink=sink,
+        watchdog_s=watchdog_interval(),
+        signals=signals,
+        clock=InterruptibleClock(signals),
+    )
+    log.info(
+        "supervisor.start",
+        version=__version__,
+        config=str(cfg.path),
+        pid=os.getpid(),
+        argv=" ".join(redact_argv(cfg.child.argv)),
+        watchdog_s=deps.watchdog_s,
+    )
+    stop = _unit_stop_check(cfg)
+    if stop is not None and stop.status is Status.WARN:
+        log.warning("unit.timeout_stop_short", why=stop.message, **stop.data)
+    return Supervisor(cfg, deps, secret_values(cfg)).run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    fmt = resolve_format(args.log_format)
+    secrets = secrets_of((), os.environ)  # the inherited ones are known before the config is
+    sink = configure(fmt, args.log_level, secrets=secrets)
+    log = get_logger()
+    try:
+        if args.command == "status":
+            from kimi_supervisor.cli.status import run_status  # only what reading two files needs
+
+            return run_status(args.config, args.json, args.watch)
+        cfg = _load(args)
+        # Known secret values (HF_TOKEN=...) are scrubbed from every event from now on.
+        secrets = secret_values(cfg)
+        sink = configure(fmt, args.log_level, secrets=secrets)
+        if args.command == "check-config":
+            return _check_config(cfg, args.json)
+        if args.command == "install-unit":
+            target = unit.install(
+                args.config.resolve(),
+                args.unit_dir,
+                reload=not args.no_reload,
+                stop_s=timeouts.unit_timeout_stop_s(cfg),
+            )
+            print(f"wrote {target}; now: systemctl enable --now {unit.UNIT_NAME}")
+            return ExitCode.OK
+        if args.dry_run:
+            return _dry_run(cfg, args.json)
+        probe = NvmlProbe()
+        return _run(cfg, sink, probe)
+    except ConfigError as err:
+        # Exactly one line an operator can act on; the unit does not restart on 78.
+        print(f"kimi-supervisor: config error: {redact_text(err.message, secrets)}", file=sys.stderr)
+        if fmt == "journal":
+            log.error("supervisor.exit", error=err.message, exit_code=int(err.exit_code), kind="ConfigError")
+        return int(err.exit_code)
+    except SupervisorError as err:
+        log.error("supervisor.exit", error=err.message, exit_code=int(err.exit_code), kind=type(err).__name__)
+        for line in err.detail:
+            log.error("supervisor.detail", line=line)
+        return int(err.exit_code)
+    except GpuUnavailable as err:  # NVML lost a GPU (or its driver) outside the preflight's checks
+        log.error("supervisor.exit", error=str(err), exit_code=int(ExitCode.PREFLIGHT_FAILED), kind="GpuUnavailable")
+        return int(ExitCode.PREFLIGHT_FAILED)
+    except BrokenPipeError:  # `kimi-supervisor --dry-run | head`: the reader left (a run stopped its tree first)
+        # Python's docs' recipe: point stdout at /dev/null so the flush at exit does not raise again.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return ExitCode.OK
+    except KeyboardInterrupt:  # Ctrl-C in a --dry-run or check-config (a run handles SIGINT itself)
+        return ExitCode.INTERRUPTED
+    except Exception:  # a bug: keep the traceback, exit with a code that says so (the tree is stopped already)
+        log.critical("supervisor.crash", traceback=traceback.format_exc())
+        return ExitCode.INTERNAL
+    finally:
+        close_outputs()
+
+
+def secret_values(cfg: Config) -> tuple[str, ...]:
+    # The inherited environment too: a HF_TOKEN in the supervisor's own environment reaches the child.
+    return secrets_of(cfg.child.argv, cfg.child.env, os.environ)

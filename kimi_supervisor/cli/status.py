@@ -1,0 +1,349 @@
+"""`kimi-supervisor status [--json] [--watch]`: what the service is doing, read from its files.
+
+Reads the daemon's state file and the run history, nothing else: no root, no
+NVML, no signal to the daemon, and safe while it runs.  Says plainly when
+the daemon does not run: no state file, or one whose writer is gone (same
+PID *and* start time, so a recycled PID does not pass for the supervisor).
+Exit status as `systemctl status`: 0 while it runs, 3 when it does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from kimi_supervisor.clock import format_duration
+from kimi_supervisor.config.load import load_config
+from kimi_supervisor.config.model import PathsConfig
+from kimi_supervisor.exitcodes import ConfigError, ExitCode
+from kimi_supervisor.files.untrusted import printable
+from kimi_supervisor.opsview.history import FILE_NAME as HISTORY_FILE
+from kimi_supervisor.opsview.history import HistoryData, RunRecord, load_history
+from kimi_supervisor.opsview.statefile import FILE_NAME, read_state, writer_alive
+
+RUNS_SHOWN = 5
+BAR_WIDTH = 24
+_COLORS = {"green": "\x1b[32m", "yellow": "\x1b[33m", "red": "\x1b[31m", "bold": "\x1b[1m", "dim": "\x1b[2m"}
+_RESET = "\x1b[0m"
+
+
+@dataclasses.dataclass
+class Snapshot:
+    running: bool
+    reason: str  # why (not) running, in words
+    state: dict[str, Any] | None
+    state_path: Path
+    history: HistoryData
+    history_path: Path
+    note: str | None = None  # an unreadable state file or history
+
+
+def gather(paths: PathsConfig) -> Snapshot:
+    state_path = paths.runtime_directory / FILE_NAME
+    history_path = paths.state_directory / HISTORY_FILE
+    notes: list[str] = []
+    history = _read_history(history_path, notes)
+    try:
+        state = read_state(state_path)
+    except (OSError, ValueError) as exc:
+        notes.append(f"state file unreadable: {exc}")
+        state = None
+    if state is None:
+        reason = f"no state file at {state_path}" if not notes else "state file unreadable"
+        return Snapshot(False, reason, None, state_path, history, history_path, "; ".join(notes) or None)
+    pid = (state.get("supervisor") or {}).get("pid")
+    phase = state.get("phase", "?")
+    if writer_alive(state):
+        return Snapshot(True, f"PID {pid}", state, state_path, history, history_path, "; ".join(notes) or None)
+    if phase in ("stopped", "failed"):
+        reason = f"{phase} at {_when(state.get('ended_at'))}, exit {state.get('exit_code')}"
+    else:
+        reason = (
+            f"supervisor PID {pid} is gone without a final state (killed?); "
+            f"it was {phase} at {_when(state.get('updated_at'))}"
+        )
+    return Snapshot(False, reason, state, state_path, history, history_path, "; ".join(notes) or None)
+
+
+def _read_history(path: Path, notes: list[str]) -> HistoryData:
+    class _Notes:
+        def warning(self, event: str, **fields: Any) -> None:
+            notes.append(f"history {event.split('.')[-1]}: {fields.get('error')}")
+
+    # A reader never renames the file (it may not even be allowed to): the daemon sets it aside.
+    return load_history(path, _Notes(), set_aside=False)
+
+
+# -- JSON --------------------------------------------------------------------------
+
+
+def to_json(snap: Snapshot) -> dict[str, Any]:
+    return {
+        "running": snap.running,
+        "reason": snap.reason,
+        "state_file": str(snap.state_path),
+        "state": snap.state,
+        "history_file": str(snap.history_path),
+        "counters": snap.history.counters,
+        "runs": [dataclasses.asdict(r) for r in reversed(snap.history.runs)],
+        "note": snap.note,
+    }
+
+
+# -- text --------------------------------------------------------------------------
+
+
+def _when(ts: object, zone: bool = True) -> str:
+    if not isinstance(ts, (int, float)):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S" + (" UTC" if zone else ""), time.gmtime(ts))
+
+
+def _ago(ts: object, now: float) -> str:
+    return f"{format_duration(now - ts)} ago" if isinstance(ts, (int, float)) else "never"
+
+
+def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
+    def c(text: str, name: str) -> str:
+        return f"{_COLORS[name]}{text}{_RESET}" if color else text
+
+    # Every string from the files is escaped before it reaches the terminal (vLLM's output lands in the
+    # root cause, STATUS= and process titles): an ESC sequence there would act on the operator's terminal.
+    s: dict[str, Any] = _escaped(snap.state or {})
+    phase = s.get("phase", "?")
+    lines: list[str] = []
+    if snap.running:
+        dot = c("●", {"ready": "green", "failed": "red"}.get(phase, "yellow"))
+        lines.append(f"{dot} kimi-supervisor - {s.get('status') or phase}")
+        lines.append(f"{'Phase':>12}: {c(phase, 'bold')} since {_when(s.get('since'))}; {_ago(s.get('since'), now)}")
+        lines += _progress(s, c)
+        sup = s.get("supervisor") or {}
+        lines.append(f"{'Main PID':>12}: {sup.get('pid')} (kimi-supervisor {sup.get('version')})")
+        lines.append(f"{'Config':>12}: {sup.get('config')}")
+        lines += _tree(s.get("processes") or [])
+        lines += _gpus(s)
+        lines += _probes(s, now, c)
+        lines += _uptime(s, now)
+    else:
+        dot = c("×", "red") if phase == "failed" else "○"
+        lines.append(f"{dot} kimi-supervisor - not running ({printable(snap.reason)})")
+    failure = s.get("last_failure") if s else _failure_from(snap.history)
+    if failure:
+        what = f"exit {failure.get('exit_code')} at {_when(failure.get('at'))}: {_cut(failure.get('root_cause'), 160)}"
+        lines.append(f"{'Last failure':>12}: " + c(what, "red"))
+    if snap.note:
+        lines.append(f"{'Note':>12}: {printable(snap.note)}")
+    lines += _runs(snap.history, now)
+    return "\n".join(lines) + "\n"
+
+
+def _progress(s: dict[str, Any], c: Callable[[str, str], str]) -> list[str]:
+    loading = s.get("loading")
+    if not loading or s.get("phase") != "starting":
+        return []
+    parts = []
+    if loading.get("percent") is not None:
+        filled = round(BAR_WIDTH * loading["percent"] / 100)
+        bar = "[" + "#" * filled + "." * (BAR_WIDTH - filled) + "]"
+        done, total = loading.get("shards_done"), loading.get("shards_total")
+        parts.append(f"{c(bar, 'bold')} {loading['percent']}% {done}/{total} shards")
+    else:
+        parts.append(loading.get("phase") or "starting")
+    parts.append(f"{format_duration(loading.get('elapsed_s') or 0)} elapsed")
+    if loading.get("eta_s") is not None:
+        parts.append(f"~{format_duration(loading['eta_s'])} left ({loading.get('eta_basis')})")
+    else:
+        parts.append("no ETA yet (no earlier load to go by)")
+    return [f"{'Progress':>12}: " + ", ".join(parts)]
+
+
+def _tree(procs: list[dict[str, Any]]) -> list[str]:
+    if not procs:
+        return []
+    pids = {p["pid"] for p in procs}
+    children: dict[int | None, list[dict[str, Any]]] = {}
+    for p in procs:
+        children.setdefault(p.get("ppid") if p.get("ppid") in pids else None, []).append(p)
+    out: list[str] = []
+    shown: set[int] = set()  # a PID that is its own ancestor (a hand-made file) is drawn once
+
+    def label(p: dict[str, Any]) -> str:
+        gpus = ", ".join(f"GPU {g.get('index')}: {_mib(g.get('used_mib'))} MiB" for g in p.get("gpus") or [])
+        return f"{p['pid']} {p['label']}" + (f"  {gpus}" if gpus else "")
+
+    def walk(pid: int, prefix: str) -> None:
+        if pid in shown or len(prefix) > 64:
+            return
+        shown.add(pid)
+        kids = children.get(pid, [])
+        for i, kid in enumerate(kids):
+            last = i == len(kids) - 1
+            out.append(f"{prefix}{'└─' if last else '├─'}{label(kid)}")
+            walk(kid["pid"], prefix + ("  " if last else "│ "))
+
+    for top in children.get(None, []):
+        out.append(label(top))
+        walk(top["pid"], "")
+    return [f"{'Tree' if i == 0 else '':>12}{':' if i == 0 else ' '} {line}" for i, line in enumerate(out)]
+
+
+def _mib(value: object) -> str:
+    return str(value) if value is not None else "?"
+
+
+def _gpus(s: dict[str, Any]) -> list[str]:
+    if s.get("gpu_error"):
+        return [f"{'GPUs':>12}: unknown ({s['gpu_error']})"]
+    gpus = s.get("gpus") or []
+    if not gpus:
+        return []
+    return [
+        f"{'GPUs':>12}: " + ", ".join(f"{g.get('index')}: {g.get('used_mib')}/{g.get('total_mib')} MiB" for g in gpus)
+    ]
+
+
+def _probes(s: dict[str, Any], now: float, c: Callable[[str, str], str]) -> list[str]:
+    lines = []
+    h = s.get("health") or {}
+    if h.get("ok") is None:
+        text = "not probed yet"
+    elif h["ok"]:
+        text = c("ok", "green") + f", {h['latency_s'] * 1000:.1f} ms, {_ago(h.get('at'), now)}"
+    elif s.get("phase") in ("preflight", "starting"):
+        text = f"not answering yet ({h.get('error')}), last probe {_ago(h.get('at'), now)}"
+    else:
+        text = c(f"failing ({h.get('error')})", "red") + f", {h.get('consecutive_failures')} in a row"
+        text += f", last {_ago(h.get('at'), now)}"
+    lines.append(f"{'Health':>12}: {text}")
+    can = s.get("canary") or {}
+    if can.get("ok") is not None:
+        verdict = c("ok", "green") if can["ok"] else c("failed", "red")
+        lines.append(f"{'Canary':>12}: {verdict}, {can['latency_s'] * 1000:.0f} ms, {_ago(can.get('at'), now)}")
+    wd = s.get("watchdog") or {}
+    if not wd.get("enabled"):
+        text = "off (no WatchdogSec)"
+    elif wd.get("last_ping_at") is None:
+        text = f"every {format_duration(wd['interval_s'])}, no ping yet (pings start at READY)"
+    else:
+        since = now - wd["last_ping_at"]
+        late = since > wd["interval_s"] / 2 + 5
+        text = f"every {format_duration(wd['interval_s'])}, last ping {format_duration(since)} ago"
+        text = c(text + " (NOT pinging: health failing?)", "red") if late else text
+    lines.append(f"{'Watchdog':>12}: {text}")
+    return lines
+
+
+def _uptime(s: dict[str, Any], now: float) -> list[str]:
+    started, ready, spawned = s.get("started_at"), s.get("ready_at"), s.get("spawned_at")
+    if isinstance(ready, (int, float)):
+        load = f", load took {format_duration(ready - spawned)}" if isinstance(spawned, (int, float)) else ""
+        return [f"{'Uptime':>12}: ready for {format_duration(now - ready)}{load}"]
+    if isinstance(started, (int, float)):
+        return [f"{'Uptime':>12}: not ready yet; supervisor up {format_duration(now - started)}"]
+    return []
+
+
+def _failure_from(history: HistoryData) -> dict[str, Any] | None:
+    for run in reversed(history.runs):
+        if run.exit_code not in (None, 0) or run.root_cause:
+            return {"at": run.end, "exit_code": run.exit_code, "root_cause": printable(run.root_cause or "")}
+    return None
+
+
+def _runs(history: HistoryData, now: float) -> list[str]:
+    if not history.runs:
+        return ["", "No runs recorded yet."]
+    starts = history.counters.get("starts_total", len(history.runs))
+    shown = list(reversed(history.runs))[:RUNS_SHOWN]
+    title = "Last run" if len(shown) == 1 else f"Last {len(shown)} runs, newest first"
+    lines = ["", f"{title} ({starts} start{'s' if starts != 1 else ''} recorded):"]
+    lines.append(f"  {'started (UTC)':<19}  {'load':>6}  {'ended (UTC)':<19}  {'exit':>4}  cause")
+    for r in shown:
+        lines.append(f"  {_when(r.start, False):<19}  {_load(r):>6}  {_ended(r):<19}  {_exit(r):>4}  {_cause(r)}")
+    return lines
+
+
+def _load(r: RunRecord) -> str:
+    return format_duration(r.load_s) if r.load_s is not None else "-"
+
+
+def _ended(r: RunRecord) -> str:
+    return _when(r.end, False) if r.end is not None else ("-" if r.unfinished else "?")
+
+
+def _exit(r: RunRecord) -> str:
+    return str(r.exit_code) if r.exit_code is not None else ("-" if r.unfinished else "?")
+
+
+def _cause(r: RunRecord) -> str:
+    if r.unfinished:
+        return "(running)"
+    if r.exit_code == 0:
+        return "stopped on request"
+    return _cut(printable(r.root_cause or ""), 80)
+
+
+def _escaped(value: Any) -> Any:
+    """A copy of a JSON value with every string (keys too) made printable."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable(k): _escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    return value
+
+
+def _cut(text: object, width: int) -> str:
+    """One report line stays readable; `--json` has the whole text."""
+    text = str(text or "")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+# -- the command -------------------------------------------------------------------
+
+
+def paths_for(config: Path, err: TextIO) -> PathsConfig:
+    """The configured paths; the defaults (with a note) when the config cannot be read."""
+    try:
+        return load_config(config).paths
+    except ConfigError as exc:
+        from kimi_supervisor.config.load import parse_config
+
+        print(f"kimi-supervisor: {exc.message}; using the default paths", file=err)
+        return parse_config({"child": {"argv": ["vllm"]}}, config).paths
+
+
+def run_status(
+    config: Path,
+    as_json: bool,
+    watch: bool,
+    out: TextIO | None = None,
+    now: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    out = out or sys.stdout
+    paths = paths_for(config, sys.stderr)
+    tty = out.isatty()
+    color = tty and not os.environ.get("NO_COLOR")
+    while True:
+        snap = gather(paths)
+        if as_json:
+            out.write(json.dumps(to_json(snap), indent=2) + "\n")
+        else:
+            if watch and tty:
+                out.write("\x1b[H\x1b[2J")  # home and clear: redraw in place, like watch(1)
+            out.write(render_text(snap, now(), color))
+        out.flush()
+        phase = (snap.state or {}).get("phase")
+        if not watch or not snap.running or phase == "ready":
+            return ExitCode.OK if snap.running else ExitCode.NOT_RUNNING
+        if not tty:
+            out.write("\n")
+        sleep(1.0)

@@ -1,0 +1,382 @@
+"""Configuration: one TOML file parsed by pure functions into frozen dataclasses (configtypes.py).
+
+Validation happens here, once, when the config is built: every later module
+can trust its values.  Every problem becomes a one-line `ConfigError` naming
+the file, the dotted key and what was expected (configtable.py reads each
+table); nothing here exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kimi_supervisor.config.file import read_config_bytes
+from kimi_supervisor.config.model import (
+    GPU_HEALTH_POLICIES,
+    ChildConfig,
+    Config,
+    FatalRule,
+    GpuHealthConfig,
+    HealthConfig,
+    LivenessConfig,
+    MetricsConfig,
+    PathsConfig,
+    PreflightConfig,
+    ReadinessConfig,
+    ReapConfig,
+    ShmConfig,
+    ShutdownConfig,
+)
+from kimi_supervisor.config.table import MISSING, Table, describe, short_repr
+from kimi_supervisor.config.vllm_args import VllmArgs, parse_vllm_args
+from kimi_supervisor.exitcodes import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+DEFAULT_PATH = Path("/etc/kimi-supervisor/kimi-supervisor.toml")
+
+# The defaults match vLLM's own entry points, never a mere "vllm" somewhere in an argument
+# (`python3 eval.py --output-dir /data/vllm-eval` is someone else's job): the titles vLLM gives
+# its processes (setproctitle; the kernel keeps 15 characters in comm), `vllm serve` run
+# directly or through its console script, and `python -m vllm.entrypoints...`.  Each regex is
+# anchored at argv[0], so a wrapper whose argv merely contains such a command line (runuser,
+# sudo, tmux, `bash -c`) never matches.  docs/kill-safety.md, "Kill rules", lists what does and does not match.
+DEFAULT_REAP_NAMES = ("VLLM::*",)
+_PYTHON = r"^(\S*/)?python[0-9.]*( -[WX] \S+| -[^ cm]\S*)*"
+DEFAULT_REAP_CMDLINE = (
+    r"^(\S*/)?vllm serve( |$)",
+    _PYTHON + r" (\S*/)?vllm serve( |$)",
+    _PYTHON + r" -m vllm\.entrypoints(\.\S+)?( |$)",
+    _PYTHON + r" -m vllm serve( |$)",
+)
+# Companions hold no CUDA context; they die only with a reaped holder's tree.
+DEFAULT_REAP_COMPANIONS = (r"multiprocessing\.resource_tracker",)
+DEFAULT_PROTECTED = (
+    "nvidia-persistenced",
+    "nv-hostengine",
+    "dcgm*",
+    "dcgm-exporter",
+    "nvidia-smi",
+    "systemd",
+    "init",
+    "sshd",
+)
+DEFAULT_STARTED_PATTERNS = (
+    r"Application startup complete\.",
+    r"Starting vLLM server on ",
+    r"Starting vLLM API server( \d+)? on ",
+)
+# `file.py: message start`: the vLLM 0.32 record that says the engine is gone, each from the file that logs it
+# (vllm/v1/...; checked against tests/fixtures/vllm_cpu_0.32).  A CUDA OOM, "Free memory on device" or
+# "Engine core initialization failed" is no rule of its own: the worker or engine record that fails on it
+# ("WorkerProc failed to start.", "EngineCore encountered a fatal error.") is, and the OOM line is quoted as
+# the root cause.  Never a bare word: client text (a model name, a prompt) lands in ERROR records too.
+DEFAULT_FATAL_PATTERNS = (
+    r"core.py: EngineCore failed to start\.",  # v1/engine/core.py, logger.exception while starting
+    r"core.py: EngineCore encountered a fatal error\.",  # v1/engine/core.py, the busy loop died
+    r"multiproc_executor.py: Worker proc \S+ died unexpectedly",  # v1/executor/multiproc_executor.py, monitor
+    r"multiproc_executor.py: WorkerProc failed to start\.",  # the worker, while loading
+    r"multiproc_executor.py: WorkerProc failed\.$",  # the worker's busy loop died
+    r"ray_executor_v2.py: RayWorkerProc rank=.* died unexpectedly",  # v1/executor/ray_executor_v2.py
+    r"async_llm.py: AsyncLLM output_handler failed\.",  # v1/engine/async_llm.py: the API server lost its engine
+)
+_FATAL_RULE = re.compile(r"^(?P<source>[A-Za-z0-9_.-]+\.py): (?P<message>.+)$", re.DOTALL)
+
+
+def _fatal_rules(t: Table) -> tuple[FatalRule, ...]:
+    rules = []
+    for i, text in enumerate(t.strings("fatal_patterns", list(DEFAULT_FATAL_PATTERNS))):
+        m = _FATAL_RULE.match(text)
+        if m is None:
+            raise t.error(
+                f"fatal_patterns[{i}]",
+                f"{short_repr(text)} names no source: write 'file.py: message start' (the file in vLLM's "
+                "[file.py:line] header, e.g. 'multiproc_executor.py: Worker proc \\S+ died unexpectedly'); "
+                "a bare pattern would match client text that vLLM logs",
+            )
+        try:
+            message = re.compile(m.group("message"))
+        except re.error as exc:
+            raise t.error(f"fatal_patterns[{i}]", f"invalid regular expression {short_repr(text)}: {exc}") from None
+        rules.append(FatalRule(m.group("source"), message, text))
+    return tuple(rules)
+
+
+def _parse_child(t: Table) -> ChildConfig:
+    argv = t.strings("argv", MISSING, non_empty=True)
+    if not argv[0].strip():
+        raise t.error("argv", "argv[0] must name the program to run, got an empty string")
+    for i, arg in enumerate(argv):
+        # execve() takes C strings: a NUL would fail only at spawn, after the preflight killed things.
+        if "\0" in arg:
+            raise t.error(f"argv[{i}]", f"contains a NUL byte: {short_repr(arg)}")
+    env_table = t.raw("env", {})
+    if not isinstance(env_table, dict):
+        raise t.error("env", f"expected a table of strings, got {describe(env_table)}")
+    for key, value in env_table.items():
+        if not key or "=" in key or "\0" in key:
+            raise t.error("env", f"invalid variable name {short_repr(key)}: it must be non-empty, without '=' or NUL")
+        if not isinstance(value, str):
+            raise t.error(f"env.{key}", f"expected a string, got {describe(value)}")
+        if "\0" in value:
+            raise t.error(f"env.{key}", "contains a NUL byte")
+    inherit = t.boolean("inherit_environment", True)
+    cwd = t.string("working_directory", None)
+    if cwd is not None and (not cwd.startswith("/") or "\0" in cwd):
+        raise t.error("working_directory", f"expected an absolute path, got {short_repr(cwd)}")
+    user = _account_name(t, "user")
+    group = _account_name(t, "group")
+    if group is not None and user is None:
+        raise t.error("group", "is set without child.user: the child would keep root's user with another group")
+    try:
+        vllm = parse_vllm_args(argv)
+    except ValueError as exc:
+        raise t.error("argv", str(exc)) from None
+    t.done()
+    return ChildConfig(tuple(argv), dict(env_table), inherit, cwd, user, group, vllm=vllm)
+
+
+def _account_name(t: Table, name: str) -> str | None:
+    """A user or group name (or numeric id); whether it exists is checked on the host, before the preflight."""
+    value = t.string(name, None)
+    if value is None:
+        return None
+    if not re.fullmatch(r"[A-Za-z0-9_.][A-Za-z0-9_.@-]{0,255}\$?", value):
+        raise t.error(name, f"expected a {name} name or numeric id, got {short_repr(value)}")
+    return value
+
+
+def _parse_gpus(t: Table) -> tuple[int, ...] | None:
+    value = t.raw("gpus", "all")
+    if value == "all":
+        return None
+    if isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1024 for x in value):
+        if len(set(value)) != len(value):
+            raise t.error("gpus", f"expected distinct GPU indices, got {value}")
+        return tuple(value)
+    raise t.error("gpus", f'expected "all" or an array of GPU indices (e.g. [0, 1]), got {describe(value)}')
+
+
+def _reap_users(r: Table, child_user: str | None) -> tuple[str, ...]:
+    default = ["root"] + ([child_user] if child_user and child_user != "root" else [])
+    users = r.strings("users", default)
+    if not users:
+        raise r.error("users", "expected at least one user name (an empty list would mean nobody, not everyone)")
+    for name in users:
+        if not name.strip():
+            raise r.error("users", f"expected user names, got {name!r}")
+    return users
+
+
+def _parse_preflight(t: Table, child_user: str | None = None) -> PreflightConfig:
+    gpus = _parse_gpus(t)
+    threshold = t.integer("memory_threshold_mib", 1000, minimum=0, maximum=1 << 24)
+    poll = t.number("poll_interval_s", 0.25, maximum=60)
+    deadline = t.number("deadline_s", 30.0, maximum=86400, zero_ok=True)
+    busy_log = t.number("busy_log_interval_s", 5.0, maximum=3600)
+    check_model = t.boolean("check_model", True)
+    check_port = t.boolean("check_port", True)
+    r = t.table("reap")
+    reap = ReapConfig(
+        enabled=r.boolean("enabled", True),
+        grace_s=r.number("grace_s", 10.0, maximum=600),
+        names=r.strings("names", list(DEFAULT_REAP_NAMES)),
+        cmdline=r.patterns("cmdline", DEFAULT_REAP_CMDLINE),
+        companions=r.patterns("companions", DEFAULT_REAP_COMPANIONS),
+        protected_names=r.strings("protected_names", list(DEFAULT_PROTECTED)),
+        users=_reap_users(r, child_user),
+    )
+    r.done()
+    s = t.table("shm")
+    directory = s.string("directory", "/dev/shm") or "/dev/shm"
+    if not directory.startswith("/"):
+        raise s.error("directory", f"expected an absolute path, got {directory!r}")
+    globs = s.strings("globs", ["psm_*", "sem.mp-*", "nccl-*"])
+    for glob in globs:
+        if "/" in glob or glob.strip("*?") == "":
+            raise s.error("globs", f"expected file-name globs with a fixed part and no '/', got {glob!r}")
+    shm = ShmConfig(enabled=s.boolean("enabled", True), directory=Path(directory), globs=globs)
+    s.done()
+    t.done()
+    return PreflightConfig(gpus, threshold, poll, deadline, busy_log, check_model, check_port, reap, shm)
+
+
+def _parse_readiness(t: Table, vllm: VllmArgs) -> ReadinessConfig:
+    url = t.string("health_url", "") or vllm.health_url
+    if not re.match(r"^https?://[^/\s]+(/\S*)?$", url):
+        raise t.error("health_url", f"expected an http:// or https:// URL, got {url!r}")
+    cfg = ReadinessConfig(
+        started_patterns=t.patterns("started_patterns", DEFAULT_STARTED_PATTERNS),
+        fatal_patterns=_fatal_rules(t),
+        health_url=url,
+        deadline_s=t.number("deadline_s", 1800.0, maximum=7 * 86400),
+        stall_timeout_s=t.number("stall_timeout_s", 300.0, maximum=86400),
+        poll_interval_s=t.number("poll_interval_s", 0.25, maximum=60),
+    )
+    if not cfg.started_patterns:
+        raise t.error("started_patterns", "expected at least one pattern, got an empty array")
+    t.done()
+    return cfg
+
+
+def _parse_health(t: Table) -> HealthConfig:
+    cfg = HealthConfig(
+        interval_s=t.number("interval_s", 5.0, maximum=3600),
+        timeout_s=t.number("timeout_s", 3.0, maximum=600),
+        failures_tolerated=t.integer("failures_tolerated", 3, minimum=1, maximum=1000),
+    )
+    t.done()
+    return cfg
+
+
+def _parse_shutdown(t: Table) -> ShutdownConfig:
+    cfg = ShutdownConfig(
+        grace_s=t.number("grace_s", 30.0, maximum=3600),
+        second_signal_grace_s=t.number("second_signal_grace_s", 2.0, maximum=3600, zero_ok=True),
+        gpu_release_timeout_s=t.number("gpu_release_timeout_s", 30.0, maximum=3600, zero_ok=True),
+    )
+    t.done()
+    return cfg
+
+
+def _parse_paths(t: Table, config: Path) -> PathsConfig:
+    def absolute(name: str, default: str) -> Path:
+        value = t.string(name, default) or default
+        # Relative: to the config file's directory (the demo keeps its files under the checkout, not /tmp).
+        return Path(os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(config)), value)))
+
+    cfg = PathsConfig(
+        runtime_directory=absolute("runtime_directory", "/run/kimi-supervisor"),
+        state_directory=absolute("state_directory", "/var/lib/kimi-supervisor"),
+    )
+    t.done()
+    return cfg
+
+
+def _parse_metrics(t: Table) -> MetricsConfig:
+    value = t.string("textfile", None)
+    if value is not None and not (value.startswith("/") and value.endswith(".prom")):
+        raise t.error(
+            "textfile", f"expected an absolute path ending in .prom (node_exporter reads only *.prom), got {value!r}"
+        )
+    t.done()
+    return MetricsConfig(Path(value) if value else None)
+
+
+def _parse_liveness(t: Table, vllm: VllmArgs) -> LivenessConfig:
+    when = t.string("when", "idle")
+    if when not in ("idle", "always"):
+        raise t.error("when", f'expected "idle" or "always", got {when!r}')
+    metrics_url = t.string("metrics_url", "") or vllm.api_url("/metrics")
+    if not re.match(r"^https?://[^/\s]+(/\S*)?$", metrics_url):
+        raise t.error("metrics_url", f"expected an http:// or https:// URL, got {metrics_url!r}")
+    cfg = LivenessConfig(
+        canary_interval_s=t.number("canary_interval_s", 60.0, maximum=86400, zero_ok=True),
+        canary_timeout_s=t.number("canary_timeout_s", 10.0, maximum=600),
+        failures_tolerated=t.integer("failures_tolerated", 2, minimum=1, maximum=1000),
+        when=when or "idle",
+        stuck_after_s=t.number("stuck_after_s", 120.0, maximum=86400, zero_ok=True),
+        metrics_interval_s=t.number("metrics_interval_s", 5.0, maximum=3600),
+        metrics_url=metrics_url,
+    )
+    if 0 < cfg.stuck_after_s < 2 * cfg.metrics_interval_s:
+        raise t.error(
+            "stuck_after_s",
+            f"expected 0 (off) or at least 2 x liveness.metrics_interval_s ({2 * cfg.metrics_interval_s:g}), "
+            f"got {cfg.stuck_after_s:g}",
+        )
+    t.done()
+    return cfg
+
+
+def _parse_gpu_health(t: Table) -> GpuHealthConfig:
+    def policy(name: str, default: str) -> str:
+        value = t.string(name, default)
+        if value not in GPU_HEALTH_POLICIES:
+            raise t.error(name, f'expected "fail", "warn" or "off", got {value!r}')
+        return value
+
+    ignored = t.raw("xid_ignored", [63, 92])
+    if not isinstance(ignored, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ignored):
+        raise t.error("xid_ignored", f"expected an array of XID numbers, got {describe(ignored)}")
+    cfg = GpuHealthConfig(
+        xid_events=t.boolean("xid_events", True),
+        xid_ignored=tuple(ignored),
+        retired_pages=policy("retired_pages", "fail"),
+        remapped_rows=policy("remapped_rows", "fail"),
+        ecc_uncorrected=policy("ecc_uncorrected", "fail"),
+        pcie_link=policy("pcie_link", "warn"),
+        persistence_mode=policy("persistence_mode", "warn"),
+        clock_events=policy("clock_events", "warn"),
+    )
+    t.done()
+    return cfg
+
+
+def parse_config(data: Mapping[str, Any], path: Path) -> Config:
+    """Build a Config from parsed TOML; raises ConfigError naming file and key."""
+    root = Table(data, "", path)
+    if not data:
+        raise ConfigError(f"{path}: the file is empty; required key 'child.argv' is missing")
+    child = _parse_child(root.table("child"))
+    preflight = _parse_preflight(root.table("preflight"), child.user)
+    readiness = _parse_readiness(root.table("readiness"), child.vllm)
+    health = _parse_health(root.table("health"))
+    shutdown = _parse_shutdown(root.table("shutdown"))
+    paths = _parse_paths(root.table("paths"), path)
+    metrics = _parse_metrics(root.table("metrics"))
+    liveness = _parse_liveness(root.table("liveness"), child.vllm)
+    gpu_health = _parse_gpu_health(root.table("gpu_health"))
+    root.done()
+    return Config(path, child, preflight, readiness, health, shutdown, paths, metrics, liveness, gpu_health)
+
+
+def load_config(path: Path) -> Config:
+    """Read (configfile.py: regular file, size cap, StrictModes as root) and validate the TOML file."""
+    raw = read_config_bytes(path)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid UTF-8 at byte {exc.start}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        # tomllib ends its message with "(at line L, column C)"; keep one line.
+        raise ConfigError(f"{path}: invalid TOML: {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid TOML: arrays or tables nested too deeply") from None
+    except Exception as exc:  # whatever the parser trips on (MemoryError aside) is the file's fault
+        raise ConfigError(f"{path}: invalid TOML: {type(exc).__name__}: {str(exc)[:200]}") from None
+    return parse_config(data, path)
+
+
+def effective_config(cfg: Config) -> dict[str, Any]:
+    """The config as plain data (for check-config); secrets are redacted by the caller."""
+
+    def plain(value: object) -> object:
+        if isinstance(value, FatalRule):
+            return value.text  # as written in the file: `file.py: message`
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, re.Pattern):
+            return value.pattern
+        if isinstance(value, (tuple, list)):
+            return [plain(v) for v in value]
+        if isinstance(value, Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, Path):
+            return str(value)
+        return value
+
+    result = plain(cfg)
+    assert isinstance(result, dict)
+    return result

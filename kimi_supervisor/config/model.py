@@ -1,0 +1,159 @@
+"""What a configuration is: one frozen dataclass per TOML section, built and validated by config.py.
+
+Every later module takes these and trusts their values (config.py's parsers checked each one); the defaults
+live with the parsers, next to the checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from kimi_supervisor.config.vllm_args import VllmArgs
+
+
+@dataclasses.dataclass(frozen=True)
+class SpawnSpec:
+    """What spawning the child needs (child.ChildProcess.spawn); ChildConfig adds what only vLLM has."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    inherit_environment: bool
+    working_directory: str | None
+    user: str | None
+    # Resolved to a gid, with the user's supplementary groups, when the child is spawned (spawnuser.py).
+    group: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildConfig(SpawnSpec):
+    vllm: VllmArgs = dataclasses.field(kw_only=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReapConfig:
+    enabled: bool
+    grace_s: float
+    names: tuple[str, ...]
+    cmdline: tuple[re.Pattern[str], ...]
+    companions: tuple[re.Pattern[str], ...]
+    protected_names: tuple[str, ...]
+    # Only processes of these users may be reaped: root and child.user by default.
+    users: tuple[str, ...] = ("root",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmConfig:
+    enabled: bool
+    directory: Path
+    globs: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PreflightConfig:
+    # None: every GPU NVML sees.  (): no GPU at all (CPU deployments, demo).
+    gpus: tuple[int, ...] | None
+    memory_threshold_mib: int
+    poll_interval_s: float
+    deadline_s: float
+    busy_log_interval_s: float
+    check_model: bool
+    check_port: bool
+    reap: ReapConfig
+    shm: ShmConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class FatalRule:
+    """`source: message`: a fatal record is one that `source` (the file in vLLM's `[file.py:line]` header)
+    logged at ERROR or above, whose message starts with a match of `message`.  Only vLLM's own code picks
+    the header and the start of its message; a client's words only ever follow them."""
+
+    source: str  # a file name as vLLM's header shows it, e.g. "multiproc_executor.py"
+    message: re.Pattern[str]  # matched at the start of the record's message (re.match)
+    text: str  # as configured, for messages
+
+    def matches(self, source: str | None, message: str) -> bool:
+        return source is not None and source.rsplit("/", 1)[-1] == self.source and bool(self.message.match(message))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadinessConfig:
+    started_patterns: tuple[re.Pattern[str], ...]
+    fatal_patterns: tuple[FatalRule, ...]
+    health_url: str
+    deadline_s: float
+    stall_timeout_s: float
+    poll_interval_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthConfig:
+    # GET /health while serving, from a thread; `timeout_s` bounds a whole probe, not each recv.
+    interval_s: float
+    timeout_s: float
+    failures_tolerated: int  # in a row, then exit 14
+
+
+@dataclasses.dataclass(frozen=True)
+class ShutdownConfig:
+    grace_s: float  # SIGTERM, then SIGKILL to whatever is left of the tree
+    second_signal_grace_s: float  # what is left of the grace once a second stop signal arrives
+    gpu_release_timeout_s: float  # 0: do not wait for the GPUs' memory to come back
+
+
+@dataclasses.dataclass(frozen=True)
+class PathsConfig:
+    # The unit's RuntimeDirectory= (lock, live state) and StateDirectory= (run history).
+    runtime_directory: Path
+    state_directory: Path
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    # node_exporter's textfile collector reads *.prom files; None: no metrics file.
+    textfile: Path | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LivenessConfig:
+    # Deep liveness (liveness.py): /health stays 200 while an engine is wedged.
+    canary_interval_s: float  # 0: no canary
+    canary_timeout_s: float
+    failures_tolerated: int
+    when: str  # "idle": only while /metrics shows nothing in flight; "always"
+    stuck_after_s: float  # 0: no token-progress check
+    metrics_interval_s: float
+    metrics_url: str  # /v1/completions and the model name come from child.argv (child.vllm)
+
+
+GPU_HEALTH_POLICIES = ("fail", "warn", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuHealthConfig:
+    xid_events: bool  # watch NVML XID / double-bit ECC events while serving
+    xid_ignored: tuple[int, ...]  # logged, not acted on
+    # Preflight checks (preflight/gpu_health.py): what a problem found by each one is.
+    retired_pages: str
+    remapped_rows: str
+    ecc_uncorrected: str
+    pcie_link: str
+    persistence_mode: str
+    clock_events: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    path: Path
+    child: ChildConfig
+    preflight: PreflightConfig
+    readiness: ReadinessConfig
+    health: HealthConfig
+    shutdown: ShutdownConfig
+    paths: PathsConfig
+    metrics: MetricsConfig
+    liveness: LivenessConfig
+    gpu_health: GpuHealthConfig

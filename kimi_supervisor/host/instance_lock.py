@@ -1,0 +1,361 @@
+"""One kimi-supervisor per GPU: flock(2) files under `paths.runtime_directory`.
+
+Taken before any preflight action and held for the process lifetime, so a
+second supervisor started by mistake (from a shell while the unit serves,
+or a restart racing a stop) exits at once with code 16 and changes nothing,
+instead of reaping the serving tree's workers as stale.
+
+Per GPU, not per host: one file per NVML index (`gpu-<index>.lock`), plus one
+for the serving port (`port-<port>.lock`, which is all a CPU deployment with
+`preflight.gpus = []` locks).  Two deployments on disjoint GPUs and ports run
+side by side; any overlap refuses.  flock is released by the kernel when the
+owner's last descriptor closes, so a SIGKILLed supervisor never leaves a lock
+that blocks (its file stays, empty of meaning); the descriptors are O_CLOEXEC
+so vLLM's tree never inherits them and cannot keep a dead supervisor's lock.
+
+The owner's PID is read from /proc/locks (what the kernel says holds the
+lock), and its systemd unit from /proc/PID/cgroup; the JSON the owner writes
+into the file adds what it serves.  A dry run only reads these: it never
+takes a lock, so it cannot make a real start beside it refuse.
+
+Only a root kimi-supervisor's lock counts.  flock(2) needs nothing but a
+read-only descriptor, so any user who can open a lock file can hold it: a
+holder that is not a kimi-supervisor run by root (uid 0 in /proc/PID/status,
+kimi-supervisor's argv) is named in one warning and set aside, the file
+replaced by a fresh one (rename(2) over it, under `.replace.lock`), and it
+shields nothing from the reaper.  The files are 0600 (existing ones repaired,
+through the descriptor opened with O_NOFOLLOW), so after that nobody else
+can open them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import re
+import secrets
+import stat
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kimi_supervisor.exitcodes import AnotherInstance, RuntimeDirectoryError
+from kimi_supervisor.logs.types import Logger
+
+LOCKS = "/proc/locks"
+# How a running kimi-supervisor looks in the process table: the console script, or python running it.
+SUPERVISOR_ARGV = re.compile(
+    r"^(\S*/)?(kimi-supervisor|python[0-9.]*( -\S+)* ((\S*/)?kimi-supervisor|-m kimi_supervisor))( |$)"
+)
+REPLACE_LOCK = ".replace.lock"  # held while a foreign holder's lock file is replaced
+REPLACE_WAIT_S = 2.0
+_UNIT = re.compile(r"([A-Za-z0-9:_.\\@-]+\.service)(/|$)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resource:
+    name: str  # "GPU 0", "port 8000"
+    filename: str  # "gpu-0.lock"
+
+
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    pid: int | None  # None: the kernel's lock table did not say (another PID namespace)
+    unit: str | None
+    resource: Resource
+    gpus: tuple[int, ...] | None  # what the owner wrote it serves
+    port: int | None
+
+    def who(self) -> str:
+        who = f"PID {self.pid}" if self.pid is not None else "PID unknown"
+        return f"{who}, unit {self.unit}" if self.unit else who
+
+    def serves(self) -> str:
+        gpus = f"GPUs {list(self.gpus)}" if self.gpus else "no GPU"
+        return f"{gpus}, port {self.port}" if self.port is not None else gpus
+
+
+@dataclasses.dataclass(frozen=True)
+class Holder:
+    """A process the kernel lists as holding a flock, as /proc shows it."""
+
+    pid: int
+    uids: tuple[int, ...]  # real, effective, saved, filesystem; () when /proc could not tell
+    command: str
+
+    @property
+    def is_root_supervisor(self) -> bool:
+        return bool(self.uids) and all(u == 0 for u in self.uids) and bool(SUPERVISOR_ARGV.search(self.command))
+
+    def describe(self) -> str:
+        uid = f"uid {self.uids[1]}" if len(self.uids) > 1 else "uid unknown"
+        command = self.command[:120] if self.command else "?"
+        return f"PID {self.pid} ({uid}, {command!r})"
+
+
+def holder(pid: int, proc_root: str = "/proc") -> Holder:
+    uids: tuple[int, ...] = ()
+    command = ""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"{proc_root}/{pid}/status").read_text(errors="replace").splitlines():
+            if line.startswith("Uid:"):
+                uids = tuple(int(x) for x in line.split()[1:])
+    with contextlib.suppress(OSError):
+        raw = Path(f"{proc_root}/{pid}/cmdline").read_bytes()
+        command = " ".join(a.decode(errors="replace") for a in raw.split(b"\0") if a)
+    return Holder(pid, uids, command)
+
+
+def is_root_supervisor(pid: int, proc_root: str = "/proc") -> bool:
+    return holder(pid, proc_root).is_root_supervisor
+
+
+def resources(gpus: Sequence[int], port: int) -> list[Resource]:
+    found = [Resource(f"GPU {i}", f"gpu-{i}.lock") for i in sorted(set(gpus))]
+    return [*found, Resource(f"port {port}", f"port-{port}.lock")]
+
+
+def unit_of(pid: int, proc_root: str = "/proc") -> str | None:
+    """The systemd unit a process runs in (from its cgroup path), or None."""
+    try:
+        text = Path(f"{proc_root}/{pid}/cgroup").read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        path = line.split(":", 2)[-1]
+        found = _UNIT.findall(path)
+        if found:
+            return str(found[-1][0])
+    return None
+
+
+def flock_holders(path: Path | int, locks: str = LOCKS) -> set[int]:
+    """PIDs the kernel lists as holding a flock on `path` (or an open descriptor's file; waiters excluded)."""
+    try:
+        st = os.fstat(path) if isinstance(path, int) else os.stat(path, follow_symlinks=False)
+        table = Path(locks).read_text()
+    except OSError:
+        return set()
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    holders = set()
+    for line in table.splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key:
+            with contextlib.suppress(ValueError):
+                holders.add(int(fields[4]))
+    return holders
+
+
+def lock_owners(directory: Path) -> set[int]:
+    """Every root kimi-supervisor holding one of our locks in `directory`: the live supervisors on this host.
+
+    Another user's process holding a lock file (a read-only descriptor is enough for flock) is no supervisor:
+    it shields nothing from the reaper."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return set()
+    owners: set[int] = set()
+    for name in names:
+        if name.endswith(".lock") and name != REPLACE_LOCK:
+            owners |= flock_holders(directory / name)
+    return {pid for pid in owners - {-1, 0} if is_root_supervisor(pid)}
+
+
+def _owner(directory: Path, resource: Resource, holders: set[int]) -> Owner:
+    data: dict[str, object] = {}
+    with contextlib.suppress(OSError, ValueError):
+        loaded = json.loads((directory / resource.filename).read_text())
+        if isinstance(loaded, dict):
+            data = loaded
+    pid = min(holders) if holders else None
+    if pid is None and isinstance(data.get("pid"), int):
+        pid = int(data["pid"])  # type: ignore[call-overload]
+    gpus = data.get("gpus")
+    port = data.get("port")
+    return Owner(
+        pid=pid,
+        unit=unit_of(pid) if pid is not None else None,
+        resource=resource,
+        gpus=tuple(g for g in gpus if isinstance(g, int)) if isinstance(gpus, list) else None,
+        port=port if isinstance(port, int) else None,
+    )
+
+
+def find_owner(directory: Path, gpus: Sequence[int], port: int) -> Owner | None:
+    """Which root kimi-supervisor holds any of these resources now, without taking a lock (the dry run)."""
+    for resource in resources(gpus, port):
+        holders = flock_holders(directory / resource.filename) - {os.getpid(), -1, 0}
+        supervisors = {pid for pid in holders if is_root_supervisor(pid)}
+        if supervisors:
+            return _owner(directory, resource, supervisors)
+    return None
+
+
+def refusal(owner: Owner, directory: Path) -> str:
+    return (
+        f"another kimi-supervisor ({owner.who()}) owns {owner.resource.name}, serving {owner.serves()} "
+        f"(lock {directory / owner.resource.filename}); nothing was changed"
+    )
+
+
+def dry_run_text(owner: Owner) -> str:
+    return (
+        f"a kimi-supervisor ({owner.who()}) is running and owns {owner.serves()}; "
+        f"a start now would refuse (exit 16, {owner.resource.name} is taken)"
+    )
+
+
+class InstanceLock:
+    """The held locks; keep this object alive for as long as the supervisor runs."""
+
+    def __init__(self, directory: Path, fds: list[int]) -> None:
+        self.directory = directory
+        self._fds = fds
+
+    def close(self) -> None:
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+
+
+def _ensure_directory(directory: Path) -> None:
+    if directory.is_dir():
+        return
+    try:
+        directory.mkdir(parents=True, mode=0o755)
+        # mkdir's mode passes through the umask (the unit's is 0027): other tools read the owner from here.
+        os.chmod(directory, 0o755)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise RuntimeDirectoryError(
+            f"cannot create {directory} (paths.runtime_directory) for the instance lock: {exc.strerror}"
+        ) from None
+
+
+def _open_lock(path: Path, flags: int = 0) -> int:
+    """Open (or create) a lock file 0600 without following a link; repair an existing one to 0600, root's."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | flags, 0o600)
+    except OSError as exc:
+        raise RuntimeDirectoryError(f"cannot open the instance lock {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            what = "a hard link" if stat.S_ISREG(st.st_mode) else "not a regular file"
+            raise RuntimeDirectoryError(f"refusing the instance lock {path}: {what}; remove it")
+        if stat.S_IMODE(st.st_mode) != 0o600:
+            os.fchmod(fd, 0o600)
+        if os.geteuid() == 0 and (st.st_uid, st.st_gid) != (0, 0):
+            os.fchown(fd, 0, 0)
+    except OSError as exc:
+        os.close(fd)
+        raise RuntimeDirectoryError(f"cannot repair the instance lock {path} to 0600: {exc.strerror}") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _try_flock(fd: int, path: Path) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise RuntimeDirectoryError(f"cannot lock {path}: {exc.strerror}") from None
+        return False
+
+
+def _replace(directory: Path, path: Path) -> int:
+    """A fresh lock file at `path`, locked: created beside it (O_EXCL, unpredictable name) and renamed over it."""
+    tmp = directory / f".{path.name}.{secrets.token_hex(8)}.new"
+    fd = _open_lock(tmp, os.O_EXCL)
+    try:
+        if not _try_flock(fd, tmp):
+            raise RuntimeDirectoryError(f"cannot lock the fresh instance lock {tmp}")
+        os.rename(tmp, path)
+    except OSError as exc:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise RuntimeDirectoryError(f"cannot replace the instance lock {path}: {exc.strerror}") from None
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return fd
+
+
+def _take(directory: Path, resource: Resource, log: Logger | None) -> int:
+    """The locked descriptor of one resource's file, or AnotherInstance when a root kimi-supervisor holds it."""
+    path = directory / resource.filename
+    fd = _open_lock(path)
+    if _try_flock(fd, path):
+        return fd
+    strangers = [holder(pid) for pid in sorted(flock_holders(fd) - {-1, 0})]
+    if not strangers or any(h.is_root_supervisor for h in strangers):
+        os.close(fd)
+        supervisors = {h.pid for h in strangers if h.is_root_supervisor}
+        raise AnotherInstance(refusal(_owner(directory, resource, supervisors), directory))
+    os.close(fd)
+    # Replacing races another supervisor doing the same: one at a time, and look again under the lock.
+    guard = _open_lock(directory / REPLACE_LOCK)
+    try:
+        deadline = time.monotonic() + REPLACE_WAIT_S
+        while not _try_flock(guard, directory / REPLACE_LOCK):
+            if time.monotonic() > deadline:
+                who = "; ".join(holder(p).describe() for p in sorted(flock_holders(guard) - {-1, 0})) or "unknown"
+                raise RuntimeDirectoryError(f"{directory / REPLACE_LOCK} is held by {who}; remove the file")
+            time.sleep(0.01)
+        fd = _open_lock(path)
+        if _try_flock(fd, path):
+            return fd
+        now = [holder(pid) for pid in sorted(flock_holders(fd) - {-1, 0})]
+        if not now or any(h.is_root_supervisor for h in now):
+            os.close(fd)
+            raise AnotherInstance(
+                refusal(_owner(directory, resource, {h.pid for h in now if h.is_root_supervisor}), directory)
+            )
+        os.close(fd)
+        names = "; ".join(h.describe() for h in now)
+        if log is not None:
+            log.warning(
+                "instance.foreign_lock",
+                lock=str(path),
+                holder=names,
+                why="not a kimi-supervisor run by root: not counted, the lock file was replaced",
+            )
+        return _replace(directory, path)
+    finally:
+        os.close(guard)
+
+
+def acquire(directory: Path, gpus: Sequence[int], port: int, config: str, log: Logger | None = None) -> InstanceLock:
+    """Take every lock, or none: raise AnotherInstance naming the root kimi-supervisor that holds one."""
+    if log is None:
+        from kimi_supervisor.logs.journal import get_logger  # not at import: a dry run only reads the locks
+
+        log = get_logger()
+    _ensure_directory(directory)
+    taken: list[int] = []
+    try:
+        for resource in resources(gpus, port):
+            taken.append(_take(directory, resource, log))
+    except BaseException:
+        for fd in taken:
+            os.close(fd)
+        raise
+    record = json.dumps({"pid": os.getpid(), "gpus": sorted(set(gpus)), "port": port, "config": config}) + "\n"
+    for fd in taken:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record.encode(), 0)
+    return InstanceLock(directory, taken)

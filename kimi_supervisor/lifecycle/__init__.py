@@ -1,0 +1,1 @@
+"""The lifecycle: the supervisor loop, its dependencies, the state machine, signals, stop and drain."""

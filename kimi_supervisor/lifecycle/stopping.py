@@ -1,0 +1,122 @@
+"""Stopping the tree: SIGTERM, keep reading its output, SIGKILL what outlives the grace; then the GPUs.
+
+`Supervisor._stop` decides why, whether to drain and which grace; this module does the stop itself.  The
+child's output keeps flowing meanwhile (`pump`): vLLM's last lines are often the reason it stopped badly.
+A second stop signal (`hurry`) cuts what is left of the grace to `second_signal_grace_s`.
+
+Whatever else ends a run (a bug, KeyboardInterrupt, a broken sink) gets `emergency`: the orderly stop if it
+can, SIGKILL and reap without a word if even that raises.  The tree never outlives the supervisor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+from collections.abc import Callable
+
+from kimi_supervisor.child.process import Child
+from kimi_supervisor.clock import Clock, SystemClock
+from kimi_supervisor.config.timeouts import SIGKILL_WAIT_S
+from kimi_supervisor.host.gpu import GpuMemory, GpuProbe, GpuUnavailable, wait_until_free
+from kimi_supervisor.lifecycle.drain import Drain
+from kimi_supervisor.logs.types import Logger
+
+# While stopping, how often the loop looks at the tree: short, since each look may end the stop.
+TERM_POLL_S = 0.05
+KILL_POLL_S = 0.02
+GPU_POLL_S = 0.1
+GPU_REPORT_EVERY_S = 5.0
+
+
+@dataclasses.dataclass
+class TreeStopper:
+    """Stops one spawned tree; `stopped` once it is gone, so an emergency stop knows there is nothing left."""
+
+    child: Child
+    pump: Callable[[float], None]  # waits for and handles output, signals, health results: the loop's own wait
+    finish: Callable[[], None]  # once the tree is gone: its partial last lines, the sink flushed
+    hurry: Callable[[], bool]  # a new stop signal arrived
+    clock: Clock
+    log: Logger
+    stopped: bool = dataclasses.field(default=False, init=False)
+
+    def stop(self, grace_s: float, second_grace_s: float, drain: Drain | None = None) -> bool:
+        """True when every member is gone; a drain SIGTERMs vLLM's main alone and reports on the way."""
+        child, now = self.child, self.clock.monotonic
+        start = now()
+        deadline = start + grace_s
+        signalled = drain.sigterm(child) if drain else child.signal_tree(signal.SIGTERM)
+        self.log.info("stop.sigterm", pid=child.pid, processes=signalled, grace_s=grace_s)
+        alive = child.alive_members()
+        while alive:
+            self.pump(TERM_POLL_S)
+            if drain:
+                drain.tick(child)
+            if self.hurry():
+                deadline = min(deadline, now() + second_grace_s)
+                self.log.warning("stop.hurry", grace_left_s=round(max(0.0, deadline - now()), 2))
+            alive = child.alive_members()
+            if alive and now() >= deadline:
+                self.log.warning(
+                    "stop.sigkill", after_s=round(now() - start, 2), pids=",".join(str(p.pid) for p in alive)
+                )
+                if drain:
+                    drain.sigkill(child)
+                child.signal_tree(signal.SIGKILL)
+                kill_deadline = now() + SIGKILL_WAIT_S
+                while alive and now() < kill_deadline:
+                    self.pump(KILL_POLL_S)
+                    alive = child.alive_members()
+                break
+        self.pump(0)
+        self.finish()
+        child.reap()
+        self.stopped = not alive
+        if alive:
+            self.log.error("stop.survivors", pids=",".join(str(p.pid) for p in alive))
+        self.log.info(
+            "stop.tree_gone" if not alive else "stop.tree_left",
+            seconds=round(now() - start, 3),
+            exit_status=child.poll(),
+        )
+        if drain:
+            drain.finish(tree_gone=not alive)
+        return not alive
+
+    def emergency(self, grace_s: float, second_grace_s: float) -> None:
+        """The orderly stop; when that raises too (the same broken sink, psutil again): no grace, no output."""
+        try:
+            self.stop(grace_s, second_grace_s)
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                self.child.signal_tree(signal.SIGKILL)
+            with contextlib.suppress(BaseException):
+                self.child.reap()
+
+
+def confirm_gpus_free(
+    probe: GpuProbe, gpus: tuple[int, ...], threshold_mib: int, timeout_s: float, clock: Clock, log: Logger
+) -> bool | None:
+    """Wait up to `timeout_s` for the stopped tree's GPU memory to come back; None when NVML cannot say."""
+    start = clock.monotonic()
+
+    def busy_note(busy: list[GpuMemory], elapsed: float) -> None:
+        log.info("stop.gpu_wait", gpus=",".join(str(m.index) for m in busy), waited_s=round(elapsed, 1))
+
+    try:
+        # SystemClock, not the interruptible one: the stop path finishes even after a second signal.
+        busy = wait_until_free(
+            probe, gpus, threshold_mib, SystemClock(), timeout_s, GPU_POLL_S, busy_note, GPU_REPORT_EVERY_S
+        )
+    except GpuUnavailable as exc:
+        log.warning("stop.gpu_unknown", error=str(exc))
+        return None
+    took = round(clock.monotonic() - start, 3)
+    if busy:
+        log.warning(
+            "stop.gpu_still_busy", seconds=took, gpus=", ".join(f"GPU {m.index}: {m.used_mib} MiB" for m in busy)
+        )
+    else:
+        log.info("stop.gpu_released", seconds=took, gpus=",".join(map(str, gpus)))
+    return not busy

@@ -1,0 +1,428 @@
+"""The lifecycle, top to bottom: preflight, spawn, wait for ready, serve, stop.
+
+Like gunicorn's arbiter: signal handlers only record, this loop acts.  One
+thread owns all state; the health prober thread only produces results.  Every
+failure is a SupervisorError carrying its exit code; `run` stops the child
+tree before letting it reach `cli.main`, and so does every other way out
+(a bug, KeyboardInterrupt, SystemExit, a broken pipe, psutil.AccessDenied, a
+lost GPU): the tree never outlives the supervisor.  The child's output is
+output.ChildOutput's business, end to end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import selectors
+import signal
+from collections.abc import Callable, Mapping
+
+from kimi_supervisor.checks import Status
+from kimi_supervisor.child.output import ChildOutput
+from kimi_supervisor.child.process import Child, PreparedSpawn, ProcessSpawner
+from kimi_supervisor.child.readiness import LineEvent, ReadinessTracker
+from kimi_supervisor.child.spawnplan import Unresolvable
+from kimi_supervisor.clock import Clock, format_duration
+from kimi_supervisor.config.model import Config
+from kimi_supervisor.exitcodes import (
+    ChildDied,
+    ChildUnhealthy,
+    ConfigError,
+    ExitCode,
+    StartupFailed,
+    StartupStalled,
+    SupervisorError,
+    exit_outcome,
+)
+from kimi_supervisor.host.gpu import GpuProbe, configured_gpus
+from kimi_supervisor.host.proctable import ProcessTable
+from kimi_supervisor.lifecycle.deps import (
+    Liveness,
+    LivenessFactory,
+    Prober,
+    ProberFactory,
+    SelectorFactory,
+    Signals,
+    Spawner,
+)
+from kimi_supervisor.lifecycle.drain import Drain, stopped_status
+from kimi_supervisor.lifecycle.machine import StateMachine
+from kimi_supervisor.lifecycle.signals import (
+    STOP_SIGNALS,
+    InterruptibleClock,
+    SignalRecorder,
+    StopRequested,
+    signal_name,
+)
+from kimi_supervisor.lifecycle.stopping import TreeStopper, confirm_gpus_free
+from kimi_supervisor.lifecycle.threadwatch import ThreadWatch
+from kimi_supervisor.liveness.engine import DeepLiveness
+from kimi_supervisor.liveness.health_probe import HealthProber, HealthResult
+from kimi_supervisor.logs.journal import ChildSink
+from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.opsview.view import OperatorView
+from kimi_supervisor.preflight.run import Preflight
+from kimi_supervisor.quoting import quote
+from kimi_supervisor.states import State
+from kimi_supervisor.systemd.notify import Notifier, Watchdog
+
+EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC at most this often while output flows
+EXTEND_MARGIN_S = 15.0
+# Once vLLM says it started, /health answers within moments: probe it this often (for at most
+# READY_BURST_S) so READY=1 follows the first 200 by tens of ms, not a whole poll interval.
+READY_PROBE_S = 0.02
+READY_BURST_S = 10.0
+
+
+@dataclasses.dataclass
+class Deps:
+    """Everything the lifecycle talks to; the defaults are the real ones (boundaries.py has the Protocols)."""
+
+    probe: GpuProbe
+    table: ProcessTable
+    notifier: Notifier
+    log: Logger
+    sink: ChildSink
+    watchdog_s: float | None = None
+    environ: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(os.environ))
+    signals: Signals = dataclasses.field(default_factory=SignalRecorder)
+    clock: Clock | None = None  # None: an InterruptibleClock over `signals`
+    spawn: Spawner = dataclasses.field(default_factory=ProcessSpawner)
+    prober: ProberFactory = HealthProber
+    liveness: LivenessFactory = DeepLiveness
+    selector: SelectorFactory = selectors.DefaultSelector
+    # The graceful stop of a serving vLLM (its /metrics, a SIGTERM to its main alone); None: the tree at once.
+    drain: Callable[[str, int, Notifier, Logger], Drain | None] = Drain
+    # Notices when one of our check threads dies (threading.excepthook for the run): exit 70, not a silent gap.
+    threads: ThreadWatch = dataclasses.field(default_factory=ThreadWatch)
+
+
+class Supervisor:
+    def __init__(self, cfg: Config, deps: Deps, secrets: tuple[str, ...] = ()) -> None:
+        self.cfg = cfg
+        self.log = deps.log
+        self.signals = deps.signals
+        self.clock: Clock = deps.clock if deps.clock is not None else InterruptibleClock(deps.signals)
+        self.tracker = ReadinessTracker(cfg.readiness)
+        # State file, history, ETA, metrics: fed by the state machine, what we tell systemd, and the loop.
+        self.view = OperatorView(cfg, deps.probe, deps.log, self.tracker, deps.watchdog_s)
+        self.deps = deps = dataclasses.replace(deps, notifier=self.view.tap(deps.notifier))
+        self.state = StateMachine(deps.notifier, deps.log, observer=self.view)
+        self.child: Child | None = None
+        self.stopper: TreeStopper | None = None  # from the spawn on: every way out stops the tree
+        self.prober: Prober | None = None
+        self._prepared: PreparedSpawn | None = None
+        self.deep: Liveness | None = None
+        self.output = ChildOutput(
+            deps.sink, self.tracker, deps.log, secrets, clock=self.clock, selector=deps.selector()
+        )
+        self._last_extend = 0.0
+        self._last_status = 0.0
+        self._started_at = 0.0
+
+    # -- the lifecycle ------------------------------------------------------------
+
+    def run(self) -> ExitCode:
+        self.signals.install()
+        self.deps.threads.install(self.signals.wake)
+        self.output.add_wakeup(self.signals.read_fd, self.signals.drain)
+        try:
+            return self._run()
+        except BaseException as exc:
+            if self.stopper is not None and not self.stopper.stopped:
+                self._emergency_stop(exc, self.stopper)
+            self._record_exit(exc)
+            raise
+        finally:
+            if self.prober is not None:
+                self.prober.stop()
+            if self.deep is not None:
+                self.deep.close()
+            self.deps.threads.uninstall()
+            self.signals.uninstall()
+
+    def _run(self) -> ExitCode:
+        try:
+            try:
+                self._prepare_child()  # a start that cannot happen kills nothing
+                self._preflight()
+                self._spawn()
+                if self._wait_until_ready():
+                    self._serve()
+            except StopRequested:
+                pass
+            self._stop("stop requested", requested=True)
+            self.state.to(State.STOPPED, "stopped")
+            return ExitCode.OK
+        except SupervisorError as err:
+            if self.state.state is not State.STOPPING and self.child is not None:
+                self._stop(err.message)
+            self.state.to(State.FAILED, f"failed: {err.message}"[:400], exit_code=int(err.exit_code))
+            raise
+
+    def _prepare_child(self) -> None:
+        try:
+            self._prepared = self.deps.spawn.prepare(self.cfg.child, self.deps.environ)
+        except Unresolvable as exc:
+            raise ConfigError(f"{self.cfg.path}: child.{exc.key}: {exc.message}") from None
+
+    def _preflight(self) -> None:
+        pf = self.cfg.preflight
+        self.state.enter_initial("preflight: checking GPUs, stale processes and shared memory")
+        # Waiting for GPUs may take longer than TimeoutStartSec's default.
+        self.deps.notifier.send(EXTEND_TIMEOUT_USEC=_usec(pf.deadline_s + pf.reap.grace_s + EXTEND_MARGIN_S))
+        report = Preflight(self.cfg, self.deps.probe, self.deps.table, self.clock, self.log).run(dry_run=False)
+        self.log.info("preflight.passed", checks=len(report.checks))
+        done = [c.name for c in report.checks if c.status is Status.DONE]
+        self.view.on_preflight(kills=done.count("reap"), shm_removed=done.count("shm"))
+
+    def _spawn(self) -> None:
+        if self._stop_signalled():
+            raise StopRequested
+        self.child = self.deps.spawn.spawn(self.cfg.child, self.deps.environ, self._prepared)
+        self.stopper = TreeStopper(
+            self.child, self._pump, self.output.finish, self._stop_signalled, self.clock, self.log
+        )
+        self._started_at = self._now()
+        self.output.attach(self.child)
+        self.output.on_output = self._on_output
+        self.output.on_line = self._on_line
+        self.state.to(State.STARTING, "starting: vLLM spawned", pid=self.child.pid)
+        self._extend_timeout(self._now())
+        self.prober = self.deps.prober(
+            self.cfg.readiness.health_url,
+            self.cfg.health.timeout_s,
+            self.cfg.readiness.poll_interval_s,
+            self.signals.wake,
+        )
+        self.prober.start()
+
+    def _wait_until_ready(self) -> bool:
+        """True once the log says started AND /health answered 200; False on a stop request."""
+        rcfg = self.cfg.readiness
+        assert self.child is not None and self.prober is not None
+        healthy: HealthResult | None = None
+        last_error: str | None = None
+        while True:
+            self._pump(0.25)
+            if self._stop_signalled():
+                return False
+            now = self._now()
+            self._check_child(serving=False)
+            self.deps.threads.check()
+            for result in self.prober.drain():
+                self.view.on_health(result)
+                healthy = result if result.ok else None
+                if result.error != last_error and result.error is not None:
+                    # Each new reason once ("connection refused" while vLLM loads is normal, a timeout is not).
+                    self.log.info("health.not_yet", error=result.error, phase=self.tracker.phase)
+                last_error = result.error
+            if self.tracker.server_started and healthy is not None:
+                self._ready(now)
+                return True
+            if now - self.output.last_output > rcfg.stall_timeout_s:
+                raise StartupStalled(
+                    f"vLLM printed nothing for {rcfg.stall_timeout_s:g}s "
+                    f"(readiness.stall_timeout_s) while {self.tracker.phase}",
+                    detail=self._tail(),
+                )
+            if now - self._started_at > rcfg.deadline_s:
+                raise StartupStalled(
+                    f"vLLM not ready after {rcfg.deadline_s:g}s (readiness.deadline_s) while {self.tracker.phase}"
+                    + (f" (last /health: {last_error})" if last_error else ""),
+                    detail=self._tail(),
+                )
+            if now - self._last_status >= 5.0:
+                self._status(now)
+
+    def _check_child(self, serving: bool) -> None:
+        """Raise when vLLM logged a fatal line or exited: the same two checks while starting and serving."""
+        assert self.child is not None
+        error = ChildDied if serving else StartupFailed
+        if self.tracker.fatal_line is not None:
+            # After READY too: vLLM's own main lingers for seconds after its engine died, answering 503.
+            what = "reported a fatal error after it was ready" if serving else "failed while starting"
+            # The rest of the fatal record (its traceback, whose exception is the root cause) is usually in
+            # the pipe already: read what is there, without waiting.
+            self._pump(0)
+            raise error(f"vLLM {what}: {self._root_cause()}", detail=self._tail())
+        if self.child.poll() is not None:
+            self._pump(0)
+            when = "after it was ready (not requested)" if serving else "before it was ready"
+            raise error(
+                f"vLLM exited with status {self.child.returncode} {when}: {self._root_cause()}", detail=self._tail()
+            )
+
+    def _ready(self, now: float) -> None:
+        self.tracker.serving = True  # from now on only fatal lines matter
+        self.output.on_line = self.output.on_output = None
+        took = format_duration(now - self._started_at)
+        url = self.cfg.readiness.health_url.rsplit("/health", 1)[0]
+        self.state.to(
+            State.READY,
+            f"ready: serving on {url} (started in {took})",
+            notify={"READY": 1},
+            startup_s=round(now - self._started_at, 3),
+        )
+
+    def _serve(self) -> None:
+        """Supervise until a stop signal; raise when the child dies or stays unhealthy."""
+        assert self.child is not None and self.prober is not None
+        hcfg = self.cfg.health
+        self.prober.set_interval(hcfg.interval_s)
+        self.child.refresh_members()
+        gpus = configured_gpus(self.deps.probe, self.cfg.preflight.gpus)
+        self.deep = self.deps.liveness(
+            self.cfg, self.deps.probe, gpus, self.signals.wake, self.deps.notifier, self.log, self.view.on_canary
+        )
+        self.deep.start()
+        wd = self.deps.watchdog_s
+        if wd and hcfg.interval_s + hcfg.timeout_s >= wd:
+            # A passing probe must land within every watchdog period, or systemd kills a healthy server.
+            self.log.warning(
+                "watchdog.too_short", watchdog_s=wd, health_interval_s=hcfg.interval_s, health_timeout_s=hcfg.timeout_s
+            )
+        failures = 0
+        watchdog = Watchdog(wd, self.deps.notifier, last_ok=self._now())  # the probe that made us ready
+        while True:
+            self._pump(watchdog.wait_s(self._now(), healthy=failures == 0 and self.deep.healthy))
+            if self._stop_signalled():
+                return
+            self._check_child(serving=True)
+            self.deps.threads.check()  # a dead canary or prober thread: exit 70, never a watchdog pinged blind
+            for result in self.prober.drain():
+                self.view.on_health(result)
+                if result.ok:
+                    if failures:
+                        self.log.info("health.recovered", after_failures=failures)
+                        self.state.status(self._serving_status())
+                    failures, watchdog.last_ok = 0, result.at
+                    continue
+                failures += 1
+                self.log.warning(
+                    "health.failed", failures=failures, tolerated=hcfg.failures_tolerated, error=result.error
+                )
+                self.deps.notifier.send(
+                    STATUS=f"ready, but /health failing ({failures}/{hcfg.failures_tolerated}): {result.error}"
+                )
+                if failures >= hcfg.failures_tolerated:
+                    raise ChildUnhealthy(
+                        f"/health failed {failures} times in a row ({result.error})", detail=self._tail()
+                    )
+            self.deep.check()  # canary, token progress, GPU events: raises EngineWedged / GpuFailed
+            watchdog.pet(self._now(), healthy=failures == 0 and self.deep.healthy)
+
+    def _stop(self, reason: str, requested: bool = False) -> None:
+        """TERM the tree, keep reading its output, KILL what outlives the grace, confirm GPUs are free."""
+        scfg = self.cfg.shutdown
+        if self.deep is not None:
+            self.deep.stop()  # no canary or GPU verdict about a tree being stopped
+        drain = None
+        if requested and self.state.state is State.READY:  # a serving vLLM may have requests in flight
+            drain = self.deps.drain(
+                self.cfg.readiness.health_url, self.cfg.child.vllm.shutdown_timeout, self.deps.notifier, self.log
+            )
+            if drain is not None and self.deep is not None:
+                drain.liveness_sample = self.deep.in_flight_sample()  # no read: it cannot delay the SIGTERM
+        if self.state.state is not State.STOPPING:
+            self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
+        if self.stopper is None:
+            return  # stopped during the preflight: nothing of ours holds a GPU
+        tree_gone = self.stopper.stop(scfg.grace_s, scfg.second_signal_grace_s, drain)
+        gpus = configured_gpus(self.deps.probe, self.cfg.preflight.gpus)
+        gpus_free = None
+        if gpus and scfg.gpu_release_timeout_s > 0:
+            threshold = self.cfg.preflight.memory_threshold_mib
+            gpus_free = confirm_gpus_free(
+                self.deps.probe, gpus, threshold, scfg.gpu_release_timeout_s, self.clock, self.log
+            )
+        self.state.status(stopped_status(tree_gone, gpus_free, drain.outcome if drain is not None else None))
+
+    def _emergency_stop(self, exc: BaseException, stopper: TreeStopper) -> None:
+        """Something other than a SupervisorError is ending the run: stop the tree before it propagates."""
+        reason = f"{type(exc).__name__}: {exc}"[:300]
+        with contextlib.suppress(BaseException):
+            self.log.error("supervisor.emergency_stop", error=reason, state=self.state.state.value)
+        with contextlib.suppress(BaseException):
+            if self.state.state is not State.STOPPING:
+                self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
+        stopper.emergency(self.cfg.shutdown.grace_s, self.cfg.shutdown.second_signal_grace_s)
+
+    def _record_exit(self, exc: BaseException) -> None:
+        """The state file and the history say how this run ended, whatever ended it (never "killed?").
+
+        A SupervisorError was recorded by `_run`; anything else gets the exit code cli.main will give it.
+        """
+        if self.state.state in (State.STOPPED, State.FAILED):
+            return
+        code, reason = exit_outcome(exc)
+        with contextlib.suppress(BaseException):  # the exception that ends the run must reach cli.main
+            # STOPPED is reached only through STOPPING, and READY cannot fail directly (state.ALLOWED).
+            if (code == 0 or self.state.state is State.READY) and self.state.state is not State.STOPPING:
+                self.state.to(State.STOPPING, f"stopping: {reason}"[:400], notify={"STOPPING": 1})
+            if code == 0:
+                self.state.to(State.STOPPED, f"stopped: {reason}"[:400], exit_code=int(code), root_cause=reason)
+            else:
+                self.state.to(State.FAILED, f"failed: {reason}"[:400], exit_code=int(code))
+
+    # -- the event loop -------------------------------------------------------------
+
+    def _pump(self, timeout: float) -> None:
+        """Wait up to `timeout` for output, signals or health results; handle what came."""
+        self.output.pump(timeout)
+        self.view.tick()
+
+    def _on_output(self, now: float) -> None:
+        if self.state.state is State.STARTING:
+            self._extend_timeout(now)
+            if now - self._last_status >= 1.0:
+                self._status(now)
+
+    def _on_line(self, now: float, event: LineEvent) -> None:
+        if event.started and self.prober is not None and self.state.state is State.STARTING:
+            self.prober.burst(READY_PROBE_S, READY_BURST_S)
+        if event.phase_changed and self.state.state is State.STARTING:
+            self._last_status = 0.0  # a new phase shows at once
+
+    def _status(self, now: float) -> None:
+        self._last_status = now
+        elapsed = now - self._started_at
+        self.state.status(f"starting: {self.tracker.status_text(elapsed, self.view.eta_text(elapsed))}")
+
+    def _extend_timeout(self, now: float) -> None:
+        if now - self._last_extend < EXTEND_EVERY_S:
+            return
+        self._last_extend = now
+        rcfg = self.cfg.readiness
+        left = max(0.0, rcfg.deadline_s - (now - self._started_at))
+        self.deps.notifier.send(EXTEND_TIMEOUT_USEC=_usec(min(rcfg.stall_timeout_s, left) + EXTEND_MARGIN_S))
+
+    def _now(self) -> float:
+        return self.clock.monotonic()
+
+    def _stop_signalled(self) -> bool:
+        fresh = self.signals.new_signals()
+        for sig, count in fresh.items():
+            if sig in STOP_SIGNALS:
+                self.log.info("signal.received", signal=signal_name(sig), state=self.state.state.value, count=count)
+            else:
+                why = "reload is not supported; restart the unit" if sig == signal.SIGHUP else "not a stop request"
+                self.log.warning("signal.ignored", signal=signal_name(sig), count=count, why=why)
+        return any(s in STOP_SIGNALS for s in fresh)
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _serving_status(self) -> str:
+        return f"ready: serving on {self.cfg.readiness.health_url.rsplit('/health', 1)[0]}"
+
+    def _root_cause(self) -> str:
+        # vLLM's line, maybe holding a client's words: quoted and escaped, never the supervisor's own text.
+        return quote(self.tracker.root_cause())
+
+    def _tail(self, lines: int = 15) -> list[str]:
+        return [line[:500] for line in list(self.tracker.tail)[-lines:]]
+
+
+def _usec(seconds: float) -> int:
+    return int(seconds * 1_000_000)

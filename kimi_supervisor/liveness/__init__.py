@@ -1,0 +1,1 @@
+"""Liveness while serving: one deadline-bounded HTTP client, /health, canary, vLLM's /metrics, GPU events."""

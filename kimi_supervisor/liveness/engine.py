@@ -1,0 +1,288 @@
+"""Deep liveness: is the engine working, not just the HTTP server answering?
+
+vLLM's /health reports only its engine-dead flag: it answers 200 through a GPU
+page fault or an NCCL hang.  Three signals, each from its own daemon thread so
+the supervisor's loop never blocks, each judged in the loop (`check()`):
+
+* the canary: a 1-token completion every `canary_interval_s` (when the engine
+  is idle by its own metrics, or always); `failures_tolerated` failures in a
+  row mean wedged.  After a failure the next canary follows within a second,
+  and the watchdog is not pinged until one passes again;
+* token progress: requests running (`vllm:num_requests_running` > 0) while
+  `vllm:generation_tokens_total` stays put for `stuck_after_s` means wedged;
+* GPU events (gpu_events.py): an XID or double-bit ECC error on our GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from kimi_supervisor.config.model import Config
+from kimi_supervisor.exitcodes import EngineWedged
+from kimi_supervisor.host.gpu import GpuProbe
+from kimi_supervisor.liveness.gpu_events import GpuEventWatcher
+from kimi_supervisor.liveness.http import HttpClient, one_line, parse_json, request
+from kimi_supervisor.liveness.vllm_metrics import EngineMetrics, MetricsError, fetch_metrics
+from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.systemd.notify import Notifier
+
+RETRY_S = 1.0  # after a failed canary, the next one follows this soon (not a whole interval later)
+CANARY_PROMPT = "Hi"
+MAX_CANARY_BODY = 1 << 20  # a 1-token completion is < 1 KiB
+
+
+@dataclasses.dataclass(frozen=True)
+class CanaryResult:
+    ok: bool
+    error: str | None
+    latency_s: float
+
+
+def api_key(argv: tuple[str, ...], env: Mapping[str, str]) -> str | None:
+    """vLLM's --api-key (or VLLM_API_KEY): with one set, /v1/* refuses requests without it (HTTP 401)."""
+    for i, arg in enumerate(argv):
+        if arg == "--api-key" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--api-key="):
+            return arg.partition("=")[2]
+    return env.get("VLLM_API_KEY") or None
+
+
+def send_canary(
+    url: str, model: str, timeout_s: float, key: str | None = None, http: HttpClient = request
+) -> CanaryResult:
+    """POST a 1-token, temperature-0 completion; ok means HTTP 200 with a choice, all of it within `timeout_s`."""
+    body = json.dumps({"model": model, "prompt": CANARY_PROMPT, "max_tokens": 1, "temperature": 0}).encode()
+    headers = {"Content-Type": "application/json", "User-Agent": "kimi-supervisor canary"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    a = http("POST", url, timeout_s, body=body, headers=headers, max_body=MAX_CANARY_BODY)
+    if a.error is not None:
+        return CanaryResult(False, a.error, a.latency_s)
+    if a.status != 200:
+        return CanaryResult(False, one_line(f"HTTP {a.status}: {a.body[:200].decode('utf-8', 'replace')}"), a.latency_s)
+    try:
+        doc = parse_json(a.body)
+    except ValueError as exc:
+        return CanaryResult(False, f"HTTP 200, {exc}", a.latency_s)
+    choices = doc.get("choices") if isinstance(doc, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return CanaryResult(False, "HTTP 200 without a completion choice", a.latency_s)
+    return CanaryResult(True, None, a.latency_s)
+
+
+class ProgressTracker:
+    """Pure: fed metrics samples, says when running requests have produced no token for `stuck_after_s`."""
+
+    def __init__(self, stuck_after_s: float) -> None:
+        self.stuck_after_s = stuck_after_s
+        self._tokens: float | None = None
+        self._since: float | None = None  # when the current token count was first seen with requests running
+
+    def observe(self, at: float, m: EngineMetrics) -> str | None:
+        if m.running is None or m.generation_tokens is None or m.running <= 0:
+            self._tokens, self._since = m.generation_tokens, None
+            return None
+        if self._since is None or m.generation_tokens != self._tokens:
+            self._tokens, self._since = m.generation_tokens, at
+            return None
+        stalled = at - self._since
+        if stalled < self.stuck_after_s:
+            return None
+        return (
+            f"{m.running:g} request(s) running and vllm:generation_tokens_total stuck at {m.generation_tokens:g} "
+            f"for {stalled:.1f}s (liveness.stuck_after_s = {self.stuck_after_s:g})"
+        )
+
+
+class DeepLiveness:
+    """Canary, token progress and GPU events while serving; the supervisor's loop calls `check()`."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        probe: GpuProbe,
+        gpus: tuple[int, ...],
+        wake: Callable[[], None],
+        notifier: Notifier,
+        log: Logger,
+        on_canary: Callable[[bool, float], None] | None = None,
+        http: HttpClient = request,
+    ) -> None:
+        self.cfg = cfg.liveness
+        self._http = http
+        self._on_canary = on_canary  # the operator's view: the state file and metrics show each result
+        self.model = cfg.child.vllm.served_model_name
+        self.completions_url = cfg.child.vllm.api_url("/v1/completions")
+        env = {**(os.environ if cfg.child.inherit_environment else {}), **cfg.child.env}
+        self._key = api_key(cfg.child.argv, env)  # never logged
+        self._wake = wake
+        self._notifier = notifier
+        self._log = log
+        self._stop = threading.Event()
+        self._canaries: queue.SimpleQueue[CanaryResult] = queue.SimpleQueue()
+        self._samples: queue.SimpleQueue[tuple[float, EngineMetrics | str]] = queue.SimpleQueue()
+        self._latest: EngineMetrics | None = None  # written by the metrics thread, read by the canary thread
+        self._latest_in_flight: tuple[float, float] | None = None  # (monotonic, count): read by the stop
+        self._tracker = ProgressTracker(self.cfg.stuck_after_s)
+        self._threads: list[threading.Thread] = []
+        self.canary_failures = 0
+        self.canaries_ok = 0
+        self._metrics_error = ""
+        self._metrics_missing_logged = False
+        self.gpu_events: GpuEventWatcher | None = None
+        if cfg.gpu_health.xid_events and gpus:
+            self.gpu_events = GpuEventWatcher(probe, gpus, cfg.gpu_health.xid_ignored, wake, log)
+
+    @property
+    def canary_on(self) -> bool:
+        return self.cfg.canary_interval_s > 0 and self.model is not None
+
+    @property
+    def healthy(self) -> bool:
+        """False while a canary failure streak lasts: the watchdog is not pinged then."""
+        return self.canary_failures == 0
+
+    def in_flight_sample(self) -> tuple[float, float] | None:
+        """The metrics thread's latest (monotonic time, requests running + waiting); None if it has none."""
+        return self._latest_in_flight
+
+    def start(self) -> None:
+        c = self.cfg
+        if c.canary_interval_s > 0 and self.model is None:
+            self._log.warning("liveness.no_canary", why="no model in child.argv to name in a completion")
+        if self.canary_on:
+            self._threads.append(threading.Thread(target=self._canary_loop, name="canary", daemon=True))
+        if c.stuck_after_s > 0 or (self.canary_on and c.when == "idle"):
+            self._threads.append(threading.Thread(target=self._metrics_loop, name="metrics", daemon=True))
+        for t in self._threads:
+            t.start()
+        if self.gpu_events is not None:
+            self.gpu_events.start()
+        self._log.info(
+            "liveness.started",
+            canary_interval_s=c.canary_interval_s if self.canary_on else 0,
+            canary_when=c.when,
+            model=self.model,
+            stuck_after_s=c.stuck_after_s,
+            gpu_events=self.gpu_events is not None,
+        )
+
+    def stop(self) -> None:
+        """Returns at once: the threads notice within their wait; nothing they produce is judged any more."""
+        self._stop.set()
+        if self.gpu_events is not None:
+            self.gpu_events.stop()
+
+    def close(self) -> None:
+        self.stop()
+        if self.gpu_events is not None:
+            self.gpu_events.close()
+
+    # -- threads: they only produce results ------------------------------------------
+
+    def _canary_loop(self) -> None:
+        c = self.cfg
+        assert self.model is not None
+        wait = c.canary_interval_s
+        while not self._stop.wait(wait):
+            latest = self._latest
+            if c.when == "idle" and latest is not None and (latest.in_flight or 0) > 0:
+                wait = c.canary_interval_s  # busy: token progress is the check that applies
+                continue
+            result = send_canary(self.completions_url, self.model, c.canary_timeout_s, self._key, self._http)
+            if self._stop.is_set():
+                return
+            self._canaries.put(result)
+            self._wake()
+            wait = c.canary_interval_s if result.ok else min(c.canary_interval_s, RETRY_S)
+
+    def _metrics_loop(self) -> None:
+        c = self.cfg
+        while not self._stop.wait(c.metrics_interval_s):
+            sample: EngineMetrics | str
+            try:
+                self._latest = sample = fetch_metrics(c.metrics_url, min(c.metrics_interval_s, 10.0), self._http)
+                if sample.in_flight is not None:
+                    self._latest_in_flight = (time.monotonic(), sample.in_flight)
+            except MetricsError as exc:
+                sample, self._latest = str(exc), None
+            self._samples.put((time.monotonic(), sample))
+            self._wake()
+
+    # -- the loop's side ----------------------------------------------------------------
+
+    def check(self) -> None:
+        """Judge what the threads produced; raise EngineWedged or GpuFailed."""
+        self._check_canaries()
+        self._check_progress()
+        if self.gpu_events is not None:
+            self.gpu_events.check()
+
+    def _check_canaries(self) -> None:
+        c = self.cfg
+        while True:
+            try:
+                r = self._canaries.get_nowait()
+            except queue.Empty:
+                return
+            if self._on_canary is not None:
+                self._on_canary(r.ok, r.latency_s)
+            latency_ms = round(r.latency_s * 1000, 1)
+            if r.ok:
+                if self.canary_failures:
+                    self._log.info("liveness.canary_recovered", after_failures=self.canary_failures)
+                self.canaries_ok += 1
+                (self._log.info if self.canaries_ok == 1 else self._log.debug)(
+                    "liveness.canary_ok", latency_ms=latency_ms, model=self.model
+                )
+                self.canary_failures = 0
+                continue
+            self.canary_failures += 1
+            self._log.warning(
+                "liveness.canary_failed",
+                failures=self.canary_failures,
+                tolerated=c.failures_tolerated,
+                error=r.error,
+                latency_ms=latency_ms,
+            )
+            self._notifier.send(
+                STATUS=f"ready, but the canary completion is failing "
+                f"({self.canary_failures}/{c.failures_tolerated}): {r.error}"[:400]
+            )
+            if self.canary_failures >= c.failures_tolerated:
+                raise EngineWedged(
+                    f"engine wedged: the 1-token canary completion failed {self.canary_failures} times in a row "
+                    f"({r.error})"
+                )
+
+    def _check_progress(self) -> None:
+        while True:
+            try:
+                at, sample = self._samples.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(sample, str):
+                if sample != self._metrics_error:
+                    self._log.warning("liveness.metrics_unavailable", error=sample)
+                self._metrics_error = sample
+                continue
+            self._metrics_error = ""
+            if (sample.running is None or sample.generation_tokens is None) and not self._metrics_missing_logged:
+                self._metrics_missing_logged = True
+                self._log.warning(
+                    "liveness.metrics_missing",
+                    why="vllm:num_requests_running or vllm:generation_tokens_total not in /metrics: "
+                    "token progress is not checked",
+                )
+            if self.cfg.stuck_after_s <= 0:
+                continue
+            verdict = self._tracker.observe(at, sample)
+            if verdict is not None:
+                raise EngineWedged(f"engine wedged: {verdict}")

@@ -1,0 +1,1 @@
+"""The operator's view: state file, history, load ETA, our Prometheus textfile, the vLLM tree."""

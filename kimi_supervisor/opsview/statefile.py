@@ -1,0 +1,187 @@
+"""The live state file (`<runtime_directory>/state.json`): written by the daemon, read by `status`.
+
+The daemon replaces it atomically whenever something an operator would want
+to see changed (at most about once a second, at once on a transition), mode
+0644 so `kimi-supervisor status` needs no root.  It carries no secrets: roles,
+PIDs, numbers and the root-cause line (child lines are already redacted).
+
+A reader must not trust the phase of a file whose writer is gone: `supervisor`
+names the writer's PID *and* its start time, so a recycled PID is not mistaken
+for a live supervisor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, cast
+
+import psutil
+
+from kimi_supervisor.files.atomic import ensure_directory, write_atomic
+from kimi_supervisor.files.untrusted import (
+    Untrusted,
+    boolean,
+    integer,
+    items,
+    mapping,
+    number,
+    printable,
+    read_json,
+    string,
+)
+from kimi_supervisor.logs.types import Logger
+
+SCHEMA = 1
+FILE_NAME = "state.json"
+# Every key a reader may rely on (the tests check the daemon writes exactly these).
+TOP_LEVEL_KEYS = (
+    "schema",
+    "supervisor",
+    "phase",
+    "status",
+    "since",
+    "started_at",
+    "spawned_at",
+    "ready_at",
+    "ended_at",
+    "exit_code",
+    "updated_at",
+    "loading",
+    "processes",
+    "gpus",
+    "gpu_error",
+    "health",
+    "canary",
+    "watchdog",
+    "last_failure",
+)
+
+
+def process_start_time(pid: int) -> float | None:
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+class StateFile:
+    """Writes the document; a failure is warned about once per outage and never raised (serving goes on)."""
+
+    def __init__(self, directory: Path, log: Logger) -> None:
+        self.path = directory / FILE_NAME
+        self._log = log
+        self._warned = False
+
+    def write(self, doc: dict[str, Any]) -> bool:
+        try:
+            ensure_directory(self.path.parent)
+            write_atomic(self.path, (json.dumps(doc, indent=1) + "\n").encode())
+        except OSError as exc:
+            if not self._warned:
+                self._log.warning("state_file.unwritable", path=str(self.path), error=str(exc), why="serving goes on")
+                self._warned = True
+            return False
+        if self._warned:
+            self._log.info("state_file.writable_again", path=str(self.path))
+            self._warned = False
+        return True
+
+
+MAX_BYTES = 1 << 20  # a state file is a few KiB; its process list is capped at 4096 entries
+MAX_DEPTH = 8  # the document nests 4 deep (processes -> process -> gpus -> gpu)
+PHASES = ("preflight", "starting", "ready", "stopping", "stopped", "failed")
+TIMES = ("since", "started_at", "spawned_at", "ready_at", "ended_at", "updated_at")
+PID_MAX = 1 << 22  # the kernel's largest pid_max
+
+
+def read_state(path: Path) -> dict[str, Any] | None:
+    """The document at `path`, or None when there is none; ValueError (untrusted.Untrusted) when it is not one.
+
+    Every field `status` renders is checked here, so rendering never meets a wrong type or an absurd number.
+    """
+    doc = read_json(path, max_bytes=MAX_BYTES, max_depth=MAX_DEPTH)
+    if doc is None:
+        return None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise Untrusted(f"{path}: not a schema-{SCHEMA} state file")
+    try:
+        validate_state(doc)
+    except Untrusted as exc:
+        raise Untrusted(f"{path}: {exc}") from None
+    return doc
+
+
+def validate_state(doc: dict[str, Any]) -> None:
+    sup = mapping(doc.get("supervisor"), "supervisor")
+    integer(sup.get("pid"), "supervisor.pid", hi=PID_MAX)
+    number(sup.get("start_time"), "supervisor.start_time")
+    string(sup.get("version"), "supervisor.version", longest=200)
+    string(sup.get("config"), "supervisor.config")
+    phase = doc.get("phase")
+    if phase is not None and phase not in PHASES:
+        raise Untrusted(f"phase: {printable(phase)[:40]!r} is not one of {', '.join(PHASES)}")
+    string(doc.get("status"), "status")
+    for name in TIMES:
+        number(doc.get(name), name)
+    integer(doc.get("exit_code"), "exit_code", lo=-255, hi=255)
+    loading = mapping(doc.get("loading"), "loading")
+    string(loading.get("phase"), "loading.phase")
+    integer(loading.get("shards_done"), "loading.shards_done")
+    integer(loading.get("shards_total"), "loading.shards_total")
+    number(loading.get("percent"), "loading.percent", hi=100)
+    number(loading.get("elapsed_s"), "loading.elapsed_s")
+    number(loading.get("eta_s"), "loading.eta_s")
+    string(loading.get("eta_basis"), "loading.eta_basis")
+    pids: set[int] = set()
+    for i, raw in enumerate(items(doc.get("processes"), "processes")):
+        proc = mapping(raw, f"processes[{i}]", optional=False)
+        integer(proc.get("pid"), f"processes[{i}].pid", optional=False, hi=PID_MAX)
+        integer(proc.get("ppid"), f"processes[{i}].ppid", hi=PID_MAX)
+        string(proc.get("label"), f"processes[{i}].label", optional=False, longest=200)
+        pid = cast(int, proc["pid"])  # checked just above
+        if pid in pids:  # a tree with a PID twice could be walked in a cycle
+            raise Untrusted(f"processes[{i}].pid: {pid} listed twice")
+        pids.add(pid)
+        for j, gpu in enumerate(items(proc.get("gpus"), f"processes[{i}].gpus", longest=64)):
+            g = mapping(gpu, f"processes[{i}].gpus[{j}]", optional=False)
+            integer(g.get("index"), f"processes[{i}].gpus[{j}].index", optional=False)
+            integer(g.get("used_mib"), f"processes[{i}].gpus[{j}].used_mib")
+    for i, gpu in enumerate(items(doc.get("gpus"), "gpus", longest=64)):
+        g = mapping(gpu, f"gpus[{i}]", optional=False)
+        integer(g.get("index"), f"gpus[{i}].index", optional=False)
+        integer(g.get("used_mib"), f"gpus[{i}].used_mib")
+        integer(g.get("total_mib"), f"gpus[{i}].total_mib")
+    string(doc.get("gpu_error"), "gpu_error")
+    health = mapping(doc.get("health"), "health")
+    boolean(health.get("ok"), "health.ok")
+    number(health.get("latency_s"), "health.latency_s", optional=health.get("ok") is not True)
+    number(health.get("at"), "health.at")
+    string(health.get("error"), "health.error")
+    integer(health.get("consecutive_failures"), "health.consecutive_failures")
+    canary = mapping(doc.get("canary"), "canary")
+    boolean(canary.get("ok"), "canary.ok")
+    number(canary.get("latency_s"), "canary.latency_s", optional=canary.get("ok") is None)
+    number(canary.get("at"), "canary.at")
+    wd = mapping(doc.get("watchdog"), "watchdog")
+    boolean(wd.get("enabled"), "watchdog.enabled")
+    number(wd.get("interval_s"), "watchdog.interval_s", optional=not wd.get("enabled"))
+    number(wd.get("last_ping_at"), "watchdog.last_ping_at")
+    integer(wd.get("pings"), "watchdog.pings")
+    failure = mapping(doc.get("last_failure"), "last_failure")
+    number(failure.get("at"), "last_failure.at")
+    integer(failure.get("exit_code"), "last_failure.exit_code", lo=-255, hi=255)
+    string(failure.get("root_cause"), "last_failure.root_cause")
+
+
+def writer_alive(doc: dict[str, Any]) -> bool:
+    """True while the supervisor that wrote `doc` still runs (same PID, same start time)."""
+    sup = doc.get("supervisor") or {}
+    pid, started = sup.get("pid"), sup.get("start_time")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid <= PID_MAX:
+        return False
+    if not isinstance(started, (int, float)) or not math.isfinite(started):
+        return False
+    now_started = process_start_time(pid)
+    return now_started is not None and abs(now_started - started) < 1.0

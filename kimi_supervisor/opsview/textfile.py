@@ -1,0 +1,131 @@
+"""Prometheus metrics for node_exporter's textfile collector (`[metrics] textfile`).
+
+The supervisor serves no HTTP of its own; node_exporter reads `*.prom` files
+from its textfile directory.  A snapshot of numbers goes through
+prometheus_client (its own CollectorRegistry, its exposition format) and is
+replaced atomically.  Not via `write_to_textfile`: that leaves the file's mode
+to the umask (the unit's `UMask=0027` would hide it from node_exporter's user)
+and does not fsync; `atomicfile.write_atomic` does both around the same
+`generate_latest` bytes.
+
+Counters come from the run history's cumulative counters, so they do not
+reset when systemd restarts the service (a reset would read as a rate spike).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kimi_supervisor.exitcodes import ExitCode
+from kimi_supervisor.files.atomic import write_atomic
+from kimi_supervisor.host.gpu import MIB
+from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.states import State
+
+PREFIX = "kimi_supervisor"
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsSnapshot:
+    state: str
+    ready_timestamp_s: float | None = None
+    last_load_s: float | None = None
+    restarts: int = 0
+    preflight_kills: int = 0
+    shm_removed: int = 0
+    health_latency_s: float | None = None
+    canary_latency_s: float | None = None
+    gpu_used_mib_at_start: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    last_failure: tuple[int, str] | None = None  # (exit code, root cause)
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, snap: MetricsSnapshot) -> None:
+        self.snap = snap
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snap
+        state = GaugeMetricFamily(
+            f"{PREFIX}_state", "1 for the supervisor's current lifecycle state, 0 for the others", labels=["state"]
+        )
+        for candidate in State:
+            state.add_metric([candidate.value], 1.0 if candidate.value == s.state else 0.0)
+        yield state
+        yield _gauge(
+            "ready_timestamp_seconds", "Unix time this run sent READY=1 (0 while not ready)", s.ready_timestamp_s or 0.0
+        )
+        if s.last_load_s is not None:
+            yield _gauge("last_load_seconds", "Spawn to ready of the latest successful load", s.last_load_s)
+        yield CounterMetricFamily(
+            f"{PREFIX}_restarts", "Starts of the supervisor after the first one this state directory saw", s.restarts
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_preflight_kills", "Stale GPU-holding processes the preflight killed", s.preflight_kills
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_shm_removals", "Stale shared-memory files the preflight removed", s.shm_removed
+        )
+        if s.health_latency_s is not None:
+            yield _gauge("health_latency_seconds", "Duration of the latest GET /health", s.health_latency_s)
+        if s.canary_latency_s is not None:
+            yield _gauge("canary_latency_seconds", "Duration of the latest canary completion", s.canary_latency_s)
+        gpu = GaugeMetricFamily(
+            f"{PREFIX}_gpu_memory_used_at_start_bytes",
+            "GPU memory in use when vLLM was spawned (after the preflight), per GPU",
+            labels=["gpu"],
+        )
+        for index, mib in sorted(s.gpu_used_mib_at_start.items()):
+            gpu.add_metric([str(index)], float(mib * MIB))
+        yield gpu
+        if s.last_failure is not None:
+            # Labels from a bounded set only: the root cause is vLLM's text (maybe a client's words) and would
+            # make a new series per failure; `kimi-supervisor status` and the journal quote it.
+            info = InfoMetricFamily(
+                f"{PREFIX}_last_failure", "Exit code and reason (from the exit code) of the latest failed run"
+            )
+            code = s.last_failure[0]
+            info.add_metric([], {"exit_code": str(code), "reason": failure_reason(code)})
+            yield info
+
+
+def failure_reason(code: int) -> str:
+    """The exit code's name (`child_died`, `gpu_failed`, ...), or `unknown`: one of a fixed set."""
+    try:
+        return ExitCode(code).name.lower()
+    except ValueError:
+        return "unknown"
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", documentation, value=value)
+
+
+def render(snap: MetricsSnapshot) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SnapshotCollector(snap))
+    data: bytes = generate_latest(registry)
+    return data
+
+
+class MetricsWriter:
+    """Writes snapshots to `path`; an unwritable path is warned about once per outage, never raised."""
+
+    def __init__(self, path: Path, log: Logger) -> None:
+        self.path = path
+        self._log = log
+        self._warned = False
+
+    def write(self, snap: MetricsSnapshot) -> None:
+        try:
+            write_atomic(self.path, render(snap))
+            self._warned = False
+        except OSError as exc:
+            if not self._warned:
+                self._log.warning("metrics.unwritable", path=str(self.path), error=str(exc), why="serving goes on")
+                self._warned = True

@@ -1,0 +1,292 @@
+"""The operator's view of a run: the state file, the run history, the load ETA, the metrics textfile.
+
+One observer, fed by small hooks so the lifecycle code stays readable:
+the state machine calls `on_state` on each transition, everything the
+supervisor tells systemd passes through `tap` (STATUS= text, WATCHDOG=1
+pings), the loop hands over health results (`on_health`) and calls `tick`,
+which refreshes the process tree and GPU memory (every 2 s while starting,
+every health interval once ready) and rewrites the state file at most once a
+second.  Nothing here may stop a run: files that cannot be written are warned
+about once, and an unexpected error in this module is logged, not raised.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast
+
+from kimi_supervisor import __version__
+from kimi_supervisor.child.readiness import ReadinessTracker
+from kimi_supervisor.config.model import Config
+from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable
+from kimi_supervisor.liveness.health_probe import HealthResult
+from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.opsview.eta import LoadEta
+from kimi_supervisor.opsview.history import FILE_NAME as HISTORY_FILE
+from kimi_supervisor.opsview.history import History
+from kimi_supervisor.opsview.statefile import SCHEMA, StateFile, process_start_time
+from kimi_supervisor.opsview.textfile import MetricsSnapshot, MetricsWriter
+from kimi_supervisor.opsview.tree import describe_tree, with_gpu_memory
+from kimi_supervisor.states import State
+from kimi_supervisor.systemd.notify import Notifier
+
+STARTING_REFRESH_S = 2.0
+STOPPING_REFRESH_S = 1.0
+WRITE_EVERY_S = 1.0
+# The loop wakes for every burst of output; progress lines come seconds apart.
+OBSERVE_EVERY_S = 0.25
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _never_fatal(method: _F) -> _F:
+    """The view reports on the service; a bug in it must not take the service down."""
+
+    @functools.wraps(method)
+    def wrapper(self: OperatorView, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception:
+            if method.__name__ not in self._failed_methods:  # once per method, not every tick
+                self._failed_methods.add(method.__name__)
+                self._log.error("operator_view.error", method=method.__name__, traceback=traceback.format_exc())
+            return None
+
+    return cast(_F, wrapper)
+
+
+class _Tap:
+    """A Notifier that passes everything on and lets the view see it."""
+
+    def __init__(self, inner: Notifier, view: OperatorView) -> None:
+        self._inner = inner
+        self._view = view
+
+    def send(self, **fields: str | int) -> None:
+        self._inner.send(**fields)
+        self._view.on_notify(fields)
+
+
+class OperatorView:
+    def __init__(
+        self,
+        cfg: Config,
+        probe: GpuProbe,
+        log: Logger,
+        tracker: ReadinessTracker,
+        watchdog_s: float | None,
+        *,
+        wall: Callable[[], float] = time.time,
+        mono: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._cfg = cfg
+        self._probe = probe
+        self._log = log
+        self._tracker = tracker
+        self._wall = wall
+        self._mono = mono
+        self._failed_methods: set[str] = set()
+        pid = os.getpid()
+        self.state_file = StateFile(cfg.paths.runtime_directory, log)
+        self.history = History(cfg.paths.state_directory / HISTORY_FILE, log, pid)
+        self.metrics = MetricsWriter(cfg.metrics.textfile, log) if cfg.metrics.textfile else None
+        self.eta = LoadEta(None)
+        self._child_pid: int | None = None
+        self._spawned_mono: float | None = None
+        self._gpu_at_start: dict[int, int] = {}
+        self._last_refresh = self._last_write = self._last_metrics = self._last_observe = -1e9
+        self._dirty = False
+        self.doc: dict[str, Any] = {
+            "schema": SCHEMA,
+            "supervisor": {
+                "pid": pid,
+                "start_time": process_start_time(pid),
+                "version": __version__,
+                "config": os.path.abspath(cfg.path),
+            },
+            "phase": State.PREFLIGHT.value,
+            "status": "",
+            "since": wall(),
+            "started_at": wall(),
+            "spawned_at": None,
+            "ready_at": None,
+            "ended_at": None,
+            "exit_code": None,
+            "updated_at": wall(),
+            "loading": None,
+            "processes": [],
+            "gpus": [],
+            "gpu_error": None,
+            "health": {"ok": None, "latency_s": None, "at": None, "error": None, "consecutive_failures": 0},
+            "canary": {"ok": None, "latency_s": None, "at": None},  # null until the first canary (liveness.py)
+            "watchdog": {"enabled": watchdog_s is not None, "interval_s": watchdog_s, "last_ping_at": None, "pings": 0},
+            "last_failure": None,
+        }
+
+    # -- hooks --------------------------------------------------------------------
+
+    def tap(self, inner: Notifier) -> Notifier:
+        return _Tap(inner, self)
+
+    @_never_fatal
+    def on_notify(self, fields: Mapping[str, str | int]) -> None:
+        if "STATUS" in fields:
+            self.doc["status"] = str(fields["STATUS"])
+            self._dirty = True
+        if "WATCHDOG" in fields:
+            wd = self.doc["watchdog"]
+            wd["last_ping_at"], wd["pings"] = self._wall(), wd["pings"] + 1
+            self._dirty = True
+
+    @_never_fatal
+    def on_state(self, state: State, status: str, fields: Mapping[str, Any]) -> None:
+        now = self._wall()
+        self.doc.update(phase=state.value, status=status, since=now)
+        if state is State.PREFLIGHT:
+            self.history.begin(now)
+            self.eta = LoadEta(self.history.data.last_successful_load())
+            self.doc["last_failure"] = self._last_failure_from_history()
+        elif state is State.STARTING:
+            self._child_pid = fields.get("pid")
+            self._spawned_mono = self._mono()
+            self.doc["spawned_at"] = now
+            self._refresh()
+            self._gpu_at_start = {g["index"]: g["used_mib"] for g in self.doc["gpus"]}
+        elif state is State.READY:
+            self.doc["ready_at"] = now
+            self.doc["loading"] = None
+            load_s = float(fields.get("startup_s", now - (self.doc["spawned_at"] or now)))
+            tail = None if self.eta.weights_done_at is None else self._mono() - self.eta.weights_done_at
+            self.history.ready(now, load_s, tail)
+            self._refresh()
+        elif state in (State.STOPPED, State.FAILED):
+            code = int(fields.get("exit_code", 0))
+            cause = status.removeprefix("failed: ") if state is State.FAILED else fields.get("root_cause")
+            self.doc.update(ended_at=now, exit_code=code, loading=None, processes=[])
+            if state is State.FAILED:
+                self.doc["last_failure"] = {"at": now, "exit_code": code, "root_cause": cause}
+            self.history.end(now, code, cause)
+        self._write(force_metrics=True)
+
+    @_never_fatal
+    def on_preflight(self, kills: int, shm_removed: int) -> None:
+        self.history.count("preflight_kills_total", kills)
+        self.history.count("shm_removed_total", shm_removed)
+
+    @_never_fatal
+    def on_health(self, result: HealthResult) -> None:
+        h = self.doc["health"]
+        h.update(ok=result.ok, latency_s=round(result.latency_s, 6), at=self._wall(), error=result.error)
+        h["consecutive_failures"] = 0 if result.ok else h["consecutive_failures"] + 1
+        self._dirty = True
+
+    @_never_fatal
+    def on_canary(self, ok: bool, latency_s: float) -> None:
+        self.doc["canary"] = {"ok": ok, "latency_s": round(latency_s, 6), "at": self._wall()}
+        self._dirty = True
+
+    @_never_fatal
+    def eta_text(self, elapsed_s: float) -> str | None:
+        """`~3m10s left` for STATUS=, or None when there is no basis for an estimate."""
+        self._observe_loading()
+        est = self.eta.estimate(self._mono(), elapsed_s)
+        return est.text() if est else None
+
+    @_never_fatal
+    def tick(self) -> None:
+        """Called from the loop on every wake-up: cheap unless a refresh or a write is due."""
+        mono = self._mono()
+        phase = self.doc["phase"]
+        every = {
+            State.STARTING.value: STARTING_REFRESH_S,
+            State.READY.value: self._cfg.health.interval_s,
+            State.STOPPING.value: STOPPING_REFRESH_S,
+        }.get(phase)
+        if every is not None and mono - self._last_refresh >= every:
+            self._refresh()
+        if phase == State.STARTING.value and mono - self._last_observe >= OBSERVE_EVERY_S:
+            self._observe_loading()
+        if self._dirty and mono - self._last_write >= WRITE_EVERY_S:
+            self._write(force_metrics=False)
+
+    # -- internals ----------------------------------------------------------------
+
+    def _observe_loading(self) -> None:
+        if self.doc["phase"] != State.STARTING.value or self._spawned_mono is None:
+            return
+        mono = self._last_observe = self._mono()
+        t = self._tracker
+        self.eta.observe(mono, t.progress, t.weights_loaded)
+        elapsed = mono - self._spawned_mono
+        est = self.eta.estimate(mono, elapsed)
+        p = t.progress
+        self.doc["loading"] = {
+            "phase": t.phase,
+            "shards_done": p.done if p else None,
+            "shards_total": p.total if p else None,
+            "percent": p.percent if p else None,
+            "elapsed_s": round(elapsed, 1),
+            "eta_s": round(est.remaining_s, 1) if est else None,
+            "eta_basis": est.basis if est else None,
+        }
+        self._dirty = True
+
+    def _refresh(self) -> None:
+        self._last_refresh = self._mono()
+        members = describe_tree(self._child_pid) if self._child_pid else []
+        gpus, error = self._gpus()
+        gpu_rows: list[dict[str, Any]] = []
+        if gpus:
+            try:
+                members = with_gpu_memory(members, self._probe, gpus)
+                for index in gpus:
+                    m = self._probe.memory(index)
+                    gpu_rows.append({"index": index, "used_mib": m.used_mib, "total_mib": m.total_mib})
+            except GpuUnavailable as exc:
+                error = str(exc)
+        self.doc.update(processes=[m.to_dict() for m in members], gpus=gpu_rows, gpu_error=error)
+        self._dirty = True
+
+    def _gpus(self) -> tuple[tuple[int, ...], str | None]:
+        if self._cfg.preflight.gpus is not None:
+            return self._cfg.preflight.gpus, None
+        try:
+            return tuple(range(self._probe.device_count())), None
+        except GpuUnavailable as exc:
+            return (), str(exc)
+
+    def _last_failure_from_history(self) -> dict[str, Any] | None:
+        for run in reversed(self.history.data.runs):
+            if run.exit_code not in (None, 0) or (run.exit_code is None and run.root_cause):
+                return {"at": run.end, "exit_code": run.exit_code, "root_cause": run.root_cause}
+        return None
+
+    def _write(self, force_metrics: bool) -> None:
+        mono = self._mono()
+        self.doc["updated_at"] = self._wall()
+        self.state_file.write(self.doc)
+        self._last_write, self._dirty = mono, False
+        if self.metrics and (force_metrics or mono - self._last_metrics >= self._cfg.health.interval_s):
+            self._last_metrics = mono
+            self.metrics.write(self._snapshot())
+
+    def _snapshot(self) -> MetricsSnapshot:
+        counters = self.history.data.counters
+        last = self.history.data.last_successful_load()
+        failure = self.doc["last_failure"]
+        return MetricsSnapshot(
+            state=self.doc["phase"],
+            ready_timestamp_s=self.doc["ready_at"],
+            last_load_s=last.load_s if last else None,
+            restarts=max(0, counters["starts_total"] - 1),
+            preflight_kills=counters["preflight_kills_total"],
+            shm_removed=counters["shm_removed_total"],
+            health_latency_s=self.doc["health"]["latency_s"],
+            canary_latency_s=self.doc["canary"]["latency_s"],
+            gpu_used_mib_at_start=self._gpu_at_start,
+            last_failure=((int(failure["exit_code"] or 0), str(failure["root_cause"] or "")) if failure else None),
+        )

@@ -1,0 +1,198 @@
+"""The systemd unit: one template, rendered for packaging/ and by `install-unit`.
+
+packaging/systemd/kimi-supervisor.service is this template rendered with the
+defaults (a test keeps them identical); `kimi-supervisor install-unit` renders
+it with the command that runs this very installation and reloads systemd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kimi_supervisor.config.load import DEFAULT_PATH
+from kimi_supervisor.exitcodes import ExitCode, NoPermission, ServiceUnavailable
+
+UNIT_NAME = "kimi-supervisor.service"
+DEFAULT_EXEC = "/usr/local/bin/kimi-supervisor"
+DEFAULT_UNIT_DIR = Path("/etc/systemd/system")
+# What `install-unit` derives from etc/kimi-supervisor.toml (timeouts.unit_timeout_stop_s; a test keeps them
+# equal): grace 315 (vLLM drains 300 s + 15 s worker shutdown) + SIGKILL wait 5 + GPU release 30 + exit 10.
+DEFAULT_STOP_S = 360
+
+TEMPLATE = """\
+# kimi-supervisor: vLLM serving Kimi-K2.5-NVFP4 (TP=8) as a Type=notify service.
+# Rendered by `kimi-supervisor install-unit`; edit the config, not this file.
+[Unit]
+Description=vLLM Kimi-K2.5 NVFP4 (TP=8) supervised by kimi-supervisor
+Documentation=file:///usr/share/doc/kimi-supervisor/README.md
+# The driver's persistence daemon keeps GPUs initialised; the API needs the network.
+After=network-online.target nvidia-persistenced.service
+Wants=network-online.target
+# Five failed starts within an hour stop the restart loop (a 9-minute load each).
+StartLimitIntervalSec=3600
+StartLimitBurst=5
+
+[Service]
+Type=notify
+# Only the supervisor speaks sd_notify; vLLM's processes must not.
+NotifyAccess=main
+ExecStart={command}
+# First window only: the supervisor extends it (EXTEND_TIMEOUT_USEC) while vLLM makes progress.
+TimeoutStartSec=180
+# Derived from the config by install-unit: shutdown.grace_s (covers vLLM's --shutdown-timeout drain and
+# its worker shutdown) + SIGKILL wait (5) + shutdown.gpu_release_timeout_s + 10 s for the supervisor's exit.
+# Shorter, and systemd SIGKILLs the cgroup while vLLM still drains (check-config and --dry-run warn).
+TimeoutStopSec={stop_s}
+# Pinged only while GET /health passes; a hung server is killed and restarted.
+WatchdogSec=60
+# SIGTERM to the supervisor alone (it stops its tree in order), then SIGKILL to whatever is left.
+KillMode=mixed
+Restart=on-failure
+RestartSec=15
+# 78 = configuration error: restarting cannot fix it.
+RestartPreventExitStatus={config_exit}
+# vLLM pins host memory for GPU transfers and opens many files (119 shards, sockets).
+LimitMEMLOCK=infinity
+LimitNOFILE=1048576
+# Journal lines keep their priority (the supervisor sends native journal records).
+SyslogIdentifier=kimi-supervisor
+# journald rate-limits per unit and priority; a chatty vLLM used up the default (10000 per 30 s) and the
+# supervisor's own records (state.*, stop.*) were dropped. The supervisor forwards at most 4000 child lines
+# a second per priority (the rest are counted in "child.suppressed" records): at most 44000 in any 10 s
+# window, so this burst always leaves room for its own records.
+LogRateLimitIntervalSec=10s
+LogRateLimitBurst=60000
+# /run/kimi-supervisor: the instance lock and the live state file. Preserved across stops: removing it
+# while another instance (started from a shell) holds its lock would let a third one in beside it.
+RuntimeDirectory=kimi-supervisor
+RuntimeDirectoryMode=0755
+RuntimeDirectoryPreserve=yes
+# /var/lib/kimi-supervisor: the run history, kept across restarts and reboots.
+StateDirectory=kimi-supervisor
+StateDirectoryMode=0755
+
+# Hardening that vLLM still runs under (see README, "Hardening").
+NoNewPrivileges=yes
+ProtectSystem=full
+PrivateTmp=yes
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectKernelLogs=yes
+ProtectControlGroups=yes
+ProtectClock=yes
+ProtectHostname=yes
+RestrictRealtime=yes
+RestrictSUIDSGID=yes
+RestrictNamespaces=yes
+LockPersonality=yes
+SystemCallArchitectures=native
+# NCCL and the API use IP sockets; NCCL and the supervisor use UNIX sockets; netlink lists interfaces.
+RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
+# KILL: reap stale workers of any user; SETUID/SETGID: child.user; SYS_PTRACE/DAC_READ_SEARCH: read
+# other processes' /proc fds and maps; FOWNER: remove others' files in sticky /dev/shm; IPC_LOCK: memlock;
+# DAC_OVERRIDE: a root child reads model files and caches whatever their mode; LEASE: the write-lease
+# probe answers for shm files of other users whose holders /proc does not show.
+CapabilityBoundingSet=CAP_KILL CAP_SETUID CAP_SETGID CAP_SYS_PTRACE CAP_DAC_READ_SEARCH CAP_FOWNER CAP_IPC_LOCK \\
+    CAP_DAC_OVERRIDE CAP_LEASE
+# Allow-list of the syscalls ordinary services use, minus groups vLLM never needs; a blocked call
+# fails with EPERM instead of killing the server. (@resources stays: torch sets CPU affinity.)
+SystemCallFilter=@system-service
+SystemCallFilter=~@mount @reboot @swap @module @raw-io @obsolete @cpu-emulation @clock @debug
+SystemCallErrorNumber=EPERM
+# Caches and logs the server writes are not world-readable.
+UMask=0027
+# Not set, because vLLM breaks: MemoryDenyWriteExecute (Triton/torch.compile JIT), PrivateDevices
+# (/dev/nvidia*), ProtectHome (model venv and caches under /root), PrivateNetwork and IPAddressDeny (it
+# serves clients), ProtectProc=invisible (the preflight must see stale processes of every user).
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def systemd_quote(word: str, *, executable: bool = False) -> str:
+    """One ExecStart= word, written so systemd reads back exactly `word` (systemd.service(5), "Command
+    lines"): `%` is a specifier (`%%`), `$` in an argument an environment reference (`$$`; the executable
+    is not substituted), backslash escapes are C-style, and a word with whitespace or quotes is
+    double-quoted.  systemd refuses quotes, backslashes and control characters in the executable's path."""
+    if executable and any(c in "\\\"'" or ord(c) < 0x20 or ord(c) == 0x7F for c in word):
+        raise ServiceUnavailable(
+            f"systemd cannot run an executable whose path has quotes, backslashes or control characters: {word!r}"
+        )
+    out = []
+    for c in word:
+        if c in '\\"':
+            out.append("\\" + c)
+        elif c == "%":
+            out.append("%%")
+        elif c == "$" and not executable:
+            out.append("$$")
+        elif ord(c) < 0x20 or ord(c) == 0x7F:
+            out.append(f"\\x{ord(c):02x}")
+        else:
+            out.append(c)
+    text = "".join(out)
+    plain = word and text == word and not any(c.isspace() or c in "'\";" for c in word)
+    return text if plain else f'"{text}"'
+
+
+def render(
+    exec_argv: Sequence[str] | str = (DEFAULT_EXEC,), config_path: Path = DEFAULT_PATH, stop_s: int = DEFAULT_STOP_S
+) -> str:
+    if isinstance(exec_argv, str):
+        exec_argv = [exec_argv]
+    words = [systemd_quote(exec_argv[0], executable=True)]
+    words += [systemd_quote(w) for w in [*exec_argv[1:], "--config", str(config_path)]]
+    command = " ".join(words)
+    return TEMPLATE.format(command=command, config_exit=int(ExitCode.CONFIG), stop_s=int(stop_s))
+
+
+def running_executable(argv0: str | None = None, python: str | None = None) -> list[str]:
+    """The command that runs *this* installation: our console script when that is what runs, else
+    `python -m kimi_supervisor` with this interpreter.  Never a lookup on PATH: under sudo it lacks the
+    venv, and with two installs it finds the other one."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    script = os.path.realpath(argv0) if argv0 else ""
+    if os.path.basename(argv0) == "kimi-supervisor" and os.path.isfile(script) and os.access(script, os.X_OK):
+        return [script]
+    # The interpreter is not resolved: a venv's python is a symlink, and only its own path selects the venv.
+    return [os.path.abspath(python or sys.executable), "-m", "kimi_supervisor"]
+
+
+def install(
+    config_path: Path,
+    unit_dir: Path = DEFAULT_UNIT_DIR,
+    reload: bool = True,
+    exec_argv: Sequence[str] | None = None,
+    stop_s: int = DEFAULT_STOP_S,
+) -> Path:
+    """Write the unit and reload systemd; returns the unit's path."""
+    text = render(running_executable() if exec_argv is None else exec_argv, config_path, stop_s)
+    target = unit_dir / UNIT_NAME
+    tmp = target.with_suffix(".tmp")
+    try:
+        unit_dir.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        tmp.chmod(0o644)
+        tmp.replace(target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        hint = " (run it as root: sudo kimi-supervisor install-unit)" if os.geteuid() != 0 else ""
+        raise NoPermission(f"cannot write {target}: {exc.strerror}{hint}") from None
+    if reload:
+        try:
+            result = subprocess.run(["systemctl", "daemon-reload"], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise ServiceUnavailable(f"wrote {target}, but systemctl daemon-reload could not run: {exc}") from None
+        if result.returncode != 0:
+            why = " ".join(result.stderr.split()) or f"exit status {result.returncode}"
+            denied = ("Access denied", "Permission denied", "Interactive authentication required")
+            error = NoPermission if any(d in why for d in denied) else ServiceUnavailable
+            raise error(f"wrote {target}, but systemctl daemon-reload failed: {why}")
+    return target

@@ -1,0 +1,1 @@
+"""What the tests, the benchmarks and the GPU acceptance harness share: fakes, the harness, /proc helpers."""

@@ -1,0 +1,45 @@
+"""`kimi-supervisor` with NVML replaced by GPUs described in a JSON file (tests only).
+
+    python -m testkit.fakes.gpu_cli GPU_FILE [kimi-supervisor arguments...]
+
+GPU_FILE holds `[{"total_mib": 97887, "holders": {"PID": MiB, ...}}, ...]` and is
+re-read on every probe call, so a test can hand a running supervisor's workers
+a GPU context after it started: the file's holders count only while alive,
+as with the real driver.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from kimi_supervisor.cli import entry as cli
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+
+
+class FileGpuProbe(FakeGpuProbe):
+    def __init__(self, path: Path) -> None:
+        super().__init__([])
+        self.path = path
+
+    def _check(self) -> None:
+        super()._check()
+        data = json.loads(self.path.read_text())
+        self.gpus = [
+            FakeGpu(
+                total_mib=int(g.get("total_mib", 97887)),
+                holders={int(pid): mib for pid, mib in g.get("holders", {}).items()},
+            )
+            for g in data
+        ]
+
+
+def main() -> int:
+    path = Path(sys.argv[1])
+    cli.NvmlProbe = lambda: FileGpuProbe(path)  # type: ignore[assignment,misc,return-value]
+    return cli.main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

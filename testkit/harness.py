@@ -1,0 +1,303 @@
+"""Run the real `kimi-supervisor` CLI around the fake vLLM, with a notify socket.
+
+Shared by the lifecycle tests, the fault matrix and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from testkit.fakes.notify_socket import NotifySocket
+from testkit.procutil import free_port as free_port  # re-exported: tests and benches import it from here
+
+REPO = Path(__file__).resolve().parent.parent
+FAKE = REPO / "testkit" / "fakes" / "fake_vllm.py"
+
+
+def toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(value)
+
+
+def own_dirs(base: Path) -> dict[str, str]:
+    """`[paths]` under `base`: the instance locks, the state file and the history, never the host's own."""
+    return {"runtime_directory": str(base / "run"), "state_directory": str(base / "state")}
+
+
+def write_config(path: Path, sections: dict[str, dict[str, Any]], host_paths: bool = False) -> Path:
+    """Write SECTIONS as TOML.  Without a `paths` table the config gets directories of its own next to the file
+    (a supervisor a test starts must never take the host's port lock or write its state and history);
+    `host_paths=True` keeps the defaults, for a config that runs inside a container, where they are its own."""
+    if "paths" not in sections and not host_paths:
+        sections = {**sections, "paths": own_dirs(path.parent)}
+    lines = []
+    for name, table in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def fake_config(tmp_path: Path, fake_args: list[str] | None = None, tp: int = 2, **sections: dict[str, Any]) -> Path:
+    port = free_port()
+    argv = [
+        sys.executable,
+        str(FAKE),
+        "serve",
+        str(tmp_path / "model"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(tp),
+        "--load-seconds",
+        "0.5",
+        "--shards",
+        "4",
+        "--max-lifetime",
+        "120",
+        *(fake_args or []),
+    ]
+    shm = tmp_path / "shm"
+    shm.mkdir(exist_ok=True)
+    cfg: dict[str, dict[str, Any]] = {
+        "child": {"argv": argv, "env": {"KIMI_TEST_MARKER": str(tmp_path)}},
+        "preflight": {"gpus": [], "check_model": False},
+        "preflight.shm": {"directory": str(shm)},
+        "readiness": {"stall_timeout_s": 20, "deadline_s": 60, "poll_interval_s": 0.1},
+        "health": {"interval_s": 0.3, "timeout_s": 1, "failures_tolerated": 3},
+        "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
+        "paths": own_dirs(tmp_path),
+    }
+    for key, value in sections.items():
+        cfg.setdefault(key.replace("__", "."), {}).update(value)
+    return write_config(tmp_path / "kimi.toml", cfg)
+
+
+PRIVATE_SHM = 'mount -t tmpfs -o mode=1777 kimi-test-shm /dev/shm && exec "$@"'
+
+
+class Run:
+    """A running supervisor: its JSON events, child lines and notify datagrams."""
+
+    def __init__(
+        self,
+        config: Path,
+        tmp_path: Path,
+        env: dict[str, str] | None = None,
+        args: list[str] | None = None,
+        read_stdout: bool = True,
+        entry: list[str] | None = None,
+        private_shm: bool = False,
+    ) -> None:
+        self.notify = NotifySocket(tmp_path)
+        full_env = {**os.environ, "NOTIFY_SOCKET": self.notify.path, "PYTHONPATH": str(REPO), **(env or {})}
+        command = [*(entry or ["-m", "kimi_supervisor"]), "--config", str(config), "--log-format", "json"]
+        # private_shm: the supervisor and its tree in a mount namespace of their own with a fresh tmpfs on
+        # /dev/shm (root only), for a real vLLM, which leaves psm_*/sem.mp-* files there when it is killed: they
+        # vanish with the namespace, and nothing of the host's /dev/shm is ever read, removed or left behind.
+        # `exec`: run.proc.pid is the supervisor itself.
+        wrapper = ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM, "sh"]
+        self.proc = subprocess.Popen(
+            [*(wrapper if private_shm else []), sys.executable, *command, *(args or [])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=full_env,
+            cwd=REPO,
+        )
+        self.events: list[dict[str, Any]] = []
+        self.child_lines: list[dict[str, Any]] = []
+        self.raw_stderr: list[str] = []
+        self._threads = [threading.Thread(target=self._read, args=(self.proc.stderr, True), daemon=True)]
+        self._threads[0].start()
+        if read_stdout:  # else stdout is a pipe nobody reads (a stalled reader) until read_stdout()
+            self.read_stdout()
+
+    def read_stdout(self) -> None:
+        t = threading.Thread(target=self._read, args=(self.proc.stdout, False), daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _read(self, stream: Any, events: bool) -> None:
+        for raw in stream:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            try:
+                record = json.loads(line)
+            except ValueError:
+                self.raw_stderr.append(line)
+                continue
+            (self.events if events else self.child_lines).append(record)
+
+    def event(self, name: str) -> dict[str, Any] | None:
+        return next((e for e in list(self.events) if e.get("event") == name), None)
+
+    def wait_event(self, name: str, timeout: float = 30) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.event(name)
+            if found:
+                return found
+            if self.proc.poll() is not None and not self.event(name):
+                time.sleep(0.2)
+                found = self.event(name)
+                if found:
+                    return found
+                raise AssertionError(
+                    f"supervisor exited {self.proc.returncode} before {name}: {self.names()} {self.raw_stderr[-5:]}"
+                )
+            time.sleep(0.02)
+        raise AssertionError(f"no {name} within {timeout}s: {self.names()}")
+
+    def names(self) -> list[str]:
+        return [e.get("event", "?") for e in list(self.events)]
+
+    @property
+    def child_pid(self) -> int:
+        started = self.wait_event("state.starting")
+        return int(started["pid"])
+
+    def signal(self, sig: signal.Signals = signal.SIGTERM) -> float:
+        t = time.monotonic()
+        self.proc.send_signal(sig)
+        return t
+
+    def wait(self, timeout: float = 30) -> int:
+        rc = self.proc.wait(timeout)
+        for t in self._threads:
+            t.join(timeout=5)
+        self.notify.close()
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.wait()
+
+
+def session_members(sid: int) -> list[psutil.Process]:
+    """Live processes in session `sid` (the child's tree, unless members called setsid)."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (OSError, psutil.NoSuchProcess):
+            continue
+    return out
+
+
+def processes_matching(predicate: Callable[[psutil.Process], bool]) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and predicate(p):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def fake_tree_of(marker: str) -> list[psutil.Process]:
+    """Every live process started with KIMI_TEST_MARKER=`marker` in its environment.
+
+    The environment survives setproctitle-style argv rewriting, setsid and
+    reparenting, so it finds a child tree however its members behaved.
+    """
+
+    def ours(p: psutil.Process) -> bool:
+        try:
+            return p.environ().get("KIMI_TEST_MARKER") == marker
+        except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
+            return False
+
+    return processes_matching(ours)
+
+
+@contextlib.contextmanager
+def http_server(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A threaded loopback HTTP server for `handler` while the block runs; yields its base URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+READY_CHILD = REPO / "testkit" / "ready_child.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadyTimes:
+    """When READY=1 reached the notify socket, the child started listening, and it sent its first 200."""
+
+    ready: float
+    listening: float
+    first_200: float
+
+
+def ready_child_times(tmp: Path, poll_s: float, listen_after: float) -> ReadyTimes:
+    """One real supervisor run around testkit/ready_child.py, listening `listen_after` s after its start line."""
+    argv = [
+        sys.executable,
+        str(READY_CHILD),
+        "--port",
+        str(free_port()),
+        "--listen-after",
+        f"{listen_after:.3f}",
+        "--listening-marker",
+        str(tmp / "listening"),
+        str(tmp / "first-200"),
+    ]
+    shm = tmp / "shm"
+    shm.mkdir()
+    cfg = write_config(
+        tmp / "kimi.toml",
+        {
+            "child": {"argv": argv},
+            "preflight": {"gpus": [], "check_model": False},
+            "preflight.shm": {"directory": str(shm)},
+            "readiness": {"poll_interval_s": poll_s, "deadline_s": 30},
+            "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
+            "paths": own_dirs(tmp),
+        },
+    )
+    run = Run(cfg, tmp)
+    try:
+        run.wait_event("state.ready", timeout=30)
+        deadline = time.monotonic() + 5
+        while (ready := run.notify.first("READY", "1")) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ready is not None, "state.ready logged but no READY=1 datagram"
+        run.signal()
+        rc = run.wait(timeout=15)
+        assert rc == 0, f"supervisor exited {rc}"
+        return ReadyTimes(ready[0], float((tmp / "listening").read_text()), float((tmp / "first-200").read_text()))
+    finally:
+        run.kill()

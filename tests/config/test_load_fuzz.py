@@ -1,0 +1,110 @@
+"""Any bytes as a config file: a Config or a one-line ConfigError (exit 78), in bounded time and memory.
+
+Also: Ctrl-C during a dry run is exit 130 without a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kimi_supervisor.config.load import load_config
+from kimi_supervisor.config.model import Config
+from kimi_supervisor.exitcodes import ConfigError
+from testkit.harness import REPO, write_config
+
+TOKENS = [
+    "[", "]", "[[", "]]", "{", "}", "=", " = ", ",", ".", '"', "'", '"""', "'''", "\n", " ", "\t", "#", "\\",
+    "\\u0000", "\\n", "child", "argv", "env", "user", "group", "preflight", "shm", "directory", "health",
+    "interval_s", "deadline_s", "gpus", "x", "1", "-1", "1e-300", "1e400", "inf", "nan", "0x7f", "true",
+    "1979-05-27T07:32:00Z", '"vllm"', '"/dev/shm"', '"a=b"', "\x00", "\xff", "é", "\u2028",
+]  # fmt: skip
+
+toml_soup = st.lists(st.sampled_from(TOKENS), max_size=80).map(lambda parts: "".join(parts).encode("utf-8", "replace"))
+nested = st.builds(
+    lambda opener, depth, prefix: (prefix + "x = " + opener * depth).encode(),
+    st.sampled_from(["[", "{a=", "[{a=", "{a.b="]),
+    st.integers(1, 30_000),
+    st.sampled_from(["", '[child]\nargv = ["vllm"]\n']),
+)
+valid_prefix = st.builds(
+    lambda tail: b'[child]\nargv = ["vllm", "serve", "/m"]\n' + tail, st.binary(max_size=200) | toml_soup
+)
+any_bytes = st.one_of(st.binary(max_size=2000), toml_soup, nested, valid_prefix)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(any_bytes)
+def test_any_bytes_give_a_config_or_one_config_error_in_bounded_time_and_memory(
+    tmp_path_factory: Any, raw: bytes
+) -> None:
+    path = tmp_path_factory.mktemp("fuzz") / "k.toml"
+    path.write_bytes(raw)
+    tracemalloc.start()
+    start = time.monotonic()
+    try:
+        result: Config | ConfigError = load_config(path)
+    except ConfigError as err:  # anything else (RecursionError, ValueError, ...) fails the test
+        result = err
+    finally:
+        elapsed = time.monotonic() - start
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert elapsed < 10, f"{elapsed:.1f}s for {len(raw)} bytes"
+    assert peak < 64 << 20, f"{peak >> 20} MiB for {len(raw)} bytes"
+    if isinstance(result, ConfigError):
+        assert result.exit_code == 78
+        assert result.message.startswith(str(path)) and len(result.message.splitlines()) == 1
+
+
+def test_largest_accepted_file_parses_in_bounded_time_and_memory(tmp_path: Path) -> None:
+    # Just under 1 MiB (the cap) of a shape that builds many objects: a 262k-element array of strings.
+    head = b'[child]\nargv = ["vllm"]\n[preflight.reap]\nnames = ['
+    count = ((1 << 20) - len(head) - 2) // 4
+    path = tmp_path / "k.toml"
+    path.write_bytes(head + b'"a",' * count + b"]\n")
+    assert (1 << 20) - 4 < path.stat().st_size <= 1 << 20
+    tracemalloc.start()
+    start = time.monotonic()
+    cfg = load_config(path)
+    elapsed = time.monotonic() - start
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(cfg.preflight.reap.names) == count
+    assert elapsed < 30 and peak < 256 << 20, (elapsed, peak >> 20)
+
+
+def test_ctrl_c_during_dry_run_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    # Before: KeyboardInterrupt escaped main() with a traceback. A real SIGINT arrives while the preflight runs.
+    cfg = write_config(
+        tmp_path / "k.toml",
+        {
+            "child": {"argv": [sys.executable, "-c", "pass"]},
+            "preflight": {"gpus": [], "check_model": False, "check_port": False},
+            "preflight.shm": {"directory": str(tmp_path)},
+        },
+    )
+    code = (
+        "import os, signal, sys\n"
+        "from kimi_supervisor.cli import entry as cli\nfrom kimi_supervisor.preflight import run as preflight\n"
+        "real = preflight.Preflight.run\n"
+        "def run(self, **kw):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real(self, **kw)\n"
+        "preflight.Preflight.run = run\n"
+        f"sys.exit(cli.main(['--dry-run', '--config', {str(cfg)!r}]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60, env=dict(os.environ)
+    )
+    assert result.returncode == 130, result.stderr
+    assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr
+    assert "verdict" not in result.stdout

@@ -1,0 +1,343 @@
+"""The drain while stopping, against a fake server that drains (and whose worker dies on SIGTERM) like vLLM 0.32."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.exitcodes import ExitCode
+from kimi_supervisor.host.proctable import PsutilProcessTable
+from kimi_supervisor.lifecycle.drain import SAMPLE_AT_SIGTERM_S, Drain
+from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.logs.journal import ConsoleChildSink
+from kimi_supervisor.states import State
+from testkit.fakes.clock import RecordingLog
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.lifecycle import SilentNotifier
+from testkit.harness import REPO, Run, fake_config, fake_tree_of, free_port, write_config
+from testkit.sse_client import stream_completion
+from tests.rawserver import answer, raw_server
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+DRAIN_FAKE = REPO / "testkit" / "fakes" / "drain_vllm.py"
+PAGE_ONE = b"vllm:num_requests_running 1.0\nvllm:num_requests_waiting 0.0\n"
+HEAD_METRICS = answer("200 OK", PAGE_ONE, "text/plain")[0]
+TOKENS = 60  # 50 ms apart: the last one held until the test releases it
+
+
+def drain_config(tmp_path: Path, port: int, shutdown_timeout: int | None, grace_s: float) -> Path:
+    argv = [sys.executable, str(DRAIN_FAKE), "serve", "m", "--host", "127.0.0.1", "--port", str(port)]
+    if shutdown_timeout is not None:
+        argv += ["--shutdown-timeout", str(shutdown_timeout)]
+    return write_config(
+        tmp_path / "kimi.toml",
+        {
+            "child": {"argv": argv, "env": {"KIMI_TEST_MARKER": str(tmp_path)}},
+            "preflight": {"gpus": [], "check_model": False, "check_port": True},
+            "preflight.shm": {"directory": str(tmp_path)},
+            "readiness": {"stall_timeout_s": 20, "deadline_s": 60, "poll_interval_s": 0.1},
+            "health": {"interval_s": 0.5, "timeout_s": 1},
+            # The supervisor's own /metrics sample (the liveness thread's) comes every 0.2 s: the stop waits for
+            # one that has seen the stream running.
+            "liveness": {"metrics_interval_s": 0.2},
+            "shutdown": {"grace_s": grace_s, "gpu_release_timeout_s": 0},
+        },
+    )
+
+
+def wait_until(what: str, predicate: Callable[[], object], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.01)
+
+
+def child_said(run: Run, text: str) -> bool:
+    return any(text in str(c.get("line", "")) for c in list(run.child_lines))
+
+
+@dataclasses.dataclass
+class Stop:
+    run: Run
+    out: dict[str, Any]  # what the client saw (testkit/sse_client.py)
+    chunks_at_stop: int  # the client's count when the stop was requested (the held last token not among them)
+    released_after_sigterm_s: float | None  # the generation could end this long after SIGTERM was seen
+
+
+def stop_with_stream_in_flight(tmp_path: Path, shutdown_timeout: int | None, grace_s: float) -> Stop:
+    """A stream that cannot end before SIGTERM: its last token waits for a file the test writes only after the
+    draining server got its SIGTERM (with a drain; without one it is never written: vLLM must abort it).  The
+    stop is requested only once the client has chunks and the supervisor's own /metrics sample saw it running,
+    so in flight at SIGTERM holds whatever the machine's speed and however long the supervisor takes to signal."""
+    port = free_port()
+    run = Run(drain_config(tmp_path, port, shutdown_timeout, grace_s), tmp_path)
+    run.wait_event("state.ready", timeout=30)
+    release = tmp_path / "release"
+    out: dict[str, Any] = {}
+    body = {"model": "m", "prompt": "hi", "max_tokens": TOKENS, "hold": str(release)}
+    client = threading.Thread(target=stream_completion, args=(f"http://127.0.0.1:{port}/v1/completions", body, out, 60))
+    client.start()
+    try:
+        wait_until("5 chunks at the client", lambda: out.get("chunks", 0) >= 5, 30)
+        wait_until("the supervisor's sample sees it", lambda: child_said(run, "metrics: 1 in flight, read by kimi"), 30)
+        chunks_at_stop = out["chunks"]
+        run.signal()
+        run.wait_event("stop.sigterm", timeout=30)  # logged once vLLM's main has its SIGTERM
+        sigterm_seen = time.monotonic()
+        released_after = None
+        if shutdown_timeout:
+            wait_until("vLLM draining", lambda: child_said(run, "stopping engine client mode=drain"), 30)
+            release.touch()
+            released_after = time.monotonic() - sigterm_seen
+        assert run.wait(timeout=grace_s + 10) == 0
+    finally:
+        release.touch()  # never leave the client's thread behind
+        client.join(30)
+        run.kill()
+    return Stop(run, out, chunks_at_stop, released_after)
+
+
+def test_drain_lets_the_stream_finish_and_says_so(tmp_path: Path) -> None:
+    stop = stop_with_stream_in_flight(tmp_path, shutdown_timeout=10, grace_s=25)
+    run, out = stop.run, stop.out
+    # In flight at SIGTERM: the last token was held until after it, and the supervisor counted one request.
+    assert stop.chunks_at_stop < TOKENS
+    record = [e for e in run.events if e.get("event") == "stop.drain"]
+    assert len(record) == 1
+    assert record[0]["in_flight_at_sigterm"] == 1.0, record
+    # Drained: the whole generation arrived after SIGTERM (the worker was not SIGTERMed under the draining
+    # server), and the supervisor waited for it.
+    assert out["error"] is None and out["status"] == 200
+    assert out["chunks"] == TOKENS and out["finish_reason"] == "length" and out["done"]
+    assert record[0]["outcome"] == "drained" and record[0]["tree_gone"] is True
+    assert stop.released_after_sigterm_s is not None
+    assert stop.released_after_sigterm_s - 0.01 <= record[0]["drain_s"] < 10  # from SIGTERM to after the release
+    statuses = [f["STATUS"] for f in run.notify.fields() if "STATUS" in f]
+    assert any(s.startswith("stopping: draining 1 request in flight, ") and s.endswith(" of 10s") for s in statuses)
+    assert statuses[-2:] == ["stopping: tree gone", "stopped"]
+    logged = [e for e in run.events if e.get("event") == "stop.draining"]
+    assert logged and logged[0]["status"].startswith("stopping: draining 1 request in flight")
+    assert run.event("stop.sigkill") is None
+    assert fake_tree_of(str(tmp_path)) == []
+
+
+def test_without_shutdown_timeout_the_stream_is_aborted_and_vllm_exits(tmp_path: Path) -> None:
+    stop = stop_with_stream_in_flight(tmp_path, shutdown_timeout=None, grace_s=5)
+    run, out = stop.run, stop.out
+    record = [e for e in run.events if e.get("event") == "stop.drain"]
+    assert len(record) == 1
+    # In flight at SIGTERM (held, never released), then aborted: vLLM cannot drain without --shutdown-timeout
+    # and says so in the stream; had the worker been SIGTERMed too, the stream would hang open and only
+    # SIGKILL at grace_s would end the server.
+    assert stop.chunks_at_stop < TOKENS and record[0]["in_flight_at_sigterm"] == 1.0, record
+    assert out["error"] is None and out["finish_reason"] == "abort" and out["done"]
+    assert out["chunks"] <= TOKENS  # never the held last token: at most the others and the abort chunk
+    assert record[0]["outcome"] == "aborted"
+    assert run.event("stop.sigkill") is None
+    assert fake_tree_of(str(tmp_path)) == []
+
+
+def test_last_status_says_tree_gone_gpus_free(tmp_path: Path) -> None:
+    """In process, with a GPU (the fake NVML probe): the stop ends on "stopping: tree gone, GPUs free"."""
+    path = drain_config(tmp_path, free_port(), shutdown_timeout=10, grace_s=25)
+    raw = tomllib.loads(path.read_text())
+    raw["preflight"]["gpus"] = [0]
+    raw["shutdown"]["gpu_release_timeout_s"] = 5
+    cfg = parse_config(raw, path)
+    sent: list[dict[str, str | int]] = []
+
+    class Recording:
+        def send(self, **fields: str | int) -> None:
+            sent.append(fields)
+
+    log = RecordingLog()
+    sup = Supervisor(
+        cfg,
+        Deps(
+            probe=FakeGpuProbe([FakeGpu()]),
+            table=PsutilProcessTable(),
+            notifier=Recording(),
+            log=log,
+            sink=ConsoleChildSink(open(os.devnull, "w")),  # noqa: SIM115
+        ),
+    )
+
+    def stop_when_ready() -> None:
+        deadline = time.monotonic() + 30
+        while sup.state.state is not State.READY and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_ready, daemon=True).start()
+    assert sup.run() == ExitCode.OK
+    statuses = [str(f["STATUS"]) for f in sent if "STATUS" in f]
+    assert statuses[-2:] == ["stopping: tree gone, GPUs free", "stopped"]
+    drains = [fields for _, event, fields in log.records if event == "stop.drain"]
+    assert len(drains) == 1 and drains[0]["in_flight_at_sigterm"] == 0.0 and drains[0]["outcome"] == "drained"
+    assert [e for _, e, _ in log.records if e == "stop.gpu_released"]
+
+
+class _Main:
+    """vLLM's main as Drain.sigterm sees it: a real process of ours, no workers."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.pid = proc.pid
+
+    def refresh_members(self) -> list[object]:
+        return []
+
+
+def test_metrics_trickling_its_status_line_cannot_delay_sigterm() -> None:
+    # A status line and headers one byte per 0.9 s: each read is quick, the answer never whole.  The one read
+    # before SIGTERM has an overall deadline: vLLM gets SIGTERM within SAMPLE_AT_SIGTERM_S (<= 0.5 s), the
+    # count is unknown and said so (was: the stop held forever, until TimeoutStopSec's SIGKILL).
+    vllm = subprocess.Popen(["sleep", "60"])
+    log = RecordingLog()
+    with raw_server(HEAD_METRICS, PAGE_ONE, head_byte_s=0.9) as srv:
+        drain = Drain(srv.url("/health"), 0, SilentNotifier(), log)
+        try:
+            t0 = time.monotonic()
+            drain.sigterm(_Main(vllm))  # type: ignore[arg-type]  # only pid and refresh_members are used
+            assert vllm.wait(timeout=5) == -signal.SIGTERM
+            signalled_within = time.monotonic() - t0  # an upper bound: the exit is seen after the signal
+        finally:
+            vllm.kill()
+            vllm.wait()
+    assert srv.connections == 1
+    assert SAMPLE_AT_SIGTERM_S <= 0.5
+    assert drain.sigterm_after_s is not None and SAMPLE_AT_SIGTERM_S <= drain.sigterm_after_s <= 0.5
+    assert signalled_within < 1.0, signalled_within
+    warning = log.events("stop.metrics_unavailable")
+    assert len(warning) == 1, log.records
+    assert warning[0]["url"] == srv.url("/metrics")
+    assert warning[0]["error"] == f"GET /metrics: no answer within {SAMPLE_AT_SIGTERM_S:g}s"
+    assert drain.in_flight_at_sigterm is None and drain.in_flight_source is None
+
+
+def test_without_a_drain_the_count_comes_from_the_liveness_threads_latest_sample() -> None:
+    # No drain, so no sampler after SIGTERM: when the read at SIGTERM cannot answer in time, the count is the
+    # liveness thread's latest sample, taken before the stop (no read: it cannot delay the signal).
+    vllm = subprocess.Popen(["sleep", "60"])
+    log = RecordingLog()
+    with raw_server(HEAD_METRICS, PAGE_ONE, head_byte_s=0.9) as srv:
+        drain = Drain(srv.url("/health"), 0, SilentNotifier(), log)
+        drain.liveness_sample = (time.monotonic() - 3.0, 2.0)
+        try:
+            drain.sigterm(_Main(vllm))  # type: ignore[arg-type]
+            assert vllm.wait(timeout=5) == -signal.SIGTERM
+            drain.finish(tree_gone=True)
+        finally:
+            vllm.kill()
+            vllm.wait()
+    (record,) = log.events("stop.drain")
+    assert record["in_flight_at_sigterm"] == 2.0 and record["outcome"] == "aborted"
+    assert str(record["in_flight_source"]).startswith("liveness sample 3.")
+    assert record["sigterm_after_s"] <= 0.5
+
+
+def test_a_second_sigterm_during_a_stop_with_trickling_metrics_is_acted_on(tmp_path: Path) -> None:
+    """In process, the real lifecycle and signals: vLLM ignores SIGTERM, /metrics trickles; the first SIGTERM
+    reaches vLLM at once and the second cuts the 20 s grace to `second_signal_grace_s`."""
+    cfg_path = fake_config(tmp_path, ["--ignore-sigterm"], tp=1)
+    raw = tomllib.loads(cfg_path.read_text())
+    raw["shutdown"].update({"grace_s": 20, "second_signal_grace_s": 0.5})
+    cfg = parse_config(raw, cfg_path)
+    log = RecordingLog()
+    signalled: list[float] = []
+    with raw_server(HEAD_METRICS, PAGE_ONE, head_byte_s=0.9) as srv:
+        sup = Supervisor(
+            cfg,
+            Deps(
+                probe=FakeGpuProbe([]),
+                table=PsutilProcessTable(),
+                notifier=SilentNotifier(),
+                log=log,
+                sink=ConsoleChildSink(open(os.devnull, "w")),  # noqa: SIM115
+                # The real Drain, whose /metrics is the trickling server.
+                drain=lambda url, timeout, notifier, lg: Drain(srv.url("/health"), timeout, notifier, lg),
+            ),
+        )
+
+        def stop_twice() -> None:
+            deadline = time.monotonic() + 30
+            while sup.state.state is not State.READY and time.monotonic() < deadline:
+                time.sleep(0.02)
+            signalled.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 10  # the stop loop runs once vLLM has its SIGTERM
+            while not log.events("stop.sigterm") and time.monotonic() < deadline:
+                time.sleep(0.02)
+            signalled.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        helper = threading.Thread(target=stop_twice, daemon=True)
+        helper.start()
+        assert sup.run() == ExitCode.OK
+        ended = time.monotonic()
+        helper.join(5)
+    assert len(signalled) == 2
+    assert signalled[1] - signalled[0] < 2.0  # stop.sigterm came promptly (was: never, while /metrics trickled)
+    assert log.events("stop.hurry") and log.events("stop.sigkill")
+    assert ended - signalled[1] < 0.5 + 5  # second_signal_grace_s, then the SIGKILL wait (not the 20 s grace)
+    (record,) = log.events("stop.drain")
+    assert record["outcome"] == "killed" and record["sigterm_after_s"] <= 0.5
+    assert fake_tree_of(str(tmp_path)) == []
+
+
+def test_infinite_or_nan_in_flight_is_a_failed_sample_not_a_crash() -> None:
+    # `vllm:num_requests_running +Inf`: was int(inf) in the stop's STATUS= text, OverflowError, the fallback
+    # SIGTERM to the whole group (the drain cut), exit 70.
+    vllm = subprocess.Popen(["sleep", "60"])
+    log = RecordingLog()
+    sent: list[dict[str, str | int]] = []
+
+    class Notes:
+        def send(self, **fields: str | int) -> None:
+            sent.append(fields)
+
+    page = b"vllm:num_requests_running +Inf\nvllm:num_requests_waiting NaN\n"
+    with raw_server(*answer("200 OK", page, "text/plain")) as srv:
+        drain = Drain(srv.url("/health"), 10, Notes(), log)
+        try:
+            drain.sigterm(_Main(vllm))  # type: ignore[arg-type]
+            assert vllm.wait(timeout=5) == -signal.SIGTERM
+            drain.tick(_Exited(vllm))  # type: ignore[arg-type]
+            drain.finish(tree_gone=True)
+        finally:
+            vllm.kill()
+            vllm.wait()
+    warning = log.events("stop.metrics_unavailable")
+    assert len(warning) == 1
+    assert warning[0]["error"] == "unparseable /metrics: vllm:num_requests_running is inf: not a count"
+    assert drain.in_flight_at_sigterm is None
+    assert str(sent[0]["STATUS"]).startswith("stopping: draining requests in flight (count unknown), 0s of 10s")
+    (record,) = log.events("stop.drain")
+    assert record["outcome"] == "drained" and record["in_flight_at_sigterm"] is None
+
+
+class _Exited(_Main):
+    """vLLM's main once it has exited on its SIGTERM."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        super().__init__(proc)
+        self.returncode = proc.returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def signal_tree(self, sig: signal.Signals) -> int:
+        return 0

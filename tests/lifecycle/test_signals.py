@@ -1,0 +1,99 @@
+"""Signals: handlers only record; the wake-up pipe ends waits early."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kimi_supervisor.lifecycle.signals import InterruptibleClock, SignalRecorder, StopRequested
+
+
+@pytest.fixture
+def rec() -> Iterator[SignalRecorder]:
+    """A recorder installed for the test and uninstalled after it."""
+    recorder = SignalRecorder()
+    recorder.install()
+    try:
+        yield recorder
+    finally:
+        recorder.uninstall()
+
+
+def test_recorder_records_and_restores() -> None:
+    before = signal.getsignal(signal.SIGHUP)
+    rec = SignalRecorder()
+    rec.install()
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert rec.new_signals() == {signal.SIGHUP: 1}
+        assert rec.new_signals() == {}
+        rec.wake()
+        assert rec.new_signals() == {}  # a wake-up is not a signal
+    finally:
+        rec.uninstall()
+    assert signal.getsignal(signal.SIGHUP) == before
+
+
+def test_interruptible_sleep_ends_on_sigterm(rec: SignalRecorder) -> None:
+    clock = InterruptibleClock(rec)
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    start = time.monotonic()
+    with pytest.raises(StopRequested):
+        clock.sleep(10)
+    assert time.monotonic() - start < 2
+    with pytest.raises(StopRequested):
+        clock.sleep(10)  # the stop stays requested
+
+
+def test_recorder_does_not_grow_per_wake_up_or_signal(rec: SignalRecorder) -> None:
+    """The prober wakes the loop once per probe (~17k a day): memory and each check stay O(1)."""
+    for _ in range(20_000):
+        rec.wake()
+        rec.drain()
+    for _ in range(50):
+        os.kill(os.getpid(), signal.SIGUSR1)
+    assert rec.new_signals() == {signal.SIGUSR1: 50}
+    assert rec.counts == {signal.SIGUSR1: 50}  # one counter per signal number; wake-ups leave nothing
+
+
+def test_interruptible_sleep_is_constant_time_per_wake_up(rec: SignalRecorder) -> None:
+    clock = InterruptibleClock(rec)
+    for _ in range(20_000):
+        rec.wake()
+    start = time.perf_counter()
+    for _ in range(1000):
+        rec.wake()
+        clock.sleep(0.0)
+    per_call = (time.perf_counter() - start) / 1000
+    assert per_call < 0.0005, per_call  # the old scan of every recorded wake-up took milliseconds here
+
+
+def test_every_terminating_signal_is_a_stop_or_ignored(rec: SignalRecorder) -> None:
+    """Catchable signals whose default would end the process: none is left at its default."""
+    from kimi_supervisor.lifecycle.signals import IGNORED_SIGNALS, STOP_SIGNALS
+
+    terminating = {
+        signal.SIGHUP,
+        signal.SIGINT,
+        signal.SIGQUIT,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+        signal.SIGALRM,
+        signal.SIGTERM,
+        signal.SIGIO,
+        signal.SIGPROF,
+        signal.SIGVTALRM,
+        signal.SIGXCPU,
+        signal.SIGPWR,
+        signal.SIGSTKFLT,
+        *range(signal.SIGRTMIN, signal.SIGRTMAX + 1),
+    }
+    assert terminating <= STOP_SIGNALS | IGNORED_SIGNALS
+    assert signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN
+    for sig in terminating:
+        assert signal.getsignal(sig) not in (signal.SIG_DFL, None), sig

@@ -1,0 +1,101 @@
+"""The one HTTP client (kimi_supervisor/liveness/http.py) against loopback servers that trickle, lie and nest."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kimi_supervisor.liveness.http import finite_count, parse_json, request
+from testkit.harness import free_port
+from tests.rawserver import answer, raw_server
+
+HEAD_200 = b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\ncontent-length: 0\r\n\r\n"
+
+
+def test_a_complete_answer() -> None:
+    with raw_server(*answer("200 OK", b'{"choices": [1]}')) as srv:
+        a = request("POST", srv.url("/v1/completions"), 2.0, body=b"{}", headers={"Content-Type": "application/json"})
+    assert (a.ok, a.status, a.body, a.error) == (True, 200, b'{"choices": [1]}', None)
+
+
+def test_a_status_line_trickled_one_byte_per_0_9s_ends_at_the_deadline() -> None:
+    # A per-recv timeout never trips on this: each byte comes well within it.
+    with raw_server(HEAD_200, head_byte_s=0.9) as srv:
+        start = time.monotonic()
+        a = request("GET", srv.url("/metrics"), 1.0)
+        took = time.monotonic() - start
+    assert (a.ok, a.status, a.error) == (False, None, "no answer within 1s")
+    assert 0.95 <= took < 1.5, took
+
+
+def test_a_body_trickled_after_headers_sent_at_once_ends_at_the_deadline() -> None:
+    head, body = answer("200 OK", b'{"choices": [{"text": "x"}]}' + b" " * 60)
+    with raw_server(head, body, body_byte_s=0.3) as srv:
+        start = time.monotonic()
+        a = request("POST", srv.url("/v1/completions"), 1.0, body=b"{}")
+        took = time.monotonic() - start
+    assert (a.ok, a.status, a.error) == (False, 200, "no complete answer within 1s")
+    assert 0.95 <= took < 1.5, took
+
+
+def test_body_cap_by_length_and_by_reading_to_close() -> None:
+    with raw_server(*answer("200 OK", b"x" * 5000)) as srv:
+        a = request("GET", srv.url("/metrics"), 2.0, max_body=4096)
+    assert (a.ok, a.error) == (False, "answer larger than 4096 bytes")
+    with raw_server(b"HTTP/1.1 200 OK\r\n\r\n", b"y" * 200_000) as srv:
+        a = request("GET", srv.url("/metrics"), 2.0, max_body=100_000)
+    assert (a.ok, a.error) == (False, "answer larger than 100000 bytes")
+
+
+def test_a_chunked_body_is_decoded() -> None:
+    body = b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\n\r\n"
+    with raw_server(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n", body) as srv:
+        a = request("GET", srv.url("/metrics"), 2.0)
+    assert (a.ok, a.body) == (True, b"hello, world")
+
+
+@pytest.mark.parametrize(
+    ("head", "body", "error"),
+    [
+        (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", b"", "not an HTTP status line: 'SSH-2.0-OpenSSH_9.6'"),
+        (b"HTTP/1.1 2x0 OK\r\n\r\n", b"", "not an HTTP status line: 'HTTP/1.1 2x0 OK'"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n", b"", "bad Content-Length: '-1'"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n", b"abc", "connection closed after 3 of 10 body bytes"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n", b"zz\r\n", "bad chunk size: 'zz'"),
+        (b"HTTP/1.1 200 OK\r\nserver: x", b"", "connection closed before the response headers ended"),
+        (b"HTTP/1.1 200 OK\r\nx: " + b"a" * 70_000, b"", "response headers longer than 65536 bytes"),
+    ],
+)
+def test_every_bad_answer_is_a_one_line_failure(head: bytes, body: bytes, error: str) -> None:
+    with raw_server(head, body) as srv:
+        a = request("GET", srv.url("/health"), 2.0)
+    assert (a.ok, a.error) == (False, error)
+
+
+def test_refused_is_said_plainly() -> None:
+    a = request("GET", f"http://127.0.0.1:{free_port()}/health", 1.0)
+    assert (a.ok, a.status, a.error) == (False, None, "connection refused")
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "JSON nested too deeply"),
+        (b'{"choices": NaN}', "not JSON: NaN"),
+        (b'{"n": -Infinity}', "not JSON: -Infinity"),
+        (b"\xff\xfe", "not UTF-8: invalid start byte at byte 0"),
+        (b'{"a": ', "not JSON: Expecting value at line 1 column 7"),
+    ],
+)
+def test_parse_json_raises_only_value_error_with_a_reason(data: bytes, reason: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_json(data)
+    assert str(info.value) == reason
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), -1.0])
+def test_a_count_must_be_finite_and_not_negative(value: float) -> None:
+    with pytest.raises(ValueError, match=r"vllm:num_requests_running is .*: not a count"):
+        finite_count("vllm:num_requests_running", value)
+    assert finite_count("vllm:num_requests_running", 3.0) == 3.0

@@ -1,0 +1,116 @@
+"""A chatty child under the real systemd and journald: shared by the systemd test and bench row 6.
+
+The shipped unit (LogRateLimit* included) runs this checkout's supervisor (a wrapper in the container
+runs `python -m kimi_supervisor` from the bound checkout) around testkit/flood_child.py, which answers
+/health, then prints LINES lines at RATE lines/s after READY and keeps serving.  Measured from systemd
+itself: WatchdogTimestampMonotonic (updated on every WATCHDOG=1), the unit's journal (every lifecycle
+record present?), and journald's own "Suppressed N messages" notices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+import threading
+import time
+
+from nspawn import NspawnMachine
+from unit_setup import REPO, UNIT, config_toml, deploy, now
+
+FLOOD_CHILD = REPO / "testkit" / "flood_child.py"
+FLOOD_MARK = "[loggers.py:123] Engine 000: "  # in each of the flood child's vLLM stats lines
+WATCHDOG_S = 2.0
+LIFECYCLE = (
+    "supervisor.start",
+    "preflight.passed",
+    "state.starting",
+    "state.ready",
+    "signal.received",
+    "state.stopping",
+    "stop.sigterm",
+    "stop.tree_gone",
+    "state.stopped",
+)
+
+
+@dataclasses.dataclass
+class FloodResult:
+    lines: int
+    child_seconds: float  # as the child measured it (from its last line), 0 if unknown
+    journal_child_lines: int
+    suppressed: int  # reported in child.suppressed records
+    dropped: int  # reported in child.dropped records (journald's socket queue was full)
+    missing: list[str]  # lifecycle records that did not reach the journal
+    journald_suppressed: int  # messages journald itself dropped for the unit
+    watchdog_gaps: list[float]
+    restarts: int
+
+    @property
+    def lines_per_s(self) -> float:
+        return self.lines / self.child_seconds if self.child_seconds else 0.0
+
+    @property
+    def worst_lateness_s(self) -> float:
+        """How much later than WatchdogSec/2 the worst ping came."""
+        return max(self.watchdog_gaps, default=0.0) - WATCHDOG_S / 2
+
+
+def _config(lines: int, rate: int) -> str:
+    argv = [sys.executable, str(FLOOD_CHILD), str(lines), "/dev/null", "--port", "8000", "--ready"]
+    argv += ["--rate", str(rate), "--hold"]
+    return config_toml(argv, health="interval_s = 0.3\ntimeout_s = 0.5")
+
+
+def run_flood(m: NspawnMachine, lines: int = 2_000_000, rate: int = 200_000) -> FloodResult:
+    deploy(m, _config(lines, rate), f"[Service]\nRestartSec=1\nWatchdogSec={WATCHDOG_S:g}\nTimeoutStopSec=15\n")
+    since = now(m)
+    time.sleep(1.0)  # "since" has a resolution of one second
+    stamps: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            value = m.unit_property(UNIT, "WatchdogTimestampMonotonic")
+            if value.isdigit() and int(value) and (not stamps or int(value) != stamps[-1]):
+                stamps.append(int(value))
+            time.sleep(0.1)
+
+    m.systemctl("start", UNIT, timeout=60)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        deadline = time.monotonic() + lines / rate * 4 + 30
+        while time.monotonic() < deadline and "flood done" not in m.journal(UNIT, "--since", since, "-p", "warning"):
+            time.sleep(1.0)
+        time.sleep(2.0)
+    finally:
+        done.set()
+        watcher.join()
+    restarts = int(m.unit_property(UNIT, "NRestarts") or 0)
+    m.systemctl("stop", UNIT, timeout=30)
+    records = m.journal_json(UNIT, "--since", since)
+    events = {r.get("KIMI_EVENT") for r in records if r.get("KIMI_SOURCE") == "supervisor"}
+    child = [r for r in records if r.get("KIMI_SOURCE") == "child" and FLOOD_MARK in r.get("MESSAGE", "")]
+    suppressed = sum(int(r.get("KIMI_LINES", 0)) for r in records if r.get("KIMI_EVENT") == "child.suppressed")
+    dropped = sum(int(r.get("KIMI_LINES", 0)) for r in records if r.get("KIMI_EVENT") == "child.dropped")
+    done_line = next((r["MESSAGE"] for r in records if "flood done" in r.get("MESSAGE", "")), "")
+    seconds = float(done_line.split(" lines in ")[1].split(" s")[0]) if done_line else 0.0
+    journald = m.run(["journalctl", "--no-pager", "-o", "cat", "--since", since, "_COMM=systemd-journal"]).stdout
+    journald_suppressed = sum(
+        int(line.split("Suppressed ")[1].split()[0])
+        for line in journald.splitlines()
+        if UNIT in line and "Suppressed" in line
+    )
+    gaps = [(b - a) / 1e6 for a, b in itertools.pairwise(stamps)]
+    return FloodResult(
+        lines=lines,
+        child_seconds=seconds,
+        journal_child_lines=len(child),
+        suppressed=suppressed,
+        dropped=dropped,
+        missing=[e for e in LIFECYCLE if e not in events],
+        journald_suppressed=journald_suppressed,
+        watchdog_gaps=gaps,
+        restarts=restarts,
+    )

@@ -1,0 +1,169 @@
+"""The operator's view in-process: roles from a real process tree, per-GPU memory from a GpuProbe, the hooks."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pynvml
+import pytest
+
+from kimi_supervisor.child.readiness import ReadinessTracker
+from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.config.model import Config
+from kimi_supervisor.host.nvml import NvmlProbe
+from kimi_supervisor.lifecycle.machine import StateMachine
+from kimi_supervisor.liveness.health_probe import HealthResult
+from kimi_supervisor.opsview.tree import classify
+from kimi_supervisor.opsview.view import OperatorView
+from kimi_supervisor.states import State
+from testkit.fakes.clock import RecordingLog
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from tests.conftest import ProcSpawner, wait_for
+
+TREE = """
+import subprocess, sys, time
+sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+kids = [subprocess.Popen(sleep + [title]) for title in ("VLLM::EngineCore", "VLLM::Worker_TP1", "VLLM::Worker_TP0")]
+print(" ".join(str(k.pid) for k in kids), flush=True)
+time.sleep(600)
+"""
+
+
+ROOT = 100
+
+
+@pytest.mark.parametrize(
+    ("pid", "name", "cmdline", "expected"),
+    [
+        (7, "VLLM::Worker_TP", "VLLM::Worker_TP3", ("worker", "Worker_TP3", 3)),
+        (7, "VLLM::Worker_TP", "VLLM::Worker_PP1_TP2", ("worker", "Worker_PP1_TP2", 2)),
+        (7, "VLLM::Worker", "VLLM::Worker", ("worker", "Worker", 0)),
+        (7, "VLLM::EngineCor", "VLLM::EngineCore_DP0", ("engine_core", "EngineCore_DP0", None)),
+        (7, "VLLM::EngineCor", "", ("engine_core", "EngineCore", None)),  # comm only: the cmdline was unreadable
+        (ROOT, "python3", "vllm serve /m", ("api_server", "API server", None)),
+        (7, "VLLM::APIServer", "VLLM::APIServer_1", ("api_server", "API server", None)),
+        (7, "python3", "-c from multiprocessing.resource_tracker import main", ("resource_tracker",) * 2 + (None,)),
+        (7, "sh", "sh -c true", ("other", "sh", None)),
+    ],
+)  # fmt: skip
+def test_roles_from_names_and_cmdlines(
+    pid: int, name: str, cmdline: str, expected: tuple[str, str, int | None]
+) -> None:
+    assert classify(pid, ROOT, name, cmdline) == expected
+
+
+def config(tmp_path: Path, **extra: Any) -> Config:
+    raw: dict[str, Any] = {
+        "child": {"argv": ["vllm", "serve", "/m", "--tensor-parallel-size", "2"]},
+        "preflight": {"gpus": [0, 1]},
+        "paths": {"runtime_directory": str(tmp_path / "run"), "state_directory": str(tmp_path / "state")},
+        "metrics": {"textfile": str(tmp_path / "k.prom")},
+        **extra,
+    }
+    return parse_config(raw, tmp_path / "k.toml")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 5000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_tree_gpu_memory_health_watchdog_and_canary_reach_the_state_file(tmp_path: Path, spawner: ProcSpawner) -> None:
+    root = spawner.python(TREE)
+    assert root.stdout is not None
+    engine, tp1, tp0 = (int(p) for p in root.stdout.readline().split())
+    wait_for(lambda: len(psutil.Process(root.pid).children()) == 3)
+    probe = FakeGpuProbe([FakeGpu(base_used_mib=500, holders={tp0: 41234}), FakeGpu(holders={tp1: 41230})])
+    cfg = config(tmp_path)
+    clock = Clock()
+    log = RecordingLog()
+    tracker = ReadinessTracker(cfg.readiness)
+    view = OperatorView(cfg, probe, log, tracker, watchdog_s=60.0, wall=clock, mono=clock)
+    sent: list[dict[str, Any]] = []
+
+    class Sink:
+        def send(self, **fields: Any) -> None:
+            sent.append(fields)
+
+    notifier = view.tap(Sink())
+    sm = StateMachine(notifier, log, observer=view)
+    sm.enter_initial("preflight: checking")
+    sm.to(State.STARTING, "starting: vLLM spawned", pid=root.pid)
+    doc = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert [(p["pid"], p["role"], p["label"], p["gpus"]) for p in doc["processes"]] == [
+        (root.pid, "api_server", "API server", []),
+        (engine, "engine_core", "EngineCore", []),
+        (tp0, "worker", "Worker_TP0", [{"index": 0, "used_mib": 41234}]),
+        (tp1, "worker", "Worker_TP1", [{"index": 1, "used_mib": 41230}]),
+    ]
+    assert doc["gpus"] == [
+        {"index": 0, "used_mib": 41734, "total_mib": 97887},
+        {"index": 1, "used_mib": 41230, "total_mib": 97887},
+    ]
+    # Progress: the ETA appears in STATUS= once two shards give a rate.
+    for t, line in ((0, "0/8"), (4, "2/8"), (8, "4/8")):
+        clock.t = 5000.0 + t
+        tracker.feed(f"Loading safetensors checkpoint shards:  0% Completed | {line} [00:00<?, ?it/s]")
+        view.tick()
+    assert view.eta_text(8.0) == "~8s left"
+    clock.t += 1.0
+    view.tick()
+    loading = json.loads((tmp_path / "run" / "state.json").read_text())["loading"]
+    assert loading == {
+        "phase": "loading weights",
+        "shards_done": 4,
+        "shards_total": 8,
+        "percent": 0,
+        "elapsed_s": 9.0,
+        "eta_s": 7.0,
+        "eta_basis": "shard rate",
+    }
+    view.on_health(HealthResult(True, 200, None, clock.t, 0.0042))
+    sm.to(State.READY, "ready: serving", notify={"READY": 1}, startup_s=9.5)
+    notifier.send(WATCHDOG=1)
+    view.on_canary(True, 0.84)
+    clock.t += 1.0
+    view.tick()
+    doc = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert doc["phase"] == "ready" and doc["status"] == "ready: serving" and doc["ready_at"] == 5009.0
+    assert doc["health"] == {"ok": True, "latency_s": 0.0042, "at": 5009.0, "error": None, "consecutive_failures": 0}
+    assert doc["watchdog"] == {"enabled": True, "interval_s": 60.0, "last_ping_at": 5009.0, "pings": 1}
+    assert doc["canary"] == {"ok": True, "latency_s": 0.84, "at": 5009.0}
+    assert sent[-1] == {"WATCHDOG": 1}  # the tap passed it on
+    prom = (tmp_path / "k.prom").read_text()
+    assert 'kimi_supervisor_gpu_memory_used_at_start_bytes{gpu="0"} 4.3761270784e+10' in prom
+    sm.to(State.STOPPING, "stopping: stop requested", notify={"STOPPING": 1})
+    sm.to(State.FAILED, "failed: vLLM exited with status 1 after it was ready", exit_code=13)
+    doc = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert doc["last_failure"] == {
+        "at": 5010.0,
+        "exit_code": 13,
+        "root_cause": "vLLM exited with status 1 after it was ready",
+    }
+    [run] = json.loads((tmp_path / "state" / "history.json").read_text())["runs"]
+    assert run["load_s"] == 9.5 and run["exit_code"] == 13 and run["post_weights_s"] is None
+    assert log.events("operator_view.error") == []
+
+
+def test_nvml_failure_is_shown_not_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_driver() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
+    probe = NvmlProbe()  # the real probe's words
+    cfg = config(tmp_path, preflight={"gpus": "all"})
+    log = RecordingLog()
+    view = OperatorView(cfg, probe, log, ReadinessTracker(cfg.readiness), None)
+    sm = StateMachine(view.tap(type("N", (), {"send": lambda self, **f: None})()), log, observer=view)
+    sm.enter_initial("preflight")
+    sm.to(State.STARTING, "starting", pid=sys.maxsize)
+    doc = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert doc["gpus"] == [] and "NVML unavailable" in doc["gpu_error"]
+    assert doc["processes"] == []

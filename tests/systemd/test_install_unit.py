@@ -1,0 +1,158 @@
+"""install-unit writes the command that is running, quoted as systemd reads it; failures have their own codes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kimi_supervisor.cli.entry import main as cli_main  # imported before a test drops to nobody (/root is closed)
+from kimi_supervisor.exitcodes import ServiceUnavailable
+from kimi_supervisor.systemd import unit
+from testkit.harness import REPO
+from tests.systemd.test_unit import directives
+
+ROOT = os.geteuid() == 0
+MINIMAL = '[child]\nargv = ["vllm", "serve", "/m"]\n'
+has_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+
+
+def console_script(path: Path) -> Path:
+    """What pip writes into a venv's bin/ for our entry point."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO)!r})\n"
+        "from kimi_supervisor.cli.entry import main\nsys.exit(main())\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
+def verify(unit_file: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["systemd-analyze", "verify", str(unit_file)], capture_output=True, text=True, timeout=60)
+
+
+def test_exec_start_is_the_running_script_not_the_one_on_path(tmp_path: Path) -> None:
+    # Before: shutil.which("kimi-supervisor"): under sudo (no venv on PATH) exit 70, with another install first
+    # on PATH the wrong one, silently.
+    ours = console_script(tmp_path / "my venv" / "bin" / "kimi-supervisor")
+    decoy = console_script(tmp_path / "other" / "kimi-supervisor")
+    config = tmp_path / "conf dir" / "k.toml"
+    config.parent.mkdir()
+    config.write_text(MINIMAL)
+    units = tmp_path / "units"
+    result = subprocess.run(
+        [str(ours), "install-unit", "--config", str(config), "--unit-dir", str(units), "--no-reload"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": f"{decoy.parent}:/usr/bin:/bin"},
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    text = (units / unit.UNIT_NAME).read_text()
+    assert directives(text)["ExecStart"] == f'"{ours}" --config "{config}"'
+    if shutil.which("systemd-analyze"):
+        check = verify(units / unit.UNIT_NAME)
+        assert check.returncode == 0 and check.stderr.strip() == "", check.stderr
+
+
+def test_python_dash_m_writes_this_interpreter(tmp_path: Path) -> None:
+    config = tmp_path / "k.toml"
+    config.write_text(MINIMAL)
+    argv = [sys.executable, "-m", "kimi_supervisor", "install-unit", "--config", str(config)]
+    result = subprocess.run(
+        [*argv, "--unit-dir", str(tmp_path), "--no-reload"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    exec_start = directives((tmp_path / unit.UNIT_NAME).read_text())["ExecStart"]
+    assert exec_start == f"{sys.executable} -m kimi_supervisor --config {config}"
+
+
+def test_running_executable_rules(tmp_path: Path) -> None:
+    script = console_script(tmp_path / "bin" / "kimi-supervisor")
+    link = tmp_path / "kimi-supervisor"
+    link.symlink_to(script)
+    assert unit.running_executable(str(link), "/venv/bin/python3") == [str(script)]
+    main_py = str(REPO / "kimi_supervisor" / "__main__.py")
+    assert unit.running_executable(main_py, "/venv/bin/python3") == ["/venv/bin/python3", "-m", "kimi_supervisor"]
+
+
+@has_analyze
+def test_quoting_is_read_back_by_systemd_as_the_same_path(tmp_path: Path) -> None:
+    # systemd-analyze verify checks that ExecStart's program exists and is executable: it finds this file only
+    # if it unquoted the word exactly as we meant (space, %, $).
+    weird = tmp_path / "my tools 100% $HOME" / "kimi-supervisor"
+    console_script(weird)
+    target = tmp_path / unit.UNIT_NAME
+    target.write_text(unit.render([str(weird)], tmp_path / "k 50% $X 'q' \"d\" back\\slash.toml"))
+    check = verify(target)
+    assert check.returncode == 0 and check.stderr.strip() == "", check.stderr
+    assert '--config "' + str(tmp_path) + '/k 50%% $$X \'q\' \\"d\\" back\\\\slash.toml"' in target.read_text()
+    # And the check is real: a path it does not find is reported.
+    target.write_text(unit.render([str(weird).replace("100%", "100")], tmp_path / "k.toml"))
+    assert "is not executable" in verify(target).stderr
+
+
+def test_executable_path_systemd_refuses_is_one_line_not_a_crash() -> None:
+    with pytest.raises(ServiceUnavailable, match="quotes, backslashes or control characters"):
+        unit.render(['/opt/it"s/kimi-supervisor'])
+
+
+def test_daemon_reload_failure_is_its_own_exit_code(tmp_path: Path) -> None:
+    # Before: SupervisorError -> exit 70 ("a bug"). This host has no systemd as PID 1, so the reload fails.
+    config = tmp_path / "k.toml"
+    config.write_text(MINIMAL)
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    systemctl = fake_bin / "systemctl"
+    systemctl.write_text("#!/bin/sh\necho 'Failed to connect to bus: Host is down' >&2\nexit 1\n")
+    systemctl.chmod(0o755)
+    result = subprocess.run(
+        [sys.executable, "-m", "kimi_supervisor", "install-unit", "--config", str(config), "--unit-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PATH": f"{fake_bin}:/usr/bin:/bin"},
+        timeout=60,
+    )
+    assert result.returncode == 69
+    assert "systemctl daemon-reload failed: Failed to connect to bus: Host is down" in result.stderr
+    assert "Traceback" not in result.stderr and (tmp_path / unit.UNIT_NAME).exists()
+
+
+@pytest.mark.skipif(not ROOT, reason="drops to nobody")
+def test_permission_denied_is_exit_77_in_one_line(open_dir: Path) -> None:
+    # Before: exit 70. As nobody (what a forgotten sudo amounts to), /etc/systemd/system-like dirs are read-only.
+    config = open_dir / "k.toml"
+    config.write_text(MINIMAL)
+    config.chmod(0o644)
+    units = open_dir / "units"
+    units.mkdir(mode=0o755)
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - reports through the pipe
+        rc = 99
+        try:
+            sys.stderr = os.fdopen(write_fd, "w")  # not pytest's capture
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            rc = cli_main(["install-unit", "--config", str(config), "--unit-dir", str(units), "--no-reload"])
+        finally:
+            sys.stderr.flush()
+            os._exit(rc)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as fh:
+        stderr = fh.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 77, stderr
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr
+    assert f"cannot write {units / unit.UNIT_NAME}: Permission denied (run it as root" in stderr
