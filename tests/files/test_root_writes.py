@@ -101,7 +101,11 @@ def test_a_directory_loosened_after_the_start_is_refused_at_the_write(tmp_path: 
 
 
 def _cfg(tmp_path: Path, **paths: str) -> object:
-    raw: dict[str, object] = {"child": {"argv": ["vllm"]}, "paths": {k: v for k, v in paths.items() if k != "textfile"}}
+    # A directory a test does not name is its own too: prepare_directories creates what is missing, and the
+    # defaults are the host's /run/kimi-supervisor and /var/lib/kimi-supervisor.
+    own = {"runtime_directory": str(tmp_path / "own-run"), "state_directory": str(tmp_path / "own-state")}
+    chosen = {k: v for k, v in paths.items() if k != "textfile"}
+    raw: dict[str, object] = {"child": {"argv": ["vllm"]}, "paths": {**own, **chosen}}
     if "textfile" in paths:
         raw["metrics"] = {"textfile": paths["textfile"]}
     return parse_config(raw, tmp_path / "k.toml")
