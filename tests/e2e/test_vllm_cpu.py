@@ -103,7 +103,8 @@ def test_ready_serves_and_stops_with_no_orphan(tmp_path: Path, vllm_bin: Path, t
     try:
         event = run.wait_event("state.ready", timeout=300)
         ready.set()
-        ready_at = run.notify.first("READY", "1")
+        # The state.ready record (stderr) and the READY=1 datagram (the notify socket) travel apart: wait for it.
+        ready_at = wait_for(lambda: run.notify.first("READY", "1"), timeout=10)
         assert ready_at is not None
         assert health_status(port) == 200  # READY=1 means it answers
         lines = [c["line"] for c in run.child_lines]
