@@ -294,17 +294,24 @@ def _replace(directory: Path, path: Path) -> int:
     return fd
 
 
+def _refuse_unless_strangers(fd: int, directory: Path, resource: Resource) -> list[Holder]:
+    """FD's lock is held: its holders when every one is a stranger, not a root kimi-supervisor; else
+    AnotherInstance, FD closed (a holder /proc/locks cannot name is refused as one)."""
+    holders = [holder(pid) for pid in sorted(flock_holders(fd) - {-1, 0})]
+    if not holders or any(h.is_root_supervisor for h in holders):
+        os.close(fd)
+        supervisors = {h.pid for h in holders if h.is_root_supervisor}
+        raise AnotherInstance(refusal(_owner(directory, resource, supervisors), directory))
+    return holders
+
+
 def _take(directory: Path, resource: Resource, log: Logger | None) -> int:
     """The locked descriptor of one resource's file, or AnotherInstance when a root kimi-supervisor holds it."""
     path = directory / resource.filename
     fd = _open_lock(path)
     if _try_flock(fd, path):
         return fd
-    strangers = [holder(pid) for pid in sorted(flock_holders(fd) - {-1, 0})]
-    if not strangers or any(h.is_root_supervisor for h in strangers):
-        os.close(fd)
-        supervisors = {h.pid for h in strangers if h.is_root_supervisor}
-        raise AnotherInstance(refusal(_owner(directory, resource, supervisors), directory))
+    _refuse_unless_strangers(fd, directory, resource)
     os.close(fd)
     # Replacing races another supervisor doing the same: one at a time, and look again under the lock.
     guard = _open_lock(directory / REPLACE_LOCK)
@@ -318,12 +325,7 @@ def _take(directory: Path, resource: Resource, log: Logger | None) -> int:
         fd = _open_lock(path)
         if _try_flock(fd, path):
             return fd
-        now = [holder(pid) for pid in sorted(flock_holders(fd) - {-1, 0})]
-        if not now or any(h.is_root_supervisor for h in now):
-            os.close(fd)
-            raise AnotherInstance(
-                refusal(_owner(directory, resource, {h.pid for h in now if h.is_root_supervisor}), directory)
-            )
+        now = _refuse_unless_strangers(fd, directory, resource)
         os.close(fd)
         names = "; ".join(h.describe() for h in now)
         if log is not None:
