@@ -164,6 +164,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # /run/kimi-supervisor, /var/lib/kimi-supervisor or /etc/systemd/system, or left our /dev/shm files behind.
     from tests import host_guard  # a plain import: the e2e conftest imports it too (no assert rewriting here)
 
+    host_guard.claim_session()
     if not config.pluginmanager.is_registered(host_guard):
         config.pluginmanager.register(host_guard, "kimi-host-guard")
 

@@ -8,7 +8,8 @@ It compares a snapshot taken when the session starts with one taken when it ends
 these paths, e.g. a real service or `bash .ci/setup`): anything created, removed or changed in between fails the
 run, naming the path.  In `/dev/shm` only files named like ours (vLLM's and the nspawn tier's) that appeared
 during the session, still exist and that no live process holds count: another program's live files are not
-ours, and a held file is still in use.
+ours, and a held file is still in use.  The nspawn tier's directories also carry this session's tag
+(`KIMI_TEST_SESSION`): a second suite running beside this one on a shared CI machine has its own.
 
 The paths are injectable (`KIMI_HOST_GUARD_PATHS`, `KIMI_HOST_GUARD_SHM`) so that the test proving the guard
 works (tests/test_host_guard.py) points it at a scratch directory and never writes a real host path.
@@ -20,6 +21,7 @@ import fnmatch
 import hashlib
 import os
 import stat
+import uuid
 
 import pytest
 
@@ -30,9 +32,22 @@ SHM_DIR = "/dev/shm"
 SHM_GLOBS = ("psm_*", "sem.mp-*", "nccl-*", "kimi-nspawn-*", "kimi-test-*")
 # Our own unit files: their contents count too, not only their mtimes (a rewrite within one mtime tick).
 OUR_UNITS = ("kimi-supervisor*",)
+# The nspawn tier's directories carry the session's tag (tests/nspawn/nspawn.py): on a shared CI machine a
+# second suite's containers come and go in the same /dev/shm, and they are that suite's to judge, not ours.
+SESSION_ENV = "KIMI_TEST_SESSION"
+TAGGED_GLOBS = ("kimi-nspawn-*",)
 MAX_DEPTH = 3  # /etc/systemd/system/<target>.wants/<unit>: deeper trees are not systemd's layout
 
 Entry = tuple[str, int, int, str]  # kind, size, mtime_ns, content digest (our unit files only)
+
+
+def claim_session() -> str:
+    """This run's tag, set once in the controller before xdist starts its workers (they inherit it)."""
+    return os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex[:12])
+
+
+def session_tag() -> str:
+    return os.environ.get(SESSION_ENV, "solo")
 
 
 def protected_paths() -> tuple[str, ...]:
@@ -94,12 +109,20 @@ def diff(before: dict[str, Entry], after: dict[str, Entry]) -> list[str]:
     return lines
 
 
-def shm_names(directory: str) -> set[str]:
+def is_ours(name: str, tag: str) -> bool:
+    if not any(fnmatch.fnmatch(name, g) for g in SHM_GLOBS):
+        return False
+    if any(fnmatch.fnmatch(name, g) for g in TAGGED_GLOBS):
+        return f"-{tag}-" in name
+    return True
+
+
+def shm_names(directory: str, tag: str) -> set[str]:
     try:
         names = os.listdir(directory)
     except OSError:
         return set()
-    return {n for n in names if any(fnmatch.fnmatch(n, g) for g in SHM_GLOBS)}
+    return {n for n in names if is_ours(n, tag)}
 
 
 def held_files(directory: str) -> set[str]:
@@ -127,21 +150,22 @@ def held_files(directory: str) -> set[str]:
 class HostPathGuard:
     """Snapshots at session start, compares at session finish; in the xdist controller (or a plain run) only."""
 
-    def __init__(self, paths: tuple[str, ...], shm: str) -> None:
+    def __init__(self, paths: tuple[str, ...], shm: str, tag: str) -> None:
         self.paths = paths
         self.shm = shm
+        self.tag = tag
         self.before: dict[str, dict[str, Entry]] = {}
         self.shm_before: set[str] = set()
 
     def start(self) -> None:
         self.before = {p: snapshot_tree(p) for p in self.paths}
-        self.shm_before = shm_names(self.shm)
+        self.shm_before = shm_names(self.shm, self.tag)
 
     def problems(self) -> list[str]:
         found = []
         for path in self.paths:
             found += diff(self.before[path], snapshot_tree(path))
-        new = shm_names(self.shm) - self.shm_before
+        new = shm_names(self.shm, self.tag) - self.shm_before
         if new:
             held = held_files(self.shm)
             found += [f"left behind: {os.path.join(self.shm, n)}" for n in sorted(new) if n not in held]
@@ -158,7 +182,7 @@ def _is_worker(config: pytest.Config) -> bool:
 def pytest_sessionstart(session: pytest.Session) -> None:
     if _is_worker(session.config):
         return
-    guard = HostPathGuard(protected_paths(), shm_dir())
+    guard = HostPathGuard(protected_paths(), shm_dir(), session_tag())
     guard.start()
     session.config.stash[_GUARD] = guard
 

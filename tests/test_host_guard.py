@@ -18,7 +18,9 @@ import pytest
 from testkit.harness import REPO
 
 
-def run_suite(tmp_path: Path, body: str, existing: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_suite(
+    tmp_path: Path, body: str, existing: dict[str, str] | None = None, tag: str = "inner"
+) -> subprocess.CompletedProcess[str]:
     """A one-test suite whose test runs `body` (with RUN, STATE, UNITS, SHM: the fake protected paths)."""
     fake = {name: tmp_path / "host" / name.lower() for name in ("RUN", "STATE", "UNITS", "SHM")}
     fake["SHM"].mkdir(parents=True)
@@ -38,6 +40,7 @@ def run_suite(tmp_path: Path, body: str, existing: dict[str, str] | None = None)
         "PYTHONPATH": str(REPO),
         "KIMI_HOST_GUARD_PATHS": os.pathsep.join(str(fake[n]) for n in ("RUN", "STATE", "UNITS")),
         "KIMI_HOST_GUARD_SHM": str(fake["SHM"]),
+        "KIMI_TEST_SESSION": tag,
     }
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "tests.host_guard"]
     return subprocess.run([*argv, str(suite)], capture_output=True, text=True, env=env, cwd=suite, timeout=120)
@@ -102,3 +105,16 @@ def test_shm_files_of_ours_left_behind_fail_and_held_or_foreign_ones_do_not(tmp_
     finally:
         if pidfile.exists():
             os.kill(int(pidfile.read_text()), signal.SIGKILL)  # the holder the inner test started, by its PID
+
+
+def test_nspawn_directories_count_only_with_this_sessions_tag(tmp_path: Path) -> None:
+    # A second suite on the same CI machine boots its own containers in the same /dev/shm: their directories
+    # carry that suite's tag, and they are that suite's to judge.  Ours, left behind, still fail the run.
+    body = (
+        "tag = os.environ['KIMI_TEST_SESSION']\n"
+        "os.mkdir(os.path.join(SHM, f'kimi-nspawn-{os.getpid()}-{tag}-ours'))\n"
+        "os.mkdir(os.path.join(SHM, f'kimi-nspawn-{os.getpid()}-othersuite-theirs'))"
+    )
+    result = run_suite(tmp_path, body, tag="thissuite")
+    assert result.returncode == pytest.ExitCode.TESTS_FAILED, result.stdout + result.stderr
+    assert "-thissuite-ours" in result.stdout and "theirs" not in result.stdout, result.stdout

@@ -441,7 +441,10 @@ class NspawnMachine:
 
     def _start(self) -> None:
         t0 = time.monotonic()
-        self.root = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir=self.base_dir))
+        # <pid>-<session tag>-: the pid lets cleanup_stale() find a dead run's leftovers, the tag lets the host
+        # path guard tell this suite's directories from those of a second suite on the same machine.
+        tag = os.environ.get("KIMI_TEST_SESSION", "solo")
+        self.root = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-{tag}-", dir=self.base_dir))
         for sub in ("upper", "work", "merged"):
             (self.root / sub).mkdir()
         opts = f"lowerdir=/,upperdir={self.root}/upper,workdir={self.root}/work"
