@@ -26,6 +26,9 @@ class ExitCode(enum.IntEnum):
     ANOTHER_INSTANCE = 16  # another kimi-supervisor owns these GPUs; nothing was changed
     ENGINE_WEDGED = 17  # /health answers but the engine makes no progress (canary or metrics)
     GPU_FAILED = 18  # NVML reported a device-level XID / uncorrectable ECC event on one of our GPUs
+    PEER_LOST = 19  # leader: a follower of its group is gone; the group restarts from this end
+    LEADER_LOST = 20  # follower: its leader did not come back within cluster's bounded wait
+    WEIGHTS_UNAVAILABLE = 21  # engine: its weight holder was not ready within the deadline; nothing killed
     UNAVAILABLE = 69  # EX_UNAVAILABLE: systemd cannot take the unit (daemon-reload failed, unusable path)
     NO_PERMISSION = 77  # EX_NOPERM: a file or directory the command needs cannot be written
     CONFIG = 78  # EX_CONFIG: the unit must not restart on this
@@ -45,6 +48,9 @@ DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.ANOTHER_INSTANCE: "another kimi-supervisor owns these GPUs (its PID is named); nothing was changed",
     ExitCode.ENGINE_WEDGED: "vLLM answers /health but its engine is wedged (canary or token progress failed)",
     ExitCode.GPU_FAILED: "a GPU of ours reported a device-level XID or uncorrectable ECC error while serving",
+    ExitCode.PEER_LOST: "leader: a follower of the multi-node group was lost (vLLM or host); the group restarts",
+    ExitCode.LEADER_LOST: "follower: the group's leader did not come back within the bounded wait",
+    ExitCode.WEIGHTS_UNAVAILABLE: "the deployment's weight holder was not ready within the deadline; nothing killed",
     ExitCode.UNAVAILABLE: "install-unit: systemctl daemon-reload failed, or systemd cannot run this path",
     ExitCode.NO_PERMISSION: "permission denied writing a file the command needs (e.g. install-unit without root)",
     ExitCode.INTERNAL: "internal error (a bug): the traceback is in the journal",
@@ -143,6 +149,18 @@ class EngineWedged(SupervisorError):
 
 class GpuFailed(SupervisorError):
     exit_code = ExitCode.GPU_FAILED
+
+
+class PeerLost(SupervisorError):
+    exit_code = ExitCode.PEER_LOST
+
+
+class LeaderLost(SupervisorError):
+    exit_code = ExitCode.LEADER_LOST
+
+
+class WeightsUnavailable(SupervisorError):
+    exit_code = ExitCode.WEIGHTS_UNAVAILABLE
 
 
 class ThreadDied(SupervisorError):

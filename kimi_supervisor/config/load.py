@@ -9,6 +9,8 @@ table); nothing here exits.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import ipaddress
 import os
 import re
 import sys
@@ -20,7 +22,9 @@ from kimi_supervisor.config.file import read_config_bytes
 from kimi_supervisor.config.model import (
     GPU_HEALTH_POLICIES,
     ChildConfig,
+    ClusterConfig,
     Config,
+    DeploymentConfig,
     FatalRule,
     GpuHealthConfig,
     HealthConfig,
@@ -36,6 +40,7 @@ from kimi_supervisor.config.model import (
 from kimi_supervisor.config.table import MISSING, Table, describe, short_repr
 from kimi_supervisor.config.vllm_args import VllmArgs, parse_vllm_args
 from kimi_supervisor.exitcodes import ConfigError
+from kimi_supervisor.roles import ROLE_NAMES, Role
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -322,6 +327,76 @@ def _parse_gpu_health(t: Table) -> GpuHealthConfig:
     return cfg
 
 
+# A deployment's name goes into file names, unit instance names and a metrics label: no path separators,
+# nothing a shell or systemd's specifier syntax would read, bounded.
+_DEPLOYMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
+
+
+def _parse_deployment(t: Table, path: Path) -> DeploymentConfig:
+    stem = path.name.removesuffix(".toml")
+    name = t.string("name", None)
+    if name is None:
+        if not _DEPLOYMENT_NAME.match(stem):
+            raise t.error(
+                "name",
+                f"the config file's name {stem!r} cannot name the deployment (letters, digits, '_', '.', '-'; "
+                "at most 64): set deployment.name",
+            )
+        name = stem
+    elif not _DEPLOYMENT_NAME.match(name):
+        raise t.error(
+            "name",
+            f"expected letters, digits, '_', '.' or '-' (at most 64, not starting with a sign), got {short_repr(name)}",
+        )
+    role = t.string("role", Role.ENGINE.value)
+    if role not in ROLE_NAMES:
+        raise t.error("role", f"expected one of {', '.join(repr(r) for r in ROLE_NAMES)}, got {short_repr(role)}")
+    t.done()
+    return DeploymentConfig(name=name, role=Role(role))
+
+
+def _parse_cluster(t: Table, present: bool, role: Role) -> ClusterConfig | None:
+    """[cluster] exactly when the role is a group node; its rank agrees with the role."""
+    if not present:
+        if role.in_group:
+            raise t.error(
+                "nnodes", f"deployment.role = {role.value!r} needs a [cluster] table (nnodes, node_rank, master_addr)"
+            )
+        return None
+    if not role.in_group:
+        raise t.error(
+            "nnodes",
+            f"[cluster] is for a multi-node group, but deployment.role is {role.value!r}: "
+            'set role = "leader" (node_rank 0) or "follower", or remove [cluster]',
+        )
+    nnodes = t.integer("nnodes", MISSING, minimum=2, maximum=1024)  # type: ignore[arg-type]
+    node_rank = t.integer("node_rank", MISSING, minimum=0, maximum=1023)  # type: ignore[arg-type]
+    if node_rank >= nnodes:
+        raise t.error("node_rank", f"expected 0 <= node_rank < nnodes ({nnodes}), got {node_rank}")
+    if (node_rank == 0) != (role is Role.LEADER):
+        want = "0 (the leader)" if role is Role.LEADER else "1 or more (a follower)"
+        raise t.error("node_rank", f"deployment.role is {role.value!r}, so node_rank must be {want}, got {node_rank}")
+    addr = t.string("master_addr", MISSING) or ""
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        if not _HOSTNAME.match(addr):
+            raise t.error(
+                "master_addr", f"expected the leader's IP address or host name, got {short_repr(addr)}"
+            ) from None
+    cfg = ClusterConfig(
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=addr,
+        master_port=t.integer("master_port", 29501, minimum=1, maximum=65535),
+    )
+    t.done()
+    return cfg
+
+
 def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     """Build a Config from parsed TOML; raises ConfigError naming file and key."""
     root = Table(data, "", path)
@@ -336,8 +411,12 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     metrics = _parse_metrics(root.table("metrics"))
     liveness = _parse_liveness(root.table("liveness"), child.vllm)
     gpu_health = _parse_gpu_health(root.table("gpu_health"))
+    deployment = _parse_deployment(root.table("deployment"), path)
+    cluster = _parse_cluster(root.table("cluster"), "cluster" in data, deployment.role)
     root.done()
-    return Config(path, child, preflight, readiness, health, shutdown, paths, metrics, liveness, gpu_health)
+    return Config(
+        path, child, preflight, readiness, health, shutdown, paths, metrics, liveness, gpu_health, deployment, cluster
+    )
 
 
 def load_config(path: Path) -> Config:
@@ -375,6 +454,8 @@ def effective_config(cfg: Config) -> dict[str, Any]:
             return {str(k): plain(v) for k, v in value.items()}
         if isinstance(value, Path):
             return str(value)
+        if isinstance(value, enum.Enum):
+            return value.value
         return value
 
     result = plain(cfg)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kimi_supervisor.config.vllm_args import VllmArgs
+from kimi_supervisor.roles import Role
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +147,24 @@ class GpuHealthConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeploymentConfig:
+    # What names this deployment's own things on a host shared with other deployments (files, metrics,
+    # journal): by default the config file's name without `.toml` (/etc/kimi-supervisor/NAME.toml).
+    name: str
+    role: Role
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """One node's place in a multi-node group on vLLM's own mp executor (torch.distributed, one rendezvous)."""
+
+    nnodes: int  # >= 2
+    node_rank: int  # 0 is the leader
+    master_addr: str  # the leader's cluster address (its VLLM_HOST_IP)
+    master_port: int  # the rendezvous (TCPStore) port on the leader
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     path: Path
     child: ChildConfig
@@ -157,3 +176,9 @@ class Config:
     metrics: MetricsConfig
     liveness: LivenessConfig
     gpu_health: GpuHealthConfig
+    deployment: DeploymentConfig = DeploymentConfig("kimi-supervisor", Role.ENGINE)
+    cluster: ClusterConfig | None = None  # None: one node
+
+    @property
+    def role(self) -> Role:
+        return self.deployment.role

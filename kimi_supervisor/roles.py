@@ -1,0 +1,38 @@
+"""What this supervisor's child is in its deployment: the one word every phase branches on.
+
+A leaf, like states.py: the config names a role, and the preflight, the spawn plan, readiness, liveness, the
+instance lock and the operator's view each ask the role what they must do, without importing one another.
+
+One name, one meaning: "role" is only ever this.  A deployment is one model served on one host's GPUs (one
+`[deployment] name`); a multi-node group is one deployment spread over `[cluster] nnodes` hosts, one leader
+and the rest followers; a weight holder belongs to the engine of the same deployment on the same host.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Role(enum.Enum):
+    # One host: `vllm serve`, the API on its port, ready when /health answers.  The default.
+    ENGINE = "engine"
+    # Node 0 of a multi-node group: `vllm serve --node-rank 0`; serves the API once every follower has joined.
+    LEADER = "leader"
+    # Node R > 0: `vllm serve --node-rank R --headless`; no API of its own, useful only while its leader serves.
+    FOLLOWER = "follower"
+    # `vllm preload`: one process per GPU holding the weights, mapped by the engine of the same deployment
+    # (`--load-format ipc_cache`) so that an engine restart does not read 540 GB again.
+    WEIGHTS = "weights"
+
+    @property
+    def in_group(self) -> bool:
+        """One node of a multi-node group (it needs `[cluster]`)."""
+        return self in (Role.LEADER, Role.FOLLOWER)
+
+    @property
+    def serves_api(self) -> bool:
+        """Its child answers the OpenAI API (and /health) on child.vllm's port."""
+        return self in (Role.ENGINE, Role.LEADER)
+
+
+ROLE_NAMES = tuple(r.value for r in Role)

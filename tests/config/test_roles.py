@@ -1,0 +1,115 @@
+"""[deployment] and [cluster]: the role this supervisor's child plays, checked once when the config is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kimi_supervisor.config.load import effective_config, load_config
+from kimi_supervisor.config.model import ClusterConfig
+from kimi_supervisor.exitcodes import ConfigError, ExitCode
+from kimi_supervisor.roles import Role
+
+MINIMAL = '[child]\nargv = ["vllm", "serve", "/m"]\n'
+LEADER = MINIMAL + '[deployment]\nrole = "leader"\n[cluster]\nnnodes = 2\nnode_rank = 0\nmaster_addr = "10.77.0.1"\n'
+
+
+def load(tmp_path: Path, text: str, name: str = "k.toml"):  # type: ignore[no-untyped-def]
+    path = tmp_path / name
+    path.write_text(text)
+    return load_config(path)
+
+
+def error_of(tmp_path: Path, text: str, name: str = "k.toml") -> str:
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path, text, name)
+    assert info.value.exit_code == ExitCode.CONFIG and "\n" not in info.value.message
+    return info.value.message.replace(str(tmp_path / name), "{p}")
+
+
+def test_defaults_one_engine_named_after_its_file(tmp_path: Path) -> None:
+    cfg = load(tmp_path, MINIMAL, "kimi-a.toml")
+    assert (cfg.deployment.name, cfg.role, cfg.cluster) == ("kimi-a", Role.ENGINE, None)
+    assert cfg.role.serves_api and not cfg.role.in_group
+
+
+def test_leader_and_follower(tmp_path: Path) -> None:
+    cfg = load(tmp_path, LEADER + "master_port = 29771\n")
+    assert cfg.role is Role.LEADER and cfg.cluster == ClusterConfig(2, 0, "10.77.0.1", 29771)
+    follower = LEADER.replace('"leader"', '"follower"').replace("node_rank = 0", "node_rank = 1")
+    cfg = load(tmp_path, follower)
+    assert cfg.role is Role.FOLLOWER and not cfg.role.serves_api and cfg.cluster is not None
+    assert cfg.cluster.master_port == 29501  # vLLM's documented example port
+    assert effective_config(cfg)["deployment"] == {"name": "k", "role": "follower"}
+
+
+def test_weights_role(tmp_path: Path) -> None:
+    cfg = load(tmp_path, MINIMAL + '[deployment]\nname = "kimi"\nrole = "weights"\n')
+    assert (cfg.deployment.name, cfg.role) == ("kimi", Role.WEIGHTS) and not cfg.role.serves_api
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            MINIMAL + '[deployment]\nrole = "head"\n',
+            "{p}: deployment.role: expected one of 'engine', 'leader', 'follower', 'weights', got 'head'",
+        ),
+        (
+            MINIMAL + '[deployment]\nname = "../etc"\n',
+            "{p}: deployment.name: expected letters, digits, '_', '.' or '-' (at most 64, not starting with a sign), "
+            "got '../etc'",
+        ),
+        (
+            MINIMAL + '[deployment]\nrole = "leader"\n',
+            "{p}: cluster.nnodes: deployment.role = 'leader' needs a [cluster] table (nnodes, node_rank, master_addr)",
+        ),
+        (
+            MINIMAL + "[cluster]\nnnodes = 2\nnode_rank = 0\nmaster_addr = 'a'\n",
+            "{p}: cluster.nnodes: [cluster] is for a multi-node group, but deployment.role is 'engine': "
+            'set role = "leader" (node_rank 0) or "follower", or remove [cluster]',
+        ),
+        (
+            LEADER.replace("node_rank = 0", "node_rank = 1"),
+            "{p}: cluster.node_rank: deployment.role is 'leader', so node_rank must be 0 (the leader), got 1",
+        ),
+        (
+            LEADER.replace('"leader"', '"follower"'),
+            "{p}: cluster.node_rank: deployment.role is 'follower', so node_rank must be 1 or more (a follower), got 0",
+        ),
+        (
+            LEADER.replace("node_rank = 0", "node_rank = 2").replace('"leader"', '"follower"'),
+            "{p}: cluster.node_rank: expected 0 <= node_rank < nnodes (2), got 2",
+        ),
+        (
+            LEADER.replace("nnodes = 2", "nnodes = 1"),
+            "{p}: cluster.nnodes: expected an integer between 2 and 1024, got 1",
+        ),
+        (
+            LEADER.replace('"10.77.0.1"', '"10.0.0.1; rm -rf /"'),
+            "{p}: cluster.master_addr: expected the leader's IP address or host name, got '10.0.0.1; rm -rf /'",
+        ),
+        (LEADER.replace('master_addr = "10.77.0.1"\n', ""), "{p}: cluster.master_addr: required key is missing"),
+        (LEADER + "master_port = 0\n", "{p}: cluster.master_port: expected an integer between 1 and 65535, got 0"),
+        (LEADER + "rank = 1\n", "{p}: cluster.rank: unknown key"),
+    ],
+)
+def test_errors_name_the_key(tmp_path: Path, text: str, expected: str) -> None:
+    message = error_of(tmp_path, text)
+    assert message.startswith(expected), message
+
+
+def test_a_file_name_that_cannot_name_the_deployment(tmp_path: Path) -> None:
+    message = error_of(tmp_path, MINIMAL, "-odd name.toml")
+    assert message == (
+        "{p}: deployment.name: the config file's name '-odd name' cannot name the deployment "
+        "(letters, digits, '_', '.', '-'; at most 64): set deployment.name"
+    )
+    assert load(tmp_path, MINIMAL + '[deployment]\nname = "odd"\n', "-odd name.toml").deployment.name == "odd"
+
+
+@pytest.mark.parametrize("addr", ["10.77.0.1", "fd00::1", "leader-0.cluster.internal"])
+def test_master_addr_forms(tmp_path: Path, addr: str) -> None:
+    cfg = load(tmp_path, LEADER.replace('"10.77.0.1"', f'"{addr}"'))
+    assert cfg.cluster is not None and cfg.cluster.master_addr == addr
