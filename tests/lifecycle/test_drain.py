@@ -200,6 +200,9 @@ class _Main:
     def refresh_members(self) -> list[object]:
         return []
 
+    def signal_main(self, sig: signal.Signals) -> None:
+        os.kill(self.pid, sig)
+
 
 def test_metrics_trickling_its_status_line_cannot_delay_sigterm() -> None:
     # A status line and headers one byte per 0.9 s: each read is quick, the answer never whole.  The one read
