@@ -271,7 +271,7 @@ def test_a_second_sigterm_during_a_stop_with_trickling_metrics_is_acted_on(tmp_p
                 log=log,
                 sink=ConsoleChildSink(open(os.devnull, "w")),  # noqa: SIM115
                 # The real Drain, whose /metrics is the trickling server.
-                drain=lambda url, timeout, notifier, lg: Drain(srv.url("/health"), timeout, notifier, lg),
+                drain=lambda url, timeout, notifier, lg, **io: Drain(srv.url("/health"), timeout, notifier, lg, **io),
             ),
         )
 
