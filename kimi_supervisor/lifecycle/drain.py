@@ -148,8 +148,9 @@ class Drain:
         self._t0 = self._clock()
         self.sigterm_after_s = round(self._t0 - start, 3)
         if self.timeout_s:
-            self._sampler.start()
+            # The first STATUS= says what was known at SIGTERM, before the sampler's first reading can race it.
             self._say(self._t0, force=True)
+            self._sampler.start()
         return 1
 
     def _read(self) -> Reading:
