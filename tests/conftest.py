@@ -127,6 +127,22 @@ class ProcSpawner:
             shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _textfiles_pass_promtool(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every metrics textfile a test leaves in its tmp_path passes `promtool check metrics` (issue 28):
+    the supervisor's files, whichever test made them.  Without promtool this does nothing: the dedicated
+    test in tests/opsview/test_textfile.py skips with the reason (and fails when CI=true)."""
+    if "tmp_path" not in request.fixturenames or shutil.which("promtool") is None:
+        yield
+        return
+    tmp_path = request.getfixturevalue("tmp_path")  # set up before this fixture, so torn down after it
+    yield
+    from tests.promtool import check_textfiles
+
+    problems = check_textfiles(tmp_path)
+    assert not problems, f"promtool check metrics refused: {problems}"
+
+
 @pytest.fixture
 def spawner() -> Iterator[ProcSpawner]:
     s = ProcSpawner()

@@ -19,6 +19,7 @@ import pytest
 
 from kimi_supervisor.cli import entry as cli
 from kimi_supervisor.cli.status import gather, render_text
+from kimi_supervisor.config import layout
 from kimi_supervisor.exitcodes import ExitCode, exit_outcome
 from kimi_supervisor.host.gpu import GpuUnavailable
 from kimi_supervisor.opsview.history import load_history
@@ -29,14 +30,14 @@ from tests.lifecycle.test_lifecycle_exits import LostGpu
 
 
 def _files(w: World) -> tuple[dict[str, Any], dict[str, Any]]:
-    paths = w.cfg.paths
-    state = json.loads((paths.runtime_directory / "state.json").read_text())
-    history = json.loads((paths.state_directory / "history.json").read_text())
+    own = layout.of(w.cfg)
+    state = json.loads((own.runtime / "state.json").read_text())
+    history = json.loads((own.state / "history.json").read_text())
     return state, history
 
 
 def _status_text(w: World) -> str:
-    return render_text(gather(w.cfg.paths), now=1e9)
+    return render_text(gather(layout.of(w.cfg)), now=1e9)
 
 
 @pytest.mark.parametrize(
@@ -77,7 +78,7 @@ def test_a_gpu_lost_during_the_preflight_is_recorded_as_exit_10(tmp_path: Path) 
     [run] = history["runs"]
     assert run["exit_code"] == 10 and "fell off the bus" in run["root_cause"]
     # The next start does not overwrite it with "ended without recording an exit".
-    again = load_history(w.cfg.paths.state_directory / "history.json")
+    again = load_history(layout.of(w.cfg).state / "history.json")
     assert not again.runs[0].unfinished
     assert "killed?" not in _status_text(w)
 

@@ -30,7 +30,7 @@ examples:
 
 COMMANDS = ("run", "check-config", "install-unit", "status")
 # Options that take a value: their value is never mistaken for the command word (`--config status`).
-_VALUED = ("--config", "--log-format", "--log-level", "--unit-dir")
+_VALUED = ("--config", "--log-format", "--log-level", "--unit-dir", "--instance")
 _DEFAULTS = {
     "dry_run": False,
     "json": False,
@@ -39,6 +39,8 @@ _DEFAULTS = {
     "log_level": "info",
     "unit_dir": unit.DEFAULT_UNIT_DIR,
     "no_reload": False,
+    "name": None,
+    "instance": None,
 }
 
 
@@ -73,8 +75,8 @@ def _command_parser(command: str) -> _Parser:
             prog="kimi-supervisor",
             usage="kimi-supervisor [run] [--config PATH] [--dry-run [--json]] [--log-format F] [--log-level L]\n"
             "       kimi-supervisor check-config [--config PATH] [--json]\n"
-            "       kimi-supervisor install-unit [--config PATH] [--unit-dir DIR] [--no-reload]\n"
-            "       kimi-supervisor status [--config PATH] [--json] [--watch]",
+            "       kimi-supervisor install-unit [--config PATH] [--instance NAME] [--unit-dir DIR] [--no-reload]\n"
+            "       kimi-supervisor status [NAME | --config PATH] [--json] [--watch]",
             description="Run `vllm serve` as a systemd Type=notify service: free the GPUs (preflight), start vLLM, "
             "send READY=1 only once /health answers, ping the watchdog while healthy, stop the whole "
             "process tree.\n\ncommands:\n" + "\n".join(f"  {c:<13} {h}" for c, h in helps.items()),
@@ -87,9 +89,33 @@ def _command_parser(command: str) -> _Parser:
         p = _Parser(prog=f"kimi-supervisor {command}", description=helps[command], allow_abbrev=False)
     p.command = command
     p.set_defaults(command=command, **_DEFAULTS)
-    p.add_argument(
-        "--config", type=Path, default=DEFAULT_PATH, metavar="PATH", help=f"TOML config file (default: {DEFAULT_PATH})"
-    )
+    if command == "install-unit":
+        # No fixed default: an --instance NAME's config is NAME.toml (parse_args fills it in).
+        p.add_argument(
+            "--config",
+            type=Path,
+            default=None,
+            metavar="PATH",
+            help=f"TOML config file (default: {DEFAULT_PATH}; with --instance NAME: {DEFAULT_PATH.parent}/NAME.toml)",
+        )
+    elif command == "status":
+        # No default: without --config (or NAME) status looks at every deployment configured on the host.
+        p.add_argument(
+            "--config",
+            type=Path,
+            default=None,
+            metavar="PATH",
+            help=f"TOML config file (default: every *.toml in {DEFAULT_PATH.parent}, one line each when several)",
+        )
+        p.add_argument("name", nargs="?", default=None, metavar="NAME", help="the deployment to show (its name)")
+    else:
+        p.add_argument(
+            "--config",
+            type=Path,
+            default=DEFAULT_PATH,
+            metavar="PATH",
+            help=f"TOML config file (default: {DEFAULT_PATH})",
+        )
     if command == "run":
         p.add_argument(
             "--dry-run",
@@ -116,6 +142,12 @@ def _command_parser(command: str) -> _Parser:
             default=unit.DEFAULT_UNIT_DIR,
             metavar="DIR",
             help=f"where to write {unit.UNIT_NAME} (default: {unit.DEFAULT_UNIT_DIR})",
+        )
+        p.add_argument(
+            "--instance",
+            metavar="NAME",
+            help=f"write the template {unit.TEMPLATE_NAME} and instance NAME's drop-in instead "
+            "(kimi-supervisor@NAME runs NAME.toml beside --config; one per deployment of a host)",
         )
         p.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
     return p
@@ -147,6 +179,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             break  # any other word: the command's parser says it is not one
     _Parser.owners = _owners()
     args = _command_parser(command).parse_args(rest)
+    if command == "install-unit" and args.config is None:
+        args.config = DEFAULT_PATH if args.instance is None else DEFAULT_PATH.parent / f"{args.instance}.toml"
     if args.json and command == "run" and not args.dry_run:
         _command_parser(command).error("--json needs --dry-run (a run writes log records, not a report)")
     return args

@@ -16,7 +16,7 @@ from kimi_supervisor.child.process import prepare_spawn
 from kimi_supervisor.child.spawnplan import Unresolvable
 from kimi_supervisor.cli.args import parse_args
 from kimi_supervisor.clock import SystemClock
-from kimi_supervisor.config import timeouts
+from kimi_supervisor.config import layout, timeouts
 from kimi_supervisor.config.load import effective_config, load_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import ConfigError, ExitCode, SupervisorError
@@ -45,7 +45,36 @@ def _load(args: argparse.Namespace) -> Config:
 def _unit_stop_check(cfg: Config) -> Check | None:
     if not show.systemd_running():
         return None
-    return timeouts.check_unit_stop(cfg, show.installed_stop_timeout_s(unit.UNIT_NAME), unit.UNIT_NAME)
+    name = layout.unit_name(cfg.deployment.name) + ".service"  # the plain unit's, or this instance's
+    return timeouts.check_unit_stop(cfg, show.installed_stop_timeout_s(name), name)
+
+
+def _install_unit(cfg: Config, args: argparse.Namespace) -> int:
+    config = args.config.resolve()
+    instance = args.instance
+    if instance is not None:
+        # One name for the instance, its config file, its files, its journal identifier and metrics label.
+        if config.stem != instance:
+            raise ConfigError(
+                f"install-unit --instance {instance}: kimi-supervisor@{instance} runs "
+                f"{config.parent}/{instance}.toml, not {config} (name the config after the instance)"
+            )
+        if cfg.deployment.name != instance:
+            raise ConfigError(
+                f"{config}: deployment.name: {cfg.deployment.name!r} is not the instance's name {instance!r} "
+                "(the unit's directories are named after the instance: remove deployment.name or make it match)"
+            )
+    target = unit.install(
+        config,
+        args.unit_dir,
+        reload=not args.no_reload,
+        stop_s=timeouts.unit_timeout_stop_s(cfg),
+        instance=instance,
+        writable=unit.writable_paths(cfg),
+    )
+    service = unit.UNIT_NAME if instance is None else f"kimi-supervisor@{instance}.service"
+    print(f"wrote {target}; now: systemctl enable --now {service}")
+    return ExitCode.OK
 
 
 def _check_config(cfg: Config, as_json: bool) -> int:
@@ -81,7 +110,11 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
     try:
         # Never takes the lock (a real start beside us must not refuse because of a dry run): only reads it.
         owner = instance_lock.find_owner(
-            cfg.paths.runtime_directory, configured_gpus(probe, cfg.preflight.gpus), cfg.child.vllm.port
+            cfg.paths.runtime_directory,
+            configured_gpus(probe, cfg.preflight.gpus),
+            cfg.child.vllm.port,
+            cfg.deployment.name,
+            cfg.metrics.textfile,
         )
         report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
     finally:
@@ -113,7 +146,12 @@ def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
         # Before any preflight action: a second supervisor must change nothing (exit 16).  Without NVML no GPU
         # is locked: the preflight fails on NVML before touching anything, and the port lock still holds.
         lock = instance_lock.acquire(
-            cfg.paths.runtime_directory, configured_gpus(probe, cfg.preflight.gpus), cfg.child.vllm.port, str(cfg.path)
+            cfg.paths.runtime_directory,
+            configured_gpus(probe, cfg.preflight.gpus),
+            cfg.child.vllm.port,
+            str(cfg.path),
+            deployment=cfg.deployment.name,
+            textfile=cfg.metrics.textfile,
         )
         try:
             return _supervise(cfg, sink, probe)
@@ -167,22 +205,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "status":
             from kimi_supervisor.cli.status import run_status  # only what reading two files needs
 
-            return run_status(args.config, args.json, args.watch)
+            if args.name is not None and args.config is not None:
+                raise ConfigError(f"status: give NAME ({args.name}) or --config ({args.config}), not both")
+            return run_status(args.config, args.json, args.watch, name=args.name)
         cfg = _load(args)
         # Known secret values (HF_TOKEN=...) are scrubbed from every event from now on.
         secrets = secret_values(cfg)
-        sink = configure(fmt, args.log_level, secrets=secrets)
+        identity = {"SYSLOG_IDENTIFIER": layout.unit_name(cfg.deployment.name), "KIMI_DEPLOYMENT": cfg.deployment.name}
+        sink = configure(fmt, args.log_level, secrets=secrets, identity=identity)
         if args.command == "check-config":
             return _check_config(cfg, args.json)
         if args.command == "install-unit":
-            target = unit.install(
-                args.config.resolve(),
-                args.unit_dir,
-                reload=not args.no_reload,
-                stop_s=timeouts.unit_timeout_stop_s(cfg),
-            )
-            print(f"wrote {target}; now: systemctl enable --now {unit.UNIT_NAME}")
-            return ExitCode.OK
+            return _install_unit(cfg, args)
         if args.dry_run:
             return _dry_run(cfg, args.json)
         probe = NvmlProbe()

@@ -5,6 +5,10 @@ NVML, no signal to the daemon, and safe while it runs.  Says plainly when
 the daemon does not run: no state file, or one whose writer is gone (same
 PID *and* start time, so a recycled PID does not pass for the supervisor).
 Exit status as `systemctl status`: 0 while it runs, 3 when it does not.
+
+A host may run several deployments (config/layout.py: each its own state file and history).  Without
+`--config` and NAME, `status` looks at every config in /etc/kimi-supervisor/: one shows in full as
+before; several are listed one line each (`status NAME` then shows one), 0 only when all of them run.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kimi_supervisor.clock import format_duration
-from kimi_supervisor.config.load import load_config
-from kimi_supervisor.config.model import PathsConfig
+from kimi_supervisor.config import layout
+from kimi_supervisor.config.layout import DeploymentDirectories
+from kimi_supervisor.config.load import DEFAULT_PATH, load_config
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.files.untrusted import printable
 from kimi_supervisor.opsview.history import FILE_NAME as HISTORY_FILE
@@ -35,6 +40,7 @@ _RESET = "\x1b[0m"
 
 @dataclasses.dataclass
 class Snapshot:
+    name: str  # the deployment's
     running: bool
     reason: str  # why (not) running, in words
     state: dict[str, Any] | None
@@ -44,9 +50,10 @@ class Snapshot:
     note: str | None = None  # an unreadable state file or history
 
 
-def gather(paths: PathsConfig) -> Snapshot:
-    state_path = paths.runtime_directory / FILE_NAME
-    history_path = paths.state_directory / HISTORY_FILE
+def gather(dirs: DeploymentDirectories) -> Snapshot:
+    state_path = dirs.runtime / FILE_NAME
+    history_path = dirs.state / HISTORY_FILE
+    name = dirs.name
     notes: list[str] = []
     history = _read_history(history_path, notes)
     try:
@@ -56,11 +63,11 @@ def gather(paths: PathsConfig) -> Snapshot:
         state = None
     if state is None:
         reason = f"no state file at {state_path}" if not notes else "state file unreadable"
-        return Snapshot(False, reason, None, state_path, history, history_path, "; ".join(notes) or None)
+        return Snapshot(name, False, reason, None, state_path, history, history_path, "; ".join(notes) or None)
     pid = (state.get("supervisor") or {}).get("pid")
     phase = state.get("phase", "?")
     if writer_alive(state):
-        return Snapshot(True, f"PID {pid}", state, state_path, history, history_path, "; ".join(notes) or None)
+        return Snapshot(name, True, f"PID {pid}", state, state_path, history, history_path, "; ".join(notes) or None)
     if phase in ("stopped", "failed"):
         reason = f"{phase} at {_when(state.get('ended_at'))}, exit {state.get('exit_code')}"
     else:
@@ -68,7 +75,7 @@ def gather(paths: PathsConfig) -> Snapshot:
             f"supervisor PID {pid} is gone without a final state (killed?); "
             f"it was {phase} at {_when(state.get('updated_at'))}"
         )
-    return Snapshot(False, reason, state, state_path, history, history_path, "; ".join(notes) or None)
+    return Snapshot(name, False, reason, state, state_path, history, history_path, "; ".join(notes) or None)
 
 
 def _read_history(path: Path, notes: list[str]) -> HistoryData:
@@ -85,6 +92,7 @@ def _read_history(path: Path, notes: list[str]) -> HistoryData:
 
 def to_json(snap: Snapshot) -> dict[str, Any]:
     return {
+        "deployment": snap.name,
         "running": snap.running,
         "reason": snap.reason,
         "state_file": str(snap.state_path),
@@ -118,9 +126,10 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
     s: dict[str, Any] = _escaped(snap.state or {})
     phase = s.get("phase", "?")
     lines: list[str] = []
+    title = layout.unit_name(snap.name)
     if snap.running:
         dot = c("●", {"ready": "green", "failed": "red"}.get(phase, "yellow"))
-        lines.append(f"{dot} kimi-supervisor - {s.get('status') or phase}")
+        lines.append(f"{dot} {title} - {s.get('status') or phase}")
         lines.append(f"{'Phase':>12}: {c(phase, 'bold')} since {_when(s.get('since'))}; {_ago(s.get('since'), now)}")
         lines += _progress(s, c)
         sup = s.get("supervisor") or {}
@@ -132,7 +141,7 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
         lines += _uptime(s, now)
     else:
         dot = c("×", "red") if phase == "failed" else "○"
-        lines.append(f"{dot} kimi-supervisor - not running ({printable(snap.reason)})")
+        lines.append(f"{dot} {title} - not running ({printable(snap.reason)})")
     failure = s.get("last_failure") if s else _failure_from(snap.history)
     if failure:
         what = f"exit {failure.get('exit_code')} at {_when(failure.get('at'))}: {_cut(failure.get('root_cause'), 160)}"
@@ -141,6 +150,20 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
         lines.append(f"{'Note':>12}: {printable(snap.note)}")
     lines += _runs(snap.history, now)
     return "\n".join(lines) + "\n"
+
+
+def render_line(snap: Snapshot, color: bool = False) -> str:
+    """One deployment in one line, for a host that runs several."""
+    s: dict[str, Any] = _escaped(snap.state or {})
+    phase = s.get("phase", "?")
+    if snap.running:
+        dot = f"{_COLORS[{'ready': 'green'}.get(phase, 'yellow')]}●{_RESET}" if color else "●"
+        sup = s.get("supervisor") or {}
+        what = f"{_cut(s.get('status') or phase, 100)} (PID {sup.get('pid')})"
+    else:
+        dot = "×" if phase == "failed" else "○"
+        what = f"not running ({_cut(printable(snap.reason), 100)})"
+    return f"{dot} {printable(snap.name):<24} {what}\n"
 
 
 def _progress(s: dict[str, Any], c: Callable[[str, str], str]) -> list[str]:
@@ -309,31 +332,72 @@ def _cut(text: object, width: int) -> str:
 # -- the command -------------------------------------------------------------------
 
 
-def paths_for(config: Path, err: TextIO) -> PathsConfig:
-    """The configured paths; the defaults (with a note) when the config cannot be read."""
+def deployment_of(config: Path, err: TextIO) -> DeploymentDirectories:
+    """The deployment's directories; the default paths (with a note) when the config cannot be read (a
+    non-root `status` cannot read a 0600 config: the name then is the file's stem, as the default is)."""
     try:
-        return load_config(config).paths
+        return layout.of(load_config(config))
     except ConfigError as exc:
         from kimi_supervisor.config.load import parse_config
 
         print(f"kimi-supervisor: {exc.message}; using the default paths", file=err)
-        return parse_config({"child": {"argv": ["vllm"]}}, config).paths
+        return layout.of(parse_config({"child": {"argv": ["vllm"]}}, config))
+
+
+def deployments(config_dir: Path, err: TextIO) -> list[DeploymentDirectories]:
+    """Every deployment configured in `config_dir` (one `NAME.toml` each), by name."""
+    try:
+        configs = sorted(p for p in config_dir.iterdir() if p.suffix == ".toml" and not p.name.startswith("."))
+    except OSError:
+        configs = []
+    found: dict[str, DeploymentDirectories] = {}
+    for config in configs:
+        dirs = deployment_of(config, err)
+        found.setdefault(dirs.name, dirs)
+    return [found[name] for name in sorted(found)]
+
+
+def select(config: Path | None, name: str | None, config_dir: Path, err: TextIO) -> list[DeploymentDirectories]:
+    """What `status` shows: the one config given, the NAME asked for, or every deployment configured here
+    (the default config's when none is).  ConfigError for a NAME no config names."""
+    if config is not None:
+        return [deployment_of(config, err)]
+    found = deployments(config_dir, err)
+    if name is not None:
+        chosen = [d for d in found if d.name == name]
+        if not chosen:
+            known = ", ".join(d.name for d in found) or "none"
+            raise ConfigError(f"status: no deployment named {name!r} in {config_dir} (configured: {known})")
+        return chosen
+    return found or [deployment_of(config_dir / DEFAULT_PATH.name, err)]
 
 
 def run_status(
-    config: Path,
+    config: Path | None,
     as_json: bool,
     watch: bool,
     out: TextIO | None = None,
     now: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
+    *,
+    name: str | None = None,
+    config_dir: Path = DEFAULT_PATH.parent,
 ) -> int:
     out = out or sys.stdout
-    paths = paths_for(config, sys.stderr)
+    chosen = select(config, name, config_dir, sys.stderr)
     tty = out.isatty()
     color = tty and not os.environ.get("NO_COLOR")
+    if len(chosen) > 1:  # a host of several deployments: one line each (`status NAME` for one)
+        snaps = [gather(d) for d in chosen]
+        if as_json:
+            out.write(json.dumps([to_json(snap) for snap in snaps], indent=2) + "\n")
+        else:
+            out.write("".join(render_line(snap, color) for snap in snaps))
+        out.flush()
+        return ExitCode.OK if all(snap.running for snap in snaps) else ExitCode.NOT_RUNNING
+    [dirs] = chosen
     while True:
-        snap = gather(paths)
+        snap = gather(dirs)
         if as_json:
             out.write(json.dumps(to_json(snap), indent=2) + "\n")
         else:

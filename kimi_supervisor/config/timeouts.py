@@ -76,6 +76,12 @@ def check_grace(cfg: Config) -> Check:
     )
 
 
+def _instance_option(unit_name: str) -> str:
+    """` --instance NAME` for an instance of the template (kimi-supervisor@NAME.service), else ''."""
+    instance = unit_name.removesuffix(".service").partition("@")[2]
+    return f" --instance {instance}" if instance else ""
+
+
 def check_unit_stop(cfg: Config, stop_timeout_s: float | None, unit_name: str) -> Check | None:
     """WARN when systemd would SIGKILL the cgroup before the supervisor's own stop can finish."""
     if stop_timeout_s is None:
@@ -89,7 +95,8 @@ def check_unit_stop(cfg: Config, stop_timeout_s: float | None, unit_name: str) -
             f"{unit_name} has TimeoutStopSec={stop_timeout_s:g}s, shorter than shutdown.grace_s "
             f"{cfg.shutdown.grace_s:g}s + SIGKILL wait {SIGKILL_WAIT_S:g}s + shutdown.gpu_release_timeout_s "
             f"{cfg.shutdown.gpu_release_timeout_s:g}s = {need:g}s: systemd would SIGKILL a draining server; "
-            f"run `kimi-supervisor install-unit` (writes TimeoutStopSec={unit_timeout_stop_s(cfg)})",
+            f"run `kimi-supervisor install-unit{_instance_option(unit_name)}` "
+            f"(writes TimeoutStopSec={unit_timeout_stop_s(cfg)})",
             data,
         )
     return Check(

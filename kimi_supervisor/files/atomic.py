@@ -10,7 +10,7 @@ so nothing about the write may be steered by another account:
   - the temporary file has an unpredictable name and is created with
     O_CREAT|O_EXCL|O_NOFOLLOW: a link planted at any name is never followed, and
     a planted name is simply skipped;
-  - its mode is set on the descriptor (fchmod: the unit's `UMask=0027` would
+  - its mode is set on the descriptor (fchmod: the unit's `UMask=0077` would
     otherwise hide it from a non-root reader), it is fsynced, then renamed over
     the target (rename replaces a link planted at the final name, never follows it).
 """
@@ -59,7 +59,7 @@ def ensure_directory(path: Path, mode: int = 0o755) -> None:
     """Create `path` (and parents) readable by all when missing; an existing directory keeps its mode.
 
     systemd creates RuntimeDirectory= and StateDirectory= 0755; created here (outside systemd) the
-    umask would decide, and `UMask=0027` makes them 0750: a non-root `status` could not read them.
+    umask would decide, and `UMask=0077` makes them 0700: a non-root `status` could not read them.
     """
     missing = []
     while not path.exists() and path != path.parent:

@@ -1,6 +1,7 @@
 """The directories root writes its files in, checked before the run acts (issue 22, item 2).
 
-`paths.runtime_directory` (instance locks, state.json), `paths.state_directory` (history.json) and the
+`paths.runtime_directory` (instance locks) with the deployment's own directory below it (state.json),
+`paths.state_directory` with the deployment's own below it (history.json; config/layout.py) and the
 directory of `metrics.textfile` are checked like the config file's directories (configfile.py, sshd's
 StrictModes), on the path as written *and* on the path it resolves to: every directory on the way is owned
 by root (or the account the supervisor runs as) and not writable by group or others; a sticky directory
@@ -16,6 +17,7 @@ import os
 import stat
 from pathlib import Path
 
+from kimi_supervisor.config import layout
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import ConfigError
 from kimi_supervisor.files.atomic import directory_problem, ensure_directory
@@ -48,10 +50,14 @@ def check_directory(path: Path, key: str, config: Path) -> None:
 
 
 def prepare_directories(cfg: Config, *, create: bool = True) -> None:
-    """Create the runtime and state directories when missing (0755), then check them and the metrics one."""
+    """Create the runtime and state directories and the deployment's own below them when missing (0755),
+    then check them and the metrics one."""
+    own = layout.of(cfg)
     wanted = [
         (cfg.paths.runtime_directory, "paths.runtime_directory", True),
+        (own.runtime, "paths.runtime_directory", True),
         (cfg.paths.state_directory, "paths.state_directory", True),
+        (own.state, "paths.state_directory", True),
     ]
     if cfg.metrics.textfile is not None:
         wanted.append((cfg.metrics.textfile.parent, "metrics.textfile", False))  # node_exporter's: not created

@@ -7,7 +7,9 @@ instead of reaping the serving tree's workers as stale.
 
 Per GPU, not per host: one file per NVML index (`gpu-<index>.lock`), plus one
 for the serving port (`port-<port>.lock`, which is all a CPU deployment with
-`preflight.gpus = []` locks).  Two deployments on disjoint GPUs and ports run
+`preflight.gpus = []` locks), one for the deployment's name and one for its metrics textfile (the files
+named after them are its own: `resources`).  All in one host-wide directory, since GPUs and ports are
+host-wide, whatever deployment's own files sit below it.  Two deployments on disjoint GPUs and ports run
 side by side; any overlap refuses.  flock is released by the kernel when the
 owner's last descriptor closes, so a SIGKILLed supervisor never leaves a lock
 that blocks (its file stays, empty of meaning); the descriptors are O_CLOEXEC
@@ -34,6 +36,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -114,9 +117,21 @@ def is_root_supervisor(pid: int, proc_root: str = "/proc") -> bool:
     return holder(pid, proc_root).is_root_supervisor
 
 
-def resources(gpus: Sequence[int], port: int) -> list[Resource]:
+def resources(
+    gpus: Sequence[int], port: int, deployment: str | None = None, textfile: Path | None = None
+) -> list[Resource]:
+    """What one supervisor owns on the host: its GPUs and port, and (issue 28) its deployment's name, which
+    names its state file and history (config/layout.py), and its metrics textfile, which node_exporter reads
+    whoever writes it.  A second deployment of the same name, or one writing the same textfile, would share
+    those files: it is refused like one on the same GPU."""
     found = [Resource(f"GPU {i}", f"gpu-{i}.lock") for i in sorted(set(gpus))]
-    return [*found, Resource(f"port {port}", f"port-{port}.lock")]
+    found.append(Resource(f"port {port}", f"port-{port}.lock"))
+    if deployment is not None:
+        found.append(Resource(f"deployment {deployment}", f"deployment-{deployment}.lock"))
+    if textfile is not None:
+        digest = hashlib.sha256(os.fsencode(os.path.abspath(textfile))).hexdigest()[:16]
+        found.append(Resource(f"metrics textfile {textfile}", f"textfile-{digest}.lock"))
+    return found
 
 
 def unit_of(pid: int, proc_root: str = "/proc") -> str | None:
@@ -186,9 +201,11 @@ def _owner(directory: Path, resource: Resource, holders: set[int]) -> Owner:
     )
 
 
-def find_owner(directory: Path, gpus: Sequence[int], port: int) -> Owner | None:
+def find_owner(
+    directory: Path, gpus: Sequence[int], port: int, deployment: str | None = None, textfile: Path | None = None
+) -> Owner | None:
     """Which root kimi-supervisor holds any of these resources now, without taking a lock (the dry run)."""
-    for resource in resources(gpus, port):
+    for resource in resources(gpus, port, deployment, textfile):
         holders = flock_holders(directory / resource.filename) - {os.getpid(), -1, 0}
         supervisors = {pid for pid in holders if is_root_supervisor(pid)}
         if supervisors:
@@ -340,7 +357,16 @@ def _take(directory: Path, resource: Resource, log: Logger | None) -> int:
         os.close(guard)
 
 
-def acquire(directory: Path, gpus: Sequence[int], port: int, config: str, log: Logger | None = None) -> InstanceLock:
+def acquire(
+    directory: Path,
+    gpus: Sequence[int],
+    port: int,
+    config: str,
+    log: Logger | None = None,
+    *,
+    deployment: str | None = None,
+    textfile: Path | None = None,
+) -> InstanceLock:
     """Take every lock, or none: raise AnotherInstance naming the root kimi-supervisor that holds one."""
     if log is None:
         from kimi_supervisor.logs.journal import get_logger  # not at import: a dry run only reads the locks
@@ -349,15 +375,17 @@ def acquire(directory: Path, gpus: Sequence[int], port: int, config: str, log: L
     _ensure_directory(directory)
     taken: list[int] = []
     try:
-        for resource in resources(gpus, port):
+        for resource in resources(gpus, port, deployment, textfile):
             taken.append(_take(directory, resource, log))
     except BaseException:
         for fd in taken:
             os.close(fd)
         raise
-    record = json.dumps({"pid": os.getpid(), "gpus": sorted(set(gpus)), "port": port, "config": config}) + "\n"
+    record: dict[str, object] = {"pid": os.getpid(), "gpus": sorted(set(gpus)), "port": port, "config": config}
+    if deployment is not None:
+        record["deployment"] = deployment
     for fd in taken:
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
-            os.pwrite(fd, record.encode(), 0)
+            os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
     return InstanceLock(directory, taken)

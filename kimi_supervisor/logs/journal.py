@@ -3,7 +3,9 @@
 Under systemd (JOURNAL_STREAM names our stderr) records go to journald over its
 native protocol, so each carries PRIORITY (`journalctl -p warning` filters) and
 fields: KIMI_SOURCE=supervisor|child, KIMI_EVENT for events, VLLM_COMPONENT /
-VLLM_RANK / VLLM_PID for child lines.  On a terminal: a readable console; else
+VLLM_RANK / VLLM_PID for child lines, and on every record KIMI_DEPLOYMENT (the deployment's name) with
+SYSLOG_IDENTIFIER naming its unit (`kimi-supervisor`, or `kimi-supervisor@NAME` for an instance of the
+template), so several deployments of one host are told apart in one journal.  On a terminal: a readable console; else
 JSON lines.  Child lines skip structlog's processor chain: a 9-minute load is
 quiet, but a chatty child must never be slowed by its supervisor.
 """
@@ -80,9 +82,15 @@ class JournalWriter:
     """
 
     def __init__(
-        self, path: str = JOURNAL_SOCKET, fallback: TextIO | RecordStream | None = None, backlog: int = 10_000
+        self,
+        path: str = JOURNAL_SOCKET,
+        fallback: TextIO | RecordStream | None = None,
+        backlog: int = 10_000,
+        identity: Mapping[str, str] | None = None,
     ) -> None:
         self._fallback = fallback or sys.stderr
+        # On every record: which deployment (and unit) it is; a record's own fields cannot override them.
+        self._identity: dict[str, str] = {"SYSLOG_IDENTIFIER": IDENTIFIER, **(identity or {})}
         self._backlog: collections.deque[bytes] = collections.deque()
         self._backlog_max = backlog
         self.dropped = 0  # child lines dropped while journald stalled, not yet reported
@@ -143,8 +151,9 @@ class JournalWriter:
         return n
 
     def _encode(self, priority: int, message: str, fields: Mapping[str, object]) -> bytes:
-        record: dict[str, object] = {"MESSAGE": message, "PRIORITY": priority, "SYSLOG_IDENTIFIER": IDENTIFIER}
+        record: dict[str, object] = {"MESSAGE": message, "PRIORITY": priority}
         record.update(fields)
+        record.update(self._identity)
         return encode_journal(record)
 
     def _try(self, data: bytes) -> str:
@@ -331,8 +340,10 @@ def configure(
     secrets: tuple[str, ...] = (),
     stream: TextIO | None = None,
     journal_socket: str = JOURNAL_SOCKET,
+    identity: Mapping[str, str] | None = None,
 ) -> ChildSink:
-    """Set up structlog for `fmt` (already resolved) and return the matching child-line sink."""
+    """Set up structlog for `fmt` (already resolved) and return the matching child-line sink.  `identity`:
+    journal fields on every record (SYSLOG_IDENTIFIER, KIMI_DEPLOYMENT), once the config names them."""
     err = RecordStream(_records_writer(stream or sys.stderr))
     scrubber = SecretScrubber(secrets)
     threshold = _LEVEL_ORDER[level]
@@ -344,7 +355,7 @@ def configure(
 
     processors: list[Any] = [drop_below, structlog.processors.add_log_level, scrubber]
     if fmt == "journal":
-        writer = JournalWriter(journal_socket, fallback=err)
+        writer = JournalWriter(journal_socket, fallback=err, identity=identity)
         processors += [structlog.processors.format_exc_info, _journal_renderer]
         structlog.configure(
             processors=processors, logger_factory=lambda *a: _JournalLogger(writer), cache_logger_on_first_use=False

@@ -4,12 +4,18 @@ The supervisor serves no HTTP of its own; node_exporter reads `*.prom` files
 from its textfile directory.  A snapshot of numbers goes through
 prometheus_client (its own CollectorRegistry, its exposition format) and is
 replaced atomically.  Not via `write_to_textfile`: that leaves the file's mode
-to the umask (the unit's `UMask=0027` would hide it from node_exporter's user)
+to the umask (the unit's `UMask=0077` would hide it from node_exporter's user)
 and does not fsync; `atomicfile.write_atomic` does both around the same
 `generate_latest` bytes.
 
 Counters come from the run history's cumulative counters, so they do not
 reset when systemd restarts the service (a reset would read as a rate spike).
+
+Every series carries `deployment` (issue 28): node_exporter serves every
+deployment's textfile of a host at once, and the alerts
+(packaging/prometheus/kimi-supervisor.rules.yml) name the one to look at.
+Label values come from bounded sets only (state, GPU index, exit code and its
+name); the failure's text stays in the state file and the journal.
 """
 
 from __future__ import annotations
@@ -43,55 +49,80 @@ class MetricsSnapshot:
     canary_latency_s: float | None = None
     gpu_used_mib_at_start: Mapping[int, int] = dataclasses.field(default_factory=dict)
     last_failure: tuple[int, str] | None = None  # (exit code, root cause)
+    started_timestamp_s: float | None = None  # this run's start (the alerts time a load from it)
+    last_failure_timestamp_s: float | None = None
 
 
 class _SnapshotCollector(Collector):
-    def __init__(self, snap: MetricsSnapshot) -> None:
+    def __init__(self, snap: MetricsSnapshot, deployment: str) -> None:
         self.snap = snap
+        self.deployment = deployment
+
+    def _family(
+        self, kind: type[GaugeMetricFamily | CounterMetricFamily], name: str, documentation: str, *labels: str
+    ) -> GaugeMetricFamily | CounterMetricFamily:
+        return kind(f"{PREFIX}_{name}", documentation, labels=["deployment", *labels])
+
+    def _one(self, name: str, documentation: str, value: float, kind: type = GaugeMetricFamily) -> Metric:
+        family = self._family(kind, name, documentation)
+        family.add_metric([self.deployment], value)
+        return family
 
     def collect(self) -> Iterator[Metric]:
-        s = self.snap
-        state = GaugeMetricFamily(
-            f"{PREFIX}_state", "1 for the supervisor's current lifecycle state, 0 for the others", labels=["state"]
+        s, dep = self.snap, self.deployment
+        state = self._family(
+            GaugeMetricFamily, "state", "1 for the supervisor's current lifecycle state, 0 for the others", "state"
         )
         for candidate in State:
-            state.add_metric([candidate.value], 1.0 if candidate.value == s.state else 0.0)
+            state.add_metric([dep, candidate.value], 1.0 if candidate.value == s.state else 0.0)
         yield state
-        yield _gauge(
+        yield self._one(
             "ready_timestamp_seconds", "Unix time this run sent READY=1 (0 while not ready)", s.ready_timestamp_s or 0.0
         )
+        if s.started_timestamp_s is not None:
+            yield self._one(
+                "start_timestamp_seconds", "Unix time this run of the supervisor started", s.started_timestamp_s
+            )
         if s.last_load_s is not None:
-            yield _gauge("last_load_seconds", "Spawn to ready of the latest successful load", s.last_load_s)
-        yield CounterMetricFamily(
-            f"{PREFIX}_restarts", "Starts of the supervisor after the first one this state directory saw", s.restarts
+            yield self._one("last_load_seconds", "Spawn to ready of the latest successful load", s.last_load_s)
+        counters = (
+            ("restarts", "Starts of the supervisor after the first one this state directory saw", s.restarts),
+            ("preflight_kills", "Stale GPU-holding processes the preflight killed", s.preflight_kills),
+            ("shm_removals", "Stale shared-memory files the preflight removed", s.shm_removed),
         )
-        yield CounterMetricFamily(
-            f"{PREFIX}_preflight_kills", "Stale GPU-holding processes the preflight killed", s.preflight_kills
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_shm_removals", "Stale shared-memory files the preflight removed", s.shm_removed
-        )
+        for name, documentation, value in counters:
+            yield self._one(name, documentation, value, CounterMetricFamily)
         if s.health_latency_s is not None:
-            yield _gauge("health_latency_seconds", "Duration of the latest GET /health", s.health_latency_s)
+            yield self._one("health_latency_seconds", "Duration of the latest GET /health", s.health_latency_s)
         if s.canary_latency_s is not None:
-            yield _gauge("canary_latency_seconds", "Duration of the latest canary completion", s.canary_latency_s)
-        gpu = GaugeMetricFamily(
-            f"{PREFIX}_gpu_memory_used_at_start_bytes",
+            yield self._one("canary_latency_seconds", "Duration of the latest canary completion", s.canary_latency_s)
+        gpu = self._family(
+            GaugeMetricFamily,
+            "gpu_memory_used_at_start_bytes",
             "GPU memory in use when vLLM was spawned (after the preflight), per GPU",
-            labels=["gpu"],
+            "gpu",
         )
         for index, mib in sorted(s.gpu_used_mib_at_start.items()):
-            gpu.add_metric([str(index)], float(mib * MIB))
+            gpu.add_metric([dep, str(index)], float(mib * MIB))
         yield gpu
         if s.last_failure is not None:
             # Labels from a bounded set only: the root cause is vLLM's text (maybe a client's words) and would
             # make a new series per failure; `kimi-supervisor status` and the journal quote it.
+            code = s.last_failure[0]
+            labels = {"deployment": dep, "exit_code": str(code), "reason": failure_reason(code)}
             info = InfoMetricFamily(
                 f"{PREFIX}_last_failure", "Exit code and reason (from the exit code) of the latest failed run"
             )
-            code = s.last_failure[0]
-            info.add_metric([], {"exit_code": str(code), "reason": failure_reason(code)})
+            info.add_metric([], labels)
             yield info
+            if s.last_failure_timestamp_s is not None:
+                when = GaugeMetricFamily(
+                    f"{PREFIX}_last_failure_timestamp_seconds",
+                    "Unix time of the latest failed run's end, by its exit code",
+                    labels=list(labels),
+                )
+                when.add_metric(list(labels.values()), s.last_failure_timestamp_s)
+                yield when
 
 
 def failure_reason(code: int) -> str:
@@ -102,13 +133,9 @@ def failure_reason(code: int) -> str:
         return "unknown"
 
 
-def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(f"{PREFIX}_{name}", documentation, value=value)
-
-
-def render(snap: MetricsSnapshot) -> bytes:
+def render(snap: MetricsSnapshot, deployment: str) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(snap))
+    registry.register(_SnapshotCollector(snap, deployment))
     data: bytes = generate_latest(registry)
     return data
 
@@ -116,14 +143,15 @@ def render(snap: MetricsSnapshot) -> bytes:
 class MetricsWriter:
     """Writes snapshots to `path`; an unwritable path is warned about once per outage, never raised."""
 
-    def __init__(self, path: Path, log: Logger) -> None:
+    def __init__(self, path: Path, log: Logger, deployment: str) -> None:
         self.path = path
+        self.deployment = deployment
         self._log = log
         self._warned = False
 
     def write(self, snap: MetricsSnapshot) -> None:
         try:
-            write_atomic(self.path, render(snap))
+            write_atomic(self.path, render(snap, self.deployment))
             self._warned = False
         except OSError as exc:
             if not self._warned:

@@ -23,6 +23,7 @@ from typing import Any, TypeVar, cast
 
 from kimi_supervisor import __version__
 from kimi_supervisor.child.readiness import ReadinessTracker
+from kimi_supervisor.config import layout
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable
 from kimi_supervisor.host.proctable import ProcessTable, PsutilProcessTable
@@ -96,9 +97,11 @@ class OperatorView:
         self._mono = mono
         self._failed_methods: set[str] = set()
         pid = os.getpid()
-        self.state_file = StateFile(cfg.paths.runtime_directory, log)
-        self.history = History(cfg.paths.state_directory / HISTORY_FILE, log, pid)
-        self.metrics = MetricsWriter(cfg.metrics.textfile, log) if cfg.metrics.textfile else None
+        own = layout.of(cfg)  # this deployment's own files, beside the host's other deployments'
+        self.state_file = StateFile(own.runtime, log)
+        self.history = History(own.state / HISTORY_FILE, log, pid)
+        textfile = cfg.metrics.textfile
+        self.metrics = MetricsWriter(textfile, log, cfg.deployment.name) if textfile else None
         self.eta = LoadEta(None)
         self._child_pid: int | None = None
         self._spawned_mono: float | None = None
@@ -294,4 +297,6 @@ class OperatorView:
             canary_latency_s=self.doc["canary"]["latency_s"],
             gpu_used_mib_at_start=self._gpu_at_start,
             last_failure=((int(failure["exit_code"] or 0), str(failure["root_cause"] or "")) if failure else None),
+            started_timestamp_s=self.doc["started_at"],
+            last_failure_timestamp_s=failure["at"] if failure else None,
         )

@@ -1,34 +1,44 @@
-"""The systemd unit: one template, rendered for packaging/ and by `install-unit`.
+"""The systemd units: one text, rendered as the plain unit and as the template unit, for packaging/ and by
+`install-unit`.
 
-packaging/systemd/kimi-supervisor.service is this template rendered with the
-defaults (a test keeps them identical); `kimi-supervisor install-unit` renders
-it with the command that runs this very installation and reloads systemd.
+packaging/systemd/kimi-supervisor.service (one deployment per host, /etc/kimi-supervisor/kimi-supervisor.toml)
+and packaging/systemd/kimi-supervisor@.service (instance NAME runs /etc/kimi-supervisor/NAME.toml, as
+`openvpn@`, `wg-quick@` and `postgresql@` do) are this text rendered with the defaults (a test keeps them
+identical); `kimi-supervisor install-unit [--instance NAME]` renders it with the command that runs this very
+installation and reloads systemd.  An instance's own settings from its config (TimeoutStopSec=, the
+directories it writes) go in a drop-in of that instance, `kimi-supervisor@NAME.service.d/`, so one template
+serves every deployment.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from kimi_supervisor.config.load import DEFAULT_PATH
+from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import ExitCode, NoPermission, ServiceUnavailable
 
 UNIT_NAME = "kimi-supervisor.service"
+TEMPLATE_NAME = "kimi-supervisor@.service"
+DROPIN_NAME = "50-kimi-supervisor.conf"  # install-unit --instance NAME: that instance's own settings
 DEFAULT_EXEC = "/usr/local/bin/kimi-supervisor"
 DEFAULT_UNIT_DIR = Path("/etc/systemd/system")
+STATE_DIR = Path("/var/lib/kimi-supervisor")  # the unit's StateDirectory=
 # What `install-unit` derives from etc/kimi-supervisor.toml (timeouts.unit_timeout_stop_s; a test keeps them
 # equal): grace 315 (vLLM drains 300 s + 15 s worker shutdown) + SIGKILL wait 5 + GPU release 30 + exit 10.
 DEFAULT_STOP_S = 360
 
-TEMPLATE = """\
+TEXT = """\
 # kimi-supervisor: vLLM serving Kimi-K2.5-NVFP4 (TP=8) as a Type=notify service.
-# Rendered by `kimi-supervisor install-unit`; edit the config, not this file.
+{header}# Rendered by `kimi-supervisor install-unit{install_args}`; edit the config, not this file.
 [Unit]
-Description=vLLM Kimi-K2.5 NVFP4 (TP=8) supervised by kimi-supervisor
+Description=vLLM Kimi-K2.5 NVFP4 (TP=8) supervised by kimi-supervisor{description}
 Documentation=file:///usr/share/doc/kimi-supervisor/README.md
 # The driver's persistence daemon keeps GPUs initialised; the API needs the network.
 After=network-online.target nvidia-persistenced.service
@@ -59,27 +69,34 @@ RestartPreventExitStatus={config_exit}
 # vLLM pins host memory for GPU transfers and opens many files (119 shards, sockets).
 LimitMEMLOCK=infinity
 LimitNOFILE=1048576
-# Journal lines keep their priority (the supervisor sends native journal records).
-SyslogIdentifier=kimi-supervisor
+# Journal lines keep their priority (the supervisor sends native journal records, each with this identifier
+# and KIMI_DEPLOYMENT=<deployment.name>).
+SyslogIdentifier={syslog}
 # journald rate-limits per unit and priority; a chatty vLLM used up the default (10000 per 30 s) and the
 # supervisor's own records (state.*, stop.*) were dropped. The supervisor forwards at most 4000 child lines
 # a second per priority (the rest are counted in "child.suppressed" records): at most 44000 in any 10 s
 # window, so this burst always leaves room for its own records.
 LogRateLimitIntervalSec=10s
 LogRateLimitBurst=60000
-# /run/kimi-supervisor: the instance lock and the live state file. Preserved across stops: removing it
-# while another instance (started from a shell) holds its lock would let a third one in beside it.
-RuntimeDirectory=kimi-supervisor
-RuntimeDirectoryMode=0755
-RuntimeDirectoryPreserve=yes
-# /var/lib/kimi-supervisor: the run history, kept across restarts and reboots.
-StateDirectory=kimi-supervisor
-StateDirectoryMode=0755
-
-# Hardening that vLLM still runs under (see README, "Hardening").
+{directories}
+# Hardening that vLLM still runs under (docs/hardening.md gives each line's reason).
 NoNewPrivileges=yes
-ProtectSystem=full
-PrivateTmp=yes
+# The whole tree read-only, but for the API filesystems (/dev/shm: the preflight's stale files), the
+# directories above and homes: vLLM, torch, Triton and Hugging Face write their caches under $HOME.
+ProtectSystem=strict
+ReadWritePaths=-/root -/home
+{writable}PrivateTmp=yes
+# Our mounts (the private /tmp, /proc, the read-only tree) never propagate to the host.
+PrivateMounts=yes
+# Other users' processes are hidden from vLLM running as child.user; root with CAP_SYS_PTRACE (the
+# supervisor's preflight) still sees every process, as it must to find stale GPU holders.
+ProtectProc=invisible
+# Devices: the standard pseudo devices, and NVIDIA's by their /proc/devices names (nvidia or
+# nvidia-frontend: /dev/nvidia[0-9]* and nvidiactl; nvidia-uvm, nvidia-caps, nvidia-nvlink, nvidia-nvswitch),
+# whatever major numbers the driver got. The names resolve at each start: load nvidia-uvm at boot
+# (modules-load.d), or a start before its first use has no /dev/nvidia-uvm access.
+DevicePolicy=closed
+DeviceAllow=char-nvidia* rw
 ProtectKernelTunables=yes
 ProtectKernelModules=yes
 ProtectKernelLogs=yes
@@ -94,24 +111,51 @@ SystemCallArchitectures=native
 # NCCL and the API use IP sockets; NCCL and the supervisor use UNIX sockets; netlink lists interfaces.
 RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
 # KILL: reap stale workers of any user; SETUID/SETGID: child.user; SYS_PTRACE/DAC_READ_SEARCH: read
-# other processes' /proc fds and maps; FOWNER: remove others' files in sticky /dev/shm; IPC_LOCK: memlock;
-# DAC_OVERRIDE: a root child reads model files and caches whatever their mode; LEASE: the write-lease
-# probe answers for shm files of other users whose holders /proc does not show.
-CapabilityBoundingSet=CAP_KILL CAP_SETUID CAP_SETGID CAP_SYS_PTRACE CAP_DAC_READ_SEARCH CAP_FOWNER CAP_IPC_LOCK \\
+# other processes' /proc fds and maps; FOWNER: remove others' files in sticky /dev/shm; DAC_OVERRIDE: a
+# root child reads model files and caches whatever their mode; LEASE: the write-lease probe answers for shm
+# files of other users whose holders /proc does not show. No IPC_LOCK: LimitMEMLOCK=infinity already lets
+# vLLM lock what it pins.
+CapabilityBoundingSet=CAP_KILL CAP_SETUID CAP_SETGID CAP_SYS_PTRACE CAP_DAC_READ_SEARCH CAP_FOWNER \\
     CAP_DAC_OVERRIDE CAP_LEASE
 # Allow-list of the syscalls ordinary services use, minus groups vLLM never needs; a blocked call
 # fails with EPERM instead of killing the server. (@resources stays: torch sets CPU affinity.)
 SystemCallFilter=@system-service
 SystemCallFilter=~@mount @reboot @swap @module @raw-io @obsolete @cpu-emulation @clock @debug
 SystemCallErrorNumber=EPERM
-# Caches and logs the server writes are not world-readable.
-UMask=0027
+# Caches and logs the server writes are its own user's (the supervisor's own files get their modes set).
+UMask=0077
 # Not set, because vLLM breaks: MemoryDenyWriteExecute (Triton/torch.compile JIT), PrivateDevices
-# (/dev/nvidia*), ProtectHome (model venv and caches under /root), PrivateNetwork and IPAddressDeny (it
-# serves clients), ProtectProc=invisible (the preflight must see stale processes of every user).
+# (/dev/nvidia* are not in a private /dev), ProtectHome (model venv and caches under /root), PrivateNetwork
+# and IPAddressDeny (it serves clients), ProcSubset=pid (NVML, psutil and /proc/locks read /proc's files).
 
 [Install]
 WantedBy=multi-user.target
+"""
+
+
+PLAIN_DIRECTORIES = """\
+# /run/kimi-supervisor: the instance locks (GPUs and ports are the host's), and below it this deployment's
+# live state file (kimi-supervisor/state.json). Preserved across stops: removing it while another instance
+# (started from a shell) holds its lock would let a third one in beside it.
+RuntimeDirectory=kimi-supervisor
+RuntimeDirectoryMode=0755
+RuntimeDirectoryPreserve=yes
+# /var/lib/kimi-supervisor/kimi-supervisor: the run history, kept across restarts and reboots.
+StateDirectory=kimi-supervisor
+StateDirectoryMode=0755
+"""
+
+INSTANCE_DIRECTORIES = """\
+# /run/kimi-supervisor: every instance's locks, host-wide (GPUs and ports are the host's, and a lock is only
+# seen by a supervisor looking in the same directory); /run/kimi-supervisor/%i: this instance's live state
+# file. Preserved across stops: a stopped instance's state says how it ended, and the shared directory
+# holds the other instances' locks.
+RuntimeDirectory=kimi-supervisor kimi-supervisor/%i
+RuntimeDirectoryMode=0755
+RuntimeDirectoryPreserve=yes
+# /var/lib/kimi-supervisor/%i: this instance's run history, kept across restarts and reboots.
+StateDirectory=kimi-supervisor kimi-supervisor/%i
+StateDirectoryMode=0755
 """
 
 
@@ -142,14 +186,74 @@ def systemd_quote(word: str, *, executable: bool = False) -> str:
 
 
 def render(
-    exec_argv: Sequence[str] | str = (DEFAULT_EXEC,), config_path: Path = DEFAULT_PATH, stop_s: int = DEFAULT_STOP_S
+    exec_argv: Sequence[str] | str = (DEFAULT_EXEC,),
+    config_path: Path = DEFAULT_PATH,
+    stop_s: int = DEFAULT_STOP_S,
+    *,
+    template: bool = False,
+    writable: Sequence[Path] = (),
 ) -> str:
+    """The plain unit running `config_path`; `template=True`: the template unit, whose instance NAME runs
+    `<config_path's directory>/NAME.toml`.  `writable`: directories the config writes beyond the unit's own
+    (ProtectSystem=strict leaves the rest read-only)."""
     if isinstance(exec_argv, str):
         exec_argv = [exec_argv]
     words = [systemd_quote(exec_argv[0], executable=True)]
-    words += [systemd_quote(w) for w in [*exec_argv[1:], "--config", str(config_path)]]
-    command = " ".join(words)
-    return TEMPLATE.format(command=command, config_exit=int(ExitCode.CONFIG), stop_s=int(stop_s))
+    words += [systemd_quote(w) for w in exec_argv[1:]]
+    if template:
+        # The instance's name goes in as systemd's %i, after the path is quoted (which would make it %%i).
+        marker = "KIMIINSTANCEMARKER"
+        words += ["--config", systemd_quote(str(config_path.parent / f"{marker}.toml")).replace(marker, "%i")]
+    else:
+        words += [systemd_quote(w) for w in ["--config", str(config_path)]]
+    return TEXT.format(
+        header=(
+            f"# The template: kimi-supervisor@NAME.service runs {config_path.parent}/NAME.toml, one deployment each.\n"
+            if template
+            else ""
+        ),
+        install_args=" --instance NAME" if template else "",
+        description=", deployment %i" if template else "",
+        command=" ".join(words),
+        config_exit=int(ExitCode.CONFIG),
+        stop_s=int(stop_s),
+        syslog="kimi-supervisor@%i" if template else "kimi-supervisor",
+        directories=INSTANCE_DIRECTORIES if template else PLAIN_DIRECTORIES,
+        writable=writable_lines(writable),
+    )
+
+
+def writable_paths(cfg: Config) -> list[Path]:
+    """The directories `cfg` writes that ProtectSystem=strict would leave read-only: the metrics textfile's,
+    [paths] moved off the unit's own directories, and child.user's home when not under /root or /home (vLLM's
+    caches)."""
+    found: list[Path] = []
+    if cfg.metrics.textfile is not None:
+        found.append(cfg.metrics.textfile.parent)
+    defaults = {cfg.paths.runtime_directory: Path("/run/kimi-supervisor"), cfg.paths.state_directory: STATE_DIR}
+    found += [directory for directory, default in defaults.items() if directory != default]
+    if cfg.child.user is not None:
+        with contextlib.suppress(KeyError):
+            home = Path(pwd.getpwnam(cfg.child.user).pw_dir)
+            if not any(home == top or top in home.parents for top in (Path("/root"), Path("/home"))):
+                found.append(home)
+    return sorted(set(found))
+
+
+def writable_lines(writable: Sequence[Path]) -> str:
+    if not writable:
+        return ""
+    # "-": a directory missing at start is no error (the supervisor then warns it cannot write there).
+    paths = " ".join(systemd_quote("-" + str(p)) for p in writable)
+    return f"# What this config writes outside the unit's own directories.\nReadWritePaths={paths}\n"
+
+
+def instance_dropin(stop_s: int, writable: Sequence[Path]) -> str:
+    """What one instance's config adds to the template (install-unit --instance NAME)."""
+    return (
+        "# Rendered by `kimi-supervisor install-unit --instance`: this instance's own settings, from its config.\n"
+        f"[Service]\nTimeoutStopSec={int(stop_s)}\n{writable_lines(writable)}"
+    )
 
 
 def running_executable(argv0: str | None = None, python: str | None = None) -> list[str]:
@@ -170,21 +274,20 @@ def install(
     reload: bool = True,
     exec_argv: Sequence[str] | None = None,
     stop_s: int = DEFAULT_STOP_S,
+    *,
+    instance: str | None = None,
+    writable: Sequence[Path] = (),
 ) -> Path:
-    """Write the unit and reload systemd; returns the unit's path."""
-    text = render(running_executable() if exec_argv is None else exec_argv, config_path, stop_s)
-    target = unit_dir / UNIT_NAME
-    tmp = target.with_suffix(".tmp")
-    try:
-        unit_dir.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text)
-        tmp.chmod(0o644)
-        tmp.replace(target)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        hint = " (run it as root: sudo kimi-supervisor install-unit)" if os.geteuid() != 0 else ""
-        raise NoPermission(f"cannot write {target}: {exc.strerror}{hint}") from None
+    """Write the unit and reload systemd; returns the unit's path.  With `instance`: the template unit
+    (for `config_path`'s directory) and the instance's drop-in with its own TimeoutStopSec= and paths."""
+    argv = running_executable() if exec_argv is None else exec_argv
+    if instance is None:
+        target = unit_dir / UNIT_NAME
+        _write(target, render(argv, config_path, stop_s, writable=writable))
+    else:
+        target = unit_dir / TEMPLATE_NAME
+        _write(target, render(argv, config_path, template=True))
+        _write(unit_dir / f"kimi-supervisor@{instance}.service.d" / DROPIN_NAME, instance_dropin(stop_s, writable))
     if reload:
         try:
             result = subprocess.run(["systemctl", "daemon-reload"], capture_output=True, text=True, timeout=120)
@@ -196,3 +299,17 @@ def install(
             error = NoPermission if any(d in why for d in denied) else ServiceUnavailable
             raise error(f"wrote {target}, but systemctl daemon-reload failed: {why}")
     return target
+
+
+def _write(target: Path, text: str) -> None:
+    tmp = target.with_suffix(".tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        tmp.chmod(0o644)
+        tmp.replace(target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        hint = " (run it as root: sudo kimi-supervisor install-unit)" if os.geteuid() != 0 else ""
+        raise NoPermission(f"cannot write {target}: {exc.strerror}{hint}") from None

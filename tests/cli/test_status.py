@@ -13,7 +13,10 @@ from typing import Any
 import pytest
 
 from kimi_supervisor.cli.status import gather, render_text, run_status
+from kimi_supervisor.config import layout
+from kimi_supervisor.config.layout import DeploymentDirectories
 from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.exitcodes import ConfigError
 from kimi_supervisor.opsview.history import HistoryData, RunRecord, dump_history
 from kimi_supervisor.opsview.statefile import process_start_time
 
@@ -107,14 +110,27 @@ def history() -> HistoryData:
     )
 
 
-def setup(tmp_path: Path, doc: dict[str, Any] | None, hist: HistoryData | None = None) -> Path:
-    (tmp_path / "run").mkdir(exist_ok=True)
-    (tmp_path / "state").mkdir(exist_ok=True)
+# The deployment these tests look at: the plain unit's (its config is kimi-supervisor.toml), whose files are
+# `<runtime_directory>/kimi-supervisor/state.json` and `<state_directory>/kimi-supervisor/history.json`.
+NAME = "kimi-supervisor"
+
+
+def state_path(tmp_path: Path, name: str = NAME) -> Path:
+    return tmp_path / "run" / name / "state.json"
+
+
+def history_path(tmp_path: Path, name: str = NAME) -> Path:
+    return tmp_path / "state" / name / "history.json"
+
+
+def setup(tmp_path: Path, doc: dict[str, Any] | None, hist: HistoryData | None = None, name: str = NAME) -> Path:
+    state_path(tmp_path, name).parent.mkdir(parents=True, exist_ok=True)
+    history_path(tmp_path, name).parent.mkdir(parents=True, exist_ok=True)
     if doc is not None:
-        (tmp_path / "run" / "state.json").write_text(json.dumps(doc))
+        state_path(tmp_path, name).write_text(json.dumps(doc))
     if hist is not None:
-        (tmp_path / "state" / "history.json").write_bytes(dump_history(hist))
-    cfg = tmp_path / "k.toml"
+        history_path(tmp_path, name).write_bytes(dump_history(hist))
+    cfg = tmp_path / f"{name}.toml"
     cfg.write_text(
         f'[child]\nargv = ["vllm"]\n[paths]\nruntime_directory = "{tmp_path}/run"\n'
         f'state_directory = "{tmp_path}/state"\n'
@@ -122,14 +138,16 @@ def setup(tmp_path: Path, doc: dict[str, Any] | None, hist: HistoryData | None =
     return cfg
 
 
-def paths(tmp_path: Path) -> Any:
-    return parse_config(
-        {
-            "child": {"argv": ["vllm"]},
-            "paths": {"runtime_directory": f"{tmp_path}/run", "state_directory": f"{tmp_path}/state"},
-        },
-        tmp_path / "k.toml",
-    ).paths
+def paths(tmp_path: Path) -> DeploymentDirectories:
+    return layout.of(
+        parse_config(
+            {
+                "child": {"argv": ["vllm"]},
+                "paths": {"runtime_directory": f"{tmp_path}/run", "state_directory": f"{tmp_path}/state"},
+            },
+            tmp_path / f"{NAME}.toml",
+        )
+    )
 
 
 # The process tree and GPUs, the same in both reports.
@@ -206,7 +224,8 @@ def test_not_running_no_state_file(tmp_path: Path) -> None:
     snap = gather(paths(tmp_path))
     assert not snap.running
     assert render_text(snap, NOW) == (
-        f"○ kimi-supervisor - not running (no state file at {tmp_path}/run/state.json)\n\nNo runs recorded yet.\n"
+        f"○ kimi-supervisor - not running (no state file at {tmp_path}/run/kimi-supervisor/state.json)\n"
+        "\nNo runs recorded yet.\n"
     )
 
 
@@ -234,21 +253,31 @@ def test_json_and_exit_codes(tmp_path: Path) -> None:
     out = io.StringIO()
     assert run_status(cfg, as_json=True, watch=False, out=out) == 0
     data = json.loads(out.getvalue())
-    assert set(data) == {"running", "reason", "state_file", "state", "history_file", "counters", "runs", "note"}
+    assert set(data) == {
+        "deployment",
+        "running",
+        "reason",
+        "state_file",
+        "state",
+        "history_file",
+        "counters",
+        "runs",
+        "note",
+    }
     assert data["running"] is True and data["state"]["loading"]["eta_s"] == 190.0
     assert [r["pid"] for r in data["runs"]] == [os.getpid(), 11, 10]  # newest first
-    (tmp_path / "run" / "state.json").unlink()
+    state_path(tmp_path).unlink()
     assert run_status(cfg, as_json=True, watch=False, out=io.StringIO()) == 3
 
 
 def test_corrupt_state_or_history_is_reported_not_raised(tmp_path: Path) -> None:
     setup(tmp_path, None)
-    (tmp_path / "run" / "state.json").write_text("{half")
-    (tmp_path / "state" / "history.json").write_text("[]")
+    state_path(tmp_path).write_text("{half")
+    history_path(tmp_path).write_text("[]")
     text = render_text(gather(paths(tmp_path)), NOW)
     assert text.startswith("○ kimi-supervisor - not running (state file unreadable)")
     assert "Note: history corrupt: not a schema-1 history document; state file unreadable: " in text
-    assert (tmp_path / "state" / "history.json").exists()  # a reader never moves the daemon's file
+    assert history_path(tmp_path).exists()  # a reader never moves the daemon's file
 
 
 def test_colours_only_on_a_terminal(tmp_path: Path) -> None:
@@ -267,7 +296,7 @@ def test_colours_only_on_a_terminal(tmp_path: Path) -> None:
 @pytest.mark.parametrize("final", ["ready", "gone"])
 def test_watch_refreshes_every_second_until_ready(tmp_path: Path, final: str) -> None:
     cfg = setup(tmp_path, state_doc(), history())
-    state = tmp_path / "run" / "state.json"
+    state = state_path(tmp_path)
     slept: list[float] = []
 
     def sleep(seconds: float) -> None:
@@ -296,14 +325,15 @@ def test_a_non_root_user_can_read_what_the_daemon_wrote(tmp_path: Path) -> None:
     base = Path(tempfile.mkdtemp(prefix="kimi-status-"))  # tmp_path's parents are 0700: nobody could reach it
     try:
         base.chmod(0o755)
-        old = os.umask(0o027)  # the unit's UMask=
-        try:
-            StateFile(base / "run", RecordingLog()).write(state_doc())
-            History(base / "state" / "history.json", RecordingLog(), pid=1).begin(T0)
-        finally:
-            os.umask(old)
         dirs = {"runtime_directory": f"{base}/run", "state_directory": f"{base}/state"}
         cfg = parse_config({"child": {"argv": ["vllm"]}, "paths": dirs}, base / "k.toml")
+        own = layout.of(cfg)
+        old = os.umask(0o077)  # the unit's UMask=
+        try:
+            StateFile(own.runtime, RecordingLog()).write(state_doc())
+            History(own.state / "history.json", RecordingLog(), pid=1).begin(T0)
+        finally:
+            os.umask(old)
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child reports through the pipe
@@ -312,7 +342,7 @@ def test_a_non_root_user_can_read_what_the_daemon_wrote(tmp_path: Path) -> None:
                 os.setgroups([])
                 os.setgid(65534)
                 os.setuid(65534)
-                snap = gather(cfg.paths)
+                snap = gather(own)
                 os.write(write, f"{snap.running} {snap.note} {len(snap.history.runs)}".encode())
                 code = 0
             finally:
@@ -324,3 +354,58 @@ def test_a_non_root_user_can_read_what_the_daemon_wrote(tmp_path: Path) -> None:
         os.close(read)
     finally:
         shutil.rmtree(base)
+
+
+# -- several deployments on one host (issue 28) ----------------------------------------------------------
+
+
+def deployment(tmp_path: Path, name: str, doc: dict[str, Any] | None, hist: HistoryData | None = None) -> Path:
+    """Deployment NAME's config in tmp_path/etc (the host's /etc/kimi-supervisor), with the default-like
+    shared [paths] every deployment of a host has: their files differ only by the name below them."""
+    etc = tmp_path / "etc"
+    etc.mkdir(exist_ok=True)
+    setup(tmp_path, doc, hist, name=name)
+    return (tmp_path / f"{name}.toml").rename(etc / f"{name}.toml")
+
+
+def test_several_deployments_are_listed_one_line_each(tmp_path: Path) -> None:
+    me = os.getpid()
+    a = state_doc("ready", status="ready: serving on http://127.0.0.1:18555 (load 9m07s)")
+    gone = state_doc("failed", supervisor={"pid": me, "start_time": 1.0}, ended_at=T0 + 600, exit_code=18)
+    deployment(tmp_path, "kimi-a", a)
+    deployment(tmp_path, "kimi-b", gone)
+    out = io.StringIO()
+    rc = run_status(None, False, False, out=out, config_dir=tmp_path / "etc")
+    assert out.getvalue() == (
+        f"● kimi-a                   ready: serving on http://127.0.0.1:18555 (load 9m07s) (PID {me})\n"
+        "× kimi-b                   not running (failed at 2026-11-29 20:56:40 UTC, exit 18)\n"
+    )
+    assert rc == 3  # not every one runs
+    out = io.StringIO()
+    assert run_status(None, True, False, out=out, config_dir=tmp_path / "etc") == 3
+    listed = json.loads(out.getvalue())
+    assert [(d["deployment"], d["running"], d["state_file"]) for d in listed] == [
+        ("kimi-a", True, str(state_path(tmp_path, "kimi-a"))),
+        ("kimi-b", False, str(state_path(tmp_path, "kimi-b"))),
+    ]
+
+
+def test_status_name_shows_that_deployment_only(tmp_path: Path) -> None:
+    a = state_doc("ready", status="ready: serving on http://127.0.0.1:18555")
+    b = state_doc("ready", status="ready: serving on http://127.0.0.1:18556")
+    deployment(tmp_path, "kimi-a", a, history())
+    deployment(tmp_path, "kimi-b", b, HistoryData())
+    out = io.StringIO()
+    assert run_status(None, False, False, out=out, name="kimi-b", config_dir=tmp_path / "etc") == 0
+    text = out.getvalue()
+    assert text.startswith("● kimi-supervisor@kimi-b - ready: serving on http://127.0.0.1:18556\n")
+    assert "18555" not in text and "No runs recorded yet." in text  # a's history is a's
+    with pytest.raises(ConfigError, match=r"status: no deployment named 'kimi-c' in .* \(configured: kimi-a, kimi-b\)"):
+        run_status(None, False, False, out=io.StringIO(), name="kimi-c", config_dir=tmp_path / "etc")
+
+
+def test_one_deployment_on_the_host_shows_in_full_without_config(tmp_path: Path) -> None:
+    deployment(tmp_path, NAME, state_doc(), history())
+    out = io.StringIO()
+    assert run_status(None, False, False, out=out, now=lambda: NOW, config_dir=tmp_path / "etc") == 0
+    assert out.getvalue() == render_text(gather(paths(tmp_path)), NOW)

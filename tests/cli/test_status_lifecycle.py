@@ -79,7 +79,7 @@ def test_state_file_and_status_through_a_lifecycle(tmp_path: Path) -> None:
     prom = tmp_path / "textfile" / "kimi_supervisor.prom"
     prom.parent.mkdir()
     config = fake_config(tmp_path, ["--load-seconds", "2", "--shards", "12"], metrics={"textfile": str(prom)})
-    state_file = tmp_path / "run" / "state.json"
+    state_file = tmp_path / "run" / "kimi" / "state.json"
     before = status(config)
     assert before.returncode == 3
     assert f"not running (no state file at {state_file})" in before.stdout
@@ -99,7 +99,7 @@ def test_state_file_and_status_through_a_lifecycle(tmp_path: Path) -> None:
         assert doc["canary"] == {"ok": None, "latency_s": None, "at": None}
         assert stat.S_IMODE(state_file.stat().st_mode) == 0o644
         assert text.returncode == 0
-        assert text.stdout.startswith("● kimi-supervisor - starting: ")
+        assert text.stdout.startswith("● kimi-supervisor@kimi - starting: ")
         assert "    Progress: [" in text.stdout and "/12 shards" in text.stdout
         assert "\x1b[" not in text.stdout  # no colours into a pipe
 
@@ -117,17 +117,18 @@ def test_state_file_and_status_through_a_lifecycle(tmp_path: Path) -> None:
         health = st["health"]
         assert health["ok"] is True and 0 < health["latency_s"] < 1 and health["consecutive_failures"] == 0
         report = status(config).stdout
-        assert report.startswith("● kimi-supervisor - ready: serving on http://127.0.0.1:")
+        assert report.startswith("● kimi-supervisor@kimi - ready: serving on http://127.0.0.1:")
         assert "Worker_TP1" in report and "Health: ok, " in report and "Uptime: ready for " in report
 
         m = metrics(prom)
         assert m["kimi_supervisor_state"] == [
-            ({"state": s}, 1.0 if s == "ready" else 0.0)
+            ({"deployment": "kimi", "state": s}, 1.0 if s == "ready" else 0.0)
             for s in ("preflight", "starting", "ready", "stopping", "stopped", "failed")
         ]
         assert m["kimi_supervisor_ready_timestamp_seconds"][0][1] == st["ready_at"]
         assert m["kimi_supervisor_last_load_seconds"][0][1] == ready["startup_s"]
-        assert m["kimi_supervisor_restarts_total"] == [({}, 0.0)]
+        assert m["kimi_supervisor_restarts_total"] == [({"deployment": "kimi"}, 0.0)]
+        assert m["kimi_supervisor_start_timestamp_seconds"] == [({"deployment": "kimi"}, st["started_at"])]
         assert stat.S_IMODE(prom.stat().st_mode) == 0o644
 
         run.signal(signal.SIGTERM)
@@ -136,7 +137,7 @@ def test_state_file_and_status_through_a_lifecycle(tmp_path: Path) -> None:
         run.kill()
     after = status(config)
     assert after.returncode == 3
-    assert after.stdout.startswith("○ kimi-supervisor - not running (stopped at ")
+    assert after.stdout.startswith("○ kimi-supervisor@kimi - not running (stopped at ")
     data = status_json(config)
     assert data["state"]["phase"] == "stopped" and data["state"]["exit_code"] == 0
     [only] = data["runs"]
@@ -155,7 +156,7 @@ def test_state_file_and_status_through_a_lifecycle(tmp_path: Path) -> None:
         assert any(s.endswith(" left") and "loading weights" not in s for s in loading_lines), loading_lines
         assert any(s.startswith("starting: loading weights ") and s.endswith(" left") for s in loading_lines)
         m = metrics(prom)
-        assert m["kimi_supervisor_restarts_total"] == [({}, 1.0)]
+        assert m["kimi_supervisor_restarts_total"] == [({"deployment": "kimi"}, 1.0)]
         run2.signal(signal.SIGTERM)
         assert run2.wait() == 0
     finally:
@@ -176,10 +177,12 @@ def test_failure_root_cause_in_state_history_metrics_and_report(tmp_path: Path) 
     assert "torch.OutOfMemoryError: CUDA out of memory" in failure["root_cause"]
     assert data["runs"][0]["root_cause"] == failure["root_cause"] and data["runs"][0]["load_s"] is None
     report = status(config).stdout
-    assert report.startswith("× kimi-supervisor - not running (failed at ")
+    assert report.startswith("× kimi-supervisor@kimi - not running (failed at ")
     assert "Last failure: exit 11 at " in report
     [(labels, value)] = metrics(prom)["kimi_supervisor_last_failure_info"]
-    assert value == 1.0 and labels["exit_code"] == "11" and labels["reason"] == "startup_failed"
+    assert value == 1.0 and labels == {"deployment": "kimi", "exit_code": "11", "reason": "startup_failed"}
+    [(labels, when)] = metrics(prom)["kimi_supervisor_last_failure_timestamp_seconds"]
+    assert labels["reason"] == "startup_failed" and when == status_json(config)["state"]["last_failure"]["at"]
 
 
 def test_supervisor_killed_leaves_a_stale_state_file_status_calls_out(tmp_path: Path) -> None:
@@ -187,7 +190,7 @@ def test_supervisor_killed_leaves_a_stale_state_file_status_calls_out(tmp_path: 
     run = Run(config, tmp_path)
     try:
         run.wait_event("state.ready")
-        wait_for(lambda: (state_doc(tmp_path / "run" / "state.json") or {}).get("phase") == "ready")
+        wait_for(lambda: (state_doc(tmp_path / "run" / "kimi" / "state.json") or {}).get("phase") == "ready")
         run.proc.send_signal(signal.SIGKILL)
         run.wait()
     finally:
@@ -226,7 +229,7 @@ def test_runtime_directory_full_warns_and_keeps_serving(tmp_path: Path) -> None:
         run = Run(config, tmp_path)
         try:
             run.wait_event("state.ready")
-            wait_for(lambda: (state_doc(run_dir / "state.json") or {}).get("phase") == "ready")
+            wait_for(lambda: (state_doc(run_dir / "kimi" / "state.json") or {}).get("phase") == "ready")
             filler = run_dir / "filler"
             with filler.open("wb") as f, contextlib.suppress(OSError):
                 while True:
@@ -250,8 +253,8 @@ def test_runtime_directory_full_warns_and_keeps_serving(tmp_path: Path) -> None:
 
 
 def test_corrupt_history_is_set_aside_and_the_run_goes_on(tmp_path: Path) -> None:
-    history = tmp_path / "state" / "history.json"
-    history.parent.mkdir()
+    history = tmp_path / "state" / "kimi" / "history.json"
+    history.parent.mkdir(parents=True)
     history.write_text('{"schema": 1, "runs": [{"start": "yesterday"}]')
     config = fake_config(tmp_path)
     run = Run(config, tmp_path)
@@ -282,7 +285,7 @@ def test_canary_results_reach_the_state_file_the_report_and_the_metrics(tmp_path
     run = Run(config, tmp_path)
     try:
         run.wait_event("state.ready")
-        state_file = tmp_path / "run" / "state.json"
+        state_file = tmp_path / "run" / "kimi" / "state.json"
         wait_for(lambda: ((state_doc(state_file) or {}).get("canary") or {}).get("ok"), timeout=15)
         canary = status_json(config)["state"]["canary"]
         assert canary["ok"] is True and 0 < canary["latency_s"] < 5 and canary["at"] is not None

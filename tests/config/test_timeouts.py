@@ -122,7 +122,9 @@ def test_check_config_and_dry_run_warn_about_the_installed_unit(
     monkeypatch.setattr(show, "systemd_running", lambda: True)
     assert cli.main(["check-config", "--config", str(path)]) == 0
     err = capsys.readouterr().err
-    assert "warning: kimi-supervisor.service has TimeoutStopSec=90s, shorter than shutdown.grace_s 315s" in err
+    # The config is kimi.toml: deployment kimi, whose unit is the template's instance kimi-supervisor@kimi.
+    assert "warning: kimi-supervisor@kimi.service has TimeoutStopSec=90s, shorter than shutdown.grace_s 315s" in err
+    assert "run `kimi-supervisor install-unit --instance kimi` (writes TimeoutStopSec=" in err
     assert cli.main(["--dry-run", "--config", str(path)]) == 0  # a warning does not block a start
     out = capsys.readouterr().out
     assert "warn] unit_timeout_stop" in out and "verdict: a start would proceed" in out

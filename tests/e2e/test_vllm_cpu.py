@@ -125,7 +125,7 @@ def test_ready_serves_and_stops_with_no_orphan(tmp_path: Path, vllm_bin: Path, t
         tree = names(tree_of(run, tmp_path))
         assert {"VLLM::EngineCore", "VLLM::Worker", "resource_tracker"} <= tree, tree
         # The state file names real vLLM's processes by role (refreshed every health interval).
-        state_file = tmp_path / "run" / "state.json"
+        state_file = tmp_path / "run" / "kimi" / "state.json"
         roles = wait_for(
             lambda: (lambda r: r if "worker" in r else None)(
                 {p["role"] for p in json.loads(state_file.read_text())["processes"]}

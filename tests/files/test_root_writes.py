@@ -168,7 +168,8 @@ def test_a_run_refuses_an_unsafe_state_directory_with_exit_78_in_one_line(tmp_pa
     loose.mkdir()
     loose.chmod(0o777)
     target = victim(tmp_path)
-    (loose / "history.json").symlink_to(target)
+    (loose / "kimi").mkdir()
+    (loose / "kimi" / "history.json").symlink_to(target)
     cfg = fake_config(tmp_path, paths={"state_directory": str(loose)})
     done = subprocess.run(
         [sys.executable, "-m", "kimi_supervisor", "--config", str(cfg), "--log-format", "json"],
@@ -182,7 +183,7 @@ def test_a_run_refuses_an_unsafe_state_directory_with_exit_78_in_one_line(tmp_pa
     assert done.stderr.count("\n") == 1 and "paths.state_directory" in done.stderr
     assert "writable by group or others (mode 0777)" in done.stderr
     assert_untouched(target)
-    assert not (tmp_path / "run" / "state.json").exists()  # refused before anything was written
+    assert not (tmp_path / "run" / "kimi" / "state.json").exists()  # refused before anything was written
     dry = subprocess.run(
         [sys.executable, "-m", "kimi_supervisor", "--dry-run", "--json", "--config", str(cfg)],
         capture_output=True,

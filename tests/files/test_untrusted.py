@@ -28,7 +28,7 @@ from kimi_supervisor.cli.status import gather, render_text, run_status
 from kimi_supervisor.opsview.history import History, HistoryData, RunRecord, dump_history, load_history
 from testkit.fakes.clock import RecordingLog
 from testkit.harness import REPO, Run, fake_config
-from tests.cli.test_status import NOW, history, paths, setup, state_doc
+from tests.cli.test_status import NOW, history, history_path, paths, setup, state_doc, state_path
 
 ESC_TEXT = "\x1b]0;owned\x07\x1b[2J\x1b[31mred\u202eevil\u2028\x9b1m\ud800"
 
@@ -64,7 +64,7 @@ def test_status_escapes_every_control_character_it_prints(tmp_path: Path) -> Non
     assert "\\x1b]0;owned\\x07\\x1b[2J" in text and "\\u202e" in text and "\\ud800" in text
     assert f"ready: {ESC_TEXT}"[:6] in text  # the words are kept, only the controls are escaped
     # Not running: the history's cause (no state file), and --json escapes by construction.
-    (tmp_path / "run" / "state.json").unlink()
+    state_path(tmp_path).unlink()
     text = render_text(gather(paths(tmp_path)), NOW)
     assert "\x1b" not in text and "old \\x1b]0;owned" in text
     out = io.StringIO()
@@ -110,7 +110,7 @@ def test_a_fifo_at_history_json_does_not_block_the_daemon_and_is_set_aside(tmp_p
 @pytest.mark.parametrize("kind", ["fifo", "dev_zero_link", "symlink_to_state"])
 def test_status_never_hangs_on_odd_files(tmp_path: Path, kind: str) -> None:
     cfg = setup(tmp_path, None)
-    targets = [tmp_path / "run" / "state.json", tmp_path / "state" / "history.json"]
+    targets = [state_path(tmp_path), history_path(tmp_path)]
     for target in targets:
         if kind == "fifo":
             os.mkfifo(target)
@@ -133,8 +133,8 @@ def test_status_never_hangs_on_odd_files(tmp_path: Path, kind: str) -> None:
 
 def test_the_daemon_starts_past_a_fifo_at_history_json_and_stops_on_sigterm(tmp_path: Path) -> None:
     cfg = fake_config(tmp_path)
-    (tmp_path / "state").mkdir()
-    fifo = tmp_path / "state" / "history.json"
+    (tmp_path / "state" / "kimi").mkdir(parents=True)
+    fifo = tmp_path / "state" / "kimi" / "history.json"
     os.mkfifo(fifo, 0o666)
     run = Run(cfg, tmp_path)
     try:
@@ -186,7 +186,7 @@ def test_a_state_file_with_odd_fields_is_a_note_not_a_crash(tmp_path: Path, name
 )
 def test_an_odd_history_is_set_aside_by_the_daemon_and_ignored_by_status(tmp_path: Path, text: str) -> None:
     cfg = setup(tmp_path, None)
-    path = tmp_path / "state" / "history.json"
+    path = history_path(tmp_path)
     path.write_text(text)
     out = io.StringIO()
     assert run_status(cfg, False, False, out=out, now=lambda: NOW) == 3
@@ -237,8 +237,8 @@ def test_status_never_crashes_on_any_json(tmp_path: Path, data: st.DataObject) -
     state = _mutated_state(data) if data.draw(st.booleans()) else data.draw(JSON)
     hist = _mutated_history(data) if data.draw(st.booleans()) else data.draw(JSON)
     cfg = setup(tmp_path, None)
-    (tmp_path / "run" / "state.json").write_text(json.dumps(state))
-    (tmp_path / "state" / "history.json").write_text(json.dumps(hist))
+    state_path(tmp_path).write_text(json.dumps(state))
+    history_path(tmp_path).write_text(json.dumps(hist))
     for as_json in (False, True):
         out = io.StringIO()
         rc = run_status(cfg, as_json, False, out=out, now=lambda: NOW)

@@ -30,12 +30,12 @@ def supervisor_entry(tmp_path: Path) -> list[str]:
     return [str(script)]
 
 
-def hold_lock(directory: Path, gpus: list[int], port: int) -> subprocess.Popen[bytes]:
+def hold_lock(directory: Path, gpus: list[int], port: int, options: str = "") -> subprocess.Popen[bytes]:
     """A real root process that looks like kimi-supervisor (its argv), takes the locks through the real code and
-    then just holds them: only such a holder's lock counts."""
+    then just holds them: only such a holder's lock counts.  `options`: acquire's keyword arguments, as code."""
     code = (
         "import sys, time\nfrom pathlib import Path\nfrom kimi_supervisor.host import instance_lock\n"
-        f"lock = instance_lock.acquire(Path({str(directory)!r}), {gpus!r}, {port}, 'x.toml')\n"
+        f"lock = instance_lock.acquire(Path({str(directory)!r}), {gpus!r}, {port}, 'x.toml'{options})\n"
         "print('locked', flush=True)\ntime.sleep(600)\n"
     )
     # exec -a changes argv[0], and with it Python's idea of sys.executable: PYTHONHOME names the installation.
@@ -69,6 +69,32 @@ def test_a_sigkilled_owners_lock_never_blocks(tmp_path: Path) -> None:
         assert json.loads((run_dir / "gpu-0.lock").read_text())["pid"] == os.getpid()
     finally:
         lock.close()
+
+
+def test_a_second_deployment_of_the_same_name_or_textfile_is_refused(tmp_path: Path) -> None:
+    """Its state file, history (named after the deployment) or metrics textfile would be the first one's:
+    refused like an overlapping GPU, on disjoint GPUs and ports too (issue 28)."""
+    run_dir = tmp_path / "run"
+    prom = tmp_path / "textfile" / "kimi.prom"
+    owner = hold_lock(run_dir, [0], 8130, f", deployment='kimi-a', textfile=Path({str(prom)!r})")
+    try:
+        with pytest.raises(AnotherInstance) as info:
+            instance_lock.acquire(run_dir, [1], 8131, "b.toml", RecordingLog(), deployment="kimi-a")
+        assert info.value.message == (
+            f"another kimi-supervisor (PID {owner.pid}) owns deployment kimi-a, serving GPUs [0], port 8130 "
+            f"(lock {run_dir / 'deployment-kimi-a.lock'}); nothing was changed"
+        )
+        with pytest.raises(AnotherInstance, match=rf"owns metrics textfile {prom}, serving GPUs \[0\], port 8130"):
+            instance_lock.acquire(run_dir, [1], 8131, "b.toml", RecordingLog(), deployment="kimi-b", textfile=prom)
+        owner_seen = instance_lock.find_owner(run_dir, [1], 8131, "kimi-a")
+        assert owner_seen is not None and owner_seen.pid == owner.pid  # the dry run sees it too
+        # Another name, another textfile, disjoint GPUs and port: side by side.
+        other = tmp_path / "textfile" / "kimi-b.prom"
+        instance_lock.acquire(run_dir, [1], 8131, "b.toml", RecordingLog(), deployment="kimi-b", textfile=other).close()
+        assert instance_lock.find_owner(run_dir, [1], 8131, "kimi-b", other) is None
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
 
 
 def test_lock_fds_are_not_inherited(tmp_path: Path) -> None:

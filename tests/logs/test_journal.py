@@ -103,3 +103,16 @@ def test_json_child_sink_matches_json_dumps() -> None:
     )
     assert out.getvalue() == expected + "\n"
     structlog.reset_defaults()
+
+
+def test_every_record_names_its_deployment(journal: JournalSocket) -> None:
+    """Two deployments of one host in one journal: each record says whose it is, and no event's own field
+    (an event with a `deployment` key, a child line) can say otherwise."""
+    identity = {"SYSLOG_IDENTIFIER": "kimi-supervisor@kimi-a", "KIMI_DEPLOYMENT": "kimi-a"}
+    sink = configure("journal", journal_socket=journal.path, identity=identity)
+    get_logger().info("state.ready", deployment="kimi-b")
+    sink.line("INFO hello", 6, {"KIMI_DEPLOYMENT": "kimi-b", "VLLM_COMPONENT": "APIServer"})
+    records = journal.records()
+    assert len(records) == 2
+    for rec in records:
+        assert rec["SYSLOG_IDENTIFIER"] == "kimi-supervisor@kimi-a" and rec["KIMI_DEPLOYMENT"] == "kimi-a"

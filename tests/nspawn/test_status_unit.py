@@ -10,8 +10,9 @@ import checkout
 from nspawn import NspawnMachine
 from unit_setup import CONFIG, UNIT, config, deploy, prop
 
-STATE_FILE = "/run/kimi-supervisor/state.json"
-HISTORY_FILE = "/var/lib/kimi-supervisor/history.json"
+# The plain unit's deployment (its config is kimi-supervisor.toml): its own directory below the host-wide ones.
+STATE_FILE = "/run/kimi-supervisor/kimi-supervisor/state.json"
+HISTORY_FILE = "/var/lib/kimi-supervisor/kimi-supervisor/history.json"
 
 
 def status(m: NspawnMachine, *args: str) -> subprocess.CompletedProcess[str]:
@@ -35,7 +36,7 @@ def test_status_during_a_load_and_after_a_restart(m: NspawnMachine) -> None:
     # The machine may have served other tests' runs: start from no state file and no history.
     m.run(["rm", "-f", STATE_FILE, HISTORY_FILE])
     none = status(m)
-    assert none.returncode == 3 and "not running (no state file at /run/kimi-supervisor/state.json)" in none.stdout
+    assert none.returncode == 3 and f"not running (no state file at {STATE_FILE})" in none.stdout
 
     m.systemctl("start", "--no-block", UNIT)
     # The first load has no history: the ETA comes from the shard rate once shards load.
@@ -44,7 +45,7 @@ def test_status_during_a_load_and_after_a_restart(m: NspawnMachine) -> None:
     assert "Worker_TP1" in loading and "└─" in loading
     mode = m.run(["stat", "-c", "%a %U", STATE_FILE]).stdout.split()
     assert mode == ["644", "root"]
-    # No root needed to read it (the unit runs with UMask=0027).
+    # No root needed to read it (the unit runs with UMask=0077).
     as_nobody = m.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "cat", STATE_FILE], check=False)
     assert as_nobody.returncode == 0 and json.loads(as_nobody.stdout)["phase"] in ("starting", "ready")
 

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kimi_supervisor.opsview.textfile import MetricsSnapshot, MetricsWriter, render
 from testkit.fakes.clock import RecordingLog
+from tests.promtool import check_metrics
 
 SNAP = MetricsSnapshot(
     state="ready",
@@ -23,13 +24,16 @@ SNAP = MetricsSnapshot(
     canary_latency_s=None,
     gpu_used_mib_at_start={0: 0, 1: 615},
     last_failure=(13, 'vLLM exited with status 0 after it was ready (not requested): "x"'),
+    started_timestamp_s=1_795_989_400.0,
+    last_failure_timestamp_s=1_795_989_300.25,
 )
+DEP = {"deployment": "kimi-a"}
 
 
 def families() -> dict[str, tuple[str, str, list[tuple[str, dict[str, str], float]]]]:
     return {
         f.name: (f.type, f.documentation, [(s.name, dict(s.labels), s.value) for s in f.samples])
-        for f in text_string_to_metric_families(render(SNAP).decode())
+        for f in text_string_to_metric_families(render(SNAP, "kimi-a").decode())
     }
 
 
@@ -45,65 +49,96 @@ def test_every_metric_parses_back_with_help_type_and_value() -> None:
         "kimi_supervisor_health_latency_seconds",
         "kimi_supervisor_gpu_memory_used_at_start_bytes",
         "kimi_supervisor_last_failure_info",
+        "kimi_supervisor_start_timestamp_seconds",
+        "kimi_supervisor_last_failure_timestamp_seconds",
     }
     assert all(doc for _, doc, _ in fam.values())  # HELP on each
     assert fam["kimi_supervisor_state"][2] == [
-        ("kimi_supervisor_state", {"state": s}, 1.0 if s == "ready" else 0.0)
+        ("kimi_supervisor_state", {**DEP, "state": s}, 1.0 if s == "ready" else 0.0)
         for s in ("preflight", "starting", "ready", "stopping", "stopped", "failed")
     ]
     assert fam["kimi_supervisor_ready_timestamp_seconds"][2] == [
-        ("kimi_supervisor_ready_timestamp_seconds", {}, 1_795_990_000.5)
+        ("kimi_supervisor_ready_timestamp_seconds", DEP, 1_795_990_000.5)
     ]
     assert fam["kimi_supervisor_last_load_seconds"][2][0][2] == 547.25
     for name, value in (("restarts", 3.0), ("preflight_kills", 9.0), ("shm_removals", 2.0)):
         kind, _, samples = fam[f"kimi_supervisor_{name}"]
-        assert kind == "counter" and samples == [(f"kimi_supervisor_{name}_total", {}, value)]
+        assert kind == "counter" and samples == [(f"kimi_supervisor_{name}_total", DEP, value)]
     assert fam["kimi_supervisor_health_latency_seconds"][2][0][2] == 0.0042
     assert fam["kimi_supervisor_gpu_memory_used_at_start_bytes"][2] == [
-        ("kimi_supervisor_gpu_memory_used_at_start_bytes", {"gpu": "0"}, 0.0),
-        ("kimi_supervisor_gpu_memory_used_at_start_bytes", {"gpu": "1"}, 615.0 * 1024 * 1024),
+        ("kimi_supervisor_gpu_memory_used_at_start_bytes", {**DEP, "gpu": "0"}, 0.0),
+        ("kimi_supervisor_gpu_memory_used_at_start_bytes", {**DEP, "gpu": "1"}, 615.0 * 1024 * 1024),
     ]
     # The text format has no info type: an info metric is a gauge of 1 whose labels carry the data.
     kind, _, [(name, labels, value)] = fam["kimi_supervisor_last_failure_info"]
     assert kind == "gauge" and name == "kimi_supervisor_last_failure_info" and value == 1.0
-    assert labels == {"exit_code": "13", "reason": "child_died"}
+    assert labels == {**DEP, "exit_code": "13", "reason": "child_died"}
+    [(_, labels, value)] = fam["kimi_supervisor_last_failure_timestamp_seconds"][2]
+    assert labels == {**DEP, "exit_code": "13", "reason": "child_died"} and value == 1_795_989_300.25
+    assert fam["kimi_supervisor_start_timestamp_seconds"][2] == [
+        ("kimi_supervisor_start_timestamp_seconds", DEP, 1_795_989_400.0)
+    ]
+
+
+def test_every_series_names_its_deployment() -> None:
+    """Two deployments' textfiles side by side in node_exporter's directory: no series of one is the other's."""
+    series = {}
+    for name in ("kimi-a", "kimi-b"):
+        for family in text_string_to_metric_families(render(SNAP, name).decode()):
+            for sample in family.samples:
+                assert sample.labels["deployment"] == name, sample
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                assert key not in series
+                series[key] = sample.value
+    assert len(series) == 2 * 17
+
+
+def test_textfile_passes_promtool_check_metrics(tmp_path: Path) -> None:
+    """What node_exporter's operators lint with: HELP and TYPE, `_total` counters, base units, valid names."""
+    full = render(SNAP, "kimi-a")
+    bare = render(MetricsSnapshot(state="starting"), "kimi-supervisor")
+    assert check_metrics(full) == "" and check_metrics(bare) == ""
+    # The check can fail: a counter without `_total` and a HELP-less metric are refused.
+    assert check_metrics(b"# TYPE kimi_supervisor_restarts counter\nkimi_supervisor_restarts 1\n") != ""
 
 
 def test_no_free_text_in_a_label() -> None:
     """A root cause is vLLM's text (a client's model name, say): never a label value, whatever it says."""
     cause = 'vLLM failed: "Error with model \\"EngineDeadError\\"\\n} 1\\nfake_metric 9"'
     for code, reason in ((13, "child_died"), (18, "gpu_failed"), (11, "startup_failed"), (99, "unknown")):
-        text = render(dataclasses.replace(SNAP, last_failure=(code, cause))).decode()
+        text = render(dataclasses.replace(SNAP, last_failure=(code, cause)), "kimi-a").decode()
         assert "EngineDeadError" not in text and "fake_metric" not in text
         fam = {f.name: f for f in text_string_to_metric_families(text)}
         [sample] = fam["kimi_supervisor_last_failure_info"].samples
-        assert dict(sample.labels) == {"exit_code": str(code), "reason": reason}
+        assert dict(sample.labels) == {**DEP, "exit_code": str(code), "reason": reason}
 
 
 def test_unknown_values_are_left_out_not_zero() -> None:
-    text = render(MetricsSnapshot(state="starting")).decode()
+    text = render(MetricsSnapshot(state="starting"), "kimi-a").decode()
     names = {f.name for f in text_string_to_metric_families(text)}
     assert "kimi_supervisor_last_load_seconds" not in names
     assert "kimi_supervisor_health_latency_seconds" not in names
     assert "kimi_supervisor_canary_latency_seconds" not in names
     assert "kimi_supervisor_last_failure_info" not in names
+    assert "kimi_supervisor_last_failure_timestamp_seconds" not in names
+    assert "kimi_supervisor_start_timestamp_seconds" not in names
 
 
 def test_writer_is_atomic_world_readable_whatever_the_umask(tmp_path: Path) -> None:
     path = tmp_path / "kimi_supervisor.prom"
-    old = os.umask(0o027)  # the unit's UMask=
+    old = os.umask(0o077)  # the unit's UMask=
     try:
-        MetricsWriter(path, RecordingLog()).write(SNAP)
+        MetricsWriter(path, RecordingLog(), "kimi-a").write(SNAP)
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
-    assert path.read_bytes() == render(SNAP)
+    assert path.read_bytes() == render(SNAP, "kimi-a")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kimi_supervisor.prom"]
 
 
 def test_unwritable_textfile_warns_once(tmp_path: Path) -> None:
     log = RecordingLog()
-    writer = MetricsWriter(tmp_path / "missing-dir" / "k.prom", log)
+    writer = MetricsWriter(tmp_path / "missing-dir" / "k.prom", log, "kimi-a")
     writer.write(SNAP)
     writer.write(SNAP)
     assert len(log.events("metrics.unwritable")) == 1

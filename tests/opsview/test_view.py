@@ -13,6 +13,7 @@ import pytest
 
 from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.cli.status import gather, render_text
+from kimi_supervisor.config import layout
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.host.nvml import NvmlProbe
@@ -101,7 +102,7 @@ def test_tree_gpu_memory_health_watchdog_and_canary_reach_the_state_file(tmp_pat
     sm = StateMachine(notifier, log, observer=view)
     sm.enter_initial("preflight: checking")
     sm.to(State.STARTING, "starting: vLLM spawned", pid=root.pid)
-    doc = json.loads((tmp_path / "run" / "state.json").read_text())
+    doc = json.loads((tmp_path / "run" / "k" / "state.json").read_text())
     assert [(p["pid"], p["role"], p["label"], p["gpus"]) for p in doc["processes"]] == [
         (root.pid, "api_server", "API server", []),
         (engine, "engine_core", "EngineCore", []),
@@ -120,7 +121,7 @@ def test_tree_gpu_memory_health_watchdog_and_canary_reach_the_state_file(tmp_pat
     assert view.eta_text(8.0) == "~8s left"
     clock.t += 1.0
     view.tick()
-    loading = json.loads((tmp_path / "run" / "state.json").read_text())["loading"]
+    loading = json.loads((tmp_path / "run" / "k" / "state.json").read_text())["loading"]
     assert loading == {
         "phase": "loading weights",
         "shards_done": 4,
@@ -136,23 +137,23 @@ def test_tree_gpu_memory_health_watchdog_and_canary_reach_the_state_file(tmp_pat
     view.on_canary(True, 0.84)
     clock.t += 1.0
     view.tick()
-    doc = json.loads((tmp_path / "run" / "state.json").read_text())
+    doc = json.loads((tmp_path / "run" / "k" / "state.json").read_text())
     assert doc["phase"] == "ready" and doc["status"] == "ready: serving" and doc["ready_at"] == 5009.0
     assert doc["health"] == {"ok": True, "latency_s": 0.0042, "at": 5009.0, "error": None, "consecutive_failures": 0}
     assert doc["watchdog"] == {"enabled": True, "interval_s": 60.0, "last_ping_at": 5009.0, "pings": 1}
     assert doc["canary"] == {"ok": True, "latency_s": 0.84, "at": 5009.0}
     assert sent[-1] == {"WATCHDOG": 1}  # the tap passed it on
     prom = (tmp_path / "k.prom").read_text()
-    assert 'kimi_supervisor_gpu_memory_used_at_start_bytes{gpu="0"} 4.3761270784e+10' in prom
+    assert 'kimi_supervisor_gpu_memory_used_at_start_bytes{deployment="k",gpu="0"} 4.3761270784e+10' in prom
     sm.to(State.STOPPING, "stopping: stop requested", notify={"STOPPING": 1})
     sm.to(State.FAILED, "failed: vLLM exited with status 1 after it was ready", exit_code=13)
-    doc = json.loads((tmp_path / "run" / "state.json").read_text())
+    doc = json.loads((tmp_path / "run" / "k" / "state.json").read_text())
     assert doc["last_failure"] == {
         "at": 5010.0,
         "exit_code": 13,
         "root_cause": "vLLM exited with status 1 after it was ready",
     }
-    [run] = json.loads((tmp_path / "state" / "history.json").read_text())["runs"]
+    [run] = json.loads((tmp_path / "state" / "k" / "history.json").read_text())["runs"]
     assert run["load_s"] == 9.5 and run["exit_code"] == 13 and run["post_weights_s"] is None
     assert log.events("operator_view.error") == []
 
@@ -169,7 +170,7 @@ def test_nvml_failure_is_shown_not_raised(tmp_path: Path, monkeypatch: pytest.Mo
     sm = StateMachine(view.tap(type("N", (), {"send": lambda self, **f: None})()), log, observer=view)
     sm.enter_initial("preflight")
     sm.to(State.STARTING, "starting", pid=sys.maxsize)
-    doc = json.loads((tmp_path / "run" / "state.json").read_text())
+    doc = json.loads((tmp_path / "run" / "k" / "state.json").read_text())
     assert doc["gpus"] == [] and "NVML unavailable" in doc["gpu_error"]
     assert doc["processes"] == []
 
@@ -190,8 +191,8 @@ def test_the_views_elapsed_eta_and_uptime_follow_the_injected_clock(tmp_path: Pa
     rendered: dict[float, str] = {}
 
     def snap(t: float) -> None:
-        snaps[t] = json.loads((tmp_path / "run" / "state.json").read_text())
-        rendered[t] = render_text(gather(w.cfg.paths), now=w.clock.time())
+        snaps[t] = json.loads((layout.of(w.cfg).runtime / "state.json").read_text())
+        rendered[t] = render_text(gather(layout.of(w.cfg)), now=w.clock.time())
 
     w.clock.at(10.5, lambda: snap(10.5))
     w.clock.at(42.0, lambda: snap(42.0))
@@ -222,5 +223,5 @@ def test_the_views_elapsed_eta_and_uptime_follow_the_injected_clock(tmp_path: Pa
     assert [(p["pid"], p["role"]) for p in served["processes"]] == [(4242, "api_server")]
     # What `kimi-supervisor status` shows an operator at fake second 42.
     assert "Uptime: ready for 30s, load took 12s" in " ".join(rendered[42.0].split()), rendered[42.0]
-    (run,) = load_history(tmp_path / "state" / HISTORY_FILE).runs
+    (run,) = load_history(layout.of(w.cfg).state / HISTORY_FILE).runs
     assert run.start == WALL_T0 and run.load_s == pytest.approx(ready - spawned, abs=1e-3)

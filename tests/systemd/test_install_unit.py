@@ -156,3 +156,76 @@ def test_permission_denied_is_exit_77_in_one_line(open_dir: Path) -> None:
     assert os.waitstatus_to_exitcode(status) == 77, stderr
     assert stderr.count("\n") == 1 and "Traceback" not in stderr
     assert f"cannot write {units / unit.UNIT_NAME}: Permission denied (run it as root" in stderr
+
+
+def install_unit(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kimi_supervisor", "install-unit", *args, "--no-reload"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+
+
+def test_install_unit_instance_writes_the_template_and_the_instances_dropin(tmp_path: Path) -> None:
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    prom = tmp_path / "textfile" / "kimi-a.prom"
+    (etc / "kimi-a.toml").write_text(MINIMAL + f'[shutdown]\ngrace_s = 100\n[metrics]\ntextfile = "{prom}"\n')
+    units = tmp_path / "units"
+    result = install_unit("--instance", "kimi-a", "--config", str(etc / "kimi-a.toml"), "--unit-dir", str(units))
+    assert result.returncode == 0, result.stderr
+    assert (
+        result.stdout
+        == f"wrote {units / unit.TEMPLATE_NAME}; now: systemctl enable --now kimi-supervisor@kimi-a.service\n"
+    )
+    template = directives((units / unit.TEMPLATE_NAME).read_text())
+    assert template["ExecStart"] == f"{sys.executable} -m kimi_supervisor --config {etc}/%i.toml"
+    dropin = (units / "kimi-supervisor@kimi-a.service.d" / unit.DROPIN_NAME).read_text()
+    # grace 100 + SIGKILL wait 5 + GPU release 30 + exit 10: this instance's own, not the template's 360.
+    assert directives(dropin) == {"TimeoutStopSec": "145", "ReadWritePaths": f"-{prom.parent}"}
+    assert not (units / unit.UNIT_NAME).exists()  # the plain unit is not touched
+    if shutil.which("systemd-analyze"):
+        (units / "kimi-supervisor@kimi-a.service").symlink_to(unit.TEMPLATE_NAME)
+        check = verify(units / "kimi-supervisor@kimi-a.service")
+        assert check.returncode == 0 and check.stderr.strip() == "", check.stderr
+
+
+def test_install_unit_instance_refuses_a_config_of_another_name(tmp_path: Path) -> None:
+    """The template runs NAME.toml and names NAME's directories after the instance: one name for all."""
+    (tmp_path / "kimi-b.toml").write_text(MINIMAL)
+    result = install_unit(
+        "--instance", "kimi-a", "--config", str(tmp_path / "kimi-b.toml"), "--unit-dir", str(tmp_path)
+    )
+    assert result.returncode == 78
+    assert result.stderr == (
+        f"kimi-supervisor: config error: install-unit --instance kimi-a: kimi-supervisor@kimi-a runs "
+        f"{tmp_path}/kimi-a.toml, not {tmp_path}/kimi-b.toml (name the config after the instance)\n"
+    )
+    (tmp_path / "kimi-a.toml").write_text(MINIMAL + '[deployment]\nname = "other"\n')
+    result = install_unit(
+        "--instance", "kimi-a", "--config", str(tmp_path / "kimi-a.toml"), "--unit-dir", str(tmp_path)
+    )
+    assert result.returncode == 78 and "deployment.name: 'other' is not the instance's name 'kimi-a'" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kimi-a.toml", "kimi-b.toml"]  # nothing written
+
+
+def test_writable_paths_of_a_config(tmp_path: Path) -> None:
+    from kimi_supervisor.config.load import parse_config
+
+    plain = parse_config({"child": {"argv": ["vllm"]}}, tmp_path / "k.toml")
+    assert unit.writable_paths(plain) == []  # the unit's own directories and homes already are
+    moved = parse_config(
+        {
+            "child": {"argv": ["vllm"], "user": "nobody"},  # home /nonexistent: outside /root and /home
+            "paths": {"runtime_directory": "/srv/k/run"},
+            "metrics": {"textfile": "/var/lib/node_exporter/textfile_collector/k.prom"},
+        },
+        tmp_path / "k.toml",
+    )
+    assert unit.writable_paths(moved) == [
+        Path("/nonexistent"),
+        Path("/srv/k/run"),
+        Path("/var/lib/node_exporter/textfile_collector"),
+    ]

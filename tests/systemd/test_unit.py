@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kimi_supervisor.config import layout
 from kimi_supervisor.config.load import DEFAULT_PATH, parse_config
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.systemd import unit
@@ -91,3 +92,82 @@ def test_the_shipped_unit_file_is_the_template() -> None:
     # packaging/ is what operators copy by hand; a hardening line added to one and not the other drifts silently.
     shipped = REPO / "packaging" / "systemd" / unit.UNIT_NAME
     assert shipped.read_text() == unit.render()
+
+
+TEMPLATE = REPO / "packaging" / "systemd" / unit.TEMPLATE_NAME
+
+
+def test_the_shipped_template_is_the_rendered_template() -> None:
+    assert TEMPLATE.read_text() == unit.render(template=True)
+
+
+def test_template_instances_have_their_own_files_and_share_the_lock_directory() -> None:
+    """Instance NAME: NAME.toml, /run/kimi-supervisor/NAME and /var/lib/kimi-supervisor/NAME for its state and
+    history (config/layout.py), its own journal identifier; the locks' directory is every instance's."""
+    d = directives(unit.render(template=True))
+    plain = directives(unit.render())
+    assert d["ExecStart"] == f"{unit.DEFAULT_EXEC} --config /etc/kimi-supervisor/%i.toml"
+    assert d["RuntimeDirectory"] == "kimi-supervisor kimi-supervisor/%i" and d["RuntimeDirectoryPreserve"] == "yes"
+    assert d["StateDirectory"] == "kimi-supervisor kimi-supervisor/%i"
+    assert d["SyslogIdentifier"] == "kimi-supervisor@%i" and d["Description"].endswith(", deployment %i")
+    assert plain["RuntimeDirectory"] == "kimi-supervisor" and plain["SyslogIdentifier"] == "kimi-supervisor"
+    # Everything else (restart policy, timeouts, hardening) is one text for both.
+    differ = {"ExecStart", "RuntimeDirectory", "StateDirectory", "SyslogIdentifier", "Description"}
+    assert {k: v for k, v in d.items() if k not in differ} == {k: v for k, v in plain.items() if k not in differ}
+    # The layout the supervisor derives for instance NAME is the one the unit creates.
+    cfg = parse_config({"child": {"argv": ["vllm"]}}, Path("/etc/kimi-supervisor/kimi-a.toml"))
+    own = layout.of(cfg)
+    assert (own.locks, own.runtime, own.state) == (
+        Path("/run/kimi-supervisor"),
+        Path("/run/kimi-supervisor/kimi-a"),
+        Path("/var/lib/kimi-supervisor/kimi-a"),
+    )
+    assert layout.unit_name(cfg.deployment.name) == "kimi-supervisor@kimi-a"
+
+
+def test_hardening_directives() -> None:
+    """What took the score from 3.6 to 3.0 (docs/hardening.md has each one's reason)."""
+    for d in (directives(unit.render()), directives(unit.render(template=True))):
+        assert d["DevicePolicy"] == "closed" and d["DeviceAllow"] == "char-nvidia* rw"
+        assert d["ProtectSystem"] == "strict" and d["ReadWritePaths"] == "-/root -/home"
+        assert d["PrivateMounts"] == "yes" and d["ProtectProc"] == "invisible" and d["UMask"] == "0077"
+        assert "CAP_IPC_LOCK" not in d["CapabilityBoundingSet"] and d["LimitMEMLOCK"] == "infinity"
+
+
+def security_score(path: Path) -> float:
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", "--no-pager", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    line = next(x for x in result.stdout.splitlines() if "Overall exposure level" in x)
+    return float(line.split(":")[1].split()[0])
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_both_shipped_units_score_at_most_3(tmp_path: Path) -> None:
+    """`systemd-analyze security --offline=yes` on this machine's systemd (252): the plain unit, and an
+    instance of the template (what the real-systemd tier also runs, tests/nspawn/test_instances.py)."""
+    instance = tmp_path / "kimi-supervisor@kimi-a.service"
+    instance.write_text(TEMPLATE.read_text())
+    scores = {PACKAGED.name: security_score(PACKAGED), instance.name: security_score(instance)}
+    assert all(score <= 3.0 for score in scores.values()), scores
+    # The measure can fail: the unit before this hardening scored 3.6.
+    before = unit.render().replace("DevicePolicy=closed\n", "").replace("PrivateMounts=yes\n", "")
+    loose = tmp_path / "loose.service"
+    loose.write_text(before)
+    assert security_score(loose) > 3.0
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_systemd_analyze_verify_accepts_an_instance_and_its_dropin(tmp_path: Path) -> None:
+    template = tmp_path / unit.TEMPLATE_NAME
+    template.write_text(unit.render(sys.executable, tmp_path / "kimi-a.toml", template=True))
+    instance = tmp_path / "kimi-supervisor@kimi-a.service"
+    instance.symlink_to(template.name)
+    dropin = tmp_path / "kimi-supervisor@kimi-a.service.d" / unit.DROPIN_NAME
+    dropin.parent.mkdir()
+    dropin.write_text(unit.instance_dropin(123, [Path("/var/lib/node_exporter/textfile_collector")]))
+    result = subprocess.run(["systemd-analyze", "verify", str(instance)], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stderr.strip() == "", result.stderr

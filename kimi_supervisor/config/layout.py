@@ -1,0 +1,49 @@
+"""Where one deployment's files live on a host that may run several (issue 28).
+
+GPUs and ports are host-wide, so every deployment's instance locks sit in one directory, the configured
+`paths.runtime_directory` itself.  What is a deployment's own goes in a directory named after it
+(`deployment.name`, by default the config file's stem) below the configured ones, so two deployments with
+the default `[paths]` never share a file:
+
+    /run/kimi-supervisor/gpu-0.lock, port-8000.lock, deployment-NAME.lock    the host's locks
+    /run/kimi-supervisor/NAME/state.json                                     NAME's live state
+    /var/lib/kimi-supervisor/NAME/history.json                               NAME's run history
+
+Two configs of one name would share these directories: the instance lock refuses the second
+(`deployment-NAME.lock`, exit 16).  Under the template unit `kimi-supervisor@NAME.service` the two
+directories are its `RuntimeDirectory=kimi-supervisor/%i` and `StateDirectory=kimi-supervisor/%i`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from kimi_supervisor.config.model import Config, PathsConfig
+
+PLAIN = "kimi-supervisor"  # the plain unit's name, and its deployment's (the default config's stem)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeploymentDirectories:
+    name: str
+    locks: Path  # host-wide: the instance locks of every deployment
+    runtime: Path  # this deployment's live state file
+    state: Path  # this deployment's run history
+
+
+def unit_name(name: str) -> str:
+    """The unit that runs deployment `name` (without `.service`): the plain unit runs the deployment of
+    /etc/kimi-supervisor/kimi-supervisor.toml, the template `kimi-supervisor@.service` every other one.
+    Also its journal's SYSLOG_IDENTIFIER and the title `status` gives it."""
+    return PLAIN if name == PLAIN else f"{PLAIN}@{name}"
+
+
+def directories(paths: PathsConfig, name: str) -> DeploymentDirectories:
+    # `name` passed config/load.py's check: no separator, no leading dot, so it is one path component.
+    runtime, state = paths.runtime_directory, paths.state_directory
+    return DeploymentDirectories(name, locks=runtime, runtime=runtime / name, state=state / name)
+
+
+def of(cfg: Config) -> DeploymentDirectories:
+    return directories(cfg.paths, cfg.deployment.name)

@@ -1,0 +1,64 @@
+"""The alerts an operator pastes (packaging/prometheus/kimi-supervisor.rules.yml): valid rules, and each one
+proven by `promtool test rules` (alert_rules.test.yml) to fire when its cause is there and not otherwise."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from kimi_supervisor.opsview.textfile import MetricsSnapshot, render
+from tests.promtool import promtool
+
+REPO = Path(__file__).resolve().parents[2]
+RULES = REPO / "packaging" / "prometheus" / "kimi-supervisor.rules.yml"
+TESTS = Path(__file__).with_name("alert_rules.test.yml")
+
+
+def alerts() -> list[str]:
+    return re.findall(r"^\s*- alert:\s*(\S+)\s*$", RULES.read_text(), re.M)
+
+
+def test_rules_are_valid() -> None:
+    result = subprocess.run([promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(alerts())} rules found" in result.stdout
+
+
+def test_every_rule_has_a_firing_and_a_quiet_case() -> None:
+    text = TESTS.read_text()
+    assert sorted(alerts()) == sorted(
+        {
+            "KimiSupervisorNotServing",
+            "KimiSupervisorRestartingRepeatedly",
+            "KimiSupervisorGpuFailed",
+            "KimiSupervisorEngineWedged",
+            "KimiSupervisorPreflightKilledProcesses",
+        }
+    )
+    for name in alerts():
+        cases = re.findall(rf"alertname: {name}\n\s*exp_alerts:(.*?)(?=\n\s*- eval_time|\n\n|\Z)", text, re.S)
+        assert any(c.strip() == "[]" for c in cases), f"{name}: no evaluation where it must stay quiet"
+        assert any("exp_labels" in c for c in cases), f"{name}: no evaluation where it must fire"
+
+
+def test_promtool_test_rules_passes() -> None:
+    result = subprocess.run(
+        [promtool(), "test", "rules", TESTS.name], cwd=TESTS.parent, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_rules_use_only_metrics_the_textfile_writes() -> None:
+    """A renamed metric would leave an alert that never fires: every name in the rules is one we write."""
+    full = MetricsSnapshot(
+        state="ready",
+        last_load_s=1.0,
+        last_failure=(18, "x"),
+        started_timestamp_s=1.0,
+        last_failure_timestamp_s=1.0,
+        health_latency_s=0.1,
+    )
+    written = set(re.findall(r"^(kimi_supervisor_\w+)[{ ]", render(full, "a").decode(), re.M))
+    used = set(re.findall(r"\b(kimi_supervisor_[a-z_]+)\b", RULES.read_text()))
+    assert used and used <= written, used - written
