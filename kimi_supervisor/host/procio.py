@@ -77,4 +77,6 @@ def format_rate(bytes_per_s: float) -> str:
     """`1.02 GB/s` (decimal units, as storage is sold and as the seeds' "1 GB/s" means)."""
     if bytes_per_s >= 1e9:
         return f"{bytes_per_s / 1e9:.2f} GB/s"
-    return f"{bytes_per_s / 1e6:.0f} MB/s"
+    if bytes_per_s >= 1e6:
+        return f"{bytes_per_s / 1e6:.0f} MB/s"
+    return f"{bytes_per_s / 1e3:.0f} kB/s"

@@ -93,6 +93,19 @@ class ReadAhead:
         self.memory_waits = 0
         self.reason: str | None = None  # why it stopped
 
+    @classmethod
+    def for_model(cls, model_dir: Path, shards_ahead: int) -> ReadAhead | None:
+        """A read-ahead of `model_dir`'s shards in vLLM's order; None when it holds none we can stat."""
+        from kimi_supervisor.host.pagecache import shards_in_load_order
+
+        shards = []
+        for path in shards_in_load_order(model_dir):
+            try:
+                shards.append((path, path.stat().st_size))
+            except OSError:
+                return None  # the preflight's model check names it; vLLM will fail on it anyway
+        return cls(shards, shards_ahead) if shards else None
+
     # -- what the loop tells it (any thread) -----------------------------------
 
     def progress(self, done: int) -> None:

@@ -43,6 +43,10 @@ class MetricsSnapshot:
     canary_latency_s: float | None = None
     gpu_used_mib_at_start: Mapping[int, int] = dataclasses.field(default_factory=dict)
     last_failure: tuple[int, str] | None = None  # (exit code, root cause)
+    # The latest successful load broken down (opsview/loadreport.py): {phase: seconds}, compile cache hit.
+    load_phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    compile_cache_hit: bool | None = None
+    load_cached_fraction: float | None = None
 
 
 class _SnapshotCollector(Collector):
@@ -75,6 +79,28 @@ class _SnapshotCollector(Collector):
             yield _gauge("health_latency_seconds", "Duration of the latest GET /health", s.health_latency_s)
         if s.canary_latency_s is not None:
             yield _gauge("canary_latency_seconds", "Duration of the latest canary completion", s.canary_latency_s)
+        if s.load_phases:
+            phases = GaugeMetricFamily(
+                f"{PREFIX}_load_phase_seconds",
+                "Seconds each phase of the latest successful load took, from vLLM's own lines (phases overlap: "
+                "init_engine holds compile and graphs)",
+                labels=["phase"],
+            )
+            for phase, seconds in s.load_phases.items():
+                phases.add_metric([phase], seconds)
+            yield phases
+        if s.compile_cache_hit is not None:
+            yield _gauge(
+                "compile_cache_hit",
+                "1 when the latest successful load found its torch.compile cache, 0 when it compiled",
+                1.0 if s.compile_cache_hit else 0.0,
+            )
+        if s.load_cached_fraction is not None:
+            yield _gauge(
+                "load_cached_ratio",
+                "Share of the model's shards the page cache held just before the latest successful load",
+                s.load_cached_fraction,
+            )
         gpu = GaugeMetricFamily(
             f"{PREFIX}_gpu_memory_used_at_start_bytes",
             "GPU memory in use when vLLM was spawned (after the preflight), per GPU",

@@ -64,4 +64,4 @@ def test_a_real_cold_read_shows_in_read_bytes(tmp_path: Path) -> None:
 
 
 def test_format_rate() -> None:
-    assert format_rate(1.0234e9) == "1.02 GB/s" and format_rate(250e6) == "250 MB/s"
+    assert format_rate(1.0234e9) == "1.02 GB/s" and format_rate(250e6) == "250 MB/s" and format_rate(4080) == "4 kB/s"
