@@ -71,14 +71,28 @@ def ensure_home(directory: Path, home: Path, identity: Identity | None) -> None:
         raise CacheUnusable(f"{directory} does not exist (the unit's CacheDirectory= creates it)")
     if home == directory or identity is None:
         return
+    made = False
     try:
         os.mkdir(home, 0o700)
-        os.chown(home, identity.uid, identity.gid)
+        made = True
     except FileExistsError:
         pass
     except OSError as exc:
         raise CacheUnusable(f"cannot make {home} for user {identity.user!r}: {exc.strerror}") from None
-    st = os.lstat(home)
+    # Through a descriptor opened without following links: a name swapped for a symlink after the mkdir
+    # cannot steer the chown (root's) to another file.
+    try:
+        fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        raise CacheUnusable(f"{home} is not a directory owned by user {identity.user!r}") from None
+    try:
+        if made:
+            os.fchown(fd, identity.uid, identity.gid)
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise CacheUnusable(f"cannot give {home} to user {identity.user!r}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != identity.uid:
         raise CacheUnusable(f"{home} is not a directory owned by user {identity.user!r}")
 

@@ -75,6 +75,11 @@ RuntimeDirectoryPreserve=yes
 # /var/lib/kimi-supervisor: the run history, kept across restarts and reboots.
 StateDirectory=kimi-supervisor
 StateDirectoryMode=0755
+# /var/cache/kimi-supervisor: vLLM's torch.compile/AOT, Triton, inductor and CUDA JIT caches, kept across
+# restarts whoever the child runs as (paths.cache_directory; a child.user gets <dir>/<user>): without it a
+# child without a home recompiles on every start (minutes at TP=8).
+CacheDirectory=kimi-supervisor
+CacheDirectoryMode=0755
 
 # Hardening that vLLM still runs under (see README, "Hardening").
 NoNewPrivileges=yes

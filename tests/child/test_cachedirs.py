@@ -88,3 +88,12 @@ def test_the_dry_run_says_when_the_childs_user_cannot_write(tmp_path: Path) -> N
     identity = resolve_identity("nobody", None)
     check = check_cache(tmp_path, identity, {})
     assert check.status is Status.WARN and "not writable by user 'nobody'" in check.message
+
+
+@ROOT_ONLY
+def test_a_symlink_planted_at_the_users_home_is_never_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    (tmp_path / "nobody").symlink_to(victim)
+    prepared = prepare_spawn(spec(tmp_path, user="nobody"), {"PATH": "/usr/bin:/bin"})
+    assert "VLLM_CACHE_ROOT" not in prepared.env and victim.stat().st_uid == 0
