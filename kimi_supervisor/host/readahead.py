@@ -153,12 +153,15 @@ class ReadAhead:
         self._thread.start()
 
     def _loop(self) -> None:
-        while True:
-            step = self.step()
-            if step is Step.DONE:
-                return
-            if step is not Step.READ:
-                self._finished.wait(POLL_S)
+        try:
+            while True:
+                step = self.step()
+                if step is Step.DONE:
+                    return
+                if step is not Step.READ:
+                    self._finished.wait(POLL_S)
+        except Exception as exc:  # a help, never a reason to fail the start (ThreadWatch exits 70 on a raise)
+            self.finish(f"{type(exc).__name__}: {exc}")
 
     def join(self, timeout_s: float) -> bool:
         """True when the thread has ended (it ends within one chunk of `finish`)."""

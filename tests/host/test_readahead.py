@@ -106,3 +106,12 @@ def test_real_files_land_in_the_page_cache_and_the_thread_ends(tmp_path: Path) -
     assert pagecache.residency(files[2:]).fraction == 0.0
     ra.finish("weights loaded")
     assert ra.join(10) and ra.reason == "weights loaded" and ra.bytes_read == 2 << 20
+
+
+def test_a_bug_in_the_thread_ends_the_readahead_not_the_run() -> None:
+    def buggy(path: Path, offset: int, buffer: bytearray) -> int:
+        raise RuntimeError("a bug")
+
+    ra = ReadAhead(shards(2, 2), shards_ahead=1, meminfo=lambda: PLENTY, read=buggy, chunk_bytes=2)
+    ra.start()
+    assert ra.join(10) and ra.reason == "RuntimeError: a bug"
