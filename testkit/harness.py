@@ -44,7 +44,11 @@ def toml_value(value: object) -> str:
 
 def own_dirs(base: Path) -> dict[str, str]:
     """`[paths]` under `base`: the instance locks, the state file and the history, never the host's own."""
-    return {"runtime_directory": str(base / "run"), "state_directory": str(base / "state")}
+    return {
+        "runtime_directory": str(base / "run"),
+        "state_directory": str(base / "state"),
+        "cache_directory": str(base / "cache"),
+    }
 
 
 def write_config(path: Path, sections: dict[str, dict[str, Any]], host_paths: bool = False) -> Path:

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import psutil
 
+from kimi_supervisor.child.cachedirs import CacheUnusable, cache_environment, cache_home, ensure_home
 from kimi_supervisor.child.spawnplan import (
     Identity,
     Unresolvable,
@@ -78,14 +79,25 @@ class PreparedSpawn:
     identity: Identity | None
     executable: str
     env: Mapping[str, str]
+    cache_note: str | None = None  # why the caches keep vLLM's defaults (cachedirs.py), for the log
 
 
 def prepare_spawn(spec: SpawnSpec, parent_env: Mapping[str, str]) -> PreparedSpawn:
-    """Resolve user, groups, environment and the executable; raises Unresolvable naming the key."""
+    """Resolve user, groups, environment and the executable; raises Unresolvable naming the key.
+
+    Also makes the child's cache home (cachedirs.py): a directory of its own that no start can be hurt by."""
     identity = resolve_identity(spec.user, spec.group)
     env = child_environment(spec, parent_env, identity)
+    note = None
+    home = cache_home(spec.cache_directory, identity)
+    if home is not None and spec.cache_directory is not None:
+        try:
+            ensure_home(spec.cache_directory, home, identity)
+            env.update(cache_environment(home, env))
+        except CacheUnusable as exc:
+            note = str(exc)
     executable = resolve_executable(spec.argv[0], env, spec.working_directory, identity)
-    return PreparedSpawn(identity, executable, env)
+    return PreparedSpawn(identity, executable, env, note)
 
 
 def _switch_to(identity: Identity | None) -> Identity | None:

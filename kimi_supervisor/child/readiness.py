@@ -13,6 +13,8 @@ import dataclasses
 import re
 
 from kimi_supervisor.child.lines import ChildLine, Kind, LineClassifier
+from kimi_supervisor.child.loadphases import PATTERNS as LOAD_PATTERNS
+from kimi_supervisor.child.loadphases import LoadPhases
 from kimi_supervisor.clock import format_duration
 from kimi_supervisor.config.model import ReadinessConfig
 
@@ -31,7 +33,7 @@ PHASES: tuple[tuple[str, str], ...] = (
     # Not a bare "torch.compile": vLLM 0.32 warns "Enforce eager set, disabling torch.compile" at the start.
     (
         "compiling / capturing CUDA graphs",
-        r"Capturing CUDA graph|torch\.compile takes|Compiling a graph for|Graph capturing finished|Dynamo bytecode",
+        r"Capturing CUDA graph|torch\.compile took|Compiling a graph for|Graph capturing finished|Dynamo bytecode",
     ),
     (
         "starting API server",
@@ -159,11 +161,12 @@ class ReadinessTracker:
         self._phase_rx = [re.compile(p) for _, p in PHASES]
         # Most lines matter to no pattern: a search for literal words every pattern needs rejects them
         # in well under a microsecond; the combined pattern confirms the rest.
-        every = [p for _, p in PHASES] + [_PROGRESS.pattern] + [r.pattern for r in self._started]
+        every = [p for _, p in PHASES] + [_PROGRESS.pattern] + [r.pattern for r in self._started] + list(LOAD_PATTERNS)
         self._any = re.compile("|".join(f"(?:{p})" for p in every))
         self._prefilter = literal_prefilter(every)
         self.phase_index = -1
         self.progress: Progress | None = None
+        self.load = LoadPhases()  # what each phase took, from vLLM's own lines (loadphases.py)
         self.server_started = False
         self.fatal_line: str | None = None
         self.fatal_rule: str | None = None  # the rule (`file.py: message`) that matched fatal_line
@@ -241,6 +244,8 @@ class ReadinessTracker:
             return _NOTHING
         if self.serving or not line.may_show_progress:
             return _NOTHING
+        if line.kind is Kind.RECORD and line.source is not None:
+            self.load.feed(line.source.rsplit("/", 1)[-1], line.message)
         progress_changed = False
         m = _PROGRESS.search(text)
         if m:
@@ -262,13 +267,18 @@ class ReadinessTracker:
     def weights_loaded(self) -> bool:
         return self.phase_index > LOADING_WEIGHTS
 
-    def status_text(self, elapsed_s: float, eta: str | None = None) -> str:
-        """`loading weights 68/119 (57%), 4m12s, ~3m10s left` (the ETA only when one is known)."""
+    def status_text(self, elapsed_s: float, eta: str | None = None, read_rate: str | None = None) -> str:
+        """`loading weights 68/119 (57%), 4m12s, 1.02 GB/s, ~3m10s left` (the storage read rate while loading
+        weights and the ETA only when known)."""
         text = self.phase
-        if self.progress is not None and self.phase == "loading weights":
+        loading = self.phase == "loading weights"
+        if self.progress is not None and loading:
             p = self.progress
             text += f" {p.done}/{p.total} ({p.percent}%)"
-        return f"{text}, {format_duration(elapsed_s)}" + (f", {eta}" if eta else "")
+        text += f", {format_duration(elapsed_s)}"
+        if read_rate and loading:
+            text += f", {read_rate}"
+        return text + (f", {eta}" if eta else "")
 
     def root_cause(self) -> str:
         """The line that explains a failure best.

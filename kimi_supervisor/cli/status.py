@@ -30,6 +30,7 @@ from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.files.untrusted import printable
 from kimi_supervisor.opsview.history import FILE_NAME as HISTORY_FILE
 from kimi_supervisor.opsview.history import HistoryData, RunRecord, load_history
+from kimi_supervisor.opsview.loadreport import describe as describe_load
 from kimi_supervisor.opsview.statefile import FILE_NAME, read_state, writer_alive
 
 RUNS_SHOWN = 5
@@ -146,6 +147,10 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
     if failure:
         what = f"exit {failure.get('exit_code')} at {_when(failure.get('at'))}: {_cut(failure.get('root_cause'), 160)}"
         lines.append(f"{'Last failure':>12}: " + c(what, "red"))
+    last = snap.history.last_successful_load()
+    breakdown = describe_load(last) if last else None
+    if breakdown:
+        lines.append(f"{'Last load':>12}: {printable(breakdown)}")
     if snap.note:
         lines.append(f"{'Note':>12}: {printable(snap.note)}")
     lines += _runs(snap.history, now)

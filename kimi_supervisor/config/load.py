@@ -32,6 +32,7 @@ from kimi_supervisor.config.model import (
     MetricsConfig,
     PathsConfig,
     PreflightConfig,
+    ReadaheadConfig,
     ReadinessConfig,
     ReapConfig,
     ShmConfig,
@@ -259,9 +260,19 @@ def _parse_paths(t: Table, config: Path) -> PathsConfig:
         # Relative: to the config file's directory (the demo keeps its files under the checkout, not /tmp).
         return Path(os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(config)), value)))
 
+    cache = t.string("cache_directory", "/var/cache/kimi-supervisor")
     cfg = PathsConfig(
         runtime_directory=absolute("runtime_directory", "/run/kimi-supervisor"),
         state_directory=absolute("state_directory", "/var/lib/kimi-supervisor"),
+        cache_directory=absolute("cache_directory", cache) if cache else None,  # "": leave the caches to vLLM
+    )
+    t.done()
+    return cfg
+
+
+def _parse_readahead(t: Table) -> ReadaheadConfig:
+    cfg = ReadaheadConfig(
+        enabled=t.boolean("enabled", False), shards_ahead=t.integer("shards_ahead", 2, minimum=1, maximum=64)
     )
     t.done()
     return cfg
@@ -413,9 +424,23 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     gpu_health = _parse_gpu_health(root.table("gpu_health"))
     deployment = _parse_deployment(root.table("deployment"), path)
     cluster = _parse_cluster(root.table("cluster"), "cluster" in data, deployment.role)
+    readahead = _parse_readahead(root.table("readahead"))
     root.done()
+    child = dataclasses.replace(child, cache_directory=paths.cache_directory)
     return Config(
-        path, child, preflight, readiness, health, shutdown, paths, metrics, liveness, gpu_health, deployment, cluster
+        path,
+        child,
+        preflight,
+        readiness,
+        health,
+        shutdown,
+        paths,
+        metrics,
+        liveness,
+        gpu_health,
+        deployment,
+        cluster,
+        readahead,
     )
 
 

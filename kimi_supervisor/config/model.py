@@ -26,6 +26,8 @@ class SpawnSpec:
     user: str | None
     # Resolved to a gid, with the user's supplementary groups, when the child is spawned (spawnuser.py).
     group: str | None = None
+    # paths.cache_directory, where the child's compile caches go (child/cachedirs.py); None: vLLM's defaults.
+    cache_directory: Path | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +112,9 @@ class PathsConfig:
     # The unit's RuntimeDirectory= (lock, live state) and StateDirectory= (run history).
     runtime_directory: Path
     state_directory: Path
+    # The unit's CacheDirectory=: vLLM's compile caches and the kernel caches beside them, kept across restarts
+    # whoever the child runs as (child/cachedirs.py); None: the child's environment is left to vLLM's defaults.
+    cache_directory: Path | None = Path("/var/cache/kimi-supervisor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +170,13 @@ class ClusterConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReadaheadConfig:
+    # Read the model's shards ahead of vLLM while it imports and loads (host/readahead.py); off until measured.
+    enabled: bool = False
+    shards_ahead: int = 2  # at most this many shards beyond the one vLLM's progress line says it is on
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     path: Path
     child: ChildConfig
@@ -178,6 +190,7 @@ class Config:
     gpu_health: GpuHealthConfig
     deployment: DeploymentConfig = DeploymentConfig("kimi-supervisor", Role.ENGINE)
     cluster: ClusterConfig | None = None  # None: one node
+    readahead: ReadaheadConfig = ReadaheadConfig()
 
     @property
     def role(self) -> Role:

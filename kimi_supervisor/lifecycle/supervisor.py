@@ -18,6 +18,7 @@ import selectors
 import signal
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from kimi_supervisor.checks import Status
 from kimi_supervisor.child.output import ChildOutput
@@ -38,6 +39,7 @@ from kimi_supervisor.exitcodes import (
 )
 from kimi_supervisor.host.gpu import GpuProbe, configured_gpus
 from kimi_supervisor.host.proctable import ProcessTable
+from kimi_supervisor.host.readahead import ReadAhead
 from kimi_supervisor.lifecycle.deps import (
     DrainFactory,
     Liveness,
@@ -129,6 +131,7 @@ class Supervisor:
         self.stopper: TreeStopper | None = None  # from the spawn on: every way out stops the tree
         self.prober: Prober | None = None
         self._prepared: PreparedSpawn | None = None
+        self.readahead: ReadAhead | None = None  # [readahead]: the shards read ahead of vLLM (host/readahead.py)
         self.deep: Liveness | None = None
         self.output = ChildOutput(
             deps.sink, self.tracker, deps.log, secrets, clock=self.clock, selector=deps.selector()
@@ -151,6 +154,7 @@ class Supervisor:
             self._record_exit(exc)
             raise
         finally:
+            self._end_readahead("the run ended")
             if self.prober is not None:
                 self.prober.stop()
             if self.deep is not None:
@@ -162,6 +166,7 @@ class Supervisor:
         try:
             try:
                 self._prepare_child()  # a start that cannot happen kills nothing
+                self._start_readahead()  # while the preflight waits for GPUs and vLLM imports
                 self._preflight()
                 self._spawn()
                 if self._wait_until_ready():
@@ -182,6 +187,33 @@ class Supervisor:
             self._prepared = self.deps.spawn.prepare(self.cfg.child, self.deps.environ)
         except Unresolvable as exc:
             raise ConfigError(f"{self.cfg.path}: child.{exc.key}: {exc.message}") from None
+        note = self._prepared.cache_note if self._prepared is not None else None
+        if note is not None:
+            self.log.warning("cache.defaults", why=note, effect="vLLM's compile cache follows HOME (cachedirs.py)")
+
+    def _start_readahead(self) -> None:
+        model = self.cfg.child.vllm.model
+        if not self.cfg.readahead.enabled or not model or not model.startswith("/"):
+            return
+        self.readahead = ReadAhead.for_model(Path(model), self.cfg.readahead.shards_ahead)
+        if self.readahead is not None:
+            self.readahead.start()
+            self.log.info("readahead.started", model=model, shards_ahead=self.cfg.readahead.shards_ahead)
+
+    def _end_readahead(self, reason: str) -> None:
+        ra, self.readahead = self.readahead, None
+        if ra is None:
+            return
+        ra.finish(reason)
+        ended = ra.join(5.0)  # within one 16 MiB read
+        self.log.info(
+            "readahead.stopped",
+            reason=ra.reason,
+            shards_read=ra.shards_read,
+            bytes_read=ra.bytes_read,
+            memory_waits=ra.memory_waits,
+            thread_ended=ended,
+        )
 
     def _preflight(self) -> None:
         pf = self.cfg.preflight
@@ -196,6 +228,7 @@ class Supervisor:
     def _spawn(self) -> None:
         if self._stop_signalled():
             raise StopRequested
+        self.view.before_spawn()  # how much of the model the page cache holds as vLLM starts
         self.child = self.deps.spawn.spawn(self.cfg.child, self.deps.environ, self._prepared)
         self.stopper = TreeStopper(
             self.child, self._pump, self.output.finish, self._stop_signalled, self.clock, self.log
@@ -271,6 +304,7 @@ class Supervisor:
             )
 
     def _ready(self, now: float) -> None:
+        self._end_readahead("vLLM is ready")
         self.tracker.serving = True  # from now on only fatal lines matter
         self.output.on_line = self.output.on_output = None
         took = format_duration(now - self._started_at)
@@ -413,11 +447,17 @@ class Supervisor:
             self.prober.burst(READY_PROBE_S, READY_BURST_S)
         if event.phase_changed and self.state.state is State.STARTING:
             self._last_status = 0.0  # a new phase shows at once
+        if self.readahead is not None:
+            if event.progress_changed and self.tracker.progress is not None:
+                self.readahead.progress(self.tracker.progress.done)
+            if self.tracker.weights_loaded:
+                self._end_readahead("vLLM's weights are loaded")
 
     def _status(self, now: float) -> None:
         self._last_status = now
         elapsed = now - self._started_at
-        self.state.status(f"starting: {self.tracker.status_text(elapsed, self.view.eta_text(elapsed))}")
+        rate = self.view.read_rate_text()
+        self.state.status(f"starting: {self.tracker.status_text(elapsed, self.view.eta_text(elapsed), rate)}")
 
     def _extend_timeout(self, now: float) -> None:
         if now - self._last_extend < EXTEND_EVERY_S:

@@ -6,7 +6,9 @@ One JSON document, rewritten atomically at each run's start, ready and end:
 
 Each run: start, ready (wall-clock epoch seconds), load_s (spawn to ready),
 post_weights_s (last shard loaded to ready: what the ETA adds after the
-weights), end, exit_code, root_cause.  The counters are cumulative over every
+weights), end, exit_code, root_cause, and the start broken down (LOAD_FIELDS,
+opsview/loadwatch.py): vLLM's phases, the checkpoint's size, the fraction the
+page cache held before the spawn, and the bytes the child's tree read.  The counters are cumulative over every
 run this directory has seen, so a Prometheus counter built from them does not
 reset when systemd restarts the service.
 
@@ -20,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import time
 from pathlib import Path
+from typing import Any
 
 from kimi_supervisor.files.atomic import ensure_directory, write_atomic
 from kimi_supervisor.files.untrusted import integer, number, parse_json, printable, read_capped, string
@@ -35,6 +39,8 @@ COUNTERS = ("starts_total", "preflight_kills_total", "shm_removed_total")
 MAX_BYTES = 1 << 20  # 20 runs of a few hundred bytes each
 MAX_DEPTH = 8  # the document nests 3 deep
 UNRECORDED = "the supervisor ended without recording an exit (killed, or the host went down)"
+LOAD_SECONDS = ("weights_s", "post_processing_s", "compile_s", "graphs_s", "init_engine_s")
+LOAD_FIELDS = (*LOAD_SECONDS, "fs_type", "compile_cache", "checkpoint_bytes", "cached_fraction", "read_bytes")
 
 
 @dataclasses.dataclass
@@ -47,6 +53,16 @@ class RunRecord:
     end: float | None = None
     exit_code: int | None = None
     root_cause: str | None = None
+    fs_type: str | None = None  # vLLM's word: EXT4, NFS4, unknown
+    weights_s: float | None = None
+    post_processing_s: float | None = None
+    compile_s: float | None = None
+    compile_cache: str | None = None  # "hit" | "miss"
+    graphs_s: float | None = None
+    init_engine_s: float | None = None
+    checkpoint_bytes: int | None = None
+    cached_fraction: float | None = None
+    read_bytes: int | None = None
 
     @property
     def unfinished(self) -> bool:
@@ -69,10 +85,24 @@ class RunRecord:
         cause = raw.get("root_cause")
         string(cause, "run field 'root_cause'")
         assert cause is None or isinstance(cause, str)
+        for name in (*LOAD_SECONDS, "cached_fraction"):
+            number(raw.get(name), f"run field {name!r}")
+        for name in ("checkpoint_bytes", "read_bytes"):
+            integer(raw.get(name), f"run field {name!r}", lo=0)
+        if raw.get("compile_cache") not in (None, "hit", "miss"):
+            raise ValueError(f"run field 'compile_cache' is not hit or miss: {raw.get('compile_cache')!r:.40}")
+        fs = raw.get("fs_type")
+        string(fs, "run field 'fs_type'")
+        if isinstance(fs, str) and not re.fullmatch(r"[A-Za-z0-9_.-]{1,32}", fs):
+            raise ValueError(f"run field 'fs_type' is not a file system type: {fs!r:.40}")
         record = cls(start=float(raw["start"]), pid=int(raw["pid"]))
-        for name in ("ready", "load_s", "post_weights_s", "end"):
+        for name in ("ready", "load_s", "post_weights_s", "end", *LOAD_SECONDS, "cached_fraction"):
             if raw.get(name) is not None:
                 setattr(record, name, float(raw[name]))
+        for name in ("checkpoint_bytes", "read_bytes"):
+            if raw.get(name) is not None:
+                setattr(record, name, int(raw[name]))
+        record.fs_type, record.compile_cache = fs, raw.get("compile_cache")
         record.exit_code = None if raw.get("exit_code") is None else int(raw["exit_code"])
         record.root_cause = cause
         return record
@@ -174,6 +204,14 @@ class History:
             return
         self.current.ready, self.current.load_s = now, round(load_s, 3)
         self.current.post_weights_s = None if post_weights_s is None else round(post_weights_s, 3)
+        self.save()
+
+    def load(self, fields: dict[str, Any]) -> None:
+        """The start broken down (loadwatch.LoadWatch.record), saved with the run."""
+        if self.current is None:
+            return
+        for name in LOAD_FIELDS:
+            setattr(self.current, name, fields.get(name))
         self.save()
 
     def end(self, now: float, exit_code: int, root_cause: str | None) -> None:

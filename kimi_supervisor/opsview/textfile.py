@@ -51,6 +51,10 @@ class MetricsSnapshot:
     last_failure: tuple[int, str] | None = None  # (exit code, root cause)
     started_timestamp_s: float | None = None  # this run's start (the alerts time a load from it)
     last_failure_timestamp_s: float | None = None
+    # The latest successful load broken down (opsview/loadreport.py): {phase: seconds}, compile cache hit.
+    load_phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    compile_cache_hit: bool | None = None
+    load_cached_fraction: float | None = None
 
 
 class _SnapshotCollector(Collector):
@@ -96,6 +100,29 @@ class _SnapshotCollector(Collector):
             yield self._one("health_latency_seconds", "Duration of the latest GET /health", s.health_latency_s)
         if s.canary_latency_s is not None:
             yield self._one("canary_latency_seconds", "Duration of the latest canary completion", s.canary_latency_s)
+        if s.load_phases:
+            phases = self._family(
+                GaugeMetricFamily,
+                "load_phase_seconds",
+                "Seconds each phase of the latest successful load took, from vLLM's own lines (phases overlap: "
+                "init_engine holds compile and graphs)",
+                "phase",
+            )
+            for phase, seconds in s.load_phases.items():
+                phases.add_metric([dep, phase], seconds)
+            yield phases
+        if s.compile_cache_hit is not None:
+            yield self._one(
+                "compile_cache_hit",
+                "1 when the latest successful load found its torch.compile cache, 0 when it compiled",
+                1.0 if s.compile_cache_hit else 0.0,
+            )
+        if s.load_cached_fraction is not None:
+            yield self._one(
+                "load_cached_ratio",
+                "Share of the model's shards the page cache held just before the latest successful load",
+                s.load_cached_fraction,
+            )
         gpu = self._family(
             GaugeMetricFamily,
             "gpu_memory_used_at_start_bytes",

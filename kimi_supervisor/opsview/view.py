@@ -32,6 +32,8 @@ from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.opsview.eta import LoadEta
 from kimi_supervisor.opsview.history import FILE_NAME as HISTORY_FILE
 from kimi_supervisor.opsview.history import History
+from kimi_supervisor.opsview.loadreport import phases_of
+from kimi_supervisor.opsview.loadwatch import LoadWatch
 from kimi_supervisor.opsview.statefile import SCHEMA, StateFile, process_start_time
 from kimi_supervisor.opsview.textfile import MetricsSnapshot, MetricsWriter
 from kimi_supervisor.opsview.tree import describe_tree, with_gpu_memory
@@ -103,6 +105,8 @@ class OperatorView:
         textfile = cfg.metrics.textfile
         self.metrics = MetricsWriter(textfile, log, cfg.deployment.name) if textfile else None
         self.eta = LoadEta(None)
+        self.load = LoadWatch(cfg.child.vllm.model, self._table)  # the start broken down (loadwatch.py)
+        self._load_recorded = False
         self._child_pid: int | None = None
         self._spawned_mono: float | None = None
         self._gpu_at_start: dict[int, int] = {}
@@ -170,6 +174,7 @@ class OperatorView:
             load_s = float(fields.get("startup_s", now - (self.doc["spawned_at"] or now)))
             tail = None if self.eta.weights_done_at is None else self._mono() - self.eta.weights_done_at
             self.history.ready(now, load_s, tail)
+            self._record_load()
             self._refresh()
         elif state in (State.STOPPED, State.FAILED):
             code = int(fields.get("exit_code", 0))
@@ -177,6 +182,8 @@ class OperatorView:
             self.doc.update(ended_at=now, exit_code=code, loading=None, processes=[])
             if state is State.FAILED:
                 self.doc["last_failure"] = {"at": now, "exit_code": code, "root_cause": cause}
+            if self._spawned_mono is not None:
+                self._record_load()  # a start that never got ready: the phases it did reach
             self.history.end(now, code, cause)
         self._write(force_metrics=True)
 
@@ -184,6 +191,16 @@ class OperatorView:
     def on_preflight(self, kills: int, shm_removed: int) -> None:
         self.history.count("preflight_kills_total", kills)
         self.history.count("shm_removed_total", shm_removed)
+
+    @_never_fatal
+    def before_spawn(self) -> None:
+        """The page cache's share of the shards, measured just before vLLM starts reading (loadwatch.py)."""
+        self.load.before_spawn()
+
+    @_never_fatal
+    def read_rate_text(self) -> str | None:
+        """`1.02 GB/s`: what the child's tree read from storage over the last seconds, for STATUS=."""
+        return self.load.rate_text()
 
     @_never_fatal
     def on_health(self, result: HealthResult) -> None:
@@ -243,9 +260,16 @@ class OperatorView:
         }
         self._dirty = True
 
+    def _record_load(self) -> None:
+        if not self._load_recorded:
+            self._load_recorded = True
+            self.history.load(self.load.record(self._tracker.load.breakdown))
+
     def _refresh(self) -> None:
         self._last_refresh = self._mono()
         members = describe_tree(self._table, self._child_pid) if self._child_pid else []
+        if self._child_pid and self.doc["phase"] == State.STARTING.value:
+            self.load.sample(self._last_refresh, self._child_pid)
         gpus, error = self._gpus()
         gpu_rows: list[dict[str, Any]] = []
         if gpus:
@@ -299,4 +323,7 @@ class OperatorView:
             last_failure=((int(failure["exit_code"] or 0), str(failure["root_cause"] or "")) if failure else None),
             started_timestamp_s=self.doc["started_at"],
             last_failure_timestamp_s=failure["at"] if failure else None,
+            load_phases=phases_of(last) if last else {},
+            compile_cache_hit=None if last is None or last.compile_cache is None else last.compile_cache == "hit",
+            load_cached_fraction=last.cached_fraction if last else None,
         )

@@ -19,6 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.child.cachedirs import check_cache
+from kimi_supervisor.child.process import child_environment
+from kimi_supervisor.child.spawnplan import Unresolvable, resolve_identity
 from kimi_supervisor.clock import Clock
 from kimi_supervisor.config import timeouts
 from kimi_supervisor.config.model import Config
@@ -91,6 +94,8 @@ class Preflight:
         add(timeouts.check_grace(self._cfg))
         if self._pf.check_model:
             add(checks.check_model(self._cfg.child.vllm.model))
+        if dry_run:  # a report for the operator; a real start sets the caches up at the spawn (cachedirs.py)
+            add(self._cache())
         if gpus:  # before anything is killed: a sick GPU fails the start either way
             report.checks += gpu_health.health_checks(self._probe, gpus, self._cfg.gpu_health, self._log)
         if not dry_run:
@@ -114,6 +119,15 @@ class Preflight:
         if not dry_run:
             self._raise_if_failed(report)
         return report
+
+    def _cache(self) -> Check:
+        """Where the child's compile caches go, their size, and whether the child's user can write them."""
+        spec = self._cfg.child
+        try:
+            identity = resolve_identity(spec.user, spec.group)
+        except Unresolvable as exc:
+            return Check("cache", Status.SKIP, f"child.{exc.key}: {exc.message}")
+        return check_cache(spec.cache_directory, identity, child_environment(spec, os.environ, identity))
 
     def _raise_if_failed(self, report: PreflightReport) -> None:
         failed = report.failures()

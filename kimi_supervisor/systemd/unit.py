@@ -143,6 +143,12 @@ RuntimeDirectoryPreserve=yes
 # /var/lib/kimi-supervisor/kimi-supervisor: the run history, kept across restarts and reboots.
 StateDirectory=kimi-supervisor
 StateDirectoryMode=0755
+# /var/cache/kimi-supervisor: vLLM's torch.compile/AOT, Triton, inductor and CUDA JIT caches, kept across
+# restarts whoever the child runs as (paths.cache_directory; a child.user gets <dir>/<user>): without it a
+# child without a home recompiles on every start (minutes at TP=8). Shared by the host's deployments: vLLM's
+# cache key hashes the model and its whole config, so one deployment never loads another's artefact.
+CacheDirectory=kimi-supervisor
+CacheDirectoryMode=0755
 """
 
 INSTANCE_DIRECTORIES = """\
@@ -156,6 +162,12 @@ RuntimeDirectoryPreserve=yes
 # /var/lib/kimi-supervisor/%i: this instance's run history, kept across restarts and reboots.
 StateDirectory=kimi-supervisor kimi-supervisor/%i
 StateDirectoryMode=0755
+# /var/cache/kimi-supervisor: vLLM's torch.compile/AOT, Triton, inductor and CUDA JIT caches, kept across
+# restarts whoever the child runs as (paths.cache_directory; a child.user gets <dir>/<user>): without it a
+# child without a home recompiles on every start (minutes at TP=8). Shared by the host's deployments: vLLM's
+# cache key hashes the model and its whole config, so one deployment never loads another's artefact.
+CacheDirectory=kimi-supervisor
+CacheDirectoryMode=0755
 """
 
 
@@ -231,6 +243,8 @@ def writable_paths(cfg: Config) -> list[Path]:
     if cfg.metrics.textfile is not None:
         found.append(cfg.metrics.textfile.parent)
     defaults = {cfg.paths.runtime_directory: Path("/run/kimi-supervisor"), cfg.paths.state_directory: STATE_DIR}
+    if cfg.paths.cache_directory is not None:
+        defaults[cfg.paths.cache_directory] = Path("/var/cache/kimi-supervisor")
     found += [directory for directory, default in defaults.items() if directory != default]
     if cfg.child.user is not None:
         with contextlib.suppress(KeyError):

@@ -46,7 +46,7 @@ def test_dry_run_json(tmp_path: Path) -> None:
     result = cli("--dry-run", "--json", "--config", str(fake_config(tmp_path)))
     data = json.loads(result.stdout)
     assert result.returncode == 0 and data["proceed"] is True
-    assert [c["name"] for c in data["checks"]] == ["gpus", "shutdown_timeouts", "shm", "port"]
+    assert [c["name"] for c in data["checks"]] == ["gpus", "shutdown_timeouts", "cache", "shm", "port"]
 
 
 def test_check_config_prints_effective_config_with_secrets_redacted(tmp_path: Path) -> None:

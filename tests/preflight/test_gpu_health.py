@@ -237,4 +237,11 @@ def test_policy_off_everywhere_shows_no_health_lines(tmp_path: Path) -> None:
         dry_run=True
     )
     assert report.proceed
-    assert [c.name for c in report.checks] == ["gpus", "shutdown_timeouts", "gpu_wait", "shm", "gpu_memory_fraction"]
+    assert [c.name for c in report.checks] == [
+        "gpus",
+        "shutdown_timeouts",
+        "cache",
+        "gpu_wait",
+        "shm",
+        "gpu_memory_fraction",
+    ]
