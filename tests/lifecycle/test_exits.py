@@ -221,17 +221,20 @@ def test_watchdog_pings_come_on_time_not_at_the_next_wake_up(tmp_path: Path) -> 
     """Each WATCHDOG=1 within 10% of WatchdogSec after WatchdogSec/2 (it used to wait for the next probe).
 
     The loop's logic is proven in fake time (test_lifecycle::test_watchdog_pings_on_time_not_at_the_next_wake_up);
-    this run is the real-time lateness of real datagrams, so a few gaps suffice.
+    this run is real datagrams from the real loop.  By cause more than by this machine's speed: /health is probed
+    every 1.9 s, so a loop that pinged at its next wake-up would leave gaps of up to 1 + 1.9 s, past WatchdogSec
+    (systemd would kill the unit); on time, a gap is 1 s plus the machine's lateness, and that lateness itself is
+    bench row 8's to measure.
     """
     wd = 2.0
-    cfg = fake_config(tmp_path, health={"interval_s": 0.45, "timeout_s": 0.4, "failures_tolerated": 3})
+    cfg = fake_config(tmp_path, health={"interval_s": 1.9, "timeout_s": 0.4, "failures_tolerated": 3})
     run = Run(cfg, tmp_path, env={"WATCHDOG_USEC": str(int(wd * 1e6))})
     try:
         run.wait_event("state.ready")
         wait_for(lambda: sum(d == "WATCHDOG=1" for _, d in run.notify.datagrams) >= 3)
         pings = [at for at, d in run.notify.datagrams if d == "WATCHDOG=1"]
         gaps = [b - a for a, b in itertools.pairwise(pings)]
-        assert len(gaps) >= 2 and max(gaps) <= wd / 2 + 0.1 * wd, gaps
+        assert len(gaps) >= 2 and max(gaps) < wd, gaps
         run.signal()
         assert run.wait() == 0
     finally:

@@ -294,7 +294,9 @@ def test_wedged_engine_with_running_requests_is_caught_by_token_progress(tmp_pat
         ), err
         assert "(liveness.stuck_after_s = 1.5)" in err["error"]
         assert run.event("liveness.canary_failed") is None  # busy by its metrics: the canary stayed away
-        assert 0.5 + 1.5 <= took < 0.5 + 1.5 + 2.5
+        # Not before the engine wedged and stuck_after_s passed; how soon after is the fake-time tests' to say
+        # (a bound in seconds here would measure this machine's load, not the rule).
+        assert took >= 0.5 + 1.5
         assert fake_tree_of(str(tmp_path)) == []
     finally:
         run.kill()
