@@ -25,9 +25,9 @@ def flat_keys(data: object, prefix: str = "") -> set[str]:
 
 def test_every_config_key_is_documented() -> None:
     # A group node's config: [cluster] is absent (None) from a one-node config, so its keys would not show.
-    group = {"nnodes": 2, "node_rank": 0, "master_addr": "10.0.0.1"}
+    group = {"nnodes": 2, "node_rank": 0, "master_addr": "10.0.0.1", "peers": ["http://10.0.0.2:29599/"]}
     cfg = parse_config(
-        {"child": {"argv": ["vllm"]}, "deployment": {"role": "leader"}, "cluster": group}, Path("x.toml")
+        {"child": {"argv": ["vllm", "-tp", "2"]}, "deployment": {"role": "leader"}, "cluster": group}, Path("x.toml")
     )
     keys = {k for k in flat_keys(effective_config(cfg)) if k != "path" and not k.startswith("child.vllm")}
     documented = set(re.findall(r"^\| `([a-z_.]+)` \|", CONFIGURATION, re.MULTILINE))
