@@ -154,6 +154,10 @@ def _supervise(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
     stop = _unit_stop_check(cfg)
     if stop is not None and stop.status is Status.WARN:
         log.warning("unit.timeout_stop_short", why=stop.message, **stop.data)
+    if cfg.role.in_group:  # a node of a multi-node group: the same lifecycle, plus the group's (docs/multi-node.md)
+        from kimi_supervisor.lifecycle.group import run_group_node
+
+        return run_group_node(cfg, deps, secret_values(cfg))
     return Supervisor(cfg, deps, secret_values(cfg)).run()
 
 

@@ -451,6 +451,29 @@ def _parse_cluster(t: Table, present: bool, role: Role, child: ChildConfig) -> C
     return cfg
 
 
+# A follower's own last line before the group forms (research 1.4): the worker's KV-cache line, logged only
+# after the rendezvous.  vllm/v1/worker/cpu_worker.py; gpu_worker.py (info_once, local rank 0 of each node).
+FOLLOWER_STARTED_PATTERNS = (r"\) GiB for KV cache on node \d+\.", r"Available KV cache memory: ")
+FOLLOWER_GRACE_S = 2.0
+
+
+def _follower_defaults(
+    data: Mapping[str, Any], readiness: ReadinessConfig, shutdown: ShutdownConfig, cluster: ClusterConfig
+) -> tuple[ReadinessConfig, ShutdownConfig]:
+    """A follower has no API: it is ready on its own KV-cache line plus its leader's status, not on /health."""
+    given_r, given_s = data.get("readiness", {}), data.get("shutdown", {})
+    if "started_patterns" not in given_r:
+        readiness = dataclasses.replace(
+            readiness, started_patterns=tuple(re.compile(p) for p in FOLLOWER_STARTED_PATTERNS)
+        )
+    readiness = dataclasses.replace(readiness, health_url=cluster.leader_status_url)
+    if "grace_s" not in given_s:
+        # Its workers ignore SIGTERM while blocked on the leader's queue (vLLM's own stop takes 12 s and ends
+        # in SIGKILL, research F5), and it serves no request of its own: a lost leader's tree goes in seconds.
+        shutdown = dataclasses.replace(shutdown, grace_s=FOLLOWER_GRACE_S)
+    return readiness, shutdown
+
+
 def _apply_cluster(
     cfg: ClusterConfig, child: ChildConfig, liveness: LivenessConfig, preflight: PreflightConfig, path: Path
 ) -> tuple[ClusterConfig, ChildConfig]:
@@ -497,6 +520,8 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
             # A group's idle canary is what sees a wedged follower; 60 s (one node's default) is past the bound.
             liveness = dataclasses.replace(liveness, canary_interval_s=LEADER_CANARY_INTERVAL_S)
         cluster, child = _apply_cluster(cluster, child, liveness, preflight, path)
+        if cluster.node_rank > 0:
+            readiness, shutdown = _follower_defaults(data, readiness, shutdown, cluster)
     root.done()
     return Config(
         path, child, preflight, readiness, health, shutdown, paths, metrics, liveness, gpu_health, deployment, cluster
