@@ -18,9 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from kimi_supervisor.cli.group_view import fetch as fetch_group
+from kimi_supervisor.cli.group_view import group_lines
 from kimi_supervisor.clock import format_duration
 from kimi_supervisor.config.load import load_config
-from kimi_supervisor.config.model import PathsConfig
+from kimi_supervisor.config.model import ClusterConfig, PathsConfig
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.files.untrusted import printable
 from kimi_supervisor.opsview.history import FILE_NAME as HISTORY_FILE
@@ -320,6 +322,13 @@ def paths_for(config: Path, err: TextIO) -> PathsConfig:
         return parse_config({"child": {"argv": ["vllm"]}}, config).paths
 
 
+def _cluster_for(config: Path) -> ClusterConfig | None:
+    try:
+        return load_config(config).cluster
+    except ConfigError:
+        return None  # paths_for said so already
+
+
 def run_status(
     config: Path,
     as_json: bool,
@@ -330,16 +339,22 @@ def run_status(
 ) -> int:
     out = out or sys.stdout
     paths = paths_for(config, sys.stderr)
+    cluster = _cluster_for(config)
     tty = out.isatty()
     color = tty and not os.environ.get("NO_COLOR")
     while True:
         snap = gather(paths)
+        # A node of a multi-node group: its role, rank and peers as this node sees them (cli/group_view.py).
+        group = fetch_group(cluster) if cluster is not None and snap.running else (None, "not running")
         if as_json:
-            out.write(json.dumps(to_json(snap), indent=2) + "\n")
+            doc = to_json(snap) | ({"group": group[0], "group_error": group[1]} if cluster is not None else {})
+            out.write(json.dumps(doc, indent=2) + "\n")
         else:
             if watch and tty:
                 out.write("\x1b[H\x1b[2J")  # home and clear: redraw in place, like watch(1)
             out.write(render_text(snap, now(), color))
+            if cluster is not None:
+                out.write("\n".join(group_lines(cluster, *group)) + "\n")
         out.flush()
         phase = (snap.state or {}).get("phase")
         if not watch or not snap.running or phase == "ready":

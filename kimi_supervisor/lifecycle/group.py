@@ -32,8 +32,8 @@ from kimi_supervisor.host.gpu import GpuProbe
 from kimi_supervisor.lifecycle.deps import Liveness, LivenessFactory, Spawner
 from kimi_supervisor.lifecycle.signals import STOP_SIGNALS, StopRequested
 from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
-from kimi_supervisor.liveness.group import Observation, PeerPoller, Poller, PollerFactory, PortState
 from kimi_supervisor.liveness.health_probe import HealthResult
+from kimi_supervisor.liveness.peers import Observation, PeerPoller, Poller, PollerFactory, PortState
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.opsview.group_status import GroupStatus, StatusServer, new_run_id
 from kimi_supervisor.roles import Role
@@ -323,6 +323,36 @@ def _poller_factory(cluster: ClusterConfig) -> PollerFactory:
     return make
 
 
+@dataclasses.dataclass
+class _Seen:
+    """A poller whose looks are also published: `status` on this node shows how it saw each peer."""
+
+    inner: Poller
+    status: GroupStatus
+
+    def start(self) -> None:
+        self.inner.start()
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+    def drain(self) -> list[Observation]:
+        looks = self.inner.drain()
+        for obs in looks:
+            if obs.status is not None:
+                self.status.seen(obs.url, obs.status.state, obs.status.run_id)
+            else:
+                self.status.seen(obs.url, "unreachable", "")
+        return looks
+
+
+def _seen_by(status: GroupStatus, make: PollerFactory) -> PollerFactory:
+    def wrapped(urls: Sequence[str], master: tuple[str, int] | None, wake: Callable[[], None]) -> Poller:
+        return _Seen(make(urls, master, wake), status)
+
+    return wrapped
+
+
 ServerFactory = Callable[[GroupStatus, ClusterConfig, Logger], "StatusServer | None"]
 
 
@@ -345,7 +375,7 @@ def run_group_node(
     assert cluster is not None and cfg.role.in_group
     status = GroupStatus(cfg.role.value, cluster.node_rank, cfg.deployment.name, cluster.argv_digest)
     server = serve(status, cluster, deps.log)
-    make_poller = pollers if pollers is not None else _poller_factory(cluster)
+    make_poller = _seen_by(status, pollers if pollers is not None else _poller_factory(cluster))
     try:
         if cfg.role is Role.LEADER:
             code = _leader(cfg, deps, secrets, status, make_poller)

@@ -1,10 +1,11 @@
 """This node's status for the other supervisors of its multi-node group: one small read-only JSON document.
 
-`GET /` answers `{"role", "node_rank", "deployment", "run_id", "state", "argv_digest"}` and nothing else:
-what a peer needs to decide about *this* node (liveness/group.py reads it).  The endpoint is safe to leave
-unauthenticated on the cluster network: GET only (anything else is 405, and no request body is read), a fixed
-document under 400 bytes, no query or path does anything, and nothing a client sends reaches the lifecycle, so
-no peer can make a supervisor kill or run anything.  One thread serves one connection at a time, each with a
+`GET /` answers `{"role", "node_rank", "deployment", "run_id", "state", "argv_digest", "peers"}` and nothing
+else: what a peer needs to decide about *this* node (liveness/peers.py reads it), and how this node last saw
+its peers (for `kimi-supervisor status`).  The endpoint is safe to leave unauthenticated on the cluster
+network: GET only (anything else is 405, and no request body is read), a fixed document (under 400 bytes,
+plus ~80 per peer), no query or path does anything, and nothing a client sends reaches the lifecycle, so no
+peer can make a supervisor kill or run anything.  One thread serves one connection at a time, each with a
 short socket timeout: a slow or hostile client delays the next one by at most that, and holds nothing else.
 """
 
@@ -42,6 +43,8 @@ class GroupStatus:
             "run_id": "",
             "state": "preflight",
             "argv_digest": argv_digest,
+            # How this node last saw each peer (`kimi-supervisor status` shows it): {url: {state, run_id}}.
+            "peers": {},
         }
 
     def set(self, state: str, run_id: str | None = None) -> None:
@@ -49,6 +52,10 @@ class GroupStatus:
             self._doc["state"] = state
             if run_id is not None:
                 self._doc["run_id"] = run_id
+
+    def seen(self, url: str, state: str, run_id: str) -> None:
+        with self._lock:
+            self._doc["peers"][url] = {"state": state, "run_id": run_id}
 
     @property
     def state(self) -> str:

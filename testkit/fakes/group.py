@@ -18,7 +18,7 @@ from kimi_supervisor.exitcodes import SupervisorError
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.lifecycle.group import run_group_node
 from kimi_supervisor.lifecycle.supervisor import Deps
-from kimi_supervisor.liveness.group import Observation, PeerStatus, PortState
+from kimi_supervisor.liveness.peers import Observation, PeerStatus, PortState
 from kimi_supervisor.opsview.group_status import GroupStatus
 from testkit.fakes.gpu import FakeGpuProbe
 from testkit.fakes.lifecycle import (
@@ -216,9 +216,10 @@ def group_config(tmp_path: Path, rank: int, **sections: dict[str, Any]) -> Confi
     if rank == 0:
         cluster["peers"] = [FOLLOWER_URL]
     cluster.update(sections.pop("cluster", {}))
+    child = {"argv": ["vllm", "serve", "/models/m", "--port", "8000", "-tp", "2"], **sections.pop("child", {})}
     return lifecycle_config(
         tmp_path,
-        child={"argv": ["vllm", "serve", "/models/m", "--port", "8000", "-tp", "2"]},
+        child=child,
         deployment={"role": "leader" if rank == 0 else "follower"},
         cluster=cluster,
         **sections,

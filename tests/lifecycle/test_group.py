@@ -12,7 +12,7 @@ from pathlib import Path
 from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ExitCode
-from kimi_supervisor.liveness.group import PortState
+from kimi_supervisor.liveness.peers import PortState
 from testkit.fakes.group import (
     FOLLOWER_KV,
     FOLLOWER_LOADING,

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from kimi_supervisor.liveness.http import HttpClient, one_line, parse_json, request
 
-MAX_STATUS_BODY = 4096  # our own document is < 400 bytes
+MAX_STATUS_BODY = 256 * 1024  # our own document: < 400 bytes plus ~80 per peer (a leader of 1023 followers)
 # States a supervisor publishes (opsview/group_status.py): the lifecycle's, plus "waiting" (a follower
 # waiting for its leader, nothing of ours running).
 PEER_STATES = ("preflight", "waiting", "starting", "ready", "stopping", "stopped", "failed")
