@@ -135,6 +135,9 @@ class TimingTable:
     def all(self) -> Any:
         return self.inner.all()
 
+    def descendants(self, pid: int) -> Any:
+        return self.inner.descendants(pid)
+
     def open_paths(self, prefixes: tuple[str, ...]) -> Any:
         return self.inner.open_paths(prefixes)
 

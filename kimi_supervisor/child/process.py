@@ -190,6 +190,8 @@ class Child(Protocol):
 
     def signal_tree(self, sig: signal.Signals) -> int: ...
 
+    def signal_main(self, sig: signal.Signals) -> None: ...  # the spawned process alone (a draining vLLM)
+
     def reap(self) -> None: ...
 
 
@@ -324,6 +326,10 @@ class ChildProcess:
             if created is not None and send_signal(ProcIdent(p.pid, created), sig):
                 count += 1
         return count
+
+    def signal_main(self, sig: signal.Signals) -> None:
+        """Signal the spawned process alone: our own unreaped child, so its PID cannot have been recycled."""
+        os.kill(self.pid, sig)
 
     def reap(self) -> None:
         """Collect zombie children: the main child via Popen, orphans via waitpid."""

@@ -46,6 +46,8 @@ class ProcessTable(Protocol):
 
     def all(self) -> list[ProcInfo]: ...
 
+    def descendants(self, pid: int) -> list[ProcInfo]: ...  # every live process under `pid`, not `pid` itself
+
     def open_paths(self, prefixes: tuple[str, ...]) -> OpenPaths: ...
 
     def alive(self, proc: ProcInfo) -> bool: ...
@@ -91,6 +93,13 @@ class PsutilProcessTable:
 
     def all(self) -> list[ProcInfo]:
         return [i for i in (_info(p) for p in psutil.process_iter()) if i is not None]
+
+    def descendants(self, pid: int) -> list[ProcInfo]:
+        try:
+            children = psutil.Process(pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        return [i for i in (_info(p) for p in children) if i is not None]
 
     def open_paths(self, prefixes: tuple[str, ...]) -> OpenPaths:
         """Paths starting with a prefix that a live process has open (fd) or mapped (maps); see procfiles."""

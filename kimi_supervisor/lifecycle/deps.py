@@ -1,9 +1,10 @@
 """What the lifecycle talks to, as small Protocols: `Supervisor` gets each through `Deps`.
 
 `Deps`' defaults are the real ones (a spawned `ChildProcess`, a threaded `HealthProber`, `DeepLiveness`,
-`drain.Drain`, a `DefaultSelector`); cli passes the `SignalRecorder` and the `InterruptibleClock` over it.
-testkit/fakes/lifecycle.py passes fakes and drives the whole lifecycle on a fake clock in milliseconds,
-without patching anything.
+`drain.Drain`, a `DefaultSelector`, `liveness.http.request`, `time.time`); cli passes the `SignalRecorder`
+and the `InterruptibleClock` over it.  The operator's view and the drain get the same clock, process table
+and HTTP client as the rest.  testkit/fakes/lifecycle.py passes fakes and drives the whole lifecycle, the
+drain included, on a fake clock in milliseconds, without patching anything.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Protocol
 from kimi_supervisor.child.process import Child, PreparedSpawn
 from kimi_supervisor.config.model import Config, SpawnSpec
 from kimi_supervisor.host.gpu import GpuProbe
+from kimi_supervisor.lifecycle.drain import Drain
 from kimi_supervisor.liveness.health_probe import HealthResult
+from kimi_supervisor.liveness.http import HttpClient
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.systemd.notify import Notifier
 
@@ -80,11 +83,42 @@ class Liveness(Protocol):
     def close(self) -> None: ...
 
 
-# Builds the Liveness once READY (liveness.DeepLiveness): the config, the GPU probe, the GPUs to watch, the
-# loop's wake-up, the notifier, the log, and where each canary's (ok, latency_s) goes (the operator's view).
-LivenessFactory = Callable[
-    [Config, GpuProbe, tuple[int, ...], Callable[[], None], Notifier, Logger, Callable[[bool, float], None]], Liveness
-]
+class LivenessFactory(Protocol):
+    """Builds the Liveness once READY (liveness.DeepLiveness): the config, the GPU probe, the GPUs to watch, the
+    loop's wake-up, the notifier, the log, where each canary's (ok, latency_s) goes (the operator's view), the
+    environment the child got (VLLM_API_KEY) and the HTTP client."""
+
+    def __call__(
+        self,
+        cfg: Config,
+        probe: GpuProbe,
+        gpus: tuple[int, ...],
+        wake: Callable[[], None],
+        notifier: Notifier,
+        log: Logger,
+        on_canary: Callable[[bool, float], None],
+        /,
+        *,
+        environ: Mapping[str, str],
+        http: HttpClient,
+    ) -> Liveness: ...
+
+
+class DrainFactory(Protocol):
+    """The graceful stop of a serving vLLM (drain.Drain): its health URL, vLLM's --shutdown-timeout, the notifier,
+    the log, the HTTP client for its /metrics and the loop's monotonic clock; None: stop the tree at once."""
+
+    def __call__(
+        self,
+        health_url: str,
+        timeout_s: int,
+        notifier: Notifier,
+        log: Logger,
+        /,
+        *,
+        http: HttpClient,
+        clock: Callable[[], float],
+    ) -> Drain | None: ...
 
 
 SelectorFactory = Callable[[], selectors.BaseSelector]

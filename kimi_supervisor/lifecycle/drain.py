@@ -19,15 +19,19 @@ SIGTERM goes out within SAMPLE_AT_SIGTERM_S of the stop request: the one
 /metrics (running + waiting) is read from a thread, so the stop loop keeps
 forwarding vLLM's output and acting on a second stop signal, never waiting on
 HTTP.
+
+Its I/O comes in: the HTTP client, the clock, the sampler's schedule (a thread;
+testkit's lifecycle world runs it on the fake clock) and the child it signals,
+so the whole drain runs in fake time against a scripted /metrics.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from kimi_supervisor.child.process import Child
 from kimi_supervisor.liveness.http import HttpClient, request
@@ -57,24 +61,35 @@ def _requests(n: float) -> str:
     return f"{count} request{'s' if count != 1 else ''}"
 
 
-class _Sampler(threading.Thread):
-    """Reads in-flight counts until stopped; the latest reading replaces the previous one."""
+# One reading of /metrics while draining: (monotonic time, in flight or None, error or "").
+Reading = tuple[float, float | None, str]
 
-    def __init__(self, url: str, http: HttpClient, clock: Callable[[], float]) -> None:
+
+class Sampler(Protocol):
+    """Takes a reading every POLL_S from `start` until `stop`; `latest` is the last one, replaced whole."""
+
+    latest: Reading | None
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+SamplerFactory = Callable[[Callable[[], Reading]], Sampler]
+
+
+class MetricsSampler(threading.Thread):
+    """The real Sampler: a daemon thread, so the stop loop never waits on HTTP."""
+
+    def __init__(self, read: Callable[[], Reading]) -> None:
         super().__init__(name="kimi-drain-metrics", daemon=True)
-        self._url = url
-        self._http = http
-        self._clock = clock
+        self._read = read
         self._stop_event = threading.Event()
-        # (monotonic time, in flight or None, error or ""): one tuple, replaced whole (atomic under the GIL).
-        self.latest: tuple[float, float | None, str] | None = None
+        self.latest: Reading | None = None  # one tuple, replaced whole (atomic under the GIL)
 
     def run(self) -> None:
         while not self._stop_event.is_set():
-            try:
-                self.latest = (self._clock(), fetch_metrics(self._url, FETCH_TIMEOUT_S, self._http).in_flight, "")
-            except MetricsError as exc:
-                self.latest = (self._clock(), None, str(exc))
+            self.latest = self._read()
             self._stop_event.wait(POLL_S)
 
     def stop(self) -> None:
@@ -93,7 +108,7 @@ class Drain:
         *,
         http: HttpClient = request,
         clock: Callable[[], float] = time.monotonic,
-        kill: Callable[[int, signal.Signals], None] = os.kill,
+        sampler: SamplerFactory = MetricsSampler,
     ) -> None:
         self.url = metrics_url(health_url)
         self.timeout_s = timeout_s
@@ -101,14 +116,13 @@ class Drain:
         self._log = log
         self._http = http
         self._clock = clock
-        self._kill = kill
         self.in_flight_at_sigterm: float | None = None
         self.in_flight_source: str | None = None  # "read at SIGTERM", "first drain sample" or "liveness sample"
         # The liveness thread's latest (monotonic time, in flight) from before the stop: the count when neither
         # the read at SIGTERM nor a drain sample has one (no drain: no sampler runs).
         self.liveness_sample: tuple[float, float] | None = None
         self.sigterm_after_s: float | None = None  # from the stop's start to the signal
-        self._sampler = _Sampler(self.url, http, clock)
+        self._sampler = sampler(self._read)
         self._t0 = 0.0
         self._drained_at: float | None = None
         self._main_exited_at: float | None = None  # vLLM's main exited by itself (before any SIGKILL)
@@ -130,13 +144,20 @@ class Drain:
         if self.in_flight_at_sigterm is None and not self.timeout_s:
             self._from_liveness(start)
         child.refresh_members()  # remembered, so workers that outlive the main are still found
-        self._kill(child.pid, signal.SIGTERM)  # our own unreaped child: the PID cannot have been recycled
+        child.signal_main(signal.SIGTERM)
         self._t0 = self._clock()
         self.sigterm_after_s = round(self._t0 - start, 3)
         if self.timeout_s:
-            self._sampler.start()
+            # The first STATUS= says what was known at SIGTERM, before the sampler's first reading can race it.
             self._say(self._t0, force=True)
+            self._sampler.start()
         return 1
+
+    def _read(self) -> Reading:
+        try:
+            return (self._clock(), fetch_metrics(self.url, FETCH_TIMEOUT_S, self._http).in_flight, "")
+        except MetricsError as exc:
+            return (self._clock(), None, str(exc))
 
     def _from_liveness(self, now: float) -> None:
         if self.liveness_sample is not None:

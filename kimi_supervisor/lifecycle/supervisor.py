@@ -16,6 +16,7 @@ import dataclasses
 import os
 import selectors
 import signal
+import time
 from collections.abc import Callable, Mapping
 
 from kimi_supervisor.checks import Status
@@ -38,6 +39,7 @@ from kimi_supervisor.exitcodes import (
 from kimi_supervisor.host.gpu import GpuProbe, configured_gpus
 from kimi_supervisor.host.proctable import ProcessTable
 from kimi_supervisor.lifecycle.deps import (
+    DrainFactory,
     Liveness,
     LivenessFactory,
     Prober,
@@ -59,6 +61,7 @@ from kimi_supervisor.lifecycle.stopping import TreeStopper, confirm_gpus_free
 from kimi_supervisor.lifecycle.threadwatch import ThreadWatch
 from kimi_supervisor.liveness.engine import DeepLiveness
 from kimi_supervisor.liveness.health_probe import HealthProber, HealthResult
+from kimi_supervisor.liveness.http import HttpClient, request
 from kimi_supervisor.logs.journal import ChildSink
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.opsview.view import OperatorView
@@ -77,7 +80,7 @@ READY_BURST_S = 10.0
 
 @dataclasses.dataclass
 class Deps:
-    """Everything the lifecycle talks to; the defaults are the real ones (boundaries.py has the Protocols)."""
+    """Everything the lifecycle talks to; the defaults are the real ones (deps.py has the Protocols)."""
 
     probe: GpuProbe
     table: ProcessTable
@@ -93,7 +96,11 @@ class Deps:
     liveness: LivenessFactory = DeepLiveness
     selector: SelectorFactory = selectors.DefaultSelector
     # The graceful stop of a serving vLLM (its /metrics, a SIGTERM to its main alone); None: the tree at once.
-    drain: Callable[[str, int, Notifier, Logger], Drain | None] = Drain
+    drain: DrainFactory = Drain
+    # vLLM's /metrics for the drain, the canary and the liveness thread's /metrics: one HTTP client.
+    http: HttpClient = request
+    # Wall-clock time for the operator's view (the state file's timestamps); the loop's time is `clock`.
+    wall: Callable[[], float] = time.time
     # Notices when one of our check threads dies (threading.excepthook for the run): exit 70, not a silent gap.
     threads: ThreadWatch = dataclasses.field(default_factory=ThreadWatch)
 
@@ -106,7 +113,16 @@ class Supervisor:
         self.clock: Clock = deps.clock if deps.clock is not None else InterruptibleClock(deps.signals)
         self.tracker = ReadinessTracker(cfg.readiness)
         # State file, history, ETA, metrics: fed by the state machine, what we tell systemd, and the loop.
-        self.view = OperatorView(cfg, deps.probe, deps.log, self.tracker, deps.watchdog_s)
+        self.view = OperatorView(
+            cfg,
+            deps.probe,
+            deps.log,
+            self.tracker,
+            deps.watchdog_s,
+            table=deps.table,
+            wall=deps.wall,
+            mono=self.clock.monotonic,
+        )
         self.deps = deps = dataclasses.replace(deps, notifier=self.view.tap(deps.notifier))
         self.state = StateMachine(deps.notifier, deps.log, observer=self.view)
         self.child: Child | None = None
@@ -274,7 +290,15 @@ class Supervisor:
         self.child.refresh_members()
         gpus = configured_gpus(self.deps.probe, self.cfg.preflight.gpus)
         self.deep = self.deps.liveness(
-            self.cfg, self.deps.probe, gpus, self.signals.wake, self.deps.notifier, self.log, self.view.on_canary
+            self.cfg,
+            self.deps.probe,
+            gpus,
+            self.signals.wake,
+            self.deps.notifier,
+            self.log,
+            self.view.on_canary,
+            environ=self.deps.environ,
+            http=self.deps.http,
         )
         self.deep.start()
         wd = self.deps.watchdog_s
@@ -321,7 +345,12 @@ class Supervisor:
         drain = None
         if requested and self.state.state is State.READY:  # a serving vLLM may have requests in flight
             drain = self.deps.drain(
-                self.cfg.readiness.health_url, self.cfg.child.vllm.shutdown_timeout, self.deps.notifier, self.log
+                self.cfg.readiness.health_url,
+                self.cfg.child.vllm.shutdown_timeout,
+                self.deps.notifier,
+                self.log,
+                http=self.deps.http,
+                clock=self.clock.monotonic,
             )
             if drain is not None and self.deep is not None:
                 drain.liveness_sample = self.deep.in_flight_sample()  # no read: it cannot delay the SIGTERM

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from kimi_supervisor.exitcodes import ThreadDied
 from kimi_supervisor.liveness.http import one_line
 
-# health.HealthProber, liveness.DeepLiveness (canary, metrics), gpu_events.GpuEventWatcher, drain._Sampler.
+# health.HealthProber, liveness.DeepLiveness (canary, metrics), gpu_events.GpuEventWatcher, drain.MetricsSampler.
 OUR_THREADS = frozenset({"health-prober", "canary", "metrics", "gpu-events", "kimi-drain-metrics"})
 
 

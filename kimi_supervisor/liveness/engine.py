@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import queue
 import threading
 import time
@@ -114,13 +113,16 @@ class DeepLiveness:
         log: Logger,
         on_canary: Callable[[bool, float], None] | None = None,
         http: HttpClient = request,
+        *,
+        environ: Mapping[str, str],
     ) -> None:
         self.cfg = cfg.liveness
         self._http = http
         self._on_canary = on_canary  # the operator's view: the state file and metrics show each result
         self.model = cfg.child.vllm.served_model_name
         self.completions_url = cfg.child.vllm.api_url("/v1/completions")
-        env = {**(os.environ if cfg.child.inherit_environment else {}), **cfg.child.env}
+        # The environment the child was spawned with (Deps.environ): its VLLM_API_KEY is the one vLLM checks.
+        env = {**(environ if cfg.child.inherit_environment else {}), **cfg.child.env}
         self._key = api_key(cfg.child.argv, env)  # never logged
         self._wake = wake
         self._notifier = notifier

@@ -14,9 +14,8 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-import psutil
-
 from kimi_supervisor.host.gpu import GpuProbe
+from kimi_supervisor.host.proctable import ProcessTable
 
 _WORKER = re.compile(r"VLLM::(Worker(?:_[A-Z]+\d+)*)")
 _RANK = re.compile(r"_TP(\d+)")
@@ -65,25 +64,15 @@ def classify(pid: int, root_pid: int, name: str, cmdline: str) -> tuple[str, str
     return "other", name or "?", None
 
 
-def describe_tree(root_pid: int) -> list[TreeMember]:
+def describe_tree(table: ProcessTable, root_pid: int) -> list[TreeMember]:
     """The live members under (and including) `root_pid`, API server first, workers by rank."""
-    try:
-        root = psutil.Process(root_pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
+    root = table.get(root_pid)
+    if root is None:
         return []
     members = []
-    for p in procs:
-        try:
-            with p.oneshot():
-                if p.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                ppid, name = p.ppid(), p.name()
-                cmdline = " ".join(p.cmdline())
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        role, label, rank = classify(p.pid, root_pid, name, cmdline)
-        members.append(TreeMember(p.pid, ppid, role, label, rank))
+    for p in (root, *table.descendants(root_pid)):
+        role, label, rank = classify(p.pid, root_pid, p.name, " ".join(p.cmdline))
+        members.append(TreeMember(p.pid, p.ppid, role, label, rank))
     return sorted(members, key=lambda m: (ROLE_ORDER[m.role], m.rank if m.rank is not None else -1, m.pid))
 
 

@@ -6,7 +6,9 @@ supervisor tells systemd passes through `tap` (STATUS= text, WATCHDOG=1
 pings), the loop hands over health results (`on_health`) and calls `tick`,
 which refreshes the process tree and GPU memory (every 2 s while starting,
 every health interval once ready) and rewrites the state file at most once a
-second.  Nothing here may stop a run: files that cannot be written are warned
+second.  Its clocks (wall for the file's timestamps, monotonic for refreshes, ETA and elapsed) and the
+process table come in (`Supervisor` passes its own), so it follows fake time in the lifecycle tests.
+Nothing here may stop a run: files that cannot be written are warned
 about once, and an unexpected error in this module is logged, not raised.
 """
 
@@ -23,6 +25,7 @@ from kimi_supervisor import __version__
 from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable
+from kimi_supervisor.host.proctable import ProcessTable, PsutilProcessTable
 from kimi_supervisor.liveness.health_probe import HealthResult
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.opsview.eta import LoadEta
@@ -80,11 +83,13 @@ class OperatorView:
         tracker: ReadinessTracker,
         watchdog_s: float | None,
         *,
+        table: ProcessTable | None = None,
         wall: Callable[[], float] = time.time,
         mono: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cfg = cfg
         self._probe = probe
+        self._table: ProcessTable = table if table is not None else PsutilProcessTable()
         self._log = log
         self._tracker = tracker
         self._wall = wall
@@ -237,7 +242,7 @@ class OperatorView:
 
     def _refresh(self) -> None:
         self._last_refresh = self._mono()
-        members = describe_tree(self._child_pid) if self._child_pid else []
+        members = describe_tree(self._table, self._child_pid) if self._child_pid else []
         gpus, error = self._gpus()
         gpu_rows: list[dict[str, Any]] = []
         if gpus:

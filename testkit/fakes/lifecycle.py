@@ -19,11 +19,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kimi_supervisor.child.process import read_pipe
+from kimi_supervisor.host.procfiles import OpenPaths
+from kimi_supervisor.host.proctable import ProcInfo
+from kimi_supervisor.lifecycle.drain import POLL_S, Reading
 from kimi_supervisor.lifecycle.signals import SignalRecorder
 from kimi_supervisor.liveness.health_probe import HealthResult
+from kimi_supervisor.liveness.http import MAX_BODY, Answer
 from testkit.fakes.clock import RecordingLog
 
 T0 = 1000.0
+WALL_T0 = 1_700_000_000.0  # the wall clock at the fake start: the state file's timestamps follow the fake clock
 HORIZON_S = 100_000.0  # a loop that never ends fails the test instead of spinning forever
 
 
@@ -48,6 +53,10 @@ class EventClock:
 
     def monotonic(self) -> float:
         return self.now
+
+    def time(self) -> float:
+        """Wall-clock time (`Deps.wall`), advancing with the fake clock."""
+        return WALL_T0 + self.t
 
     def sleep(self, seconds: float) -> None:
         end = self.now + max(0.0, seconds)
@@ -139,6 +148,7 @@ class FakeChild:
         self.returncode: int | None = None
         self.term_exit_after = term_exit_after  # None: ignores SIGTERM
         self.signals: list[tuple[float, signal.Signals]] = []
+        self.main_signals: list[tuple[float, signal.Signals]] = []  # to the main alone (the drain's SIGTERM)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         for fd in (out_r, err_r):
@@ -170,14 +180,18 @@ class FakeChild:
         return [self] if self.returncode is None else []
 
     def signal_tree(self, sig: signal.Signals) -> int:
-        self.signals.append((self._clock.t, sig))
         if self.returncode is not None:
-            return 0
+            return 0  # no member left to get it (the drain's SIGTERM for stragglers, once the main exited)
+        self.signals.append((self._clock.t, sig))
         if sig == signal.SIGKILL:
             self.exit(-signal.SIGKILL)
         elif sig == signal.SIGTERM and self.term_exit_after is not None:
             self._clock.after(self.term_exit_after, lambda: self.exit(-signal.SIGTERM))
         return 1
+
+    def signal_main(self, sig: signal.Signals) -> None:
+        self.main_signals.append((self._clock.t, sig))
+        self.signal_tree(sig)  # the fake main is all of the fake tree
 
     def reap(self) -> None:
         return None
@@ -242,6 +256,95 @@ class FakeProber:
         self._wake()
         bursting = self._clock.now < self._burst_until
         self._schedule(self._burst_interval if bursting else self._interval)
+
+
+class FakeDrainSampler:
+    """The drain's sampler on the fake clock: the real reading (`Drain._read`) every POLL_S, from `start`."""
+
+    def __init__(self, clock: EventClock, read: Callable[[], Reading]) -> None:
+        self._clock = clock
+        self._read = read
+        self._stopped = False
+        self.latest: Reading | None = None
+        self.readings: list[float] = []  # when (seconds since the start) each reading was taken
+
+    def start(self) -> None:
+        self._clock.after(0.0, self._sample)
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    def _sample(self) -> None:
+        if self._stopped:
+            return
+        self.latest = self._read()
+        self.readings.append(self._clock.t)
+        self._clock.after(POLL_S, self._sample)
+
+
+class FakeProcessTable:
+    """The fake world's process table: the fake vLLM and what a test adds under it, nothing of the host's."""
+
+    def __init__(self) -> None:
+        self._procs: dict[int, tuple[ProcInfo, Callable[[], bool]]] = {}
+
+    def add(self, info: ProcInfo, alive: Callable[[], bool]) -> None:
+        self._procs[info.pid] = (info, alive)
+
+    def get(self, pid: int) -> ProcInfo | None:
+        entry = self._procs.get(pid)
+        return entry[0] if entry is not None and entry[1]() else None
+
+    def all(self) -> list[ProcInfo]:
+        return [info for info, alive in self._procs.values() if alive()]
+
+    def descendants(self, pid: int) -> list[ProcInfo]:
+        found, parents = [], {pid}
+        for info in sorted(self.all(), key=lambda i: i.pid):
+            if info.ppid in parents:
+                found.append(info)
+                parents.add(info.pid)
+        return found
+
+    def open_paths(self, prefixes: tuple[str, ...]) -> OpenPaths:
+        return OpenPaths()
+
+    def alive(self, proc: ProcInfo) -> bool:
+        return self.get(proc.pid) == proc
+
+    def signal(self, proc: ProcInfo, sig: signal.Signals) -> bool:
+        raise AssertionError(f"the fake world signals its child through FakeChild, not pid {proc.pid}")
+
+    def cgroup(self, pid: int) -> str | None:
+        return None
+
+
+class FakeMetricsHttp:
+    """vLLM's /metrics as an HttpClient: `in_flight(t)` requests running (None: connection refused)."""
+
+    def __init__(self, clock: EventClock, in_flight: Callable[[float], float | None]) -> None:
+        self._clock = clock
+        self._in_flight = in_flight
+        self.requests: list[tuple[float, str, float]] = []  # (t, url, timeout_s)
+
+    def __call__(
+        self,
+        method: str,
+        url: str,
+        timeout_s: float,
+        *,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        max_body: int = MAX_BODY,
+    ) -> Answer:
+        self.requests.append((self._clock.t, url, timeout_s))
+        if not url.endswith("/metrics"):
+            raise AssertionError(f"the fake world answers /metrics only, not {method} {url}")
+        count = self._in_flight(self._clock.t)
+        if count is None:
+            return Answer(None, b"", "connection refused", self._clock.now, 0.0)
+        page = f"vllm:num_requests_running {count}\nvllm:num_requests_waiting 0.0\n".encode()
+        return Answer(200, page, None, self._clock.now, 0.0)
 
 
 class FakeLiveness:

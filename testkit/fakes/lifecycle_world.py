@@ -16,14 +16,22 @@ from typing import Any
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.config.model import Config, SpawnSpec
 from kimi_supervisor.exitcodes import SupervisorError
-from kimi_supervisor.host.proctable import PsutilProcessTable
+from kimi_supervisor.host.proctable import ProcInfo
+from kimi_supervisor.lifecycle.drain import Drain, Reading
 from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.liveness.http import HttpClient
+from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.systemd.notify import Notifier
 from testkit.fakes.gpu import FakeGpuProbe
 from testkit.fakes.lifecycle import (
+    T0,
     EventClock,
     FakeChild,
+    FakeDrainSampler,
     FakeLiveness,
+    FakeMetricsHttp,
     FakeProber,
+    FakeProcessTable,
     FakeSelector,
     FakeSignals,
     ListSink,
@@ -87,6 +95,12 @@ class World:
         self.sink = sink if sink is not None else ListSink()
         self.liveness = FakeLiveness()
         self.health: Callable[[float], int | None] = lambda t: None
+        # vLLM's /metrics: requests running at fake second t (None: refused); the drain reads it while stopping.
+        self.in_flight: Callable[[float], float | None] = lambda t: 0.0
+        self.http = FakeMetricsHttp(self.clock, lambda t: self.in_flight(t))
+        self.table = FakeProcessTable()
+        self.drain: Drain | None = None
+        self.drain_sampler: FakeDrainSampler | None = None
         self.term_exit_after = term_exit_after
         self.script: Callable[[FakeChild], None] = lambda child: None
         self.child: FakeChild | None = None
@@ -96,7 +110,7 @@ class World:
             cfg,
             Deps(
                 probe=probe if probe is not None else FakeGpuProbe([]),
-                table=PsutilProcessTable(),
+                table=self.table,
                 notifier=self.notes,
                 log=self.log,
                 sink=self.sink,
@@ -108,7 +122,9 @@ class World:
                 prober=self._prober,
                 liveness=lambda *args, **kw: self.liveness,
                 selector=lambda: FakeSelector(self.clock),
-                drain=lambda *args: None,  # the drain talks to a real /metrics: stop the tree at once
+                drain=self._drain,
+                http=self.http,
+                wall=self.clock.time,
             ),
         )
 
@@ -116,9 +132,29 @@ class World:
         return None
 
     def spawn(self, spec: SpawnSpec, parent_env: Mapping[str, str], prepared: object) -> FakeChild:
-        self.child = FakeChild(self.clock, self.term_exit_after)
-        self.script(self.child)
-        return self.child
+        child = self.child = FakeChild(self.clock, self.term_exit_after)
+        info = ProcInfo(child.pid, os.getpid(), "vllm", tuple(spec.argv), os.getuid(), child.pid, T0)
+        self.table.add(info, lambda: child.returncode is None)
+        self.script(child)
+        return child
+
+    def _drain(
+        self,
+        health_url: str,
+        timeout_s: int,
+        notifier: Notifier,
+        log: Logger,
+        *,
+        http: HttpClient,
+        clock: Callable[[], float],
+    ) -> Drain:
+        """The real Drain, with the supervisor's own HTTP client and clock; its sampler runs on the fake clock."""
+        self.drain = Drain(health_url, timeout_s, notifier, log, http=http, clock=clock, sampler=self._sampler)
+        return self.drain
+
+    def _sampler(self, read: Callable[[], Reading]) -> FakeDrainSampler:
+        self.drain_sampler = FakeDrainSampler(self.clock, read)
+        return self.drain_sampler
 
     def _prober(self, url: str, timeout_s: float, interval_s: float, wake: Callable[[], None]) -> FakeProber:
         self.prober = FakeProber(self.clock, lambda t: self.health(t), interval_s, wake)

@@ -94,6 +94,9 @@ def test_ctrl_c_during_dry_run_exits_130_without_a_traceback(tmp_path: Path) -> 
     )
     code = (
         "import os, signal, sys\n"
+        # A terminal's Ctrl-C, whatever started this suite: a shell's background job (nohup ... &, some CI
+        # runners) starts with SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from kimi_supervisor.cli import entry as cli\nfrom kimi_supervisor.preflight import run as preflight\n"
         "real = preflight.Preflight.run\n"
         "def run(self, **kw):\n"

@@ -13,16 +13,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.host.proctable import PsutilProcessTable
-from kimi_supervisor.lifecycle.drain import SAMPLE_AT_SIGTERM_S, Drain
+from kimi_supervisor.lifecycle.drain import POLL_S, SAMPLE_AT_SIGTERM_S, Drain
 from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
 from kimi_supervisor.logs.journal import ConsoleChildSink
 from kimi_supervisor.states import State
 from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from testkit.fakes.lifecycle import SilentNotifier
+from testkit.fakes.lifecycle_world import TICK, World, serving_world
 from testkit.harness import REPO, Run, fake_config, fake_tree_of, free_port, write_config
 from testkit.sse_client import stream_completion
 from tests.rawserver import answer, raw_server
@@ -200,6 +203,9 @@ class _Main:
     def refresh_members(self) -> list[object]:
         return []
 
+    def signal_main(self, sig: signal.Signals) -> None:
+        os.kill(self.pid, sig)
+
 
 def test_metrics_trickling_its_status_line_cannot_delay_sigterm() -> None:
     # A status line and headers one byte per 0.9 s: each read is quick, the answer never whole.  The one read
@@ -268,7 +274,7 @@ def test_a_second_sigterm_during_a_stop_with_trickling_metrics_is_acted_on(tmp_p
                 log=log,
                 sink=ConsoleChildSink(open(os.devnull, "w")),  # noqa: SIM115
                 # The real Drain, whose /metrics is the trickling server.
-                drain=lambda url, timeout, notifier, lg: Drain(srv.url("/health"), timeout, notifier, lg),
+                drain=lambda url, timeout, notifier, lg, **io: Drain(srv.url("/health"), timeout, notifier, lg, **io),
             ),
         )
 
@@ -341,3 +347,85 @@ class _Exited(_Main):
 
     def signal_tree(self, sig: signal.Signals) -> int:
         return 0
+
+
+# -- in fake time: the real Drain inside the lifecycle world (testkit/fakes/lifecycle_world.py) -----------------
+# The commonest production stop: SIGTERM to a READY vLLM with a request in flight.  /metrics is the world's
+# scripted client, the drain's sampler runs on the fake clock, the SIGTERM reaches the fake vLLM's main alone.
+
+DRAINING_ARGV = ["vllm", "serve", "/models/m", "--port", "8000", "--shutdown-timeout", "10"]
+
+
+def draining_world(tmp_path: Path, **kw: Any) -> World:
+    w = serving_world(tmp_path, term_exit_after=None, child={"argv": DRAINING_ARGV}, **kw)
+    w.signal_at(5.0)
+    return w
+
+
+def statuses(w: World) -> list[str]:
+    return [str(f["STATUS"]) for _, f in w.notes.sent if "STATUS" in f]
+
+
+def test_sigterm_to_a_ready_server_waits_for_the_request_in_flight_then_says_drained(tmp_path: Path) -> None:
+    w = draining_world(tmp_path, shutdown={"grace_s": 30})
+    w.in_flight = lambda t: 1.0 if t < 8.0 else 0.0  # the request finishes 3 s after the stop
+    w.clock.at(8.4, lambda: w.child.exit(0) if w.child else None)  # then vLLM stops its engine and exits
+    assert w.run() == 0
+    [stopping] = w.notes.times("STOPPING", 1)
+    assert 5.0 <= stopping < 5.0 + 1.0
+    assert w.child is not None and w.child.main_signals == [(stopping, signal.SIGTERM)]  # the main alone
+    assert w.child.signals == [(stopping, signal.SIGTERM)]  # nothing else: no SIGKILL, no tree-wide SIGTERM
+    # The count at SIGTERM is the one read within SAMPLE_AT_SIGTERM_S, from the injected client.
+    assert w.http.requests[0] == (stopping, "http://127.0.0.1:8000/metrics", SAMPLE_AT_SIGTERM_S)
+    # Then the sampler, every POLL_S of fake time from SIGTERM on, until 0 at the fourth reading.
+    assert w.drain_sampler is not None
+    assert w.drain_sampler.readings[:4] == pytest.approx([stopping + i * POLL_S for i in range(4)])
+    (record,) = w.events("stop.drain")
+    assert record["in_flight_at_sigterm"] == 1.0 and record["in_flight_source"] == "read at SIGTERM"
+    assert record["outcome"] == "drained" and record["tree_gone"] is True
+    assert record["drain_s"] == pytest.approx(3 * POLL_S)  # the reading that saw 0
+    assert record["drain_timeout_s"] == 10 and record["sigterm_after_s"] == 0.0
+    assert w.events("stop.main_exited")[0]["after_s"] == pytest.approx(8.4 - stopping, abs=TICK)
+    assert w.events("stop.sigkill") == []
+    said = statuses(w)
+    assert "stopping: draining 1 request in flight, 0s of 10s" in said
+    assert "stopping: draining 1 request in flight, 2s of 10s" in said
+    assert "stopping: drained in 3s, vLLM stopping its workers, 3s of 10s" in said
+    assert said[-2:] == ["stopping: tree gone", "stopped"]
+    assert w.events("stop.draining")[0]["in_flight"] == 1.0
+
+
+def test_a_request_that_never_ends_is_cut_at_vllms_shutdown_timeout(tmp_path: Path) -> None:
+    # In flight stays 1: vLLM's own --shutdown-timeout (10 s) ends the drain, it cuts the request and exits.
+    w = draining_world(tmp_path, shutdown={"grace_s": 30})
+    w.in_flight = lambda t: 1.0
+    w.clock.at(15.5, lambda: w.child.exit(0) if w.child else None)
+    assert w.run() == 0
+    [stopping] = w.notes.times("STOPPING", 1)
+    (record,) = w.events("stop.drain")
+    assert record["in_flight_at_sigterm"] == 1.0
+    assert record["outcome"] == "cut" and record["tree_gone"] is True
+    assert 10 < record["drain_s"] == pytest.approx(15.5 - stopping, abs=TICK)
+    assert w.events("stop.sigkill") == []
+    said = statuses(w)
+    assert "stopping: draining 1 request in flight, 10s of 10s" in said
+    assert not any(s.startswith("stopping: drained in") for s in said[:-3])  # never 0 in flight
+    assert said[-2:] == ["stopping: tree gone", "stopped"]
+
+
+def test_a_drain_past_the_grace_is_sigkilled_and_the_record_says_killed(tmp_path: Path) -> None:
+    # A wedged vLLM never exits and in flight stays 1: the supervisor's grace (the least the preflight allows
+    # for a 10 s drain) ends it with SIGKILL.
+    w = draining_world(tmp_path, shutdown={"grace_s": 25})
+    w.in_flight = lambda t: 1.0
+    assert w.run() == 0
+    [stopping] = w.notes.times("STOPPING", 1)
+    assert w.child is not None
+    [kill_at] = [t for t, s in w.child.signals if s == signal.SIGKILL]
+    assert 25.0 <= kill_at - stopping <= 25.0 + TICK
+    (record,) = w.events("stop.drain")
+    assert record["outcome"] == "killed" and record["in_flight_at_sigkill"] == 1.0
+    assert record["drain_s"] == pytest.approx(kill_at - stopping)
+    said = statuses(w)
+    assert "stopping: SIGKILL to vLLM after 25s of draining (1 request in flight)" in said
+    assert said[-2:] == ["stopping: tree gone (drain cut: vLLM was SIGKILLed, see stop.drain)", "stopped"]

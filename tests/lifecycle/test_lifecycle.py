@@ -178,11 +178,13 @@ def test_sigterm_while_ready_stops_cleanly_with_stopping(tmp_path: Path) -> None
     assert w.run() == 0
     assert w.supervisor.state.history == [State.PREFLIGHT, State.STARTING, State.READY, State.STOPPING, State.STOPPED]
     names = w.names()
-    stop = ["state.stopping", "stop.sigterm", "stop.tree_gone", "state.stopped"]
+    # A stop requested while READY goes through the drain (no --shutdown-timeout here: vLLM aborts, 0 in flight).
+    stop = ["state.stopping", "stop.sigterm", "stop.main_exited", "stop.tree_gone", "stop.drain", "state.stopped"]
     assert names[names.index("state.stopping") :] == stop
     [stopping] = w.notes.times("STOPPING", 1)
     assert 5.0 <= stopping < 5.0 + 1.0  # the serving loop wakes on the signal pipe
-    assert w.child is not None and w.child.signals == [(stopping, signal.SIGTERM)]
+    assert w.child is not None and w.child.main_signals == [(stopping, signal.SIGTERM)]
+    assert w.events("stop.drain")[0]["outcome"] == "aborted"
     assert w.notes.sent[-1][1] == {"STATUS": "stopped"}
 
 

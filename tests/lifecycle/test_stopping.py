@@ -142,9 +142,6 @@ def _drain_scene(term_exit_after: float | None, running: float) -> tuple[Scene, 
             if "STATUS" in fields:
                 statuses.append(str(fields["STATUS"]))
 
-    def kill(pid: int, sig: signal.Signals) -> None:
-        scene.child.signal_tree(sig)  # vLLM's main alone: the fake child is all of the tree
-
     drain = Drain(
         "http://127.0.0.1:1/health",
         10,
@@ -152,7 +149,6 @@ def _drain_scene(term_exit_after: float | None, running: float) -> tuple[Scene, 
         scene.log,
         http=_metrics_client(running),
         clock=scene.clock.monotonic,
-        kill=kill,
     )
     return scene, drain, statuses
 

