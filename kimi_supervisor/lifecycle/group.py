@@ -33,6 +33,7 @@ from kimi_supervisor.lifecycle.deps import Liveness, LivenessFactory, Spawner
 from kimi_supervisor.lifecycle.signals import STOP_SIGNALS, StopRequested
 from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
 from kimi_supervisor.liveness.health_probe import HealthResult
+from kimi_supervisor.liveness.http import HttpClient
 from kimi_supervisor.liveness.peers import Observation, PeerPoller, Poller, PollerFactory, PortState
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.opsview.group_status import GroupStatus, StatusServer, new_run_id
@@ -407,8 +408,12 @@ def _leader(
         notifier: Notifier,
         log: Logger,
         on_canary: Callable[[bool, float], None],
+        /,
+        *,
+        environ: Mapping[str, str],
+        http: HttpClient,
     ) -> Liveness:
-        deep = inner(c, probe, gpus, wake, notifier, log, on_canary)
+        deep = inner(c, probe, gpus, wake, notifier, log, on_canary, environ=environ, http=http)
         return LeaderLiveness(deep, make_poller(cluster.peers, None, wake), cluster, clock, log)
 
     run_deps = dataclasses.replace(
@@ -462,7 +467,7 @@ class _Follower:
             spawn=_RunSpawner(self.deps.spawn, self.status),
             notifier=self.tap,
             prober=lambda url, timeout_s, interval_s, wake: _LeaderProber(run),
-            liveness=lambda *args: _FollowerLiveness(run),
+            liveness=lambda *args, **kw: _FollowerLiveness(run),
         )
         return Supervisor(self.cfg, run_deps, self.secrets).run()
 
