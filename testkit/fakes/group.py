@@ -172,7 +172,8 @@ class GroupWorld:
             prober=lambda url, timeout_s, interval_s, wake: FakeProber(self.clock, self.health, interval_s, wake),
             liveness=lambda *args, **kw: _NoDeepLiveness(),
             selector=lambda: FakeSelector(self.clock),
-            drain=lambda *args: None,
+            drain=lambda *args, **kw: None,  # the drain is tested in test_drain.py
+            wall=self.clock.time,
         )
         try:
             return int(run_group_node(self.cfg, deps, pollers=self._poller, serve=self._serve))
