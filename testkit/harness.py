@@ -117,6 +117,7 @@ class Run:
         read_stdout: bool = True,
         entry: list[str] | None = None,
         private_shm: bool = False,
+        netns: str | None = None,
     ) -> None:
         self.notify = NotifySocket(tmp_path)
         full_env = {**os.environ, "NOTIFY_SOCKET": self.notify.path, "PYTHONPATH": str(REPO), **(env or {})}
@@ -126,8 +127,10 @@ class Run:
         # vanish with the namespace, and nothing of the host's /dev/shm is ever read, removed or left behind.
         # `exec`: run.proc.pid is the supervisor itself.
         wrapper = ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM, "sh"]
+        # netns: inside a network namespace the test created (`ip netns exec` execs, so the pid stays ours).
+        inside = ["ip", "netns", "exec", netns] if netns else []
         self.proc = subprocess.Popen(
-            [*(wrapper if private_shm else []), sys.executable, *command, *(args or [])],
+            [*inside, *(wrapper if private_shm else []), sys.executable, *command, *(args or [])],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=full_env,

@@ -25,9 +25,9 @@ def flat_keys(data: object, prefix: str = "") -> set[str]:
 
 def test_every_config_key_is_documented() -> None:
     # A group node's config: [cluster] is absent (None) from a one-node config, so its keys would not show.
-    group = {"nnodes": 2, "node_rank": 0, "master_addr": "10.0.0.1"}
+    group = {"nnodes": 2, "node_rank": 0, "master_addr": "10.0.0.1", "peers": ["http://10.0.0.2:29599/"]}
     cfg = parse_config(
-        {"child": {"argv": ["vllm"]}, "deployment": {"role": "leader"}, "cluster": group}, Path("x.toml")
+        {"child": {"argv": ["vllm", "-tp", "2"]}, "deployment": {"role": "leader"}, "cluster": group}, Path("x.toml")
     )
     # child.vllm is parsed from child.argv; child.cache_directory is paths.cache_directory, handed to the spawn.
     derived = ("child.vllm", "child.cache_directory")

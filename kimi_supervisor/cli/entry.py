@@ -26,6 +26,7 @@ from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, configured_gpus
 from kimi_supervisor.host.nvml import NvmlProbe
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.logs.journal import ChildSink, close_outputs, configure, get_logger, resolve_format
+from kimi_supervisor.preflight.group_checks import group_checks
 from kimi_supervisor.preflight.report import render_json, render_text
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.redact import redact_argv, redact_env, redact_text, secrets_of
@@ -122,6 +123,8 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
     stop = _unit_stop_check(cfg)
     if stop is not None:
         report.checks.append(stop)
+    if cfg.cluster is not None:  # role, rank, addresses, route, master port, peers (preflight/group_checks.py)
+        report.checks += group_checks(cfg, os.environ)
     try:
         prepare_spawn(cfg.child, os.environ)
     except Unresolvable as exc:
@@ -192,6 +195,10 @@ def _supervise(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
     stop = _unit_stop_check(cfg)
     if stop is not None and stop.status is Status.WARN:
         log.warning("unit.timeout_stop_short", why=stop.message, **stop.data)
+    if cfg.role.in_group:  # a node of a multi-node group: the same lifecycle, plus the group's (docs/multi-node.md)
+        from kimi_supervisor.lifecycle.group import run_group_node
+
+        return run_group_node(cfg, deps, secret_values(cfg))
     return Supervisor(cfg, deps, secret_values(cfg)).run()
 
 

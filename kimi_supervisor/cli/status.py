@@ -22,10 +22,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from kimi_supervisor.cli.group_view import fetch as fetch_group
+from kimi_supervisor.cli.group_view import group_lines
 from kimi_supervisor.clock import format_duration
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.layout import DeploymentDirectories
 from kimi_supervisor.config.load import DEFAULT_PATH, load_config
+from kimi_supervisor.config.model import ClusterConfig
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.files.untrusted import printable
 from kimi_supervisor.opsview.history import FILE_NAME as HISTORY_FILE
@@ -377,6 +380,13 @@ def select(config: Path | None, name: str | None, config_dir: Path, err: TextIO)
     return found or [deployment_of(config_dir / DEFAULT_PATH.name, err)]
 
 
+def _cluster_for(config: Path) -> ClusterConfig | None:
+    try:
+        return load_config(config).cluster
+    except ConfigError:
+        return None  # deployment_of said so already (or no config of that name: not a group node we know)
+
+
 def run_status(
     config: Path | None,
     as_json: bool,
@@ -401,14 +411,20 @@ def run_status(
         out.flush()
         return ExitCode.OK if all(snap.running for snap in snaps) else ExitCode.NOT_RUNNING
     [dirs] = chosen
+    # A node of a multi-node group: its role, rank and peers as this node sees them (cli/group_view.py).
+    cluster = _cluster_for(config if config is not None else config_dir / f"{dirs.name}.toml")
     while True:
         snap = gather(dirs)
+        group = fetch_group(cluster) if cluster is not None and snap.running else (None, "not running")
         if as_json:
-            out.write(json.dumps(to_json(snap), indent=2) + "\n")
+            doc = to_json(snap) | ({"group": group[0], "group_error": group[1]} if cluster is not None else {})
+            out.write(json.dumps(doc, indent=2) + "\n")
         else:
             if watch and tty:
                 out.write("\x1b[H\x1b[2J")  # home and clear: redraw in place, like watch(1)
             out.write(render_text(snap, now(), color))
+            if cluster is not None:
+                out.write("\n".join(group_lines(cluster, *group)) + "\n")
         out.flush()
         phase = (snap.state or {}).get("phase")
         if not watch or not snap.running or phase == "ready":

@@ -167,6 +167,28 @@ class ClusterConfig:
     node_rank: int  # 0 is the leader
     master_addr: str  # the leader's cluster address (its VLLM_HOST_IP)
     master_port: int  # the rendezvous (TCPStore) port on the leader
+    # The supervisors' own read-only status endpoint (opsview/group_status.py): where this node serves it, where
+    # a follower reads its leader's, where a leader reads each follower's.
+    status_address: str = "127.0.0.1"
+    status_port: int = 29599
+    leader_status_url: str = ""  # a follower's; "" on the leader
+    peers: tuple[str, ...] = ()  # a leader's: each follower's status URL, nnodes - 1 of them
+    # Each peer check (a follower's status, the leader's status and master port) every probe_interval_s, each
+    # bounded by probe_timeout_s; failures_tolerated in a row make the peer lost.
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 1.0
+    failures_tolerated: int = 3
+    leader_wait_s: float = 3600.0  # a follower without a leader this long exits 20 (LEADER_LOST)
+    # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS for the child (unless child.env sets it): vLLM's own wait for a rank's
+    # reply, 300 s by default, so that vLLM itself fails a hung step inside the supervisor's bounds.
+    execute_model_timeout_s: int = 20
+    local_world_size: int = 1  # the GPUs this node's share of the group needs (TP x PP x DP / nnodes)
+    argv_digest: str = ""  # sha256 of child.argv without the rank flags: equal on every node of one group
+
+    @property
+    def detect_within_s(self) -> float:
+        """The longest a lost peer goes unnoticed: failures_tolerated probes, each at most interval + timeout."""
+        return self.failures_tolerated * (self.probe_interval_s + self.probe_timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)

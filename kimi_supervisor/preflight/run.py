@@ -38,7 +38,7 @@ from kimi_supervisor.host.gpu import (
 from kimi_supervisor.host.instance_lock import lock_owners
 from kimi_supervisor.host.proctable import ProcessTable
 from kimi_supervisor.logs.types import Logger
-from kimi_supervisor.preflight import checks, gpu_health
+from kimi_supervisor.preflight import checks, gpu_health, group_checks
 from kimi_supervisor.preflight.reaper import ReapPlan, Victim, execute_reap, plan_reap
 from kimi_supervisor.preflight.shm import plan_shm, remove_stale
 
@@ -107,7 +107,7 @@ class Preflight:
                 self._raise_if_failed(report)
         if self._pf.shm.enabled:
             self._shm(dry_run, add)
-        if self._pf.check_port:
+        if self._pf.check_port and self._cfg.role.serves_api:  # a follower (--headless) opens no API port
             add(self._port(plan, dry_run))
         if gpus:
             # A dry run killed nothing: count what the victims hold as free, as a real start would see it.
@@ -147,7 +147,11 @@ class Preflight:
             add(Check("nvml", Status.FAIL, str(exc)))
             return ()
         selected = self._pf.gpus if self._pf.gpus is not None else tuple(range(visible))
-        check = checks.check_gpu_count(visible, selected, self._cfg.child.vllm.tensor_parallel_size)
+        cluster = self._cfg.cluster
+        if cluster is not None:  # a group node holds its share of the world (preflight/group_checks.py)
+            check = group_checks.check_local_gpus(visible, selected, cluster.local_world_size, cluster.nnodes)
+        else:
+            check = checks.check_gpu_count(visible, selected, self._cfg.child.vllm.tensor_parallel_size)
         add(check)
         return selected if check.status is Status.OK else ()
 

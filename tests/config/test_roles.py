@@ -12,7 +12,11 @@ from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.roles import Role
 
 MINIMAL = '[child]\nargv = ["vllm", "serve", "/m"]\n'
-LEADER = MINIMAL + '[deployment]\nrole = "leader"\n[cluster]\nnnodes = 2\nnode_rank = 0\nmaster_addr = "10.77.0.1"\n'
+LEADER = (
+    '[child]\nargv = ["vllm", "serve", "/m", "-tp", "2"]\n'
+    + '[deployment]\nrole = "leader"\n[cluster]\nnnodes = 2\nnode_rank = 0\nmaster_addr = "10.77.0.1"\n'
+    + 'peers = ["http://10.77.0.2:29599/"]\n'
+)
 
 
 def load(tmp_path: Path, text: str, name: str = "k.toml"):  # type: ignore[no-untyped-def]
@@ -36,8 +40,11 @@ def test_defaults_one_engine_named_after_its_file(tmp_path: Path) -> None:
 
 def test_leader_and_follower(tmp_path: Path) -> None:
     cfg = load(tmp_path, LEADER + "master_port = 29771\n")
-    assert cfg.role is Role.LEADER and cfg.cluster == ClusterConfig(2, 0, "10.77.0.1", 29771)
+    assert cfg.role is Role.LEADER and cfg.cluster is not None
+    c = cfg.cluster
+    assert ClusterConfig(c.nnodes, c.node_rank, c.master_addr, c.master_port) == ClusterConfig(2, 0, "10.77.0.1", 29771)
     follower = LEADER.replace('"leader"', '"follower"').replace("node_rank = 0", "node_rank = 1")
+    follower = follower.replace('peers = ["http://10.77.0.2:29599/"]\n', "")
     cfg = load(tmp_path, follower)
     assert cfg.role is Role.FOLLOWER and not cfg.role.serves_api and cfg.cluster is not None
     assert cfg.cluster.master_port == 29501  # vLLM's documented example port
