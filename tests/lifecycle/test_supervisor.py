@@ -118,11 +118,11 @@ def test_sigterm_ignored_escalates_to_sigkill_within_grace(tmp_path: Path) -> No
     # Also in fake time: test_lifecycle::test_sigkill_when_the_grace_runs_out.  Here: a real tree that ignores it.
     run = Run(fake_config(tmp_path, ["--ignore-sigterm"], shutdown={"grace_s": 1.0}), tmp_path)
     run.wait_event("state.ready")
-    start = run.signal()
-    assert run.wait() == 0
-    elapsed = time.monotonic() - start
+    run.signal()
+    # By cause: a tree that ignores SIGTERM never ends by itself, so only the SIGKILL at the grace ends it
+    # inside this bound; how late past 1 s it lands on a busy machine is the fake-time test's to pin down.
+    assert run.wait(timeout=60) == 0
     assert run.event("stop.sigkill") is not None
-    assert elapsed < 1.0 + 2.0
     assert fake_tree_of(str(tmp_path)) == []
 
 
