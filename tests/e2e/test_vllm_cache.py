@@ -99,7 +99,7 @@ def test_a_child_without_a_home_keeps_its_compile_cache_across_starts(tmp_path: 
         assert hit or (again and str(home / "vllm" / "torch_compile_cache") in again[0])
         assert kernels(home) == after_first  # the second compile built no kernel: inductor cache hits only
 
-        runs = json.loads((tmp_path / "state" / "kimi" / "history.json")  # config/layout.py: <state>/<deployment.name>/.read_text())["runs"]
+        runs = json.loads((tmp_path / "state" / "kimi" / "history.json").read_text())["runs"]  # <state>/<name>/
         assert len(runs) == 2 and all(r["load_s"] and r["init_engine_s"] for r in runs)
         assert runs[0]["compile_cache"] == "miss"
         assert runs[1]["compile_cache"] == ("hit" if hit else "miss")
