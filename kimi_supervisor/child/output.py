@@ -173,9 +173,11 @@ class ChildOutput:
         for fd in self._splitters:
             self._close_stream(fd)
         self._show_unseen()
+        # The last summaries before the sink's bounded wait: sent after it, they could sit in a stalled
+        # journal's backlog when the process ends, and the count of lost lines would itself be lost.
+        self._report(final=True)
         self.sink.flush()
         self.sink.close(timeout_s)
-        self._report(final=True)
 
     def _close_stream(self, fd: int) -> None:
         lines = self._splitters[fd].feed(self._partials.pop(fd, b""))
