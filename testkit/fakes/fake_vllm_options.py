@@ -22,6 +22,7 @@ class Config:
     # timings
     load_seconds: float
     shards: int
+    hold_load_until: str | None
     max_lifetime: float
     # failures while loading
     crash_during_load: bool
@@ -126,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--load-seconds", type=float, default=1.0, metavar="F", help="start to listening (default 1)")
     t.add_argument("--shards", type=int, default=8, metavar="K", help="safetensors shards = progress steps")
     t.add_argument(
+        "--hold-load-until",
+        default=None,
+        metavar="FILE",
+        help="every worker stops after the first shard until FILE exists (a test sees the loading phase, then lets go)",
+    )
+    t.add_argument(
         "--max-lifetime",
         type=float,
         default=300.0,
@@ -186,6 +193,7 @@ def parse_config(argv: Sequence[str]) -> Config:
         gpu_util=float(ns.gpu_util),
         load_seconds=max(0.0, float(ns.load_seconds)),
         shards=max(1, int(ns.shards)),
+        hold_load_until=ns.hold_load_until,
         max_lifetime=max(0.0, float(ns.max_lifetime)),
         crash_during_load=bool(ns.crash_during_load),
         free_memory_error=bool(ns.free_memory_error),

@@ -153,9 +153,12 @@ def bar_text(desc: str, n: int, total: int, elapsed: float) -> str:
     return f"{desc}: {100.0 * n / total:3.0f}% Completed | {n}/{total} [{_fmt_interval(elapsed)}<{remaining}, {rate_s}]"
 
 
-def load_shards(total: int, seconds: float, *, show: bool, fail_at: int | None = None) -> bool:
+def load_shards(
+    total: int, seconds: float, *, show: bool, fail_at: int | None = None, hold_until: str | None = None
+) -> bool:
     """tqdm through a pipe (as in the fixtures): '\\r' + bar + '\\n' per update, a blank line at the
-    end. False if loading stopped at shard `fail_at`."""
+    end. False if loading stopped at shard `fail_at`. With `hold_until`, it stops after the first shard
+    until that file exists."""
     desc = "Loading safetensors checkpoint shards"
     start = time.monotonic()
     for n in range(total + 1):
@@ -165,6 +168,8 @@ def load_shards(total: int, seconds: float, *, show: bool, fail_at: int | None =
             return False
         if show and not P.quiet:
             write_all(2, f"\r{bar_text(desc, n, total, time.monotonic() - start)}\n".encode())
+        while n == 1 and hold_until is not None and not os.path.exists(hold_until):
+            pause(0.05)
     if show and not P.quiet:
         write_all(2, b"\n")
     return True

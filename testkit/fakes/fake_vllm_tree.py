@@ -101,7 +101,7 @@ def _worker_load(cfg: Config, rank: int, ready_w: int) -> None:
     if cfg.free_memory_error and rank == 0:
         _worker_fail(free_memory_error(cfg.gpu_util), ready_w)
     fail_at = max(1, cfg.shards // 2) if (cfg.crash_during_load and rank == 0) else None
-    if not load_shards(cfg.shards, 0.7 * cfg.load_seconds, show=show, fail_at=fail_at):
+    if not load_shards(cfg.shards, 0.7 * cfg.load_seconds, show=show, fail_at=fail_at, hold_until=cfg.hold_load_until):
         _worker_fail(OOM, ready_w)
     replay(excerpt(STARTUP, "Loading weights took", "Loading weights took"))
     pause(0.1 * cfg.load_seconds)

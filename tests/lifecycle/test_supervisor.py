@@ -14,8 +14,20 @@ from tests.conftest import wait_for
 
 def test_ready_only_after_health_then_clean_stop(tmp_path: Path) -> None:
     # The gating logic runs in fake time in test_lifecycle.py; this is the CLI, real pipes, a real tree and socket.
-    run = Run(fake_config(tmp_path, ["--load-seconds", "2", "--shards", "8"]), tmp_path)
+    # The load holds after the first shard until the test has seen its STATUS: on a loaded machine the
+    # whole load could otherwise pass inside one loop turn, and the loading STATUS coalesce away.
+    release = tmp_path / "release-load"
+    run = Run(
+        fake_config(tmp_path, ["--load-seconds", "2", "--shards", "8", "--hold-load-until", str(release)]), tmp_path
+    )
     try:
+        loading = wait_for(
+            lambda: any(f.get("STATUS", "").startswith("starting: loading weights ") for f in run.notify.fields()),
+            timeout=60,
+        )
+        assert loading, [f.get("STATUS") for f in run.notify.fields()]
+        assert run.notify.first("READY") is None  # held in the load: not serving, not ready
+        release.touch()
         ready = run.wait_event("state.ready")
         assert ready["status"].startswith("ready: serving on http://127.0.0.1:")
         # The state.ready record and the READY=1 datagram travel apart (stderr, the notify socket): wait for it.
