@@ -38,10 +38,20 @@ from kimi_supervisor.config.model import (
     ReapConfig,
     ShmConfig,
     ShutdownConfig,
+    WeightsConfig,
 )
 from kimi_supervisor.config.rank_flags import RankFlagError, group_argv, strip_rank_flags
 from kimi_supervisor.config.table import MISSING, Table, describe, short_repr
 from kimi_supervisor.config.vllm_args import VllmArgs, parse_vllm_args
+from kimi_supervisor.config.weights import (
+    DEFAULT_WAIT_S,
+    READY_PATTERN,
+    WeightsArgError,
+    check_engine_argv,
+    holder_argv,
+    socket_dir,
+    weights_key,
+)
 from kimi_supervisor.exitcodes import ConfigError
 from kimi_supervisor.roles import ROLE_NAMES, Role
 
@@ -510,21 +520,74 @@ def _apply_cluster(
     return cfg, dataclasses.replace(child, argv=group.argv, env=env)
 
 
+def _parse_weights(
+    t: Table, present: bool, deployment: DeploymentConfig, child: ChildConfig, paths: PathsConfig, path: Path
+) -> tuple[WeightsConfig | None, ChildConfig]:
+    """The holder's argv completed (socket dir, /health), or the engine's checked against the holder's."""
+    sockets = socket_dir(paths.runtime_directory, deployment.name)
+    role = deployment.role
+    try:
+        if role is Role.WEIGHTS:
+            for key in ("holder", "wait_s"):
+                if t.has(key):
+                    raise t.error(key, 'is for the engine that maps the weights, not the holder (role = "weights")')
+            given = t.raw("health_port", None)
+            port = t.integer("health_port", 0, minimum=1, maximum=65535) if given is not None else None
+            argv, port, host = holder_argv(child.argv, sockets, port)
+            t.done()
+            vllm = dataclasses.replace(parse_vllm_args(argv), host=host, port=port)
+            child = dataclasses.replace(child, argv=argv, vllm=vllm)
+            return WeightsConfig(sockets, health_port=port, health_host=host, key=weights_key(argv)), child
+        if not present:
+            return None, child
+        holder = t.boolean("holder", False)
+        wait_s = t.number("wait_s", DEFAULT_WAIT_S, maximum=7 * 86400)
+        if t.has("health_port"):
+            raise t.error("health_port", "is the holder's (its config, role = \"weights\"); the engine reads it there")
+        t.done()
+        if not holder:
+            return None, child
+        if role is not Role.ENGINE:
+            raise t.error("holder", f"true, but deployment.role is {role.value!r}: a weight holder serves one host's engine")
+        check_engine_argv(child.argv, sockets)
+    except WeightsArgError as exc:
+        raise ConfigError(f"{path}: {exc.key}: {exc}") from None
+    return WeightsConfig(sockets, wait_s=wait_s, key=weights_key(child.argv)), child
+
+
+# The holder has no OpenAI API: no canary, no token progress to watch; ready on vLLM's READY line and /health.
+def _holder_defaults(
+    data: Mapping[str, Any], readiness: ReadinessConfig, liveness: LivenessConfig
+) -> tuple[ReadinessConfig, LivenessConfig]:
+    given_r, given_l = data.get("readiness", {}), data.get("liveness", {})
+    if "started_patterns" not in given_r:
+        readiness = dataclasses.replace(readiness, started_patterns=(re.compile(READY_PATTERN),))
+    if "canary_interval_s" not in given_l:
+        liveness = dataclasses.replace(liveness, canary_interval_s=0.0)
+    if "stuck_after_s" not in given_l:
+        liveness = dataclasses.replace(liveness, stuck_after_s=0.0)
+    return readiness, liveness
+
+
 def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     """Build a Config from parsed TOML; raises ConfigError naming file and key."""
     root = Table(data, "", path)
     if not data:
         raise ConfigError(f"{path}: the file is empty; required key 'child.argv' is missing")
     child = _parse_child(root.table("child"))
+    deployment = _parse_deployment(root.table("deployment"), path)
+    paths = _parse_paths(root.table("paths"), path)
+    # Before readiness and liveness: a holder's /health is on the port its argv gets here.
+    weights, child = _parse_weights(root.table("weights"), "weights" in data, deployment, child, paths, path)
     preflight = _parse_preflight(root.table("preflight"), child.user)
     readiness = _parse_readiness(root.table("readiness"), child.vllm)
     health = _parse_health(root.table("health"))
     shutdown = _parse_shutdown(root.table("shutdown"))
-    paths = _parse_paths(root.table("paths"), path)
     metrics = _parse_metrics(root.table("metrics"))
     liveness = _parse_liveness(root.table("liveness"), child.vllm)
     gpu_health = _parse_gpu_health(root.table("gpu_health"))
-    deployment = _parse_deployment(root.table("deployment"), path)
+    if deployment.role is Role.WEIGHTS:
+        readiness, liveness = _holder_defaults(data, readiness, liveness)
     cluster = _parse_cluster(root.table("cluster"), "cluster" in data, deployment.role, child)
     readahead = _parse_readahead(root.table("readahead"))
     if cluster is not None:
@@ -550,6 +613,7 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
         deployment,
         cluster,
         readahead,
+        weights,
     )
 
 

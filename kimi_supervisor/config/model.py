@@ -192,6 +192,18 @@ class ClusterConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class WeightsConfig:
+    """The deployment's weight holder (config/weights.py): this config is the holder (role "weights") or an
+    engine that maps its weights (`[weights] holder = true`)."""
+
+    socket_dir: Path  # <runtime>/<name>/weight-cache, the same for both
+    wait_s: float = 900.0  # the engine's: how long it waits for the holder to be ready, then exit 21
+    health_port: int = 8099  # the holder's /health (--weight-cache-health-port)
+    health_host: str = "127.0.0.1"
+    key: Mapping[str, str | None] = dataclasses.field(default_factory=dict)  # config/weights.py weights_key
+
+
+@dataclasses.dataclass(frozen=True)
 class ReadaheadConfig:
     # Read the model's shards ahead of vLLM while it imports and loads (host/readahead.py); off until measured.
     enabled: bool = False
@@ -213,7 +225,13 @@ class Config:
     deployment: DeploymentConfig = DeploymentConfig("kimi-supervisor", Role.ENGINE)
     cluster: ClusterConfig | None = None  # None: one node
     readahead: ReadaheadConfig = ReadaheadConfig()
+    weights: WeightsConfig | None = None  # None: no weight holder in this deployment
 
     @property
     def role(self) -> Role:
         return self.deployment.role
+
+    @property
+    def maps_held_weights(self) -> bool:
+        """An engine that maps its deployment's holder's weights (and waits for them)."""
+        return self.weights is not None and self.role is not Role.WEIGHTS

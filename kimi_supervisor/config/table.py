@@ -52,6 +52,10 @@ class Table:
     def key(self, name: str) -> str:
         return f"{self._prefix}{_show_name(name)}"
 
+    def has(self, name: str) -> bool:
+        """Whether the file gives `name` (a key another role's config uses, refused by the caller)."""
+        return name in self._raw
+
     def error(self, name: str, message: str) -> ConfigError:
         return ConfigError(f"{self._file}: {self.key(name)}: {message}")
 

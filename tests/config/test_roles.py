@@ -52,7 +52,8 @@ def test_leader_and_follower(tmp_path: Path) -> None:
 
 
 def test_weights_role(tmp_path: Path) -> None:
-    cfg = load(tmp_path, MINIMAL + '[deployment]\nname = "kimi"\nrole = "weights"\n')
+    preload = '[child]\nargv = ["vllm", "preload", "--model", "/m"]\n'
+    cfg = load(tmp_path, preload + '[deployment]\nname = "kimi"\nrole = "weights"\n')
     assert (cfg.deployment.name, cfg.role) == ("kimi", Role.WEIGHTS) and not cfg.role.serves_api
 
 

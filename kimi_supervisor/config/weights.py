@@ -1,0 +1,183 @@
+"""The weight holder (`vllm preload`) and the engine that maps its weights: the argv both must carry.
+
+vLLM 0.32's weight-cache daemon (vllm/entrypoints/cli/preload.py) holds each GPU's post-processed shard and hands
+CUDA IPC handles over Unix sockets to an engine started with `--load-format ipc_cache`.  Three things make that
+pair safe under systemd, and each is checked here, once, when the config is built:
+
+- the socket directory lies in the deployment's own runtime directory (`<runtime>/<name>/weight-cache`), never
+  vLLM's default under /tmp, which `PrivateTmp=` gives each unit a private copy of, so the engine would never
+  see the holder's sockets; the holder's argv gets it written in, the engine's must name the same one;
+- the holder answers /health on loopback (`--weight-cache-health-port`, `--weight-cache-health-host`), which
+  is how its supervisor, and the engine's, know its weights are there;
+- the engine never falls back to a disk load (`"fallback": false`): the held weights stay where they are, so a
+  second copy beside them runs out of GPU memory instead of serving.
+
+The cache key (`weights_key`) is what vLLM's WeightCacheKey (weight_cache/protocol.py) fingerprints, as far as
+the argv decides it: an engine whose key differs from the holder's would be refused by the daemon, or, with a
+fallback, load from disk beside it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+# The holder's /health port when neither `weights.health_port` nor the argv names one.
+DEFAULT_HEALTH_PORT = 8099
+DEFAULT_HEALTH_HOST = "127.0.0.1"  # vLLM's default is 0.0.0.0: the holder's health is nobody else's business
+DEFAULT_WAIT_S = 900.0
+SOCKET_DIR_NAME = "weight-cache"
+# vllm/entrypoints/cli/preload.py, logger.info_once once every local rank reported ready.
+READY_PATTERN = r"===== Weight cache daemon READY: node \d+/\d+ serving \d+ local rank\(s\) x \d+ role\(s\) in "
+
+# The argv options vLLM's WeightCacheKey depends on (model_config: checkpoint, dtype, quantization, revision;
+# parallel_config: TP, PP, DP sizes), with vLLM's defaults.  The architecture, the quantization config's hash and
+# the vLLM version follow from the model and the installed vLLM, which both units share.
+KEY_OPTIONS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "model": (("--model",), None),
+    "tensor_parallel_size": (("--tensor-parallel-size", "-tp"), "1"),
+    "pipeline_parallel_size": (("--pipeline-parallel-size", "-pp"), "1"),
+    "data_parallel_size": (("--data-parallel-size", "-dp"), "1"),
+    "dtype": (("--dtype",), "auto"),
+    "quantization": (("--quantization", "-q"), None),
+    "revision": (("--revision",), None),
+}
+
+
+class WeightsArgError(ValueError):
+    """One problem with a holder's or an engine's weight-cache flags; `key` is the config key to name."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def socket_dir(runtime_directory: Path, name: str) -> Path:
+    """Where the holder's sockets live: the deployment's own runtime directory, which both units see."""
+    return runtime_directory / name / SOCKET_DIR_NAME
+
+
+def option(argv: Sequence[str], *names: str) -> str | None:
+    """The last value given to any of `names` (`--x v` or `--x=v`), as argparse keeps the last one."""
+    found = None
+    for i, arg in enumerate(argv):
+        name, eq, inline = arg.partition("=")
+        if name in names:
+            if eq:
+                found = inline
+            elif i + 1 < len(argv):
+                found = argv[i + 1]
+    return found
+
+
+def _positionals(argv: Sequence[str]) -> list[str]:
+    return [a for a in argv[1:] if not a.startswith("-")]
+
+
+def weights_key(argv: Sequence[str]) -> dict[str, str | None]:
+    """The argv's share of vLLM's weight-cache key: equal for a holder and the engine that maps its weights."""
+    key: dict[str, str | None] = {}
+    for field, (names, default) in KEY_OPTIONS.items():
+        key[field] = option(argv, *names) or default
+    if key["model"] is None:  # `vllm serve MODEL`: the positional after the subcommand
+        words = _positionals(argv)
+        for sub in ("serve", "preload"):
+            if sub in words and words.index(sub) + 1 < len(words):
+                key["model"] = words[words.index(sub) + 1]
+                break
+    return key
+
+
+def key_mismatch(holder: dict[str, object], engine: dict[str, str | None]) -> list[str]:
+    """`field: holder X, engine Y` for each field of the engine's key the holder's differs in."""
+    return [
+        f"{field}: holder {holder.get(field)!r}, engine {value!r}"
+        for field, value in engine.items()
+        if holder.get(field) != value
+    ]
+
+
+def holder_argv(
+    argv: Sequence[str], expected_socket_dir: Path, health_port: int | None
+) -> tuple[tuple[str, ...], int, str]:
+    """The holder's argv with the socket directory and /health written in (or checked): (argv, port, host)."""
+    if "preload" not in _positionals(argv):
+        raise WeightsArgError(
+            "child.argv", 'deployment.role = "weights" runs vLLM\'s weight holder: expected `vllm preload --model ...`'
+        )
+    if option(argv, "--load-format") == "ipc_cache":
+        raise WeightsArgError(
+            "child.argv",
+            "--load-format ipc_cache: the weight holder itself loads from disk (vLLM refuses it); "
+            "remove it from the holder's argv (it belongs in the engine's)",
+        )
+    out = list(argv)
+    given_dir = option(argv, "--weight-cache-socket-dir")
+    if given_dir is None:
+        out += ["--weight-cache-socket-dir", str(expected_socket_dir)]
+    elif Path(given_dir) != expected_socket_dir:
+        raise WeightsArgError(
+            "child.argv",
+            f"--weight-cache-socket-dir {given_dir!r}: expected {str(expected_socket_dir)!r}, the deployment's "
+            "runtime directory, which the engine's unit sees too (/tmp is private to each unit under PrivateTmp=); "
+            "remove the flag and the supervisor writes it",
+        )
+    given_port = option(argv, "--weight-cache-health-port")
+    if given_port is not None:
+        try:
+            port = int(given_port)
+        except ValueError:
+            raise WeightsArgError(
+                "child.argv", f"--weight-cache-health-port expects an integer, got {given_port!r}"
+            ) from None
+        if not 0 < port < 65536:
+            raise WeightsArgError("child.argv", f"--weight-cache-health-port expects 1..65535, got {port}")
+        if health_port is not None and port != health_port:
+            raise WeightsArgError(
+                "weights.health_port",
+                f"{health_port}, but child.argv has --weight-cache-health-port {port}: give one of them",
+            )
+    else:
+        port = health_port if health_port is not None else DEFAULT_HEALTH_PORT
+        out += ["--weight-cache-health-port", str(port)]
+    host = option(argv, "--weight-cache-health-host")
+    if host is None:
+        host = DEFAULT_HEALTH_HOST
+        out += ["--weight-cache-health-host", host]
+    return tuple(out), port, host
+
+
+def check_engine_argv(argv: Sequence[str], expected_socket_dir: Path) -> None:
+    """An engine that maps a holder's weights: `--load-format ipc_cache`, the holder's socket dir, no fallback."""
+    want = json.dumps({"socket_dir": str(expected_socket_dir), "mode": "zero_copy", "fallback": False})
+    fix = f"child.argv needs --load-format ipc_cache --model-loader-extra-config '{want}'"
+    load_format = option(argv, "--load-format")
+    if load_format != "ipc_cache":
+        got = "no --load-format" if load_format is None else f"--load-format {load_format!r}"
+        raise WeightsArgError("weights.holder", f"true, but child.argv has {got}: {fix}")
+    raw = option(argv, "--model-loader-extra-config")
+    if raw is None:
+        raise WeightsArgError("weights.holder", f"true, but child.argv has no --model-loader-extra-config: {fix}")
+    try:
+        extra = json.loads(raw)
+    except ValueError as exc:
+        raise WeightsArgError("child.argv", f"--model-loader-extra-config is not JSON ({exc.msg}): {fix}") from None
+    if not isinstance(extra, dict):
+        raise WeightsArgError("child.argv", f"--model-loader-extra-config {raw!r} is not a JSON object: {fix}")
+    if extra.get("fallback") is not False:
+        raise WeightsArgError(
+            "child.argv",
+            f'--model-loader-extra-config "fallback" is {json.dumps(extra.get("fallback", "unset (true)"))}: '
+            'expected false (a disk load beside the held weights runs out of GPU memory)',
+        )
+    if extra.get("socket_dir") != str(expected_socket_dir):
+        raise WeightsArgError(
+            "child.argv",
+            f'--model-loader-extra-config "socket_dir" is {json.dumps(extra.get("socket_dir"))}: expected '
+            f"{json.dumps(str(expected_socket_dir))}, where the holder of this deployment serves",
+        )
+    if extra.get("mode", "zero_copy") not in ("zero_copy", "copy"):
+        raise WeightsArgError(
+            "child.argv", f'--model-loader-extra-config "mode" is {json.dumps(extra.get("mode"))}: expected "zero_copy"'
+        )
