@@ -30,6 +30,7 @@ from kimi_supervisor.preflight.group_checks import group_checks
 from kimi_supervisor.preflight.report import render_json, render_text
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.redact import redact_argv, redact_env, redact_text, secrets_of
+from kimi_supervisor.roles import Role
 from kimi_supervisor.systemd import show, unit
 from kimi_supervisor.systemd.notify import RedactingNotifier, notifier_from_env, watchdog_interval
 
@@ -116,6 +117,7 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
             cfg.child.vllm.port,
             cfg.deployment.name,
             cfg.metrics.textfile,
+            lock_suffix(cfg),
         )
         report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
     finally:
@@ -155,6 +157,7 @@ def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
             str(cfg.path),
             deployment=cfg.deployment.name,
             textfile=cfg.metrics.textfile,
+            suffix=lock_suffix(cfg),
         )
         try:
             return _supervise(cfg, sink, probe)
@@ -254,6 +257,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.INTERNAL
     finally:
         close_outputs()
+
+
+def lock_suffix(cfg: Config) -> str:
+    """The weight holder takes its engine's GPUs under its own lock names (host/instance_lock.py)."""
+    return instance_lock.WEIGHTS_SUFFIX if cfg.role is Role.WEIGHTS else ""
 
 
 def secret_values(cfg: Config) -> tuple[str, ...]:

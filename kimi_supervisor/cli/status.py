@@ -31,10 +31,9 @@ from kimi_supervisor.config.load import DEFAULT_PATH, load_config
 from kimi_supervisor.config.model import ClusterConfig
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.files.untrusted import printable
-from kimi_supervisor.opsview.history import FILE_NAME as HISTORY_FILE
 from kimi_supervisor.opsview.history import HistoryData, RunRecord, load_history
 from kimi_supervisor.opsview.loadreport import describe as describe_load
-from kimi_supervisor.opsview.statefile import FILE_NAME, read_state, writer_alive
+from kimi_supervisor.opsview.statefile import read_state, writer_alive
 
 RUNS_SHOWN = 5
 BAR_WIDTH = 24
@@ -55,8 +54,8 @@ class Snapshot:
 
 
 def gather(dirs: DeploymentDirectories) -> Snapshot:
-    state_path = dirs.runtime / FILE_NAME
-    history_path = dirs.state / HISTORY_FILE
+    state_path = dirs.state_file
+    history_path = dirs.history_file
     name = dirs.name
     notes: list[str] = []
     history = _read_history(history_path, notes)

@@ -8,6 +8,12 @@ the default `[paths]` never share a file:
     /run/kimi-supervisor/gpu-0.lock, port-8000.lock, deployment-NAME.lock    the host's locks
     /run/kimi-supervisor/NAME/state.json                                     NAME's live state
     /var/lib/kimi-supervisor/NAME/history.json                               NAME's run history
+    /run/kimi-supervisor/NAME/state.weights.json, weight-cache/               NAME's weight holder (issue 26)
+    /var/lib/kimi-supervisor/NAME/history.weights.json
+
+A deployment's weight holder (role "weights", `vllm preload`) is a second supervisor of the same deployment:
+its files carry the role's suffix beside the engine's, in the same directories, so each one's state is its own
+and the engine reads the holder's from where it knows to look.
 
 Two configs of one name would share these directories: the instance lock refuses the second
 (`deployment-NAME.lock`, exit 16).  Under the template unit `kimi-supervisor@NAME.service` the two
@@ -20,6 +26,7 @@ import dataclasses
 from pathlib import Path
 
 from kimi_supervisor.config.model import Config, PathsConfig
+from kimi_supervisor.roles import Role
 
 PLAIN = "kimi-supervisor"  # the plain unit's name, and its deployment's (the default config's stem)
 
@@ -30,6 +37,29 @@ class DeploymentDirectories:
     locks: Path  # host-wide: the instance locks of every deployment
     runtime: Path  # this deployment's live state file
     state: Path  # this deployment's run history
+    role: Role = Role.ENGINE
+
+    @property
+    def state_file(self) -> Path:
+        return self.runtime / state_file_name(self.role)
+
+    @property
+    def history_file(self) -> Path:
+        return self.state / history_file_name(self.role)
+
+
+def _suffix(role: Role) -> str:
+    # Only the holder is a second supervisor of the same deployment on one host; the others keep the names
+    # they had before it existed.
+    return ".weights" if role is Role.WEIGHTS else ""
+
+
+def state_file_name(role: Role) -> str:
+    return f"state{_suffix(role)}.json"
+
+
+def history_file_name(role: Role) -> str:
+    return f"history{_suffix(role)}.json"
 
 
 def unit_name(name: str) -> str:
@@ -39,11 +69,16 @@ def unit_name(name: str) -> str:
     return PLAIN if name == PLAIN else f"{PLAIN}@{name}"
 
 
-def directories(paths: PathsConfig, name: str) -> DeploymentDirectories:
+def directories(paths: PathsConfig, name: str, role: Role = Role.ENGINE) -> DeploymentDirectories:
     # `name` passed config/load.py's check: no separator, no leading dot, so it is one path component.
     runtime, state = paths.runtime_directory, paths.state_directory
-    return DeploymentDirectories(name, locks=runtime, runtime=runtime / name, state=state / name)
+    return DeploymentDirectories(name, locks=runtime, runtime=runtime / name, state=state / name, role=role)
 
 
 def of(cfg: Config) -> DeploymentDirectories:
-    return directories(cfg.paths, cfg.deployment.name)
+    return directories(cfg.paths, cfg.deployment.name, cfg.role)
+
+
+def holder_of(cfg: Config) -> DeploymentDirectories:
+    """The files of `cfg`'s deployment's weight holder (the engine reads its state file)."""
+    return directories(cfg.paths, cfg.deployment.name, Role.WEIGHTS)

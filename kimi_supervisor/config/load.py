@@ -543,12 +543,14 @@ def _parse_weights(
         holder = t.boolean("holder", False)
         wait_s = t.number("wait_s", DEFAULT_WAIT_S, maximum=7 * 86400)
         if t.has("health_port"):
-            raise t.error("health_port", "is the holder's (its config, role = \"weights\"); the engine reads it there")
+            raise t.error("health_port", 'is the holder\'s (its config, role = "weights"); the engine reads it there')
         t.done()
         if not holder:
             return None, child
         if role is not Role.ENGINE:
-            raise t.error("holder", f"true, but deployment.role is {role.value!r}: a weight holder serves one host's engine")
+            raise t.error(
+                "holder", f"true, but deployment.role is {role.value!r}: a weight holder serves one host's engine"
+            )
         check_engine_argv(child.argv, sockets)
     except WeightsArgError as exc:
         raise ConfigError(f"{path}: {exc.key}: {exc}") from None

@@ -169,7 +169,7 @@ def check_engine_argv(argv: Sequence[str], expected_socket_dir: Path) -> None:
         raise WeightsArgError(
             "child.argv",
             f'--model-loader-extra-config "fallback" is {json.dumps(extra.get("fallback", "unset (true)"))}: '
-            'expected false (a disk load beside the held weights runs out of GPU memory)',
+            "expected false (a disk load beside the held weights runs out of GPU memory)",
         )
     if extra.get("socket_dir") != str(expected_socket_dir):
         raise WeightsArgError(

@@ -15,6 +15,13 @@ owner's last descriptor closes, so a SIGKILLed supervisor never leaves a lock
 that blocks (its file stays, empty of meaning); the descriptors are O_CLOEXEC
 so vLLM's tree never inherits them and cannot keep a dead supervisor's lock.
 
+One deployment's weight holder (role "weights", `vllm preload`: issue 26) shares its engine's GPUs by design: it
+takes the same resources under its own suffix (`gpu-0.weights.lock`, `deployment-NAME.weights.lock`), so a
+second holder refuses as a second engine does, and each of the two, once its own locks are held and its record
+written, looks at the other suffix's GPU locks: one held by a supervisor of another deployment (or of one its
+record does not name yet) refuses with 16 too.  Both write before they look, so of two racing starts the one
+that looks last sees the other's record: never two deployments on one GPU.
+
 The owner's PID is read from /proc/locks (what the kernel says holds the
 lock), and its systemd unit from /proc/PID/cgroup; the JSON the owner writes
 into the file adds what it serves.  A dry run only reads these: it never
@@ -72,6 +79,7 @@ class Owner:
     resource: Resource
     gpus: tuple[int, ...] | None  # what the owner wrote it serves
     port: int | None
+    deployment: str | None = None  # what the owner wrote it is (None: not written yet, or before issue 28)
 
     def who(self) -> str:
         who = f"PID {self.pid}" if self.pid is not None else "PID unknown"
@@ -117,17 +125,27 @@ def is_root_supervisor(pid: int, proc_root: str = "/proc") -> bool:
     return holder(pid, proc_root).is_root_supervisor
 
 
+WEIGHTS_SUFFIX = ".weights"  # the weight holder's locks, beside its engine's
+
+
+def partner_suffix(suffix: str) -> str:
+    """The suffix of the one other supervisor that may share these GPUs: the engine's holder, or the holder's
+    engine."""
+    return "" if suffix == WEIGHTS_SUFFIX else WEIGHTS_SUFFIX
+
+
 def resources(
-    gpus: Sequence[int], port: int, deployment: str | None = None, textfile: Path | None = None
+    gpus: Sequence[int], port: int, deployment: str | None = None, textfile: Path | None = None, suffix: str = ""
 ) -> list[Resource]:
     """What one supervisor owns on the host: its GPUs and port, and (issue 28) its deployment's name, which
     names its state file and history (config/layout.py), and its metrics textfile, which node_exporter reads
     whoever writes it.  A second deployment of the same name, or one writing the same textfile, would share
     those files: it is refused like one on the same GPU."""
-    found = [Resource(f"GPU {i}", f"gpu-{i}.lock") for i in sorted(set(gpus))]
+    what = " (weight holder)" if suffix == WEIGHTS_SUFFIX else ""
+    found = [Resource(f"GPU {i}{what}", f"gpu-{i}{suffix}.lock") for i in sorted(set(gpus))]
     found.append(Resource(f"port {port}", f"port-{port}.lock"))
     if deployment is not None:
-        found.append(Resource(f"deployment {deployment}", f"deployment-{deployment}.lock"))
+        found.append(Resource(f"deployment {deployment}{what}", f"deployment-{deployment}{suffix}.lock"))
     if textfile is not None:
         digest = hashlib.sha256(os.fsencode(os.path.abspath(textfile))).hexdigest()[:16]
         found.append(Resource(f"metrics textfile {textfile}", f"textfile-{digest}.lock"))
@@ -198,25 +216,57 @@ def _owner(directory: Path, resource: Resource, holders: set[int]) -> Owner:
         resource=resource,
         gpus=tuple(g for g in gpus if isinstance(g, int)) if isinstance(gpus, list) else None,
         port=port if isinstance(port, int) else None,
+        deployment=data["deployment"] if isinstance(data.get("deployment"), str) else None,  # type: ignore[arg-type]
     )
 
 
+def _supervisors_holding(directory: Path, resource: Resource) -> set[int]:
+    holders = flock_holders(directory / resource.filename) - {os.getpid(), -1, 0}
+    return {pid for pid in holders if is_root_supervisor(pid)}
+
+
+def foreign_partner(directory: Path, gpus: Sequence[int], deployment: str | None, suffix: str) -> Owner | None:
+    """A supervisor holding one of these GPUs under the partner suffix that is not of `deployment`: the one
+    sharing that issue 26 allows is a holder and an engine of the same deployment."""
+    for resource in resources(gpus, 0, None, None, partner_suffix(suffix))[:-1]:  # the GPUs, not the port
+        supervisors = _supervisors_holding(directory, resource)
+        if supervisors:
+            owner = _owner(directory, resource, supervisors)
+            if deployment is None or owner.deployment != deployment:
+                return owner
+    return None
+
+
 def find_owner(
-    directory: Path, gpus: Sequence[int], port: int, deployment: str | None = None, textfile: Path | None = None
+    directory: Path,
+    gpus: Sequence[int],
+    port: int,
+    deployment: str | None = None,
+    textfile: Path | None = None,
+    suffix: str = "",
 ) -> Owner | None:
     """Which root kimi-supervisor holds any of these resources now, without taking a lock (the dry run)."""
-    for resource in resources(gpus, port, deployment, textfile):
-        holders = flock_holders(directory / resource.filename) - {os.getpid(), -1, 0}
-        supervisors = {pid for pid in holders if is_root_supervisor(pid)}
+    for resource in resources(gpus, port, deployment, textfile, suffix):
+        supervisors = _supervisors_holding(directory, resource)
         if supervisors:
             return _owner(directory, resource, supervisors)
-    return None
+    return foreign_partner(directory, gpus, deployment, suffix)
 
 
 def refusal(owner: Owner, directory: Path) -> str:
     return (
         f"another kimi-supervisor ({owner.who()}) owns {owner.resource.name}, serving {owner.serves()} "
         f"(lock {directory / owner.resource.filename}); nothing was changed"
+    )
+
+
+def partner_refusal(owner: Owner, directory: Path) -> str:
+    """A holder and an engine share GPUs only within one deployment."""
+    of = f"deployment {owner.deployment!r}" if owner.deployment else "a deployment its lock does not name yet"
+    return (
+        f"another kimi-supervisor ({owner.who()}) of {of} owns {owner.resource.name}, serving {owner.serves()} "
+        f"(lock {directory / owner.resource.filename}); only a weight holder and the engine of one deployment "
+        "share GPUs; nothing was changed"
     )
 
 
@@ -366,8 +416,10 @@ def acquire(
     *,
     deployment: str | None = None,
     textfile: Path | None = None,
+    suffix: str = "",
 ) -> InstanceLock:
-    """Take every lock, or none: raise AnotherInstance naming the root kimi-supervisor that holds one."""
+    """Take every lock, or none: raise AnotherInstance naming the root kimi-supervisor that holds one.
+    `suffix`: WEIGHTS_SUFFIX for a weight holder, which shares its own deployment's engine's GPUs."""
     if log is None:
         from kimi_supervisor.logs.journal import get_logger  # not at import: a dry run only reads the locks
 
@@ -375,17 +427,21 @@ def acquire(
     _ensure_directory(directory)
     taken: list[int] = []
     try:
-        for resource in resources(gpus, port, deployment, textfile):
+        for resource in resources(gpus, port, deployment, textfile, suffix):
             taken.append(_take(directory, resource, log))
+        record: dict[str, object] = {"pid": os.getpid(), "gpus": sorted(set(gpus)), "port": port, "config": config}
+        if deployment is not None:
+            record["deployment"] = deployment
+        for fd in taken:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        # After our record is written (see the module's note on racing starts).
+        foreign = foreign_partner(directory, gpus, deployment, suffix)
+        if foreign is not None:
+            raise AnotherInstance(partner_refusal(foreign, directory))
     except BaseException:
         for fd in taken:
             os.close(fd)
         raise
-    record: dict[str, object] = {"pid": os.getpid(), "gpus": sorted(set(gpus)), "port": port, "config": config}
-    if deployment is not None:
-        record["deployment"] = deployment
-    for fd in taken:
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
     return InstanceLock(directory, taken)

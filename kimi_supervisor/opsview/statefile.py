@@ -69,8 +69,8 @@ def process_start_time(pid: int) -> float | None:
 class StateFile:
     """Writes the document; a failure is warned about once per outage and never raised (serving goes on)."""
 
-    def __init__(self, directory: Path, log: Logger) -> None:
-        self.path = directory / FILE_NAME
+    def __init__(self, directory: Path, log: Logger, name: str = FILE_NAME) -> None:
+        self.path = directory / name  # state.json, or the weight holder's state.weights.json (config/layout.py)
         self._log = log
         self._warned = False
 

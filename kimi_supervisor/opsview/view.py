@@ -30,7 +30,6 @@ from kimi_supervisor.host.proctable import ProcessTable, PsutilProcessTable
 from kimi_supervisor.liveness.health_probe import HealthResult
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.opsview.eta import LoadEta
-from kimi_supervisor.opsview.history import FILE_NAME as HISTORY_FILE
 from kimi_supervisor.opsview.history import History
 from kimi_supervisor.opsview.loadreport import phases_of
 from kimi_supervisor.opsview.loadwatch import LoadWatch
@@ -100,8 +99,8 @@ class OperatorView:
         self._failed_methods: set[str] = set()
         pid = os.getpid()
         own = layout.of(cfg)  # this deployment's own files, beside the host's other deployments'
-        self.state_file = StateFile(own.runtime, log)
-        self.history = History(own.state / HISTORY_FILE, log, pid)
+        self.state_file = StateFile(own.runtime, log, own.state_file.name)
+        self.history = History(own.history_file, log, pid)
         textfile = cfg.metrics.textfile
         self.metrics = MetricsWriter(textfile, log, cfg.deployment.name) if textfile else None
         self.eta = LoadEta(None)

@@ -15,14 +15,14 @@ from kimi_supervisor.roles import Role
 
 def holder_text(tmp_path: Path, argv: list[str], extra: str = "") -> str:
     return (
-        f"[child]\nargv = {json.dumps(argv)}\n[deployment]\nname = \"kimi\"\nrole = \"weights\"\n"
+        f'[child]\nargv = {json.dumps(argv)}\n[deployment]\nname = "kimi"\nrole = "weights"\n'
         f'[paths]\nruntime_directory = "{tmp_path}/run"\nstate_directory = "{tmp_path}/lib"\n{extra}'
     )
 
 
 def engine_text(tmp_path: Path, argv: list[str], extra: str = "[weights]\nholder = true\n") -> str:
     return (
-        f"[child]\nargv = {json.dumps(argv)}\n[deployment]\nname = \"kimi\"\n"
+        f'[child]\nargv = {json.dumps(argv)}\n[deployment]\nname = "kimi"\n'
         f'[paths]\nruntime_directory = "{tmp_path}/run"\nstate_directory = "{tmp_path}/lib"\n{extra}'
     )
 
@@ -44,9 +44,23 @@ PRELOAD = ["vllm", "preload", "--model", "/m", "-tp", "8"]
 
 
 def engine_argv(tmp_path: Path, **extra: object) -> list[str]:
-    conf: dict[str, object] = {"socket_dir": f"{tmp_path}/run/kimi/weight-cache", "mode": "zero_copy", "fallback": False}
+    conf: dict[str, object] = {
+        "socket_dir": f"{tmp_path}/run/kimi/weight-cache",
+        "mode": "zero_copy",
+        "fallback": False,
+    }
     conf.update(extra)
-    return ["vllm", "serve", "/m", "-tp", "8", "--load-format", "ipc_cache", "--model-loader-extra-config", json.dumps(conf)]
+    return [
+        "vllm",
+        "serve",
+        "/m",
+        "-tp",
+        "8",
+        "--load-format",
+        "ipc_cache",
+        "--model-loader-extra-config",
+        json.dumps(conf),
+    ]
 
 
 def test_holder_gets_socket_dir_under_runtime_and_loopback_health(tmp_path: Path) -> None:
@@ -54,7 +68,9 @@ def test_holder_gets_socket_dir_under_runtime_and_loopback_health(tmp_path: Path
     assert cfg.role is Role.WEIGHTS and cfg.weights is not None
     sockets = str(tmp_path / "run" / "kimi" / "weight-cache")
     assert cfg.child.argv[len(PRELOAD) :] == (
-        "--weight-cache-socket-dir", sockets, "--weight-cache-health-port", "8111", "--weight-cache-health-host", "127.0.0.1",
+        "--weight-cache-socket-dir", sockets,
+        "--weight-cache-health-port", "8111",
+        "--weight-cache-health-host", "127.0.0.1",
     )  # fmt: skip
     # Ready = vLLM's READY line and /health 200 on the holder's port; no canary, no token-progress check.
     assert cfg.readiness.health_url == "http://127.0.0.1:8111/health" and cfg.child.vllm.port == 8111
@@ -74,15 +90,17 @@ def test_holder_argv_port_is_taken_when_the_key_is_absent(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("argv", "extra", "expected"),
     [
-        (["vllm", "serve", "/m"], "", "{t}/kimi.toml: child.argv: deployment.role = \"weights\" runs vLLM's weight holder"),
-        ([*PRELOAD, "--load-format", "ipc_cache"], "", "{t}/kimi.toml: child.argv: --load-format ipc_cache: the weight holder itself loads from disk"),
-        ([*PRELOAD, "--weight-cache-socket-dir", "/tmp/wc"], "", "{t}/kimi.toml: child.argv: --weight-cache-socket-dir '/tmp/wc': expected '{t}/run/kimi/weight-cache'"),
-        ([*PRELOAD, "--weight-cache-health-port", "9"], "[weights]\nhealth_port = 10\n", "{t}/kimi.toml: weights.health_port: 10, but child.argv has --weight-cache-health-port 9"),
-        (PRELOAD, "[weights]\nholder = true\n", "{t}/kimi.toml: weights.holder: is for the engine"),
+        (["vllm", "serve", "/m"], "", "child.argv: deployment.role = \"weights\" runs vLLM's weight holder"),
+        ([*PRELOAD, "--load-format", "ipc_cache"], "", "child.argv: --load-format ipc_cache: the weight"),
+        ([*PRELOAD, "--weight-cache-socket-dir", "/tmp/wc"], "",
+         "child.argv: --weight-cache-socket-dir '/tmp/wc': expected '{t}/run/kimi/weight-cache'"),
+        ([*PRELOAD, "--weight-cache-health-port", "9"], "[weights]\nhealth_port = 10\n",
+         "weights.health_port: 10, but child.argv has --weight-cache-health-port 9"),
+        (PRELOAD, "[weights]\nholder = true\n", "weights.holder: is for the engine"),
     ],
 )  # fmt: skip
 def test_holder_refusals(tmp_path: Path, argv: list[str], extra: str, expected: str) -> None:
-    assert error_of(tmp_path, holder_text(tmp_path, argv, extra)).startswith(expected)
+    assert error_of(tmp_path, holder_text(tmp_path, argv, extra)).startswith("{t}/kimi.toml: " + expected)
 
 
 def test_engine_with_holder(tmp_path: Path) -> None:
@@ -97,7 +115,8 @@ def test_engine_with_holder(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("mutate", "expected"),
     [
-        (lambda a: a[:5], "weights.holder: true, but child.argv has no --load-format: child.argv needs --load-format ipc_cache"),
+        (lambda a: a[:5],
+         "weights.holder: true, but child.argv has no --load-format: child.argv needs --load-format ipc_cache"),
         (lambda a: [*a[:6], "auto", *a[7:]], "weights.holder: true, but child.argv has --load-format 'auto'"),
         (lambda a: a[:7], "weights.holder: true, but child.argv has no --model-loader-extra-config"),
         (lambda a: [*a[:8], "{bad"], "child.argv: --model-loader-extra-config is not JSON"),

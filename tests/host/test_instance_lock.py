@@ -298,3 +298,50 @@ def test_a_link_or_a_fifo_at_a_lock_path_is_refused_and_left_alone(open_dir: Pat
     os.mkfifo(open_dir / "gpu-2.lock")
     with pytest.raises(RuntimeDirectoryError, match="not a regular file"):
         instance_lock.acquire(open_dir, [2], 8204, "x.toml", RecordingLog())
+
+
+def test_one_holder_and_one_engine_of_one_deployment_share_gpus_and_nothing_else(tmp_path: Path) -> None:
+    """Issue 26: the weight holder takes its engine's GPUs under `.weights`; a second holder, a second engine,
+    or either role of another deployment on those GPUs still refuses with 16."""
+    run_dir = tmp_path / "run"
+    weights = instance_lock.WEIGHTS_SUFFIX
+    holder = hold_lock(run_dir, [0, 1], 8099, f", deployment='kimi', suffix={weights!r}")
+    try:
+        # The engine of the same deployment on the same GPUs: allowed.
+        engine = instance_lock.acquire(run_dir, [0, 1], 8000, "kimi.toml", RecordingLog(), deployment="kimi")
+        assert (run_dir / "gpu-0.weights.lock").exists() and (run_dir / "gpu-0.lock").exists()
+        assert instance_lock.find_owner(run_dir, [0, 1], 8000, "kimi") is None
+        engine.close()
+        # A second holder of the same deployment: its own lock names are taken.
+        with pytest.raises(AnotherInstance, match=r"owns GPU 0 \(weight holder\)"):
+            instance_lock.acquire(run_dir, [0], 8098, "k2.toml", RecordingLog(), deployment="kimi", suffix=weights)
+        # An engine of another deployment on a holder's GPU: refused, and none of its locks left held.
+        with pytest.raises(AnotherInstance) as info:
+            instance_lock.acquire(run_dir, [1, 2], 8001, "other.toml", RecordingLog(), deployment="other")
+        assert info.value.exit_code == ExitCode.ANOTHER_INSTANCE
+        assert info.value.message == (
+            f"another kimi-supervisor (PID {holder.pid}) of deployment 'kimi' owns GPU 1 (weight holder), serving "
+            f"GPUs [0, 1], port 8099 (lock {run_dir / 'gpu-1.weights.lock'}); only a weight holder and the engine "
+            "of one deployment share GPUs; nothing was changed"
+        )
+        assert instance_lock.flock_holders(run_dir / "gpu-2.lock") == set()
+        found = instance_lock.find_owner(run_dir, [1, 2], 8001, "other")  # the dry run says so too
+        assert found is not None and found.pid == holder.pid
+        instance_lock.acquire(run_dir, [2], 8001, "other.toml", RecordingLog(), deployment="other").close()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+
+
+def test_a_holder_on_another_deployments_engine_gpus_is_refused(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    engine = hold_lock(run_dir, [3], 8000, ", deployment='kimi-a'")
+    try:
+        weights = instance_lock.WEIGHTS_SUFFIX
+        with pytest.raises(AnotherInstance, match=r"of deployment 'kimi-a' owns GPU 3, serving GPUs \[3\]"):
+            instance_lock.acquire(run_dir, [3], 8099, "b.toml", RecordingLog(), deployment="kimi-b", suffix=weights)
+        assert instance_lock.flock_holders(run_dir / "gpu-3.weights.lock") == set()
+        instance_lock.acquire(run_dir, [3], 8099, "a.toml", RecordingLog(), deployment="kimi-a", suffix=weights).close()
+    finally:
+        engine.send_signal(signal.SIGKILL)
+        engine.wait()
