@@ -111,8 +111,13 @@ def configured_gpus(probe: GpuProbe, gpus: tuple[int, ...] | None) -> tuple[int,
 # Waiting for memory: shared by the preflight and by the supervisor's stop path.
 
 
-def busy_gpus(probe: GpuProbe, gpus: tuple[int, ...], threshold_mib: int) -> list[GpuMemory]:
-    return [m for m in (probe.memory(i) for i in gpus) if m.used_mib > threshold_mib]
+def busy_gpus(
+    probe: GpuProbe, gpus: tuple[int, ...], threshold_mib: int, own: Mapping[int, int] | None = None
+) -> list[GpuMemory]:
+    """GPUs using more than the threshold; `own`: MiB per GPU that is the deployment's own (its weight
+    holder's, which the engine maps instead of allocating), not counted."""
+    own = own or {}
+    return [m for m in (probe.memory(i) for i in gpus) if m.used_mib - own.get(m.index, 0) > threshold_mib]
 
 
 def holders(probe: GpuProbe, gpus: tuple[int, ...]) -> list[GpuProcess]:
@@ -128,12 +133,13 @@ def wait_until_free(
     poll_s: float,
     on_still_busy: Callable[[list[GpuMemory], float], None],
     report_every_s: float,
+    own: Mapping[int, int] | None = None,
 ) -> list[GpuMemory]:
     """Poll until every GPU's used memory <= threshold; return those still busy at the deadline."""
     start = clock.monotonic()
     last_report = start
     while True:
-        busy = busy_gpus(probe, gpus, threshold_mib)
+        busy = busy_gpus(probe, gpus, threshold_mib, own)
         now = clock.monotonic()
         if not busy or now - start >= timeout_s:
             return busy

@@ -199,6 +199,13 @@ def lock_owners(directory: Path) -> set[int]:
     return {pid for pid in owners - {-1, 0} if is_root_supervisor(pid)}
 
 
+def weights_supervisor(directory: Path, deployment: str) -> int | None:
+    """The live root kimi-supervisor of `deployment`'s weight holder (it holds `deployment-NAME.weights.lock`)."""
+    resource = resources((), 0, deployment, None, WEIGHTS_SUFFIX)[-1]
+    supervisors = _supervisors_holding(directory, resource)
+    return min(supervisors) if supervisors else None
+
+
 def _owner(directory: Path, resource: Resource, holders: set[int]) -> Owner:
     data: dict[str, object] = {}
     with contextlib.suppress(OSError, ValueError):

@@ -35,8 +35,8 @@ from kimi_supervisor.host.gpu import (
     holders,
     wait_until_free,
 )
-from kimi_supervisor.host.instance_lock import lock_owners
-from kimi_supervisor.host.proctable import ProcessTable
+from kimi_supervisor.host.instance_lock import lock_owners, weights_supervisor
+from kimi_supervisor.host.proctable import ProcessTable, ancestors
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.preflight import checks, gpu_health, group_checks
 from kimi_supervisor.preflight.reaper import ReapPlan, Victim, execute_reap, plan_reap
@@ -86,6 +86,7 @@ class Preflight:
         self._clock = clock
         self._log = log
         self._self_pid = os.getpid() if self_pid is None else self_pid
+        self._held: dict[int, int] = {}  # MiB per GPU the deployment's weight holder holds (the engine's own)
 
     def run(self, *, dry_run: bool) -> PreflightReport:
         report = PreflightReport(dry_run)
@@ -113,6 +114,10 @@ class Preflight:
             # A dry run killed nothing: count what the victims hold as free, as a real start would see it.
             releasable: dict[int, int] = {}
             for gpu, mib in (pair for v in plan.victims for pair in v.mib_by_gpu) if dry_run else ():
+                releasable[gpu] = releasable.get(gpu, 0) + mib
+            # The holder's weights are the engine's own: it maps them instead of allocating (vLLM counts them in
+            # its budget, ipc_loader.py get_external_weight_memory), so they count as free for its fraction.
+            for gpu, mib in self._held.items():
                 releasable[gpu] = releasable.get(gpu, 0) + mib
             memory = [self._probe.memory(i) for i in gpus]
             add(checks.check_free_memory(memory, self._cfg.child.vllm.gpu_memory_utilization, releasable))
@@ -160,7 +165,8 @@ class Preflight:
     def _gpus(self, gpus: tuple[int, ...], dry_run: bool, add: Callable[[Check], None]) -> ReapPlan:
         try:
             found = holders(self._probe, gpus)
-            busy = busy_gpus(self._probe, gpus, self._pf.memory_threshold_mib)
+            self._held = self._holder_memory(found, add)
+            busy = busy_gpus(self._probe, gpus, self._pf.memory_threshold_mib, self._held)
         except GpuUnavailable as exc:
             add(Check("nvml", Status.FAIL, str(exc)))
             return ReapPlan((), ())
@@ -174,6 +180,32 @@ class Preflight:
             self._reap(plan, add)
         self._wait(gpus, add)
         return plan
+
+    def _holder_memory(self, found: list[GpuProcess], add: Callable[[Check], None]) -> dict[int, int]:
+        """What the deployment's live weight holder holds on each GPU: the processes of its supervisor's tree
+        (the supervisor holding `deployment-NAME.weights.lock`), counted as this engine's own memory."""
+        if not self._cfg.maps_held_weights:
+            return {}
+        name = self._cfg.deployment.name
+        supervisor = weights_supervisor(self._cfg.paths.runtime_directory, name)
+        if supervisor is None:
+            add(Check("weights_memory", Status.SKIP, f"no live weight holder of deployment {name}: nothing to count"))
+            return {}
+        held: dict[int, int] = {}
+        for p in found:
+            if p.used_mib is not None and supervisor in ancestors(self._table, p.pid) - {p.pid, 0, 1}:
+                held[p.gpu] = held.get(p.gpu, 0) + p.used_mib
+        text = ", ".join(f"GPU {g}: {mib} MiB" for g, mib in sorted(held.items())) or "nothing on these GPUs"
+        add(
+            Check(
+                "weights_memory",
+                Status.OK,
+                f"the weight holder of deployment {name} (supervisor PID {supervisor}) holds {text}: "
+                "counted as this deployment's own (not busy, free for --gpu-memory-utilization)",
+                {"supervisor_pid": supervisor, "mib_by_gpu": {str(g): m for g, m in sorted(held.items())}},
+            )
+        )
+        return held
 
     def _plan(self, found: list[GpuProcess]) -> ReapPlan:
         # Every supervisor holding an instance lock is live: its tree is never stale.
@@ -274,6 +306,7 @@ class Preflight:
                 self._pf.poll_interval_s,
                 still_busy,
                 self._pf.busy_log_interval_s,
+                self._held,
             )
         except GpuUnavailable as exc:
             add(Check("nvml", Status.FAIL, str(exc)))
