@@ -308,3 +308,52 @@ def ready_child_times(tmp: Path, poll_s: float, listen_after: float) -> ReadyTim
         return ReadyTimes(ready[0], float((tmp / "listening").read_text()), float((tmp / "first-200").read_text()))
     finally:
         run.kill()
+
+
+def weights_pair(
+    tmp_path: Path,
+    holder_args: list[str] | None = None,
+    engine_args: list[str] | None = None,
+    tp: int = 2,
+    wait_s: float = 30,
+) -> tuple[Path, Path]:
+    """Configs of one deployment ("kimi") with a weight holder (issue 26): the fake `vllm preload` under
+    role "weights" (kimi.weights.toml) and the fake engine mapping it (kimi.toml, `[weights] holder = true`)."""
+    holder_argv = [sys.executable, str(FAKE), "preload", "--model", str(tmp_path / "model"), "-tp", str(tp)]
+    holder_argv += ["--load-seconds", "0.3", "--max-lifetime", "120", *(holder_args or [])]
+    shm = tmp_path / "shm"
+    shm.mkdir(exist_ok=True)
+    common: dict[str, dict[str, Any]] = {
+        "preflight": {"gpus": [], "check_model": False},
+        "preflight.shm": {"directory": str(shm)},
+        "readiness": {"stall_timeout_s": 20, "deadline_s": 60, "poll_interval_s": 0.1},
+        "health": {"interval_s": 0.3, "timeout_s": 1, "failures_tolerated": 3},
+        "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
+        "paths": own_dirs(tmp_path),
+    }
+    holder = write_config(
+        tmp_path / "kimi.weights.toml",
+        {
+            "child": {"argv": holder_argv, "env": {"KIMI_TEST_MARKER": f"{tmp_path}/holder"}},
+            "deployment": {"name": "kimi", "role": "weights"},
+            "weights": {"health_port": free_port()},
+            **common,
+        },
+    )
+    sockets = Path(own_dirs(tmp_path)["runtime_directory"]) / "kimi" / "weight-cache"
+    extra = json.dumps({"socket_dir": str(sockets), "mode": "zero_copy", "fallback": False})
+    engine_argv = [sys.executable, str(FAKE), "serve", str(tmp_path / "model"), "--host", "127.0.0.1"]
+    engine_argv += ["--port", str(free_port()), "--tensor-parallel-size", str(tp), "--load-seconds", "0.3"]
+    engine_argv += ["--shards", "2", "--max-lifetime", "120", "--load-format", "ipc_cache"]
+    engine_argv += ["--model-loader-extra-config", extra, *(engine_args or [])]
+    engine = write_config(
+        tmp_path / "kimi.toml",
+        {
+            "child": {"argv": engine_argv, "env": {"KIMI_TEST_MARKER": f"{tmp_path}/engine"}},
+            "deployment": {"name": "kimi"},
+            "weights": {"holder": True, "wait_s": wait_s},
+            **common,
+            "preflight": {"gpus": [], "check_model": False, "poll_interval_s": 0.1},
+        },
+    )
+    return holder, engine

@@ -30,8 +30,11 @@ def test_every_config_key_is_documented() -> None:
         {"child": {"argv": ["vllm", "-tp", "2"]}, "deployment": {"role": "leader"}, "cluster": group}, Path("x.toml")
     )
     # child.vllm is parsed from child.argv; child.cache_directory is paths.cache_directory, handed to the spawn.
-    derived = ("child.vllm", "child.cache_directory")
+    # weights: None here; its table's keys (the holder's and the engine's: config/load.py _parse_weights) are
+    # these, the rest of WeightsConfig is derived (the socket dir from [paths], the key from child.argv).
+    derived = ("child.vllm", "child.cache_directory", "weights")
     keys = {k for k in flat_keys(effective_config(cfg)) if k != "path" and not k.startswith(derived)}
+    keys |= {"weights.holder", "weights.wait_s", "weights.health_port"}
     documented = set(re.findall(r"^\| `([a-z_.]+)` \|", CONFIGURATION, re.MULTILINE))
     assert keys == documented
 

@@ -9,6 +9,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 from kimi_supervisor import __version__
 from kimi_supervisor.checks import Check, Status
@@ -47,7 +48,7 @@ def _load(args: argparse.Namespace) -> Config:
 def _unit_stop_check(cfg: Config) -> Check | None:
     if not show.systemd_running():
         return None
-    name = layout.unit_name(cfg.deployment.name) + ".service"  # the plain unit's, or this instance's
+    name = layout.unit_name(cfg.deployment.name, cfg.role) + ".service"  # the plain unit's, or this instance's
     return timeouts.check_unit_stop(cfg, show.installed_stop_timeout_s(name), name)
 
 
@@ -66,6 +67,7 @@ def _install_unit(cfg: Config, args: argparse.Namespace) -> int:
                 f"{config}: deployment.name: {cfg.deployment.name!r} is not the instance's name {instance!r} "
                 "(the unit's directories are named after the instance: remove deployment.name or make it match)"
             )
+    holder = _holder_unit(cfg, config, instance)
     target = unit.install(
         config,
         args.unit_dir,
@@ -73,10 +75,41 @@ def _install_unit(cfg: Config, args: argparse.Namespace) -> int:
         stop_s=timeouts.unit_timeout_stop_s(cfg),
         instance=instance,
         writable=unit.writable_paths(cfg),
+        holder=holder,
     )
     service = unit.UNIT_NAME if instance is None else f"kimi-supervisor@{instance}.service"
-    print(f"wrote {target}; now: systemctl enable --now {service}")
+    if holder is not None:
+        holder_service = layout.unit_name(cfg.deployment.name, Role.WEIGHTS) + ".service"
+        print(
+            f"wrote {args.unit_dir / unit.HOLDER_TEMPLATE_NAME} and {target}; "
+            f"now: systemctl enable --now {holder_service} {service}"
+        )
+    else:
+        print(f"wrote {target}; now: systemctl enable --now {service}")
     return ExitCode.OK
+
+
+def _holder_unit(cfg: Config, config: Path, instance: str | None) -> unit.HolderUnit | None:
+    """An engine that maps held weights gets its holder's unit too, from the holder's own config."""
+    if cfg.role is Role.WEIGHTS:
+        raise ConfigError(
+            f"{config}: deployment.role: 'weights': install-unit takes the engine's config "
+            f"({config.parent}/{cfg.deployment.name}.toml, [weights] holder = true) and writes both units"
+        )
+    if not cfg.maps_held_weights:
+        return None
+    if instance is None:
+        raise ConfigError(
+            f"{config}: weights.holder: true needs the unit pair: install-unit --instance {cfg.deployment.name}"
+        )
+    holder_config = config.parent / f"{instance}.weights.toml"
+    holder = load_config(holder_config)
+    if holder.role is not Role.WEIGHTS or holder.deployment.name != instance:
+        raise ConfigError(
+            f'{holder_config}: deployment: expected role = "weights" and name = {instance!r} (the holder of '
+            f"kimi-supervisor@{instance}), got role {holder.role.value!r}, name {holder.deployment.name!r}"
+        )
+    return unit.HolderUnit(timeouts.unit_timeout_stop_s(holder), unit.writable_paths(holder))
 
 
 def _check_config(cfg: Config, as_json: bool) -> int:
@@ -221,7 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = _load(args)
         # Known secret values (HF_TOKEN=...) are scrubbed from every event from now on.
         secrets = secret_values(cfg)
-        identity = {"SYSLOG_IDENTIFIER": layout.unit_name(cfg.deployment.name), "KIMI_DEPLOYMENT": cfg.deployment.name}
+        identity = {
+            "SYSLOG_IDENTIFIER": layout.unit_name(cfg.deployment.name, cfg.role),
+            "KIMI_DEPLOYMENT": cfg.deployment.name,
+        }
         sink = configure(fmt, args.log_level, secrets=secrets, identity=identity)
         if args.command == "check-config":
             return _check_config(cfg, args.json)

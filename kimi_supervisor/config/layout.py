@@ -62,10 +62,16 @@ def history_file_name(role: Role) -> str:
     return f"history{_suffix(role)}.json"
 
 
-def unit_name(name: str) -> str:
+HOLDER_UNIT = f"{PLAIN}-weights"  # the weight holder's template: kimi-supervisor-weights@NAME.service
+
+
+def unit_name(name: str, role: Role = Role.ENGINE) -> str:
     """The unit that runs deployment `name` (without `.service`): the plain unit runs the deployment of
-    /etc/kimi-supervisor/kimi-supervisor.toml, the template `kimi-supervisor@.service` every other one.
+    /etc/kimi-supervisor/kimi-supervisor.toml, the template `kimi-supervisor@.service` every other one, and
+    `kimi-supervisor-weights@.service` a deployment's weight holder (NAME.weights.toml).
     Also its journal's SYSLOG_IDENTIFIER and the title `status` gives it."""
+    if role is Role.WEIGHTS:
+        return f"{HOLDER_UNIT}@{name}"
     return PLAIN if name == PLAIN else f"{PLAIN}@{name}"
 
 

@@ -161,7 +161,7 @@ def check_engine_argv(argv: Sequence[str], expected_socket_dir: Path) -> None:
         raise WeightsArgError("weights.holder", f"true, but child.argv has no --model-loader-extra-config: {fix}")
     try:
         extra = json.loads(raw)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         raise WeightsArgError("child.argv", f"--model-loader-extra-config is not JSON ({exc.msg}): {fix}") from None
     if not isinstance(extra, dict):
         raise WeightsArgError("child.argv", f"--model-loader-extra-config {raw!r} is not a JSON object: {fix}")

@@ -51,6 +51,7 @@ from kimi_supervisor.lifecycle.deps import (
     Spawner,
 )
 from kimi_supervisor.lifecycle.drain import Drain, stopped_status
+from kimi_supervisor.lifecycle.holderwait import wait_for_holder
 from kimi_supervisor.lifecycle.machine import StateMachine
 from kimi_supervisor.lifecycle.signals import (
     STOP_SIGNALS,
@@ -166,6 +167,7 @@ class Supervisor:
         try:
             try:
                 self._prepare_child()  # a start that cannot happen kills nothing
+                self._wait_for_holder()  # before the preflight touches anything (holderwait.py)
                 self._start_readahead()  # while the preflight waits for GPUs and vLLM imports
                 self._preflight()
                 self._spawn()
@@ -190,6 +192,15 @@ class Supervisor:
         note = self._prepared.cache_note if self._prepared is not None else None
         if note is not None:
             self.log.warning("cache.defaults", why=note, effect="vLLM's compile cache follows HOME (cachedirs.py)")
+
+    def _wait_for_holder(self) -> None:
+        if not self.cfg.maps_held_weights:
+            return
+        assert self.cfg.weights is not None
+        self.state.enter_initial("waiting for the deployment's weight holder")
+        self.deps.notifier.send(EXTEND_TIMEOUT_USEC=_usec(self.cfg.weights.wait_s + EXTEND_MARGIN_S))
+        if wait_for_holder(self.cfg, self.clock, self.log, self._stop_signalled, self.state.status) is None:
+            raise StopRequested
 
     def _start_readahead(self) -> None:
         model = self.cfg.child.vllm.model

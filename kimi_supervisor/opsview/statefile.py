@@ -169,6 +169,13 @@ def validate_state(doc: dict[str, Any]) -> None:
     number(wd.get("interval_s"), "watchdog.interval_s", optional=not wd.get("enabled"))
     number(wd.get("last_ping_at"), "watchdog.last_ping_at")
     integer(wd.get("pings"), "watchdog.pings")
+    weights = mapping(doc.get("weights"), "weights")
+    string(weights.get("role"), "weights.role", longest=20)
+    string(weights.get("health_url"), "weights.health_url")
+    string(weights.get("socket_dir"), "weights.socket_dir")
+    string(weights.get("holder_state"), "weights.holder_state")
+    for name, value in mapping(weights.get("key"), "weights.key").items():
+        string(value, f"weights.key.{printable(name)[:40]}")
     failure = mapping(doc.get("last_failure"), "last_failure")
     number(failure.get("at"), "last_failure.at")
     integer(failure.get("exit_code"), "last_failure.exit_code", lo=-255, hi=255)

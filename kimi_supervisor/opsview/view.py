@@ -36,6 +36,7 @@ from kimi_supervisor.opsview.loadwatch import LoadWatch
 from kimi_supervisor.opsview.statefile import SCHEMA, StateFile, process_start_time
 from kimi_supervisor.opsview.textfile import MetricsSnapshot, MetricsWriter
 from kimi_supervisor.opsview.tree import describe_tree, with_gpu_memory
+from kimi_supervisor.roles import Role
 from kimi_supervisor.states import State
 from kimi_supervisor.systemd.notify import Notifier
 
@@ -74,6 +75,20 @@ class _Tap:
     def send(self, **fields: str | int) -> None:
         self._inner.send(**fields)
         self._view.on_notify(fields)
+
+
+def weights_doc(cfg: Config) -> dict[str, Any]:
+    """The holder's cache key and /health (its engine checks both before it starts), or an engine's holder."""
+    assert cfg.weights is not None
+    w = cfg.weights
+    if cfg.role is Role.WEIGHTS:
+        return {
+            "role": "holder",
+            "key": dict(w.key),
+            "health_url": cfg.readiness.health_url,
+            "socket_dir": str(w.socket_dir),
+        }
+    return {"role": "engine", "holder_state": str(layout.holder_of(cfg).state_file), "socket_dir": str(w.socket_dir)}
 
 
 class OperatorView:
@@ -137,6 +152,8 @@ class OperatorView:
             "watchdog": {"enabled": watchdog_s is not None, "interval_s": watchdog_s, "last_ping_at": None, "pings": 0},
             "last_failure": None,
         }
+        if cfg.weights is not None:  # issue 26: the holder's key and health, where its engine reads them
+            self.doc["weights"] = weights_doc(cfg)
 
     # -- hooks --------------------------------------------------------------------
 

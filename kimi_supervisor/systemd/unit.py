@@ -8,11 +8,18 @@ identical); `kimi-supervisor install-unit [--instance NAME]` renders it with the
 installation and reloads systemd.  An instance's own settings from its config (TimeoutStopSec=, the
 directories it writes) go in a drop-in of that instance, `kimi-supervisor@NAME.service.d/`, so one template
 serves every deployment.
+
+A deployment with a weight holder (issue 26, docs/weight-holder.md) is a pair of units: the holder's template
+`kimi-supervisor-weights@.service` (instance NAME runs NAME.weights.toml, `vllm preload`) and the engine's
+`kimi-supervisor@NAME.service`, whose drop-in binds it to the holder (`BindsTo=` + `After=`: started once the
+holder is ready, stopped first whenever the holder stops; its own restarts never touch the holder), while the
+holder `Wants=` its engine, so each (re)start of the holder, a reload, starts the engine again after it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pwd
 import subprocess
@@ -26,6 +33,7 @@ from kimi_supervisor.exitcodes import ExitCode, NoPermission, ServiceUnavailable
 
 UNIT_NAME = "kimi-supervisor.service"
 TEMPLATE_NAME = "kimi-supervisor@.service"
+HOLDER_TEMPLATE_NAME = "kimi-supervisor-weights@.service"  # a deployment's weight holder (issue 26)
 DROPIN_NAME = "50-kimi-supervisor.conf"  # install-unit --instance NAME: that instance's own settings
 DEFAULT_EXEC = "/usr/local/bin/kimi-supervisor"
 DEFAULT_UNIT_DIR = Path("/etc/systemd/system")
@@ -38,7 +46,7 @@ TEXT = """\
 # kimi-supervisor: vLLM serving Kimi-K2.5-NVFP4 (TP=8) as a Type=notify service.
 {header}# Rendered by `kimi-supervisor install-unit{install_args}`; edit the config, not this file.
 [Unit]
-Description=vLLM Kimi-K2.5 NVFP4 (TP=8) supervised by kimi-supervisor{description}
+Description=vLLM Kimi-K2.5 NVFP4 (TP=8){what} supervised by kimi-supervisor{description}
 Documentation=file:///usr/share/doc/kimi-supervisor/README.md
 # The driver's persistence daemon keeps GPUs initialised; the API needs the network.
 After=network-online.target nvidia-persistenced.service
@@ -46,7 +54,7 @@ Wants=network-online.target
 # Five failed starts within an hour stop the restart loop (a 9-minute load each).
 StartLimitIntervalSec=3600
 StartLimitBurst=5
-
+{unit_extra}
 [Service]
 Type=notify
 # Only the supervisor speaks sd_notify; vLLM's processes must not.
@@ -171,6 +179,14 @@ CacheDirectoryMode=0755
 """
 
 
+HOLDER_UNIT_LINES = """\
+# The deployment's engine maps these weights: every (re)start of the holder, a reload (a crash, a GPU reset,
+# changed flags), starts the engine again, after the holder is ready (the engine's drop-in orders it
+# After= and BindsTo= this unit, so stopping the holder stops the engine first).
+Wants=kimi-supervisor@%i.service
+"""
+
+
 def systemd_quote(word: str, *, executable: bool = False) -> str:
     """One ExecStart= word, written so systemd reads back exactly `word` (systemd.service(5), "Command
     lines"): `%` is a specifier (`%%`), `$` in an argument an environment reference (`$$`; the executable
@@ -204,10 +220,13 @@ def render(
     *,
     template: bool = False,
     writable: Sequence[Path] = (),
+    holder: bool = False,
 ) -> str:
     """The plain unit running `config_path`; `template=True`: the template unit, whose instance NAME runs
     `<config_path's directory>/NAME.toml`.  `writable`: directories the config writes beyond the unit's own
-    (ProtectSystem=strict leaves the rest read-only)."""
+    (ProtectSystem=strict leaves the rest read-only).  `holder=True`: the weight holder's template, whose
+    instance NAME runs NAME.weights.toml."""
+    template = template or holder
     if isinstance(exec_argv, str):
         exec_argv = [exec_argv]
     words = [systemd_quote(exec_argv[0], executable=True)]
@@ -215,21 +234,30 @@ def render(
     if template:
         # The instance's name goes in as systemd's %i, after the path is quoted (which would make it %%i).
         marker = "KIMIINSTANCEMARKER"
-        words += ["--config", systemd_quote(str(config_path.parent / f"{marker}.toml")).replace(marker, "%i")]
+        config_name = f"{marker}.weights.toml" if holder else f"{marker}.toml"
+        words += ["--config", systemd_quote(str(config_path.parent / config_name)).replace(marker, "%i")]
     else:
         words += [systemd_quote(w) for w in ["--config", str(config_path)]]
+    header = (
+        f"# The template: kimi-supervisor@NAME.service runs {config_path.parent}/NAME.toml, one deployment each.\n"
+        if template
+        else ""
+    )
+    if holder:
+        header = (
+            f"# The weight holder's template: kimi-supervisor-weights@NAME.service runs "
+            f"{config_path.parent}/NAME.weights.toml\n# (`vllm preload`), whose weights kimi-supervisor@NAME maps.\n"
+        )
     return TEXT.format(
-        header=(
-            f"# The template: kimi-supervisor@NAME.service runs {config_path.parent}/NAME.toml, one deployment each.\n"
-            if template
-            else ""
-        ),
+        header=header,
         install_args=" --instance NAME" if template else "",
+        what=" weight holder (vllm preload)" if holder else "",
+        unit_extra=HOLDER_UNIT_LINES if holder else "",
         description=", deployment %i" if template else "",
         command=" ".join(words),
         config_exit=int(ExitCode.CONFIG),
         stop_s=int(stop_s),
-        syslog="kimi-supervisor@%i" if template else "kimi-supervisor",
+        syslog=("kimi-supervisor-weights@%i" if holder else "kimi-supervisor@%i") if template else "kimi-supervisor",
         directories=INSTANCE_DIRECTORIES if template else PLAIN_DIRECTORIES,
         writable=writable_lines(writable),
     )
@@ -262,12 +290,28 @@ def writable_lines(writable: Sequence[Path]) -> str:
     return f"# What this config writes outside the unit's own directories.\nReadWritePaths={paths}\n"
 
 
-def instance_dropin(stop_s: int, writable: Sequence[Path]) -> str:
-    """What one instance's config adds to the template (install-unit --instance NAME)."""
+def instance_dropin(stop_s: int, writable: Sequence[Path], holder_unit: str | None = None) -> str:
+    """What one instance's config adds to the template (install-unit --instance NAME); `holder_unit`: the
+    deployment's weight holder, which the engine maps (`[weights] holder = true`)."""
+    bind = ""
+    if holder_unit is not None:
+        bind = (
+            "[Unit]\n# This engine maps its weight holder's weights: started once the holder is ready, stopped\n"
+            "# (first) whenever the holder stops; its own restarts never touch the holder.\n"
+            f"BindsTo={holder_unit}\nAfter={holder_unit}\n"
+        )
     return (
         "# Rendered by `kimi-supervisor install-unit --instance`: this instance's own settings, from its config.\n"
-        f"[Service]\nTimeoutStopSec={int(stop_s)}\n{writable_lines(writable)}"
+        f"{bind}[Service]\nTimeoutStopSec={int(stop_s)}\n{writable_lines(writable)}"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class HolderUnit:
+    """The weight holder's share of `install`: its own TimeoutStopSec= and writable paths, from its config."""
+
+    stop_s: int
+    writable: Sequence[Path] = ()
 
 
 def running_executable(argv0: str | None = None, python: str | None = None) -> list[str]:
@@ -291,17 +335,29 @@ def install(
     *,
     instance: str | None = None,
     writable: Sequence[Path] = (),
+    holder: HolderUnit | None = None,
 ) -> Path:
     """Write the unit and reload systemd; returns the unit's path.  With `instance`: the template unit
-    (for `config_path`'s directory) and the instance's drop-in with its own TimeoutStopSec= and paths."""
+    (for `config_path`'s directory) and the instance's drop-in with its own TimeoutStopSec= and paths.
+    With `holder` (and `instance`): the weight holder's template and drop-in too, the engine bound to it."""
     argv = running_executable() if exec_argv is None else exec_argv
     if instance is None:
         target = unit_dir / UNIT_NAME
         _write(target, render(argv, config_path, stop_s, writable=writable))
     else:
         target = unit_dir / TEMPLATE_NAME
+        holder_unit = f"kimi-supervisor-weights@{instance}.service" if holder is not None else None
+        if holder is not None:
+            _write(unit_dir / HOLDER_TEMPLATE_NAME, render(argv, config_path, holder=True))
+            _write(
+                unit_dir / f"{holder_unit}.d" / DROPIN_NAME,
+                instance_dropin(holder.stop_s, holder.writable),
+            )
         _write(target, render(argv, config_path, template=True))
-        _write(unit_dir / f"kimi-supervisor@{instance}.service.d" / DROPIN_NAME, instance_dropin(stop_s, writable))
+        _write(
+            unit_dir / f"kimi-supervisor@{instance}.service.d" / DROPIN_NAME,
+            instance_dropin(stop_s, writable, holder_unit),
+        )
     if reload:
         try:
             result = subprocess.run(["systemctl", "daemon-reload"], capture_output=True, text=True, timeout=120)

@@ -12,6 +12,7 @@ Run it as a script, as the supervisor runs vLLM: ``python3 testkit/fakes/fake_vl
 * fake_vllm_http.py: /health, /ping, /version, /metrics, /v1/models, POST /v1/completions.
 * fake_vllm_output.py: the output: excerpts of real vLLM 0.32 logs (tests/fixtures/vllm_cpu_0.32)
   replayed as the process's own, the progress bar, and the stress shapes (floods, long lines, bad UTF-8).
+* fake_vllm_preload.py: ``fake_vllm.py preload ...``, the weight holder (`vllm preload`, issue 26).
 * fake_vllm_proc.py: process identity, signals, sleeping that notices SIGTERM and parent death.
 
 Adding a mode: a flag and a Config field in fake_vllm_options.py; the behaviour where it acts (a row in
@@ -35,7 +36,12 @@ from testkit.fakes.fake_vllm_options import parse_config
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
-    Main(parse_config(sys.argv[1:] if argv is None else argv)).run()
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] == "preload":  # the weight holder (fake_vllm_preload.py)
+        from testkit.fakes.fake_vllm_preload import main as preload
+
+        preload(args[1:])
+    Main(parse_config(args)).run()
 
 
 if __name__ == "__main__":

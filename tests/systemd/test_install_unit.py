@@ -229,3 +229,50 @@ def test_writable_paths_of_a_config(tmp_path: Path) -> None:
         Path("/srv/k/run"),
         Path("/var/lib/node_exporter/textfile_collector"),
     ]
+
+
+def test_install_unit_writes_the_holder_and_engine_pair(tmp_path: Path) -> None:
+    """Issue 26: an engine with `[weights] holder = true` gets its weight holder's unit beside it; the engine's
+    drop-in binds it to the holder (BindsTo= + After=), the holder Wants= its engine."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    sockets = "/run/kimi-supervisor/kimi/weight-cache"
+    extra = '{\\"socket_dir\\": \\"' + sockets + '\\", \\"fallback\\": false}'
+    argv = f'["vllm", "serve", "/m", "--load-format", "ipc_cache", "--model-loader-extra-config", "{extra}"]'
+    engine = f"[child]\nargv = {argv}\n"
+    (etc / "kimi.toml").write_text(engine + "[weights]\nholder = true\n")
+    units = tmp_path / "units"
+    args = ("--instance", "kimi", "--config", str(etc / "kimi.toml"), "--unit-dir", str(units))
+    result = install_unit(*args)
+    assert result.returncode == 78  # no holder config yet: its load names the missing file
+    assert "kimi.weights.toml" in result.stderr and not units.exists()
+    holder = '[child]\nargv = ["vllm", "preload", "--model", "/m"]\n[deployment]\nname = "kimi"\nrole = "weights"\n'
+    (etc / "kimi.weights.toml").write_text(holder + "[shutdown]\ngrace_s = 20\n")
+    result = install_unit(*args)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (
+        f"wrote {units / unit.HOLDER_TEMPLATE_NAME} and {units / unit.TEMPLATE_NAME}; now: systemctl enable --now "
+        "kimi-supervisor-weights@kimi.service kimi-supervisor@kimi.service\n"
+    )
+    template = directives((units / unit.HOLDER_TEMPLATE_NAME).read_text())
+    assert template["ExecStart"] == f"{sys.executable} -m kimi_supervisor --config {etc}/%i.weights.toml"
+    assert template["Wants"].endswith("kimi-supervisor@%i.service")
+    assert template["SyslogIdentifier"] == "kimi-supervisor-weights@%i"
+    engine_dropin = directives((units / "kimi-supervisor@kimi.service.d" / unit.DROPIN_NAME).read_text())
+    assert engine_dropin["BindsTo"] == engine_dropin["After"] == "kimi-supervisor-weights@kimi.service"
+    holder_dropin = directives((units / "kimi-supervisor-weights@kimi.service.d" / unit.DROPIN_NAME).read_text())
+    assert holder_dropin["TimeoutStopSec"] == "65"  # the holder's own grace 20 + 5 + 30 + 10
+    if shutil.which("systemd-analyze"):
+        (units / "kimi-supervisor@kimi.service").symlink_to(unit.TEMPLATE_NAME)
+        (units / "kimi-supervisor-weights@kimi.service").symlink_to(unit.HOLDER_TEMPLATE_NAME)
+        for name in ("kimi-supervisor@kimi.service", "kimi-supervisor-weights@kimi.service"):
+            check = verify(units / name)
+            assert check.returncode == 0 and check.stderr.strip() == "", check.stderr
+
+
+def test_install_unit_refuses_a_holder_config_or_a_pair_without_instance(tmp_path: Path) -> None:
+    holder = '[child]\nargv = ["vllm", "preload", "--model", "/m"]\n[deployment]\nname = "kimi"\nrole = "weights"\n'
+    (tmp_path / "kimi.weights.toml").write_text(holder)
+    result = install_unit("--config", str(tmp_path / "kimi.weights.toml"), "--unit-dir", str(tmp_path / "u"))
+    assert result.returncode == 78 and "install-unit takes the engine's config" in result.stderr
+    assert not (tmp_path / "u").exists()

@@ -171,3 +171,9 @@ def test_systemd_analyze_verify_accepts_an_instance_and_its_dropin(tmp_path: Pat
     dropin.write_text(unit.instance_dropin(123, [Path("/var/lib/node_exporter/textfile_collector")]))
     result = subprocess.run(["systemd-analyze", "verify", str(instance)], capture_output=True, text=True)
     assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
+
+
+def test_the_shipped_holder_template_is_the_rendered_one() -> None:
+    shipped = REPO / "packaging" / "systemd" / unit.HOLDER_TEMPLATE_NAME
+    assert shipped.read_text() == unit.render(holder=True)
+    assert "Wants=kimi-supervisor@%i.service" in shipped.read_text()
