@@ -153,6 +153,7 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
             lock_suffix(cfg),
         )
         report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
+        gpu_count = _gpu_count(cfg, probe)
     finally:
         probe.close()
     stop = _unit_stop_check(cfg)
@@ -160,6 +161,8 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
         report.checks.append(stop)
     if cfg.cluster is not None:  # role, rank, addresses, route, master port, peers (preflight/group_checks.py)
         report.checks += group_checks(cfg, os.environ)
+    if cfg.weights is not None:  # the holder, or the engine's view of it (docs/weight-holder.md)
+        report.checks[:0] = _weights_checks(cfg, gpu_count)
     try:
         prepare_spawn(cfg.child, os.environ)
     except Unresolvable as exc:
@@ -175,6 +178,62 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
     if owner is not None:
         return ExitCode.ANOTHER_INSTANCE
     return ExitCode.OK if report.proceed else ExitCode.PREFLIGHT_FAILED
+
+
+def _gpu_count(cfg: Config, probe: GpuProbe) -> int:
+    if cfg.preflight.gpus == ():
+        return 0
+    try:
+        return probe.device_count()
+    except GpuUnavailable:
+        return 0
+
+
+def _weights_checks(cfg: Config, gpu_count: int) -> list[Check]:
+    """The weight holder as the dry run sees it: the holder's own settings, or, for its engine, whether the
+    holder is ready and of the same cache key; and, without a GPU, that vLLM's real daemon cannot run here."""
+    from kimi_supervisor.lifecycle.holderwait import look  # only a deployment with a holder needs it
+
+    assert cfg.weights is not None
+    out: list[Check] = []
+    if cfg.role is Role.WEIGHTS:
+        key = ", ".join(f"{k}={v}" for k, v in cfg.weights.key.items() if v is not None)
+        out.append(
+            Check(
+                "weights",
+                Status.OK,
+                f"weight holder: sockets in {cfg.weights.socket_dir}, ready on vLLM's READY line and "
+                f"{cfg.readiness.health_url} 200; cache key {key}",
+                {"socket_dir": str(cfg.weights.socket_dir), "key": dict(cfg.weights.key)},
+            )
+        )
+    else:
+        try:
+            seen = look(cfg)
+        except SupervisorError as exc:
+            out.append(Check("weights", Status.FAIL, exc.message))
+        else:
+            if seen.ready:
+                out.append(Check("weights", Status.OK, f"weight holder {seen.why}: a start maps its weights"))
+            else:
+                out.append(
+                    Check(
+                        "weights",
+                        Status.WAIT,
+                        f"a start would wait up to {cfg.weights.wait_s:g}s (weights.wait_s) for the weight holder, "
+                        f"then exit 21: {seen.why}",
+                    )
+                )
+    if gpu_count == 0:
+        out.append(
+            Check(
+                "weights_cuda_ipc",
+                Status.WARN,
+                "no GPU here: the real `vllm preload` refuses without CUDA IPC (check_ipc_platform_support), "
+                "and `--load-format ipc_cache` has nothing to map",
+            )
+        )
+    return out
 
 
 def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:

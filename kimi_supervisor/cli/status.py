@@ -34,6 +34,7 @@ from kimi_supervisor.files.untrusted import printable
 from kimi_supervisor.opsview.history import HistoryData, RunRecord, load_history
 from kimi_supervisor.opsview.loadreport import describe as describe_load
 from kimi_supervisor.opsview.statefile import read_state, writer_alive
+from kimi_supervisor.roles import Role
 
 RUNS_SHOWN = 5
 BAR_WIDTH = 24
@@ -51,6 +52,7 @@ class Snapshot:
     history: HistoryData
     history_path: Path
     note: str | None = None  # an unreadable state file or history
+    role: Role = Role.ENGINE  # a deployment's weight holder has files of its own (config/layout.py)
 
 
 def gather(dirs: DeploymentDirectories) -> Snapshot:
@@ -66,11 +68,14 @@ def gather(dirs: DeploymentDirectories) -> Snapshot:
         state = None
     if state is None:
         reason = f"no state file at {state_path}" if not notes else "state file unreadable"
-        return Snapshot(name, False, reason, None, state_path, history, history_path, "; ".join(notes) or None)
+        return Snapshot(
+            name, False, reason, None, state_path, history, history_path, "; ".join(notes) or None, dirs.role
+        )
     pid = (state.get("supervisor") or {}).get("pid")
     phase = state.get("phase", "?")
     if writer_alive(state):
-        return Snapshot(name, True, f"PID {pid}", state, state_path, history, history_path, "; ".join(notes) or None)
+        note = "; ".join(notes) or None
+        return Snapshot(name, True, f"PID {pid}", state, state_path, history, history_path, note, dirs.role)
     if phase in ("stopped", "failed"):
         reason = f"{phase} at {_when(state.get('ended_at'))}, exit {state.get('exit_code')}"
     else:
@@ -78,7 +83,7 @@ def gather(dirs: DeploymentDirectories) -> Snapshot:
             f"supervisor PID {pid} is gone without a final state (killed?); "
             f"it was {phase} at {_when(state.get('updated_at'))}"
         )
-    return Snapshot(name, False, reason, state, state_path, history, history_path, "; ".join(notes) or None)
+    return Snapshot(name, False, reason, state, state_path, history, history_path, "; ".join(notes) or None, dirs.role)
 
 
 def _read_history(path: Path, notes: list[str]) -> HistoryData:
@@ -129,7 +134,7 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
     s: dict[str, Any] = _escaped(snap.state or {})
     phase = s.get("phase", "?")
     lines: list[str] = []
-    title = layout.unit_name(snap.name)
+    title = layout.unit_name(snap.name, snap.role)
     if snap.running:
         dot = c("●", {"ready": "green", "failed": "red"}.get(phase, "yellow"))
         lines.append(f"{dot} {title} - {s.get('status') or phase}")
@@ -157,6 +162,48 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
         lines.append(f"{'Note':>12}: {printable(snap.note)}")
     lines += _runs(snap.history, now)
     return "\n".join(lines) + "\n"
+
+
+def holder_of(dirs: DeploymentDirectories) -> DeploymentDirectories | None:
+    """The deployment's weight holder's files, when it has one (issue 26): its state file or history exists."""
+    if dirs.role is not Role.ENGINE:
+        return None
+    holder = dataclasses.replace(dirs, role=Role.WEIGHTS)
+    return holder if holder.state_file.exists() or holder.history_file.exists() else None
+
+
+def holder_summary(holder: Snapshot, engine: Snapshot, now: float) -> dict[str, Any]:
+    """What the holder holds per GPU (its processes' NVML memory), how long it has been ready, and how many engine
+    starts it served: the engine's runs that became ready while this holder was (with `"fallback": false` an
+    engine is ready only on the held weights)."""
+    s = holder.state or {}
+    mib: dict[str, int] = {}
+    for proc in s.get("processes") or []:
+        for gpu in proc.get("gpus") or []:
+            if isinstance(gpu.get("used_mib"), int):
+                key = str(gpu.get("index"))
+                mib[key] = mib.get(key, 0) + gpu["used_mib"]
+    ready = s.get("ready_at") if holder.running else None
+    served = None
+    if isinstance(ready, (int, float)):
+        served = sum(1 for r in engine.history.runs if r.ready is not None and r.ready >= ready)
+    return {
+        "phase": s.get("phase") if holder.running else "not running",
+        "mib_by_gpu": mib,
+        "ready_for_s": now - ready if isinstance(ready, (int, float)) else None,
+        "loads_served": served,
+    }
+
+
+def render_holder(holder: Snapshot, engine: Snapshot, now: float, color: bool = False) -> str:
+    summary = holder_summary(holder, engine, now)
+    memory = ", ".join(f"GPU {g}: {m} MiB" for g, m in sorted(summary["mib_by_gpu"].items())) or "none listed"
+    up = summary["ready_for_s"]
+    line = f"{'Weights':>12}: holder {printable(str(summary['phase']))}"
+    if up is not None:
+        line += f", ready for {format_duration(up)}, {summary['loads_served']} engine load(s) served"
+    line += f"; holds {memory}"
+    return "\n" + render_text(holder, now, color) + line + "\n"
 
 
 def render_line(snap: Snapshot, color: bool = False) -> str:
@@ -412,16 +459,22 @@ def run_status(
     [dirs] = chosen
     # A node of a multi-node group: its role, rank and peers as this node sees them (cli/group_view.py).
     cluster = _cluster_for(config if config is not None else config_dir / f"{dirs.name}.toml")
+    holder_dirs = holder_of(dirs)
     while True:
         snap = gather(dirs)
         group = fetch_group(cluster) if cluster is not None and snap.running else (None, "not running")
         if as_json:
             doc = to_json(snap) | ({"group": group[0], "group_error": group[1]} if cluster is not None else {})
+            if holder_dirs is not None:
+                held = gather(holder_dirs)
+                doc["weights_holder"] = to_json(held) | {"summary": holder_summary(held, snap, now())}
             out.write(json.dumps(doc, indent=2) + "\n")
         else:
             if watch and tty:
                 out.write("\x1b[H\x1b[2J")  # home and clear: redraw in place, like watch(1)
             out.write(render_text(snap, now(), color))
+            if holder_dirs is not None:  # the deployment's weight holder, its own unit (issue 26)
+                out.write(render_holder(gather(holder_dirs), snap, now(), color))
             if cluster is not None:
                 out.write("\n".join(group_lines(cluster, *group)) + "\n")
         out.flush()

@@ -4,10 +4,13 @@ with exit 21 (nothing killed) when the holder is not ready in time.  Real superv
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from kimi_supervisor.exitcodes import ExitCode
-from testkit.harness import Run, fake_tree_of, weights_pair
+from testkit.harness import REPO, Run, fake_tree_of, weights_pair
 
 
 def own(tmp_path: Path, name: str) -> Path:
@@ -83,5 +86,49 @@ def test_engine_whose_flags_differ_from_the_holders_key_is_refused_naming_them(t
         )
         assert holder.proc.poll() is None
     finally:
+        holder.signal()
+        holder.wait(20)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "kimi_supervisor", *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60
+    )
+
+
+def test_dry_run_and_status_show_the_holder(tmp_path: Path) -> None:
+    holder_cfg, engine_cfg = weights_pair(tmp_path, wait_s=7)
+    # No holder yet: the engine's dry run says a start would wait, then exit 21; on CPU, that vLLM's daemon refuses.
+    result = cli("--config", str(engine_cfg), "--dry-run")
+    assert result.returncode == ExitCode.PREFLIGHT_FAILED, result.stdout + result.stderr
+    assert "a start would wait up to 7s (weights.wait_s) for the weight holder, then exit 21: no weight holder" in (
+        result.stdout
+    )
+    refuses = "no GPU here: the real `vllm preload` refuses without CUDA IPC (check_ipc_platform_support)"
+    assert [line for line in result.stdout.splitlines() if refuses in line] != []
+    result = cli("--config", str(holder_cfg), "--dry-run")
+    assert "weight holder: sockets in " + str(tmp_path / "run" / "kimi" / "weight-cache") in result.stdout
+    assert refuses in result.stdout
+    holder = Run(holder_cfg, own(tmp_path, "h"))
+    engine = None
+    try:
+        holder.wait_event("state.ready", timeout=30)
+        result = cli("--config", str(engine_cfg), "--dry-run")
+        assert "weight holder ready (supervisor PID" in result.stdout and result.returncode == 0, result.stdout
+        engine = Run(engine_cfg, own(tmp_path, "e"))
+        engine.wait_event("state.ready", timeout=30)
+        status = cli("status", "--config", str(engine_cfg))
+        assert status.returncode == 0, status.stderr
+        assert "kimi-supervisor-weights@kimi - " in status.stdout
+        weights_line = next(line for line in status.stdout.splitlines() if line.strip().startswith("Weights:"))
+        assert "holder ready, ready for " in weights_line and "1 engine load(s) served" in weights_line
+        doc = json.loads(cli("status", "--config", str(engine_cfg), "--json").stdout)
+        assert doc["weights_holder"]["summary"]["loads_served"] == 1
+        assert doc["weights_holder"]["state"]["weights"]["role"] == "holder"
+    finally:
+        if engine is not None:
+            engine.signal()
+            engine.wait(20)
         holder.signal()
         holder.wait(20)
