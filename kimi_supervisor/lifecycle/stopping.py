@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kimi_supervisor.child.process import Child
 from kimi_supervisor.clock import Clock, SystemClock
@@ -96,9 +96,16 @@ class TreeStopper:
 
 
 def confirm_gpus_free(
-    probe: GpuProbe, gpus: tuple[int, ...], threshold_mib: int, timeout_s: float, clock: Clock, log: Logger
+    probe: GpuProbe,
+    gpus: tuple[int, ...],
+    threshold_mib: int,
+    timeout_s: float,
+    clock: Clock,
+    log: Logger,
+    own: Mapping[int, int] | None = None,
 ) -> bool | None:
-    """Wait up to `timeout_s` for the stopped tree's GPU memory to come back; None when NVML cannot say."""
+    """Wait up to `timeout_s` for the stopped tree's GPU memory to come back; None when NVML cannot say.
+    `own`: MiB per GPU that stays by design (the deployment's weight holder's, which outlives its engine)."""
     start = clock.monotonic()
 
     def busy_note(busy: list[GpuMemory], elapsed: float) -> None:
@@ -107,7 +114,7 @@ def confirm_gpus_free(
     try:
         # SystemClock, not the interruptible one: the stop path finishes even after a second signal.
         busy = wait_until_free(
-            probe, gpus, threshold_mib, SystemClock(), timeout_s, GPU_POLL_S, busy_note, GPU_REPORT_EVERY_S
+            probe, gpus, threshold_mib, SystemClock(), timeout_s, GPU_POLL_S, busy_note, GPU_REPORT_EVERY_S, own
         )
     except GpuUnavailable as exc:
         log.warning("stop.gpu_unknown", error=str(exc))

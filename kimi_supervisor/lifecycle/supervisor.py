@@ -37,7 +37,7 @@ from kimi_supervisor.exitcodes import (
     SupervisorError,
     exit_outcome,
 )
-from kimi_supervisor.host.gpu import GpuProbe, configured_gpus
+from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, configured_gpus, holders
 from kimi_supervisor.host.proctable import ProcessTable
 from kimi_supervisor.host.readahead import ReadAhead
 from kimi_supervisor.lifecycle.deps import (
@@ -68,7 +68,7 @@ from kimi_supervisor.liveness.http import HttpClient, request
 from kimi_supervisor.logs.journal import ChildSink
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.opsview.view import OperatorView
-from kimi_supervisor.preflight.run import Preflight
+from kimi_supervisor.preflight.run import Preflight, holder_memory
 from kimi_supervisor.quoting import quote
 from kimi_supervisor.states import State
 from kimi_supervisor.systemd.notify import Notifier, Watchdog
@@ -408,10 +408,20 @@ class Supervisor:
         gpus_free = None
         if gpus and scfg.gpu_release_timeout_s > 0:
             threshold = self.cfg.preflight.memory_threshold_mib
+            # The weight holder outlives its engine by design: what it holds is not the engine's to wait for.
+            own = self._held_memory(gpus)
             gpus_free = confirm_gpus_free(
-                self.deps.probe, gpus, threshold, scfg.gpu_release_timeout_s, self.clock, self.log
+                self.deps.probe, gpus, threshold, scfg.gpu_release_timeout_s, self.clock, self.log, own
             )
         self.state.status(stopped_status(tree_gone, gpus_free, drain.outcome if drain is not None else None))
+
+    def _held_memory(self, gpus: tuple[int, ...]) -> dict[int, int]:
+        if not self.cfg.maps_held_weights:
+            return {}
+        try:
+            return holder_memory(self.cfg, self.deps.table, holders(self.deps.probe, gpus))[1]
+        except GpuUnavailable:
+            return {}  # confirm_gpus_free says NVML cannot tell
 
     def _emergency_stop(self, exc: BaseException, stopper: TreeStopper) -> None:
         """Something other than a SupervisorError is ending the run: stop the tree before it propagates."""

@@ -75,6 +75,22 @@ def describe_victim(v: Victim) -> str:
     return f"PID {v.proc.pid} ({v.proc.name}){gpus}, {_mib(v.used_mib) if v.gpus else v.why}: {v.proc.command[:200]}"
 
 
+def holder_memory(cfg: Config, table: ProcessTable, found: list[GpuProcess]) -> tuple[int | None, dict[int, int]]:
+    """What the deployment's live weight holder holds on each GPU: the processes of its supervisor's tree (the
+    root kimi-supervisor holding `deployment-NAME.weights.lock`), the engine's own memory (docs/kill-safety.md).
+    (its supervisor's PID or None, MiB per GPU)."""
+    if not cfg.maps_held_weights:
+        return None, {}
+    supervisor = weights_supervisor(cfg.paths.runtime_directory, cfg.deployment.name)
+    if supervisor is None:
+        return None, {}
+    held: dict[int, int] = {}
+    for p in found:
+        if p.used_mib is not None and supervisor in ancestors(table, p.pid) - {p.pid, 0, 1}:
+            held[p.gpu] = held.get(p.gpu, 0) + p.used_mib
+    return supervisor, held
+
+
 class Preflight:
     def __init__(
         self, cfg: Config, probe: GpuProbe, table: ProcessTable, clock: Clock, log: Logger, self_pid: int | None = None
@@ -182,19 +198,13 @@ class Preflight:
         return plan
 
     def _holder_memory(self, found: list[GpuProcess], add: Callable[[Check], None]) -> dict[int, int]:
-        """What the deployment's live weight holder holds on each GPU: the processes of its supervisor's tree
-        (the supervisor holding `deployment-NAME.weights.lock`), counted as this engine's own memory."""
         if not self._cfg.maps_held_weights:
             return {}
         name = self._cfg.deployment.name
-        supervisor = weights_supervisor(self._cfg.paths.runtime_directory, name)
+        supervisor, held = holder_memory(self._cfg, self._table, found)
         if supervisor is None:
             add(Check("weights_memory", Status.SKIP, f"no live weight holder of deployment {name}: nothing to count"))
             return {}
-        held: dict[int, int] = {}
-        for p in found:
-            if p.used_mib is not None and supervisor in ancestors(self._table, p.pid) - {p.pid, 0, 1}:
-                held[p.gpu] = held.get(p.gpu, 0) + p.used_mib
         text = ", ".join(f"GPU {g}: {mib} MiB" for g, mib in sorted(held.items())) or "nothing on these GPUs"
         add(
             Check(

@@ -121,6 +121,17 @@ def test_gpu_release_confirmed_refused_or_unknown() -> None:
     assert log.events("stop.gpu_unknown")[0]["error"] == "GPU 0 memory: GPU is lost"
 
 
+def test_gpu_release_leaves_out_the_weight_holders_memory() -> None:
+    """Issue 26: the deployment's weight holder keeps its weights when the engine stops; the stop does not
+    wait `gpu_release_timeout_s` for memory that stays by design, and still waits for anything else."""
+    log = RecordingLog()
+    held = FakeGpuProbe([FakeGpu(base_used_mib=72500), FakeGpu(base_used_mib=72500)])
+    assert confirm_gpus_free(held, (0, 1), 1000, 0.2, FakeClock(), log, {0: 72500, 1: 72500}) is True
+    more = FakeGpuProbe([FakeGpu(base_used_mib=72500), FakeGpu(base_used_mib=80000)])
+    assert confirm_gpus_free(more, (0, 1), 1000, 0.2, FakeClock(), log, {0: 72500, 1: 72500}) is False
+    assert log.events("stop.gpu_still_busy")[0]["gpus"] == "GPU 1: 80000 MiB"
+
+
 # -- the drain's outcome says what happened (the real Drain on the fake clock, /metrics a fake client) ------
 
 
