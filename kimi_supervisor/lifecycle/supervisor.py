@@ -70,6 +70,7 @@ from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.opsview.view import OperatorView
 from kimi_supervisor.preflight.run import Preflight, holder_memory
 from kimi_supervisor.quoting import quote
+from kimi_supervisor.roles import Role
 from kimi_supervisor.states import State
 from kimi_supervisor.systemd.notify import Notifier, Watchdog
 
@@ -388,7 +389,8 @@ class Supervisor:
         if self.deep is not None:
             self.deep.stop()  # no canary or GPU verdict about a tree being stopped
         drain = None
-        if requested and self.state.state is State.READY:  # a serving vLLM may have requests in flight
+        # A serving vLLM may have requests in flight; a weight holder serves none (and has no /metrics).
+        if requested and self.state.state is State.READY and self.cfg.role is not Role.WEIGHTS:
             drain = self.deps.drain(
                 self.cfg.readiness.health_url,
                 self.cfg.child.vllm.shutdown_timeout,

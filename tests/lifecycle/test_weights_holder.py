@@ -132,3 +132,17 @@ def test_dry_run_and_status_show_the_holder(tmp_path: Path) -> None:
             engine.wait(20)
         holder.signal()
         holder.wait(20)
+
+
+def test_the_holders_stop_drains_nothing(tmp_path: Path) -> None:
+    """The holder serves no request and has no /metrics: its stop is SIGTERM and the tree's exit, no drain."""
+    holder_cfg, _ = weights_pair(tmp_path)
+    holder = Run(holder_cfg, own(tmp_path, "h"))
+    try:
+        holder.wait_event("state.ready", timeout=30)
+    finally:
+        holder.signal()
+        rc = holder.wait(20)
+    assert rc == ExitCode.OK
+    assert holder.event("stop.tree_gone") is not None
+    assert holder.event("stop.drain") is None and holder.event("stop.metrics_unavailable") is None
