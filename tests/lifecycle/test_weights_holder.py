@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kimi_supervisor.exitcodes import ExitCode
 from testkit.harness import REPO, Run, fake_tree_of, weights_pair
+from tests.conftest import wait_for
 
 
 def own(tmp_path: Path, name: str) -> Path:
@@ -28,8 +29,11 @@ def test_engine_waits_for_the_holder_then_maps_it_and_restarts_without_it(tmp_pa
         assert "no weight holder" in waiting["why"] and engine.event("state.starting") is None
         holder = Run(holder_cfg, own(tmp_path, "h"))
         holder.wait_event("state.ready", timeout=30)
-        state = json.loads((tmp_path / "run" / "kimi" / "state.weights.json").read_text())
-        assert state["phase"] == "ready" and state["weights"]["role"] == "holder"
+        state_file = tmp_path / "run" / "kimi" / "state.weights.json"
+        # The state file follows the event (written atomically, never ahead of what happened).
+        wait_for(lambda: json.loads(state_file.read_text())["phase"] == "ready", timeout=10)
+        state = json.loads(state_file.read_text())
+        assert state["weights"]["role"] == "holder"
         assert state["weights"]["key"]["tensor_parallel_size"] == "2"
         assert (tmp_path / "state" / "kimi" / "history.weights.json").exists()
         assert engine.wait_event("weights.holder_ready", timeout=20)["why"].startswith("ready (supervisor PID")
