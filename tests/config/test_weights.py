@@ -159,3 +159,14 @@ def test_weights_key_matches_holder_and_engine_and_names_the_difference() -> Non
         "tensor_parallel_size: holder '8', engine '4'",
         "quantization: holder None, engine 'fp8'",
     ]
+
+
+def test_the_example_pair_loads_and_agrees() -> None:
+    """etc/weights/: the holder and its engine of one deployment, of one cache key and one socket directory."""
+    etc = Path(__file__).resolve().parents[2] / "etc" / "weights"
+    holder, engine = load_config(etc / "kimi.weights.toml"), load_config(etc / "kimi.toml")
+    assert holder.role is Role.WEIGHTS and engine.maps_held_weights
+    assert holder.deployment.name == engine.deployment.name == "kimi"
+    assert holder.weights is not None and engine.weights is not None
+    assert holder.weights.socket_dir == engine.weights.socket_dir == Path("/run/kimi-supervisor/kimi/weight-cache")
+    assert key_mismatch(dict(holder.weights.key), dict(engine.weights.key)) == []
