@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -316,6 +317,7 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(a.data)
+    shutil.rmtree(work, ignore_errors=True)  # this bench's own directory: an earlier run's sockets and state go
     model = work / "model"
     ngpu = len(nvml())
     res: dict[str, Any] = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpus": ngpu}
