@@ -41,7 +41,8 @@ def add_checksum(total: int, part: int) -> int:
 def int32_sum(data: bytes) -> int:
     """The checksum of DATA (a multiple of 4 bytes) in pure Python: the reference for the torch sum."""
     count = len(data) // 4
-    return sum(struct.unpack(f"<{count}i", data[: count * 4])) % (1 << 64)
+    values: tuple[int, ...] = struct.unpack(f"<{count}i", data[: count * 4])
+    return sum(values) % (1 << 64)
 
 
 def write_meta(model: Path, nbytes: int, checksum: int) -> None:
@@ -148,12 +149,20 @@ def load_to_gpu(path: str | Path, gpu: int) -> tuple[Any, LoadResult]:
 
 
 def gpu_checksum(tensor: Any) -> int:
-    """add_checksum's sum of a uint8 CUDA tensor, computed on its GPU (of bytes, in Python: WEIGHTS_FAKE)."""
+    """add_checksum's sum of a uint8 CUDA tensor, computed on its GPU (of bytes, in Python: WEIGHTS_FAKE), in
+    CHUNK-sized slices: one int64 cast of the whole would take twice the tensor's size again (the H200 run of
+    2026-12-02 held 24 GiB of such a temporary beside 12 GiB of weights), and the cache is emptied after."""
     if isinstance(tensor, bytes):
         return int32_sum(tensor)
     import torch
 
-    return int(tensor.view(torch.int32).sum(dtype=torch.int64).item()) % (1 << 64)
+    flat = tensor.view(torch.int32)
+    step = CHUNK // 4
+    total = 0
+    for off in range(0, int(flat.numel()), step):
+        total = add_checksum(total, int(flat[off : off + step].sum(dtype=torch.int64).item()))
+    torch.cuda.empty_cache()
+    return total
 
 
 def supervisor_share(crash: float, spawn: float, health_200: float, ready: float) -> dict[str, float]:
