@@ -382,7 +382,8 @@ def main() -> int:
             cwd=REPO,
             timeout=60,
         )
-        res["engine_dry_run"] = {"rc": dry.returncode, "out": (dry.stdout + dry.stderr)[-3000:]}
+        dry_out = dry.stdout + dry.stderr
+        res["engine_dry_run"] = {"rc": dry.returncode, "out": dry_out[-3000:]}
         engine = Sup(cfg["engine"], work, "engine-0")
         t_e = engine.ready(300)
         res["engine_first_ready_s"] = t_e - engine.t0
@@ -397,11 +398,11 @@ def main() -> int:
         expect(
             "the engine's preflight counted the holder's memory as its own (weights_memory) and passed with "
             "--gpu-memory-utilization 0.9 beside the held weights",
-            "[          ok] weights_memory" in dry.stdout
-            and "counted as this deployment's own" in dry.stdout
-            and "[          ok] gpu_memory_fraction" in dry.stdout
+            "[          ok] weights_memory" in dry_out
+            and "counted as this deployment's own" in dry_out
+            and "[          ok] gpu_memory_fraction" in dry_out
             and engine.run.event("preflight.passed") is not None,
-            next((line.strip() for line in dry.stdout.splitlines() if "weights_memory" in line), "no weights_memory"),
+            next((line.strip() for line in dry_out.splitlines() if "weights_memory" in line), "no weights_memory"),
         )
         rows = []
         for i in range(a.restarts):
