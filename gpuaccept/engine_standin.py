@@ -1,0 +1,160 @@
+"""A stand-in for `vllm serve` that gets its weights either from the weight holder (issue 26) or from disk:
+
+    python3 gpuaccept/weights_bin/vllm serve DIR --host H --port P --tensor-parallel-size N
+        [--load-format ipc_cache --model-loader-extra-config '{"socket_dir": D, "fallback": false}']
+
+* `--load-format ipc_cache`: for each rank, connect to D/rank-<rank>.sock, rebuild the held tensor from its CUDA
+  IPC handle (no copy: the holder's memory, mapped) and sum its bytes on the GPU against the holder's checksum
+  and DIR/weights.json; an unreachable holder with `"fallback": false` is fatal, as in vLLM;
+* otherwise: read DIR/weights.bin from disk onto each GPU (O_DIRECT where allowed) and check the same sum;
+* then vLLM 0.32's startup lines ("Loading weights took", "Starting vLLM server on", "Application startup
+  complete.") and GET /health 200 on H:P, so the supervisor's readiness takes it for vLLM;
+* SIGTERM: exit 0.  WEIGHTS_BENCH_DIR: where it writes engine-<pid>.json, its times on CLOCK_MONOTONIC (one
+  clock for every process of the machine, so the bench can put them beside the supervisor's and its own).
+"""
+
+from __future__ import annotations
+
+import time
+
+T_START = time.monotonic()  # before any import that costs: the spawn is as early as the child can see
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gpuaccept.weights_common import (  # noqa: E402
+    WEIGHTS_FILE,
+    connect,
+    fake,
+    gpu_checksum,
+    load_to_gpu,
+    rank_socket,
+    read_meta,
+    recv_msg,
+)
+from testkit.procutil import set_comm  # noqa: E402
+
+TIMES: dict[str, Any] = {"pid": os.getpid(), "t_start": T_START}
+
+
+def say(msg: str, where: str, who: str = "APIServer") -> None:
+    sys.stdout.write(f"({who} pid={os.getpid()}) INFO {time.strftime('%m-%d %H:%M:%S')} [{where}] {msg}\n")
+    sys.stdout.flush()
+
+
+def record() -> None:
+    out = os.environ.get("WEIGHTS_BENCH_DIR")
+    if out:
+        path = os.path.join(out, f"engine-{os.getpid()}.json")
+        with open(path + ".tmp", "w") as fh:
+            json.dump(TIMES, fh)
+        os.replace(path + ".tmp", path)
+
+
+class Health(BaseHTTPRequestHandler):
+    ready = threading.Event()
+
+    def do_GET(self) -> None:
+        code = (200 if self.ready.is_set() else 503) if self.path == "/health" else 404
+        if code == 200 and "t_first_200" not in TIMES:
+            TIMES["t_first_200"] = time.monotonic()
+            record()
+        self.send_response(code)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        del format, args
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="vllm serve (stand-in)")
+    p.add_argument("model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, dest="tp")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--model-loader-extra-config", default="{}")
+    ns, _ = p.parse_known_args(list(argv))  # --gpu-memory-utilization, --dtype...: the supervisor's, not ours
+    return ns
+
+
+def map_from_holder(ns: argparse.Namespace, want: int) -> list[Any]:
+    extra = json.loads(ns.model_loader_extra_config)
+    held = []
+    for rank in range(ns.tp):
+        try:
+            sock = connect(rank_socket(extra["socket_dir"], rank), 2.0)
+        except OSError as err:
+            if extra.get("fallback", True):
+                raise SystemExit("fallback to a disk load is not in this stand-in") from err
+            raise SystemExit(f"ipc_cache: no weight cache daemon for rank {rank} ({err}) and fallback is off") from err
+        with sock:
+            msg = recv_msg(sock)
+        rebuild, args = msg["handle"]
+        tensor = rebuild(*args)  # cudaIpcOpenMemHandle: the holder's bytes, not a copy
+        got = gpu_checksum(tensor)
+        if got != msg["checksum"] or got != want:
+            raise SystemExit(f"rank {rank}: mapped checksum {got}, holder says {msg['checksum']}, file {want}")
+        held.append(tensor)
+    return held
+
+
+def main(argv: Sequence[str]) -> int:
+    ns = parse(argv)
+    set_comm("vllm-serve")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    say(f"vLLM API server version 0.32.0 (stand-in), model {ns.model}", "utils.py:326")
+    if not fake():
+        import torch
+
+        torch.cuda.init()
+    TIMES["t_torch"] = time.monotonic()
+    want = read_meta(ns.model)["checksum"]
+    t0 = time.monotonic()
+    if ns.load_format == "ipc_cache":
+        held = map_from_holder(ns, want)
+        TIMES["mode"] = "ipc_cache (mapped)"
+        TIMES["direct"] = None
+    else:
+        held = []
+        for rank in range(ns.tp):
+            tensor, res = load_to_gpu(os.path.join(ns.model, WEIGHTS_FILE), rank)
+            if res.checksum != want:
+                raise SystemExit(f"rank {rank}: loaded checksum {res.checksum} != {want}")
+            held.append(tensor)
+            TIMES["direct"] = res.direct
+        TIMES["mode"] = "disk"
+    if not fake():
+        torch.cuda.synchronize()
+    TIMES["t_weights"] = time.monotonic()
+    TIMES["weights_s"] = TIMES["t_weights"] - t0
+    TIMES["bytes"] = sum(len(t) if isinstance(t, bytes) else int(t.numel()) for t in held)
+    TIMES["checksum_ok"] = True
+    gib = TIMES["bytes"] / (1 << 30)
+    say(f"Loading weights took {TIMES['weights_s']:.2f} seconds", "default_loader.py:501", "Worker")
+    say(f"Model loading took {gib:.4f} GiB memory and {TIMES['weights_s']:.6f} seconds", "gpu_model_runner.py:1")
+    httpd = ThreadingHTTPServer((ns.host, ns.port), Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    say(f"Starting vLLM server on http://{ns.host}:{ns.port}", "entry.py:140")
+    say("Available routes are:", "launcher.py:186")
+    sys.stdout.write("INFO:     Application startup complete.\n")
+    sys.stdout.flush()
+    Health.ready.set()
+    TIMES["t_health_able"] = time.monotonic()
+    record()
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
