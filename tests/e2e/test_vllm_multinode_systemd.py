@@ -226,10 +226,13 @@ def group(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield Node(machines[0], 0), Node(machines[1], 1)
     finally:
         try:
-            for m in reversed(machines):
+            for rank, m in reversed(list(enumerate(machines))):
                 with contextlib.suppress(Exception):
                     m.systemctl("stop", UNIT, check=False, timeout=90)
+                with contextlib.suppress(Exception):  # each node's journal, for the timeline of a failure
+                    (tmp / f"node{rank}.journal").write_text(m.journal(UNIT, "-o", "short-precise"))
                 m.close()
+            print("multinode systemd journals:", tmp)
         finally:
             net.down()
 

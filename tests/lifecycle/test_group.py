@@ -184,10 +184,8 @@ def test_leader_canary_failure_with_a_failing_follower_is_19(tmp_path: Path) -> 
     w.canary_wedged_at = 30.5
     assert w.run() == ExitCode.PEER_LOST
     assert w.error is not None and isinstance(w.error.__cause__, EngineWedged)
-    assert (
-        "while follower http://10.77.0.2:29599/ failed 1 look(s) in a row (status http://10.77.0.2:29599/: connection refused)"
-        in w.error.message
-    )
+    why = f"(status {FOLLOWER_URL}: connection refused)"
+    assert f"while follower {FOLLOWER_URL} failed 1 look(s) in a row {why}" in w.error.message
     assert 30.5 <= w.clock.t < 32.0  # at the canary's verdict, not the third look's
 
 
