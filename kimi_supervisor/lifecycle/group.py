@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from kimi_supervisor.child.process import Child, PreparedSpawn
 from kimi_supervisor.clock import Clock, SystemClock
 from kimi_supervisor.config.model import ClusterConfig, Config, SpawnSpec
-from kimi_supervisor.exitcodes import ExitCode, LeaderLost, PeerLost, SupervisorError
+from kimi_supervisor.exitcodes import EngineWedged, ExitCode, LeaderLost, PeerLost, SupervisorError
 from kimi_supervisor.host.gpu import GpuProbe
 from kimi_supervisor.lifecycle.deps import Liveness, LivenessFactory, Spawner
 from kimi_supervisor.lifecycle.signals import STOP_SIGNALS, StopRequested
@@ -229,7 +229,18 @@ class LeaderLiveness:
         self._poller.start()
 
     def check(self) -> None:
-        self._deep.check()
+        try:
+            self._deep.check()
+        except EngineWedged as wedged:
+            # The canary's request runs on every node: a follower lost mid-step fails it (TP) or times it out
+            # (PP) before failures_tolerated looks have condemned that follower. Where a follower is failing
+            # too, the cause is the peer: 19 (the group restarts from this end), not 17 (this engine wedged).
+            for obs in self._poller.drain():
+                self._observe(obs)
+            suspect = self._failing_follower()
+            if suspect is None:
+                raise
+            raise PeerLost(f"{wedged.message}, while {suspect}") from wedged
         for obs in self._poller.drain():
             self._observe(obs)
         now = self._clock.monotonic()
@@ -237,6 +248,13 @@ class LeaderLiveness:
             if not track.run_id and now - self._since > FOLLOWER_READY_GRACE_S:
                 seen = track.last.why if track.last is not None else "no answer yet"
                 raise PeerLost(f"follower {url} not ready {FOLLOWER_READY_GRACE_S:g}s after the leader ({seen})")
+
+    def _failing_follower(self) -> str | None:
+        """A follower whose last look failed (not yet failures_tolerated times), in words; None if all answer."""
+        for url, track in self._tracks.items():
+            if track.failures and track.last is not None:
+                return f"follower {url} failed {track.failures} look(s) in a row ({track.last.why})"
+        return None
 
     def _observe(self, obs: Observation) -> None:
         track = self._tracks.get(obs.url)

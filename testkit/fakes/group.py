@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_supervisor.config.model import Config, SpawnSpec
-from kimi_supervisor.exitcodes import SupervisorError
+from kimi_supervisor.exitcodes import EngineWedged, SupervisorError
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.lifecycle.group import run_group_node
 from kimi_supervisor.lifecycle.supervisor import Deps
@@ -107,6 +107,8 @@ class GroupWorld:
         self.pollers: list[FakePoller] = []
         self.error: SupervisorError | None = None
         self.health: Callable[[float], int | None] = lambda t: None  # the leader's /health
+        # From this fake second on, the leader's canary has failed failures_tolerated times (EngineWedged).
+        self.canary_wedged_at: float | None = None
 
     # Spawner
     def prepare(self, spec: SpawnSpec, parent_env: Mapping[str, str]) -> None:
@@ -170,7 +172,7 @@ class GroupWorld:
             clock=self.clock,
             spawn=self,
             prober=lambda url, timeout_s, interval_s, wake: FakeProber(self.clock, self.health, interval_s, wake),
-            liveness=lambda *args, **kw: _NoDeepLiveness(),
+            liveness=lambda *args, **kw: _FakeDeepLiveness(self.clock, self.canary_wedged_at),
             selector=lambda: FakeSelector(self.clock),
             drain=lambda *args, **kw: None,  # the drain is tested in test_drain.py
             wall=self.clock.time,
@@ -190,16 +192,22 @@ class GroupWorld:
         return self.notes.times(key, value)
 
 
-class _NoDeepLiveness:
-    """The leader's canary, token progress and GPU events are tested elsewhere: here always fine."""
+class _FakeDeepLiveness:
+    """The leader's canary, token progress and GPU events are tested elsewhere: here fine until `wedged_at`,
+    then the canary's verdict (EngineWedged) at every check."""
 
     healthy = True
+
+    def __init__(self, clock: EventClock, wedged_at: float | None) -> None:
+        self._clock = clock
+        self._wedged_at = wedged_at
 
     def start(self) -> None:
         return None
 
     def check(self) -> None:
-        return None
+        if self._wedged_at is not None and self._clock.t >= self._wedged_at:
+            raise EngineWedged("engine wedged: the 1-token canary completion failed 2 times in a row (fake)")
 
     def in_flight_sample(self) -> tuple[float, float] | None:
         return None

