@@ -65,6 +65,20 @@ def write_config(path: Path, sections: dict[str, dict[str, Any]], host_paths: bo
     return path
 
 
+def fake_sections(tmp_path: Path) -> dict[str, dict[str, Any]]:
+    """What every fake-vLLM config shares: no GPUs, its own shm directory and paths, fast timings."""
+    shm = tmp_path / "shm"
+    shm.mkdir(exist_ok=True)
+    return {
+        "preflight": {"gpus": [], "check_model": False},
+        "preflight.shm": {"directory": str(shm)},
+        "readiness": {"stall_timeout_s": 20, "deadline_s": 60, "poll_interval_s": 0.1},
+        "health": {"interval_s": 0.3, "timeout_s": 1, "failures_tolerated": 3},
+        "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
+        "paths": own_dirs(tmp_path),
+    }
+
+
 def fake_config(tmp_path: Path, fake_args: list[str] | None = None, tp: int = 2, **sections: dict[str, Any]) -> Path:
     port = free_port()
     argv = [
@@ -86,16 +100,9 @@ def fake_config(tmp_path: Path, fake_args: list[str] | None = None, tp: int = 2,
         "120",
         *(fake_args or []),
     ]
-    shm = tmp_path / "shm"
-    shm.mkdir(exist_ok=True)
     cfg: dict[str, dict[str, Any]] = {
         "child": {"argv": argv, "env": {"KIMI_TEST_MARKER": str(tmp_path)}},
-        "preflight": {"gpus": [], "check_model": False},
-        "preflight.shm": {"directory": str(shm)},
-        "readiness": {"stall_timeout_s": 20, "deadline_s": 60, "poll_interval_s": 0.1},
-        "health": {"interval_s": 0.3, "timeout_s": 1, "failures_tolerated": 3},
-        "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
-        "paths": own_dirs(tmp_path),
+        **fake_sections(tmp_path),
     }
     for key, value in sections.items():
         cfg.setdefault(key.replace("__", "."), {}).update(value)
@@ -321,16 +328,7 @@ def weights_pair(
     role "weights" (kimi.weights.toml) and the fake engine mapping it (kimi.toml, `[weights] holder = true`)."""
     holder_argv = [sys.executable, str(FAKE), "preload", "--model", str(tmp_path / "model"), "-tp", str(tp)]
     holder_argv += ["--load-seconds", "0.3", "--max-lifetime", "120", *(holder_args or [])]
-    shm = tmp_path / "shm"
-    shm.mkdir(exist_ok=True)
-    common: dict[str, dict[str, Any]] = {
-        "preflight": {"gpus": [], "check_model": False},
-        "preflight.shm": {"directory": str(shm)},
-        "readiness": {"stall_timeout_s": 20, "deadline_s": 60, "poll_interval_s": 0.1},
-        "health": {"interval_s": 0.3, "timeout_s": 1, "failures_tolerated": 3},
-        "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
-        "paths": own_dirs(tmp_path),
-    }
+    common = fake_sections(tmp_path)
     holder = write_config(
         tmp_path / "kimi.weights.toml",
         {
