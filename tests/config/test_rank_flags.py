@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.config.load import load_config
 from kimi_supervisor.config.model import ClusterConfig
 from kimi_supervisor.config.rank_flags import RankFlagError, group_argv, strip_rank_flags
-from kimi_supervisor.exitcodes import ConfigError, ExitCode
+from tests.config.config_text import error_of, load
 
 CLUSTER = ClusterConfig(2, 1, "10.77.0.1", 29771)
 BASE = ("vllm", "serve", "/m", "--tensor-parallel-size", "2")
@@ -22,19 +21,6 @@ def config(argv: str = '"vllm", "serve", "/m", "-tp", "2"', rank: int = 1, extra
         f"[child]\nargv = [{argv}]\n{child}[deployment]\nrole = {role!r}\n"
         f'[cluster]\nnnodes = 2\nnode_rank = {rank}\nmaster_addr = "10.77.0.1"\nmaster_port = 29771\n{peers}{extra}'
     ).replace("'", '"')
-
-
-def load(tmp_path: Path, text: str):  # type: ignore[no-untyped-def]
-    path = tmp_path / "k.toml"
-    path.write_text(text)
-    return load_config(path)
-
-
-def error_of(tmp_path: Path, text: str) -> str:
-    with pytest.raises(ConfigError) as info:
-        load(tmp_path, text)
-    assert info.value.exit_code == ExitCode.CONFIG and "\n" not in info.value.message
-    return info.value.message.replace(str(tmp_path / "k.toml"), "{p}")
 
 
 def test_follower_flags_are_appended() -> None:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.config.load import effective_config, load_config
+from kimi_supervisor.config.load import effective_config
 from kimi_supervisor.config.model import ClusterConfig
-from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.roles import Role
+from tests.config.config_text import error_of, load
 
 MINIMAL = '[child]\nargv = ["vllm", "serve", "/m"]\n'
 LEADER = (
@@ -17,19 +17,6 @@ LEADER = (
     + '[deployment]\nrole = "leader"\n[cluster]\nnnodes = 2\nnode_rank = 0\nmaster_addr = "10.77.0.1"\n'
     + 'peers = ["http://10.77.0.2:29599/"]\n'
 )
-
-
-def load(tmp_path: Path, text: str, name: str = "k.toml"):  # type: ignore[no-untyped-def]
-    path = tmp_path / name
-    path.write_text(text)
-    return load_config(path)
-
-
-def error_of(tmp_path: Path, text: str, name: str = "k.toml") -> str:
-    with pytest.raises(ConfigError) as info:
-        load(tmp_path, text, name)
-    assert info.value.exit_code == ExitCode.CONFIG and "\n" not in info.value.message
-    return info.value.message.replace(str(tmp_path / name), "{p}")
 
 
 def test_defaults_one_engine_named_after_its_file(tmp_path: Path) -> None:
