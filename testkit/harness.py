@@ -175,16 +175,25 @@ class Run:
             found = self.event(name)
             if found:
                 return found
-            if self.proc.poll() is not None and not self.event(name):
-                time.sleep(0.2)
+            if self.proc.poll() is not None:
+                # It has exited: its stderr ends at EOF, so the reader has everything once it has read to the end.
+                self._threads[0].join(timeout=10)
                 found = self.event(name)
                 if found:
                     return found
                 raise AssertionError(
-                    f"supervisor exited {self.proc.returncode} before {name}: {self.names()} {self.raw_stderr[-5:]}"
+                    f"supervisor exited {self.proc.returncode} before {name}: {self.names()}"
+                    f" {self.why()} {self.raw_stderr[-5:]}"
                 )
             time.sleep(0.02)
         raise AssertionError(f"no {name} within {timeout}s: {self.names()}")
+
+    def why(self) -> str:
+        """What the supervisor said of its end: the failed checks and the exit record (a failing test's message
+        then names the cause, e.g. a port another process held, not only the exit code)."""
+        said = [e for e in list(self.events) if e.get("event") in ("state.failed", "supervisor.exit")]
+        said += [e for e in list(self.events) if e.get("status") == "fail" or e.get("level") == "error"][:5]
+        return json.dumps(said, default=str)[:2000]
 
     def names(self) -> list[str]:
         return [e.get("event", "?") for e in list(self.events)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import random
 import socket
 
 PR_SET_NAME = 15
@@ -23,10 +24,66 @@ def set_comm(name: str) -> None:
         fh.write(raw)
 
 
-def free_port() -> int:
+EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
+_claimed: list[socket.socket] = []  # the claims this process holds, oldest first
+_KEEP = 512  # claims kept at once; an older one is a port whose test has long ended
+
+
+def port_window(ephemeral: tuple[int, int] | None = None) -> range:
+    """The ports a test may pick: outside the kernel's ephemeral range, from which every `connect()` on this host
+    takes its source port.  A port picked inside it can be taken by any connection (a health probe of a test
+    running beside) between the pick and the child's bind, and the supervisor's port check then fails the start."""
+    if ephemeral is None:
+        try:
+            with open(EPHEMERAL) as fh:
+                low, high = (int(f) for f in fh.read().split())
+        except (OSError, ValueError):
+            low, high = 32768, 60999  # the kernel's default
+    else:
+        low, high = ephemeral
+    if low - 1024 >= 4096:
+        return range(max(1024, low - 16384), low)
+    return range(high + 1, 65536)
+
+
+def claim_port(port: int) -> bool:
+    """Hold PORT for this process's life if no other test process holds it and it is bindable now.  The claim is
+    an abstract Unix socket named for the port: one namespace for every test process on the host (xdist workers,
+    another worktree's run, a bench), any user, no file left behind, gone when the process ends."""
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        claim.bind(f"\0kimi-test-port-{port}")
+    except OSError:
+        claim.close()
+        return False
+    if not _bindable(port):
+        claim.close()
+        return False
+    _claimed.append(claim)
+    if len(_claimed) > _KEEP:
+        _claimed.pop(0).close()
+    return True
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the supervisor's port check binds
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A loopback port no other test process holds, bindable now, outside the ephemeral range (port_window)."""
+    window = port_window()
+    start = random.randrange(len(window))
+    for i in range(len(window)):
+        port = window[(start + i) % len(window)]
+        if claim_port(port):
+            return port
+    raise OSError(f"no free test port in {window.start}-{window.stop - 1}")
 
 
 def proc_stat(pid: int) -> list[bytes] | None:
