@@ -34,6 +34,8 @@ from kimi_supervisor.exitcodes import ExitCode, NoPermission, ServiceUnavailable
 UNIT_NAME = "kimi-supervisor.service"
 TEMPLATE_NAME = "kimi-supervisor@.service"
 HOLDER_TEMPLATE_NAME = "kimi-supervisor-weights@.service"  # a deployment's weight holder (issue 26)
+TEMPLATE_RESTART_SEC = 15  # after a crash that reloads 540 GB: the GPUs freed, nothing hurried
+HOLDER_ENGINE_RESTART_SEC = 2  # an engine beside its weight holder (instance_dropin)
 DROPIN_NAME = "50-kimi-supervisor.conf"  # install-unit --instance NAME: that instance's own settings
 DEFAULT_EXEC = "/usr/local/bin/kimi-supervisor"
 DEFAULT_UNIT_DIR = Path("/etc/systemd/system")
@@ -71,7 +73,7 @@ WatchdogSec=60
 # SIGTERM to the supervisor alone (it stops its tree in order), then SIGKILL to whatever is left.
 KillMode=mixed
 Restart=on-failure
-RestartSec=15
+RestartSec={restart_sec}
 # 78 = configuration error: restarting cannot fix it.
 RestartPreventExitStatus={config_exit}
 # vLLM pins host memory for GPU transfers and opens many files (119 shards, sockets).
@@ -256,6 +258,7 @@ def render(
         description=", deployment %i" if template else "",
         command=" ".join(words),
         config_exit=int(ExitCode.CONFIG),
+        restart_sec=TEMPLATE_RESTART_SEC,
         stop_s=int(stop_s),
         syslog=("kimi-supervisor-weights@%i" if holder else "kimi-supervisor@%i") if template else "kimi-supervisor",
         directories=INSTANCE_DIRECTORIES if template else PLAIN_DIRECTORIES,
@@ -293,16 +296,21 @@ def writable_lines(writable: Sequence[Path]) -> str:
 def instance_dropin(stop_s: int, writable: Sequence[Path], holder_unit: str | None = None) -> str:
     """What one instance's config adds to the template (install-unit --instance NAME); `holder_unit`: the
     deployment's weight holder, which the engine maps (`[weights] holder = true`)."""
-    bind = ""
+    bind = restart = ""
     if holder_unit is not None:
         bind = (
             "[Unit]\n# This engine maps its weight holder's weights: started once the holder is ready, stopped\n"
             "# (first) whenever the holder stops; its own restarts never touch the holder.\n"
             f"BindsTo={holder_unit}\nAfter={holder_unit}\n"
         )
+        restart = (
+            "# A restart maps the held weights instead of reading them (seconds, not minutes): the template's\n"
+            f"# {TEMPLATE_RESTART_SEC} s would be most of it.  StartLimitBurst= still ends a crash loop.\n"
+            f"RestartSec={HOLDER_ENGINE_RESTART_SEC}\n"
+        )
     return (
         "# Rendered by `kimi-supervisor install-unit --instance`: this instance's own settings, from its config.\n"
-        f"{bind}[Service]\nTimeoutStopSec={int(stop_s)}\n{writable_lines(writable)}"
+        f"{bind}[Service]\nTimeoutStopSec={int(stop_s)}\n{restart}{writable_lines(writable)}"
     )
 
 

@@ -260,6 +260,8 @@ def test_install_unit_writes_the_holder_and_engine_pair(tmp_path: Path) -> None:
     assert template["SyslogIdentifier"] == "kimi-supervisor-weights@%i"
     engine_dropin = directives((units / "kimi-supervisor@kimi.service.d" / unit.DROPIN_NAME).read_text())
     assert engine_dropin["BindsTo"] == engine_dropin["After"] == "kimi-supervisor-weights@kimi.service"
+    # Its restarts map the held weights (seconds): not the template's 15 s before each.
+    assert template["RestartSec"] == "15" and engine_dropin["RestartSec"] == "2"
     holder_dropin = directives((units / "kimi-supervisor-weights@kimi.service.d" / unit.DROPIN_NAME).read_text())
     assert holder_dropin["TimeoutStopSec"] == "65"  # the holder's own grace 20 + 5 + 30 + 10
     if shutil.which("systemd-analyze"):
