@@ -22,7 +22,7 @@ from kimi_supervisor.config.load import effective_config, load_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import ConfigError, ExitCode, SupervisorError
 from kimi_supervisor.files import dirtrust
-from kimi_supervisor.host import instance_lock
+from kimi_supervisor.host import checkpoint, instance_lock
 from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, configured_gpus
 from kimi_supervisor.host.nvml import NvmlProbe
 from kimi_supervisor.host.proctable import PsutilProcessTable
@@ -198,13 +198,26 @@ def _weights_checks(cfg: Config, gpu_count: int) -> list[Check]:
     out: list[Check] = []
     if cfg.role is Role.WEIGHTS:
         key = ", ".join(f"{k}={v}" for k, v in cfg.weights.key.items() if v is not None)
+        try:
+            found = checkpoint.fingerprint(cfg.weights.key.get("model"))
+            held = (
+                "not a local checkpoint (vLLM keys on the model's name)"
+                if found is None
+                else f"{len(found.shards)} shard header(s), vLLM fingerprint {found.digest[:12]}"
+            )
+        except checkpoint.CheckpointError as exc:
+            found, held = None, f"unreadable ({exc})"
         out.append(
             Check(
                 "weights",
                 Status.OK,
                 f"weight holder: sockets in {cfg.weights.socket_dir}, ready on vLLM's READY line and "
-                f"{cfg.readiness.health_url} 200; cache key {key}",
-                {"socket_dir": str(cfg.weights.socket_dir), "key": dict(cfg.weights.key)},
+                f"{cfg.readiness.health_url} 200; cache key {key}; checkpoint: {held}",
+                {
+                    "socket_dir": str(cfg.weights.socket_dir),
+                    "key": dict(cfg.weights.key),
+                    "checkpoint": None if found is None else found.digest,
+                },
             )
         )
     else:

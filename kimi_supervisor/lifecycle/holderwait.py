@@ -9,12 +9,15 @@ its preflight kills or waits for anything, until the holder's own supervisor say
 
 The holder records its cache key (config/weights.py `weights_key`: model, TP, PP, DP, dtype, quantization,
 revision) in the same file.  An engine whose flags make another key would have its load refused by the
-daemon, so it is refused here, at once, naming each field that differs: exit 10.
+daemon, so it is refused here, at once, naming each field that differs: exit 10.  So is an engine whose model on
+disk is no longer the checkpoint the holder loaded (the holder's recorded fingerprint, host/checkpoint.py: vLLM's
+own, from the shards' headers), naming the shards that changed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +26,8 @@ from kimi_supervisor.config import layout
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.config.weights import key_mismatch
 from kimi_supervisor.exitcodes import PreflightError, WeightsUnavailable
+from kimi_supervisor.host import checkpoint
+from kimi_supervisor.host.checkpoint import Fingerprint, changed_shards
 from kimi_supervisor.liveness.health_probe import probe
 from kimi_supervisor.liveness.http import HttpClient, request
 from kimi_supervisor.logs.types import Logger
@@ -39,9 +44,25 @@ class HolderSeen:
     doc: dict[str, Any] | None = None
 
 
-def look(cfg: Config, http: HttpClient = request, alive: Callable[[dict[str, Any]], bool] = writer_alive) -> HolderSeen:
+def engine_checkpoint(cfg: Config) -> Fingerprint | None:
+    """The engine's model as vLLM will fingerprint it in its load (host/checkpoint.py)."""
+    assert cfg.weights is not None
+    try:
+        return checkpoint.fingerprint(cfg.weights.key.get("model"))
+    except checkpoint.CheckpointError as exc:
+        why = f"weights: the model cannot be fingerprinted as vLLM will to map the held weights: {exc}"
+        raise PreflightError(why) from None
+
+
+def look(
+    cfg: Config,
+    http: HttpClient = request,
+    alive: Callable[[dict[str, Any]], bool] = writer_alive,
+    model_now: Callable[[], Fingerprint | None] | None = None,
+) -> HolderSeen:
     """One look at the holder: its state file, its supervisor, its key, its /health.  PreflightError on a key
-    that does not match the engine's."""
+    that does not match the engine's, or a checkpoint on disk that is not the one the holder loaded.
+    `model_now`: the engine's fingerprint (read once per wait, not at every look)."""
     path = layout.holder_of(cfg).state_file
     unit = layout.unit_name(cfg.deployment.name, Role.WEIGHTS) + ".service"
     try:
@@ -66,6 +87,15 @@ def look(cfg: Config, http: HttpClient = request, alive: Callable[[dict[str, Any
             + "; ".join(mismatch)
             + f"): start the holder ({unit}) with the engine's flags, or the engine with the holder's"
         )
+    held = weights.get("checkpoint")
+    if isinstance(held, dict) and isinstance(held.get("digest"), str):
+        now = (model_now or (lambda: engine_checkpoint(cfg)))()
+        if now is not None and now.digest != held["digest"]:
+            raise PreflightError(
+                "weights: the model on disk is not the checkpoint its weight holder loaded ("
+                + changed_shards(held, now)
+                + f"): vLLM would refuse the held weights; restart {unit} (a full load), then the engine"
+            )
     if doc.get("phase") != "ready":
         return HolderSeen(False, f"the holder is {doc.get('phase')}: {doc.get('status') or 'no status'}", doc)
     url = weights.get("health_url")
@@ -91,8 +121,9 @@ def wait_for_holder(
     wait_s, poll_s = cfg.weights.wait_s, cfg.preflight.poll_interval_s
     start = clock.monotonic()
     last_why = ""
+    model_now = functools.cache(lambda: engine_checkpoint(cfg))
     while True:
-        seen = look(cfg, http)
+        seen = look(cfg, http, model_now=model_now)
         waited = clock.monotonic() - start
         if seen.ready:
             log.info("weights.holder_ready", waited_s=round(waited, 3), why=seen.why)

@@ -176,6 +176,10 @@ def validate_state(doc: dict[str, Any]) -> None:
     string(weights.get("holder_state"), "weights.holder_state")
     for name, value in mapping(weights.get("key"), "weights.key").items():
         string(value, f"weights.key.{printable(name)[:40]}")
+    held = mapping(weights.get("checkpoint"), "weights.checkpoint")
+    string(held.get("digest"), "weights.checkpoint.digest", optional=not held, longest=128)
+    for name, value in mapping(held.get("shards"), "weights.checkpoint.shards").items():
+        string(value, f"weights.checkpoint.shards.{printable(name)[:40]}", optional=False, longest=128)
     failure = mapping(doc.get("last_failure"), "last_failure")
     number(failure.get("at"), "last_failure.at")
     integer(failure.get("exit_code"), "last_failure.exit_code", lo=-255, hi=255)

@@ -25,6 +25,7 @@ from kimi_supervisor import __version__
 from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.model import Config
+from kimi_supervisor.host import checkpoint
 from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable
 from kimi_supervisor.host.proctable import ProcessTable, PsutilProcessTable
 from kimi_supervisor.liveness.health_probe import HealthResult
@@ -208,10 +209,32 @@ class OperatorView:
         self.history.count("preflight_kills_total", kills)
         self.history.count("shm_removed_total", shm_removed)
 
-    @_never_fatal
     def before_spawn(self) -> None:
-        """The page cache's share of the shards, measured just before vLLM starts reading (loadwatch.py)."""
-        self.load.before_spawn()
+        """Just before vLLM starts reading: the holder's checkpoint fingerprint, the page cache's share."""
+        self._record_checkpoint()
+        self._measure_cache()
+
+    @_never_fatal
+    def _measure_cache(self) -> None:
+        self.load.before_spawn()  # loadwatch.py
+
+    @_never_fatal
+    def _record_checkpoint(self) -> None:
+        """A holder records the checkpoint it is about to load, as vLLM fingerprints it (host/checkpoint.py): its
+        engines compare theirs before they start.  Unreadable: recorded as unknown, and the daemon's own key check
+        is the one left."""
+        if self._cfg.role is not Role.WEIGHTS or self._cfg.weights is None:
+            return
+        model = self._cfg.weights.key.get("model")
+        try:
+            found = checkpoint.fingerprint(model)
+        except checkpoint.CheckpointError as exc:
+            self._log.warning("weights.checkpoint_unknown", model=model, error=str(exc))
+            found = None
+        self.doc["weights"]["checkpoint"] = None if found is None else found.to_doc()
+        if found is not None:
+            self._log.info("weights.checkpoint", model=model, digest=found.digest, shards=len(found.shards))
+        self._dirty = True
 
     @_never_fatal
     def read_rate_text(self) -> str | None:

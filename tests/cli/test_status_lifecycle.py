@@ -78,7 +78,11 @@ def frozen(marker: str) -> Iterator[None]:
 def test_state_file_and_status_through_a_lifecycle(tmp_path: Path) -> None:
     prom = tmp_path / "textfile" / "kimi_supervisor.prom"
     prom.parent.mkdir()
-    config = fake_config(tmp_path, ["--load-seconds", "2", "--shards", "12"], metrics={"textfile": str(prom)})
+    # The load holds after its first shard until the test has looked (a 2 s load caught "while loading" only as
+    # long as the machine is fast enough: seen failing with the whole load done before the tree was frozen).
+    release = tmp_path / "release-load"
+    fake_args = ["--load-seconds", "2", "--shards", "12", "--hold-load-until", str(release)]
+    config = fake_config(tmp_path, fake_args, metrics={"textfile": str(prom)})
     state_file = tmp_path / "run" / "kimi" / "state.json"
     before = status(config)
     assert before.returncode == 3
@@ -102,6 +106,7 @@ def test_state_file_and_status_through_a_lifecycle(tmp_path: Path) -> None:
         assert text.stdout.startswith("● kimi-supervisor@kimi - starting: ")
         assert "    Progress: [" in text.stdout and "/12 shards" in text.stdout
         assert "\x1b[" not in text.stdout  # no colours into a pipe
+        release.touch()
 
         ready = run.wait_event("state.ready")
         wait_for(lambda: (lambda d: d and d["phase"] == "ready" and d["health"]["ok"] is True)(state_doc(state_file)))

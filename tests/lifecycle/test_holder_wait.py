@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 from kimi_supervisor.exitcodes import ExitCode
+from kimi_supervisor.host.checkpoint import fingerprint
 from testkit.harness import REPO, Run, fake_tree_of, weights_pair
+from testkit.safetensors_files import write_model, write_shard
 from tests.conftest import wait_for
 
 
@@ -94,6 +96,37 @@ def test_engine_whose_flags_differ_from_the_holders_key_is_refused_naming_them(t
         holder.wait(20)
 
 
+def test_a_model_changed_under_a_live_holder_refuses_the_engine_naming_the_shard(tmp_path: Path) -> None:
+    """The holder records the checkpoint it loads (vLLM's fingerprint); an engine whose model on disk has since
+    changed is refused with exit 10 naming the shard, before vLLM's own key check would fail its load."""
+    shards = write_model(tmp_path / "model")
+    holder_cfg, engine_cfg = weights_pair(tmp_path)
+    holder = Run(holder_cfg, own(tmp_path, "h"))
+    try:
+        holder.wait_event("state.ready", timeout=30)
+        state = json.loads((tmp_path / "run" / "kimi" / "state.weights.json").read_text())
+        held = fingerprint(tmp_path / "model")
+        assert held is not None and state["weights"]["checkpoint"] == held.to_doc()
+        engine = Run(engine_cfg, own(tmp_path, "e"))  # the same checkpoint: it starts
+        engine.wait_event("state.ready", timeout=30)
+        engine.signal()
+        assert engine.wait(20) == ExitCode.OK
+        write_shard(shards[1], {"layers.2.w": ("BF16", [8, 16]), "layers.2.b": ("F32", [8])})  # a new checkpoint
+        engine = Run(engine_cfg, own(tmp_path, "e2"))
+        assert engine.wait(30) == ExitCode.PREFLIGHT_FAILED
+        exit_event = engine.event("supervisor.exit")
+        assert exit_event is not None and exit_event["error"] == (
+            "weights: the model on disk is not the checkpoint its weight holder loaded (header changed: "
+            "model-00002-of-00003.safetensors): vLLM would refuse the held weights; restart "
+            "kimi-supervisor-weights@kimi.service (a full load), then the engine"
+        )
+        assert engine.event("state.starting") is None  # nothing spawned
+        assert holder.proc.poll() is None and fake_tree_of(f"{tmp_path}/holder")  # the holder untouched
+    finally:
+        holder.signal()
+        holder.wait(20)
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
@@ -113,6 +146,12 @@ def test_dry_run_and_status_show_the_holder(tmp_path: Path) -> None:
     assert [line for line in result.stdout.splitlines() if refuses in line] != []
     result = cli("--config", str(holder_cfg), "--dry-run")
     assert "weight holder: sockets in " + str(tmp_path / "run" / "kimi" / "weight-cache") in result.stdout
+    assert "checkpoint: not a local checkpoint (vLLM keys on the model's name)" in result.stdout
+    write_model(tmp_path / "model")
+    fp = fingerprint(tmp_path / "model")
+    assert fp is not None
+    result = cli("--config", str(holder_cfg), "--dry-run")
+    assert f"checkpoint: 3 shard header(s), vLLM fingerprint {fp.digest[:12]}" in result.stdout, result.stdout
     assert refuses in result.stdout
     holder = Run(holder_cfg, own(tmp_path, "h"))
     engine = None
