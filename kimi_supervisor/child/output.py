@@ -178,6 +178,15 @@ class ChildOutput:
         self._report(final=True)
         self.sink.flush()
         self.sink.close(timeout_s)
+        # Lines the reader had not taken when the wait ended are given up: counted here, else lost silently.
+        abandoned = self.sink.take_dropped(final=True)
+        if abandoned:
+            self.log.warning(
+                "child.dropped",
+                lines=abandoned,
+                sink=self.sink.name,
+                why=f"the reader took no more within {timeout_s:g}s of the exit",
+            )
 
     def _close_stream(self, fd: int) -> None:
         lines = self._splitters[fd].feed(self._partials.pop(fd, b""))

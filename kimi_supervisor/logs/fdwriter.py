@@ -82,6 +82,14 @@ class FdWriter:
                 select.select([], [self.fd], [], min(left, 0.05))
             self.flush()
 
+    def abandon(self) -> int:
+        """At exit, after `drain`: give up the lines the reader never took, and count them as dropped (a line
+        the reader got only part of counts too).  Left in the buffer, they would end with the process uncounted."""
+        n = self._buf.count(b"\n") + (1 if self._buf and not self._buf.endswith(b"\n") else 0)
+        self._buf.clear()
+        self.dropped += n
+        return n
+
     def close(self) -> None:
         if self._was_blocking:
             with contextlib.suppress(OSError):
@@ -117,6 +125,9 @@ class StreamWriter:
 
     def drain(self, timeout_s: float) -> None:
         return None
+
+    def abandon(self) -> int:
+        return 0  # every write has already happened
 
     def close(self) -> None:
         return None

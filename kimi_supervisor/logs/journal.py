@@ -240,6 +240,7 @@ class ConsoleChildSink:
     def close(self, timeout_s: float) -> None:
         self.flush()
         self._writer.drain(timeout_s)
+        self._writer.abandon()  # what the reader did not take in time: dropped and counted (take_dropped)
         self._writer.close()
 
 
