@@ -14,13 +14,11 @@ down (the leader exits 19 within 30 s, the follower kills its tree and waits).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import itertools
 import json
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +31,7 @@ from kimi_supervisor.exitcodes import ExitCode
 from testkit.harness import Run, write_config
 from testkit.vllm_serve import VLLM_ENV
 from tests.conftest import wait_for
+from tests.e2e.netpair import NetPair
 
 pytestmark = [pytest.mark.multinode, pytest.mark.vllm]
 
@@ -44,50 +43,11 @@ PEER_LOST_BOUND_S = 30.0
 LEADER_LOST_KILL_BOUND_S = 10.0
 
 
-class Net:
-    """Two network namespaces and the veth pair between them: ours alone, deleted with everything in them."""
-
-    def __init__(self) -> None:
-        tag = f"{os.getpid() % 100000}"
-        self.leader, self.follower = f"kimi-l{tag}", f"kimi-f{tag}"
-        self.lif, self.fif = f"kl{tag}", f"kf{tag}"
-
-    def up(self) -> None:
-        for cmd in (
-            ["ip", "netns", "add", self.leader],
-            ["ip", "netns", "add", self.follower],
-            ["ip", "link", "add", self.lif, "type", "veth", "peer", "name", self.fif],
-            ["ip", "link", "set", self.lif, "netns", self.leader],
-            ["ip", "link", "set", self.fif, "netns", self.follower],
-            ["ip", "-n", self.leader, "addr", "add", f"{NET}.1/24", "dev", self.lif],
-            ["ip", "-n", self.follower, "addr", "add", f"{NET}.2/24", "dev", self.fif],
-            ["ip", "-n", self.leader, "link", "set", self.lif, "up"],
-            ["ip", "-n", self.follower, "link", "set", self.fif, "up"],
-            ["ip", "-n", self.leader, "link", "set", "lo", "up"],
-            ["ip", "-n", self.follower, "link", "set", "lo", "up"],
-        ):
-            subprocess.run(cmd, check=True, capture_output=True, timeout=10)
-
-    def pids(self, ns: str) -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10).stdout
-        return [int(p) for p in out.split()]
-
-    def down(self) -> None:
-        # Everything left in our namespaces is ours (nothing else can have entered them): SIGKILL, then delete.
-        for ns in (self.leader, self.follower):
-            for pid in self.pids(ns):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        for ns in (self.leader, self.follower):
-            wait_for(lambda ns=ns: not self.pids(ns), timeout=20)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-
-
 @pytest.fixture
-def net() -> Iterator[Net]:
+def net() -> Iterator[NetPair]:
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
-    n = Net()
+    n = NetPair(NET, "")
     try:
         n.up()
         yield n
@@ -95,7 +55,7 @@ def net() -> Iterator[Net]:
         n.down()
 
 
-def node_config(tmp_path: Path, vllm_bin: Path, model: Path, net: Net, rank: int) -> Path:
+def node_config(tmp_path: Path, vllm_bin: Path, model: Path, net: NetPair, rank: int) -> Path:
     base = tmp_path / f"node{rank}"
     (base / "shm").mkdir(parents=True, exist_ok=True)
     argv = [str(vllm_bin), "serve", str(model), "--host", f"{NET}.1", "--port", str(API_PORT)]
@@ -132,7 +92,7 @@ _starts = itertools.count()
 _runs: list[tuple[str, Run]] = []  # every supervisor started, for a failure's timeline
 
 
-def start(config: Path, net: Net, rank: int) -> Run:
+def start(config: Path, net: NetPair, rank: int) -> Run:
     """A supervisor for node `rank`, with a notify socket of its own (each start is a new process)."""
     ns = net.leader if rank == 0 else net.follower
     notify_dir = config.parent / f"start{next(_starts)}"
@@ -169,7 +129,7 @@ def wait_ready(run: Run, n: int, timeout: float = READY_S) -> float:
     return time.monotonic()
 
 
-def vllm_processes(net: Net, ns: str, supervisor: Run) -> list[psutil.Process]:
+def vllm_processes(net: NetPair, ns: str, supervisor: Run) -> list[psutil.Process]:
     out = []
     for pid in net.pids(ns):
         try:
@@ -186,7 +146,7 @@ def vllm_main(run: Run) -> int:
 
 
 def test_a_two_node_group_heals_from_each_fault(
-    tmp_path: Path, vllm_bin: Path, tiny_model: Path, net: Net, record_property: Any
+    tmp_path: Path, vllm_bin: Path, tiny_model: Path, net: NetPair, record_property: Any
 ) -> None:
     measured: dict[str, float] = {}
     t0 = time.monotonic()
@@ -240,7 +200,7 @@ def test_a_two_node_group_heals_from_each_fault(
         wait_ready(leader, 1)
         wait_ready(follower, 1)
         cut, cut_wall = time.monotonic(), time.time()
-        subprocess.run(["ip", "-n", net.follower, "link", "set", net.fif, "down"], check=True, timeout=10)
+        net.set_link(1, up=False)
         wait_for(lambda: not vllm_processes(net, net.follower, follower), timeout=2 * LEADER_LOST_KILL_BOUND_S)
         measured["partition_follower_tree_gone_s"] = time.monotonic() - cut
         measured["partition_follower_logged_s"] = event_after(follower, "group.leader_lost", cut_wall, 20)

@@ -14,7 +14,16 @@ group in the state the next one starts from where it can:
 2. both started together; the follower's vLLM main SIGKILLed: the follower exits 13, the leader exits 19
    (PEER_LOST) within 30 s, systemd restarts both (NRestarts +1 each), the group serves again, no orphan;
 3. the leader's supervisor SIGKILLed: systemd kills the leader's tree and restarts it; the follower's tree is gone
-   within 10 s with no restart of its own, and it rejoins: the group serves again, no orphan.
+   within 10 s with no restart of its own, and it rejoins: the group serves again, no orphan;
+4. the leader first (its worker at the rendezvous, the master port open), then the follower; a follower worker
+   SIGKILLed (the headless main then exits 0 by itself): as 2, leader 19 within 30 s, follower 13, +1 each;
+5. the follower's end of the veth pair down (a silent partition): the leader exits 19 within 30 s and systemd
+   restarts it, the follower's tree is gone within 10 s with no restart; the link up again: the follower joins
+   the leader's new run with no operator action;
+6. the leader's vLLM main SIGKILLed (not its supervisor): the leader's supervisor stops its tree (the orphaned
+   EngineCore and worker too) and exits 13, systemd restarts it; the follower's tree is gone within 10 s with no
+   restart of its own, it rejoins; both stopped at the end.
+Eight group starts in all (three clean starts, five restarts after a fault): the least these scenarios need.
 """
 
 from __future__ import annotations
@@ -23,7 +32,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -37,6 +45,7 @@ from kimi_supervisor.systemd import unit
 from testkit.harness import write_config
 from testkit.vllm_serve import VENV, VLLM_ENV
 from tests.conftest import wait_for
+from tests.e2e.netpair import NetPair
 from tests.nspawn import checkout
 from tests.nspawn.nspawn import NspawnMachine, available
 
@@ -70,56 +79,20 @@ PS = (
 )
 
 
-class Net:
-    """Two network namespaces and the veth pair between them: ours alone, deleted (with the pair) afterwards."""
-
-    def __init__(self) -> None:
-        tag = f"{os.getpid() % 100000}"
-        self.leader, self.follower = f"kimi-sl{tag}", f"kimi-sf{tag}"
-        self.lif, self.fif = f"ksl{tag}", f"ksf{tag}"
-        self.made: list[str] = []
-
-    def up(self) -> None:
-        for ns in (self.leader, self.follower):
-            subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=10)
-            self.made.append(ns)
-        for cmd in (
-            ["ip", "link", "add", self.lif, "type", "veth", "peer", "name", self.fif],
-            ["ip", "link", "set", self.lif, "netns", self.leader],
-            ["ip", "link", "set", self.fif, "netns", self.follower],
-            ["ip", "-n", self.leader, "addr", "add", f"{NET}.1/24", "dev", self.lif],
-            ["ip", "-n", self.follower, "addr", "add", f"{NET}.2/24", "dev", self.fif],
-            ["ip", "-n", self.leader, "link", "set", self.lif, "up"],
-            ["ip", "-n", self.follower, "link", "set", self.fif, "up"],
-            ["ip", "-n", self.leader, "link", "set", "lo", "up"],
-            ["ip", "-n", self.follower, "link", "set", "lo", "up"],
-        ):
-            subprocess.run(cmd, check=True, capture_output=True, timeout=10)
-
-    def pids(self, ns: str) -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10).stdout
-        return [int(p) for p in out.split()]
-
-    def down(self) -> None:
-        # Run after the machines are torn down: anything still in our namespaces is ours (nothing else entered
-        # them).  Deleting a namespace deletes the veth end in it, and with it the pair.
-        for ns in self.made:
-            for pid in self.pids(ns):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        for ns in self.made:
-            with contextlib.suppress(TimeoutError):
-                wait_for(lambda ns=ns: not self.pids(ns), timeout=20)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-        # A veth made before a failed move is still on the host: delete it by name (ours: our pid in it).
-        subprocess.run(["ip", "link", "del", self.lif], capture_output=True, timeout=10)
+# Whether a TCP port listens in the machine's network namespace (/proc/net/tcp{,6}: state 0A is LISTEN).
+LISTENING = (
+    "import sys\n"
+    "port = ':%04X' % int(sys.argv[1])\n"
+    "rows = [l.split() for f in ('/proc/net/tcp', '/proc/net/tcp6') for l in open(f).readlines()[1:]]\n"
+    "print(any(r[1].endswith(port) and r[3] == '0A' for r in rows))\n"
+)
 
 
 class Node:
-    """One machine of the group and the shipped unit in it."""
+    """One machine of the group and the shipped unit in it, and its end of the veth pair."""
 
-    def __init__(self, m: NspawnMachine, rank: int) -> None:
-        self.m, self.rank = m, rank
+    def __init__(self, m: NspawnMachine, rank: int, net: NetPair) -> None:
+        self.m, self.rank, self.net = m, rank, net
         self.name = "leader" if rank == 0 else "follower"
 
     def prop(self, name: str) -> str:
@@ -149,6 +122,18 @@ class Node:
         [child] = [pid for pid, ppid, _ in self.processes() if ppid == main]
         return child
 
+    def workers(self) -> list[int]:
+        """The vLLM main's `VLLM::Worker` children (one per local rank)."""
+        main = self.vllm_main()
+        return [pid for pid, ppid, cmd in self.processes() if ppid == main and cmd.startswith("VLLM::Worker")]
+
+    def listening(self, port: int) -> bool:
+        return self.m.run([sys.executable, "-c", LISTENING, str(port)], timeout=30).stdout.strip() == "True"
+
+    def link(self, up: bool) -> None:
+        """This node's end of the pair down (a silent partition: no refusal, no reset) or up again."""
+        self.net.set_link(self.rank, up)
+
     def kill(self, pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
         self.m.run(["kill", f"-{sig.name.removeprefix('SIG')}", str(pid)])
 
@@ -169,7 +154,7 @@ class Node:
         return self.vllm_pids() - set(self.m.unit_pids(UNIT))
 
 
-def node_config(tmp_path: Path, model: Path, net: Net, rank: int) -> str:
+def node_config(tmp_path: Path, model: Path, net: NetPair, rank: int) -> str:
     argv = [str(VENV / "bin" / "vllm"), "serve", str(model), "--host", f"{NET}.1", "--port", str(API_PORT)]
     argv += ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--served-model-name", "tiny"]
     argv += ["--tensor-parallel-size", "2"]
@@ -207,7 +192,7 @@ def group(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         pytest.skip(why)
     tmp = tmp_path_factory.mktemp("multinode-systemd")
     journals = Path(os.environ.get("KIMI_NSPAWN_LOG_DIR") or tmp)  # CI keeps that dir as an artifact
-    net = Net()
+    net = NetPair(NET, "s")
     machines: list[NspawnMachine] = []
     try:
         net.up()
@@ -224,7 +209,7 @@ def group(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             m.install_unit(UNIT, unit.render(launcher, Path(CONFIG)), reload=False)
             m.write_file(DROPIN, DROPIN_TEXT)
             m.daemon_reload()
-        yield Node(machines[0], 0), Node(machines[1], 1)
+        yield Node(machines[0], 0, net), Node(machines[1], 1, net)
     finally:
         try:
             for rank, m in reversed(list(enumerate(machines))):
@@ -279,6 +264,33 @@ def ensure_group(leader: Node, follower: Node) -> None:
     wait_serving(leader, follower)
 
 
+def follower_fault_restarts_both(leader: Node, follower: Node, victim: int, key: str) -> None:
+    """SIGKILL `victim` in the follower's tree (its vLLM main, or a worker: then the headless main exits 0 on its
+    own): the leader's run ends with 19 within the bound, the follower's with 13 (its tree stopped, the orphaned
+    worker too), systemd restarts both once, the group serves again, nothing of the old trees lives on."""
+    l_restarts, f_restarts = leader.nrestarts(), follower.nrestarts()
+    old = leader.vllm_pids() | follower.vllm_pids()
+    killed_wall, killed = time.time(), time.monotonic()
+    follower.kill(victim)
+    # The leader's run ends with 19 within the bound; systemd restarts it (RestartSec=1).
+    wait_for(lambda: leader.exits(killed_wall), timeout=PEER_LOST_BOUND_S + 5, interval=0.5)
+    [(leader_exit_s, leader_status)] = leader.exits(killed_wall)[:1]
+    measured[f"{key}_leader_exit_s"] = leader_exit_s
+    assert leader_status == ExitCode.PEER_LOST
+    assert leader_exit_s < PEER_LOST_BOUND_S
+    wait_for(lambda: follower.exits(killed_wall), timeout=30, interval=0.5)
+    [(follower_exit_s, follower_status)] = follower.exits(killed_wall)[:1]
+    measured[f"{key}_follower_exit_s"] = follower_exit_s
+    assert follower_status == ExitCode.CHILD_DIED
+    wait_serving(leader, follower)
+    measured[f"{key}_group_ready_again_s"] = time.monotonic() - killed
+    assert (leader.nrestarts(), follower.nrestarts()) == (l_restarts + 1, f_restarts + 1)
+    assert [s for _, s in leader.exits(killed_wall)] == [ExitCode.PEER_LOST]
+    assert [s for _, s in follower.exits(killed_wall)] == [ExitCode.CHILD_DIED]
+    assert_group_serving(leader, follower)
+    assert not old & (leader.vllm_pids() | follower.vllm_pids())  # nothing of the old trees lives on
+
+
 def test_follower_first_then_leader_stopped(group: tuple[Node, Node]) -> None:
     leader, follower = group
     follower.m.systemctl("start", "--no-block", UNIT)  # READY only once the leader serves
@@ -323,28 +335,7 @@ def test_both_together_then_follower_main_killed(group: tuple[Node, Node]) -> No
     assert_group_serving(leader, follower)
     assert time.monotonic() - started < GROUP_READY_S
 
-    l_restarts, f_restarts = leader.nrestarts(), follower.nrestarts()
-    old = leader.vllm_pids() | follower.vllm_pids()
-    killed_wall, killed = time.time(), time.monotonic()
-    follower.kill(follower.vllm_main())
-    # The leader's run ends with 19 within the bound; systemd restarts it (RestartSec=1).
-    wait_for(lambda: leader.exits(killed_wall), timeout=PEER_LOST_BOUND_S + 5, interval=0.5)
-    [(leader_exit_s, leader_status)] = leader.exits(killed_wall)[:1]
-    measured["follower_main_killed_leader_exit_s"] = leader_exit_s
-    assert leader_status == ExitCode.PEER_LOST
-    assert leader_exit_s < PEER_LOST_BOUND_S
-    # Its main died: the follower stops the rest of its tree (the orphaned worker) and exits 13.
-    wait_for(lambda: follower.exits(killed_wall), timeout=30, interval=0.5)
-    [(follower_exit_s, follower_status)] = follower.exits(killed_wall)[:1]
-    measured["follower_main_killed_follower_exit_s"] = follower_exit_s
-    assert follower_status == ExitCode.CHILD_DIED
-    wait_serving(leader, follower)
-    measured["follower_main_killed_group_ready_again_s"] = time.monotonic() - killed
-    assert (leader.nrestarts(), follower.nrestarts()) == (l_restarts + 1, f_restarts + 1)
-    assert [s for _, s in leader.exits(killed_wall)] == [ExitCode.PEER_LOST]
-    assert [s for _, s in follower.exits(killed_wall)] == [ExitCode.CHILD_DIED]
-    assert_group_serving(leader, follower)
-    assert not old & (leader.vllm_pids() | follower.vllm_pids())  # nothing of the old trees lives on
+    follower_fault_restarts_both(leader, follower, follower.vllm_main(), "follower_main_killed")
 
 
 def test_leader_supervisor_sigkilled(group: tuple[Node, Node]) -> None:
@@ -362,6 +353,93 @@ def test_leader_supervisor_sigkilled(group: tuple[Node, Node]) -> None:
     measured["leader_sigkilled_group_ready_again_s"] = time.monotonic() - killed
     assert [s for _, s in leader.exits(killed_wall)] == [-1]  # killed by a signal, not an exit status
     assert leader.nrestarts() == l_restarts + 1
+    assert (follower.prop("MainPID"), follower.nrestarts(), follower.exits(killed_wall)) == (f_main, f_restarts, [])
+    assert_group_serving(leader, follower)
+    assert not old & (leader.vllm_pids() | follower.vllm_pids())
+    for n in (leader, follower):
+        n.m.systemctl("stop", UNIT, timeout=90)
+        assert n.vllm_pids() == set() and n.prop("ExecMainStatus") == "0"
+
+
+def test_leader_first_then_a_follower_worker_killed(group: tuple[Node, Node]) -> None:
+    leader, follower = group
+    for n in (leader, follower):  # the test before stopped both; a failed one may not have
+        n.m.systemctl("stop", UNIT, check=False, timeout=90)
+        n.m.systemctl("reset-failed", UNIT, check=False)
+    l_restarts = leader.nrestarts()
+    started = time.monotonic()
+    leader.m.systemctl("start", "--no-block", UNIT)
+    # The leader first, really: its rank-0 worker at the rendezvous (the master port open), waiting for a follower
+    # that is not even started.
+    wait_for(lambda: leader.listening(MASTER_PORT), timeout=GROUP_READY_S, interval=0.5)
+    measured["leader_first_master_port_s"] = time.monotonic() - started
+    assert follower.prop("ActiveState") == "inactive" and not leader.serving()
+    follower.m.systemctl("start", "--no-block", UNIT)
+    measured["leader_first_group_ready_s"] = wait_serving(leader, follower)
+    assert leader.nrestarts() == l_restarts  # the leader waited at its rendezvous, it did not fail
+    assert_group_serving(leader, follower)
+
+    # A worker dies, not the main: the headless main notices and exits 0 (vLLM's own monitor), which is 13 for
+    # the follower; the leader's /health stays 200 meanwhile (vLLM alone), so 19 is the supervisors' doing.
+    [worker, *_] = follower.workers()
+    follower_fault_restarts_both(leader, follower, worker, "follower_worker_killed")
+
+
+def test_follower_link_down_then_up(group: tuple[Node, Node]) -> None:
+    leader, follower = group
+    ensure_group(leader, follower)
+    l_restarts, f_restarts, f_main = leader.nrestarts(), follower.nrestarts(), follower.prop("MainPID")
+    old = leader.vllm_pids() | follower.vllm_pids()
+    cut_wall, cut = time.time(), time.monotonic()
+    follower.link(up=False)
+    try:
+        # The follower's status stops answering (timeouts, nothing refused): the leader's run ends with 19.
+        wait_for(lambda: leader.exits(cut_wall), timeout=PEER_LOST_BOUND_S + 5, interval=0.5)
+        [(leader_exit_s, leader_status)] = leader.exits(cut_wall)[:1]
+        measured["partition_leader_exit_s"] = leader_exit_s
+        assert leader_status == ExitCode.PEER_LOST
+        assert leader_exit_s < PEER_LOST_BOUND_S
+        # The follower cannot reach its leader either: its tree goes, the same process waits.
+        wait_for(lambda: not follower.vllm_pids() & old, timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
+        measured["partition_follower_tree_gone_s"] = time.monotonic() - cut
+        # systemd restarts the leader; its new run waits at its rendezvous, behind the partition.
+        wait_for(lambda: leader.nrestarts() == l_restarts + 1, timeout=30, interval=0.5)
+        wait_for(lambda: leader.listening(MASTER_PORT), timeout=GROUP_READY_S, interval=0.5)
+        assert (follower.prop("MainPID"), follower.nrestarts(), follower.exits(cut_wall)) == (f_main, f_restarts, [])
+        assert not follower.serving() and follower.vllm_pids() == set()
+    finally:
+        healed = time.monotonic()
+        follower.link(up=True)
+    # No operator action: the follower sees the leader's new run and joins it.
+    wait_serving(leader, follower)
+    measured["partition_healed_group_ready_s"] = time.monotonic() - healed
+    assert (leader.nrestarts(), follower.nrestarts()) == (l_restarts + 1, f_restarts)
+    assert [s for _, s in leader.exits(cut_wall)] == [ExitCode.PEER_LOST]
+    assert (follower.prop("MainPID"), follower.exits(cut_wall)) == (f_main, [])
+    assert_group_serving(leader, follower)
+    assert not old & (leader.vllm_pids() | follower.vllm_pids())
+
+
+def test_leader_vllm_main_killed(group: tuple[Node, Node]) -> None:
+    leader, follower = group
+    ensure_group(leader, follower)
+    l_restarts, f_restarts, f_main = leader.nrestarts(), follower.nrestarts(), follower.prop("MainPID")
+    old = leader.vllm_pids() | follower.vllm_pids()
+    killed_wall, killed = time.time(), time.monotonic()
+    leader.kill(leader.vllm_main())  # the API server: its EngineCore and worker would live on as orphans
+    # The leader's supervisor stops its tree and exits 13, like one node's; its status said "stopping" first, so
+    # the follower's tree goes within the bound, without a restart of its own.
+    wait_for(lambda: not follower.vllm_pids() & old, timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
+    measured["leader_main_killed_follower_tree_gone_s"] = time.monotonic() - killed
+    wait_for(lambda: leader.exits(killed_wall), timeout=60, interval=0.5)
+    [(leader_exit_s, leader_status)] = leader.exits(killed_wall)[:1]
+    measured["leader_main_killed_leader_exit_s"] = leader_exit_s
+    assert leader_status == ExitCode.CHILD_DIED
+    assert not leader.vllm_pids() & old  # the orphaned EngineCore and worker went with the tree
+    wait_serving(leader, follower)
+    measured["leader_main_killed_group_ready_again_s"] = time.monotonic() - killed
+    assert leader.nrestarts() == l_restarts + 1
+    assert [s for _, s in leader.exits(killed_wall)] == [ExitCode.CHILD_DIED]
     assert (follower.prop("MainPID"), follower.nrestarts(), follower.exits(killed_wall)) == (f_main, f_restarts, [])
     assert_group_serving(leader, follower)
     assert not old & (leader.vllm_pids() | follower.vllm_pids())
