@@ -18,14 +18,14 @@ import dataclasses
 import hashlib
 import json
 import os
-import stat
 import struct
 from pathlib import Path
 from typing import Any
 
+from kimi_supervisor.host import pagecache
+
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
-MAX_INDEX = 64 << 20
 
 
 class CheckpointError(ValueError):
@@ -49,17 +49,12 @@ def _hasher() -> Any:
 
 
 def _regular(path: Path) -> int:
-    """An fd of PATH through symlinks (a Hugging Face snapshot), refused unopened if it is a FIFO or a device."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise CheckpointError(f"{path} is not a regular file")
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        return pagecache.open_regular(path)
+    except ValueError as exc:  # a FIFO or a device: refused unopened
+        raise CheckpointError(str(exc)) from None
     except OSError as exc:
         raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError(f"{path} is not a regular file")
-    return fd
 
 
 def _header(path: Path) -> bytes:
@@ -81,9 +76,12 @@ def _indexed(model: Path, files: list[Path]) -> list[Path]:
     index = model / INDEX
     if not os.path.isfile(index):
         return files
-    fd = _regular(index)
-    with open(fd, "rb") as f:
-        raw = f.read(MAX_INDEX)
+    try:
+        raw = pagecache.read_index(index)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    except OSError as exc:
+        raise CheckpointError(f"{index}: {exc.strerror or exc}") from None
     try:
         weight_map = json.loads(raw)["weight_map"]
         named = {model / str(v) for v in weight_map.values()}

@@ -134,7 +134,7 @@ def shards_in_load_order(model_dir: Path) -> list[Path]:
     (model_executor/model_loader/weight_utils.py:147 `_natural_sort_key`, :1098); without a readable index,
     every *.safetensors (default_loader.py:170-253)."""
     try:
-        names = set(json.loads(_read_index(model_dir / "model.safetensors.index.json"))["weight_map"].values())
+        names = set(json.loads(read_index(model_dir / "model.safetensors.index.json"))["weight_map"].values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         names = {p.name for p in model_dir.glob("*.safetensors")}
     return [model_dir / n for n in sorted(names, key=_natural_key)]
@@ -145,13 +145,20 @@ def _natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
     return tuple((0, int(s)) if s.isdigit() else (1, s) for s in re.split(r"(\d+)", name))
 
 
-def _read_index(path: Path, max_bytes: int = 64 << 20) -> bytes:
-    """The index's bytes, through symlinks (a Hugging Face snapshot); a FIFO or device is refused unopened."""
+def open_regular(path: Path) -> int:
+    """An fd to read the regular file at PATH, through symlinks (a Hugging Face snapshot links each file to its
+    blob); a FIFO or a device is refused unopened (ValueError), and again on the fd if one was swapped in."""
     real = os.path.realpath(path)
     if not stat.S_ISREG(os.stat(real).st_mode):
         raise ValueError(f"{path} is not a regular file")
     fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
-    with open(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path} is not a regular file")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path} is not a regular file")
+    return fd
+
+
+def read_index(path: Path, max_bytes: int = 64 << 20) -> bytes:
+    """The shard index's bytes (open_regular)."""
+    with open(open_regular(path), "rb") as f:
         return f.read(max_bytes)
