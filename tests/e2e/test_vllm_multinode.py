@@ -29,8 +29,8 @@ import pytest
 
 from kimi_supervisor.exitcodes import ExitCode
 from testkit.harness import Run, write_config
-from testkit.vllm_serve import VLLM_ENV
 from tests.conftest import wait_for
+from tests.e2e.group_config import node_sections
 from tests.e2e.netpair import NetPair
 
 pytestmark = [pytest.mark.multinode, pytest.mark.vllm]
@@ -58,34 +58,11 @@ def net() -> Iterator[NetPair]:
 def node_config(tmp_path: Path, vllm_bin: Path, model: Path, net: NetPair, rank: int) -> Path:
     base = tmp_path / f"node{rank}"
     (base / "shm").mkdir(parents=True, exist_ok=True)
-    argv = [str(vllm_bin), "serve", str(model), "--host", f"{NET}.1", "--port", str(API_PORT)]
-    argv += ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--served-model-name", "tiny"]
-    argv += ["--tensor-parallel-size", "2"]
-    env = {
-        **VLLM_ENV,
-        "VLLM_HOST_IP": f"{NET}.{rank + 1}",
-        "GLOO_SOCKET_IFNAME": net.lif if rank == 0 else net.fif,
-        "VLLM_CPU_OMP_THREADS_BIND": str(rank),  # one core each: two nodes on a 2-core box
-        "KIMI_TEST_MARKER": str(base),
-    }
-    cluster: dict[str, Any] = {"nnodes": 2, "node_rank": rank, "master_addr": f"{NET}.1", "master_port": MASTER_PORT}
-    if rank == 0:
-        cluster["peers"] = [f"http://{NET}.2:29599/"]
-    return write_config(
-        base / "kimi.toml",
-        {
-            "child": {"argv": argv, "env": env},
-            "deployment": {"role": "leader" if rank == 0 else "follower"},
-            "cluster": cluster,
-            "preflight": {"gpus": []},
-            "preflight.shm": {"directory": str(base / "shm")},
-            "readiness": {"deadline_s": READY_S, "stall_timeout_s": 180},
-            "health": {"interval_s": 1, "timeout_s": 5},
-            # The follower keeps its own default (2 s: its workers ignore SIGTERM while blocked on the leader).
-            "shutdown": {"gpu_release_timeout_s": 0, **({"grace_s": 10} if rank == 0 else {})},
-            "paths": {"runtime_directory": str(base / "run"), "state_directory": str(base / "state")},
-        },
-    )
+    sections = node_sections(vllm_bin, model, net, rank, api_port=API_PORT, master_port=MASTER_PORT, ready_s=READY_S)
+    sections["child"]["env"]["KIMI_TEST_MARKER"] = str(base)
+    sections["preflight.shm"] = {"directory": str(base / "shm")}
+    sections["paths"] = {"runtime_directory": str(base / "run"), "state_directory": str(base / "state")}
+    return write_config(base / "kimi.toml", sections)
 
 
 _starts = itertools.count()

@@ -36,15 +36,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.systemd import unit
 from testkit.harness import write_config
-from testkit.vllm_serve import VENV, VLLM_ENV
+from testkit.vllm_serve import VENV
 from tests.conftest import wait_for
+from tests.e2e.group_config import node_sections
 from tests.e2e.netpair import NetPair
 from tests.nspawn import checkout
 from tests.nspawn.nspawn import NspawnMachine, available
@@ -155,32 +155,11 @@ class Node:
 
 
 def node_config(tmp_path: Path, model: Path, net: NetPair, rank: int) -> str:
-    argv = [str(VENV / "bin" / "vllm"), "serve", str(model), "--host", f"{NET}.1", "--port", str(API_PORT)]
-    argv += ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--served-model-name", "tiny"]
-    argv += ["--tensor-parallel-size", "2"]
-    env = {
-        **VLLM_ENV,
-        "VLLM_HOST_IP": f"{NET}.{rank + 1}",
-        "GLOO_SOCKET_IFNAME": net.lif if rank == 0 else net.fif,
-        "VLLM_CPU_OMP_THREADS_BIND": str(rank),  # one core each: two nodes on a 2-core box
-    }
-    cluster: dict[str, Any] = {"nnodes": 2, "node_rank": rank, "master_addr": f"{NET}.1", "master_port": MASTER_PORT}
-    if rank == 0:
-        cluster["peers"] = [f"http://{NET}.2:29599/"]
-    path = write_config(
-        tmp_path / f"node{rank}.toml",
-        {
-            "child": {"argv": argv, "env": env},
-            "deployment": {"role": "leader" if rank == 0 else "follower"},
-            "cluster": cluster,
-            "preflight": {"gpus": []},
-            "readiness": {"deadline_s": GROUP_READY_S, "stall_timeout_s": 180},
-            "health": {"interval_s": 1, "timeout_s": 5},
-            "shutdown": {"gpu_release_timeout_s": 0, **({"grace_s": 10} if rank == 0 else {})},
-        },
-        host_paths=True,  # inside a machine the default [paths] are its own
+    sections = node_sections(
+        VENV / "bin" / "vllm", model, net, rank, api_port=API_PORT, master_port=MASTER_PORT, ready_s=GROUP_READY_S
     )
-    return path.read_text()
+    # host_paths: inside a machine the default [paths] are its own.
+    return write_config(tmp_path / f"node{rank}.toml", sections, host_paths=True).read_text()
 
 
 @pytest.fixture(scope="module")
