@@ -17,6 +17,7 @@ import os
 import pwd
 import stat
 from collections.abc import Mapping
+from pathlib import Path
 
 
 class Unresolvable(Exception):
@@ -72,21 +73,52 @@ def identity_environment(identity: Identity | None) -> dict[str, str]:
     return {"HOME": identity.home, "USER": identity.user, "LOGNAME": identity.user}
 
 
-def _may_execute(st: os.stat_result, identity: Identity | None) -> bool:
-    if not stat.S_ISREG(st.st_mode):
-        return False
-    mode = st.st_mode
+def _permits(st: os.stat_result, identity: Identity | None, bits: int) -> bool:
+    """Whether the mode bits give BITS (an S_IX* triple's user bit, e.g. S_IXUSR) to the child's user: the
+    owner's class if it owns the file, else the group's if one of its groups does, else others' (as the
+    kernel decides; ACLs are not read).  Computed from stat for the child, not os.access (the supervisor's)."""
     if identity is None:
         uid, groups = os.geteuid(), {os.getegid(), *os.getgroups()}
     else:
         uid, groups = identity.uid, {identity.gid, *identity.groups}
-    if uid == 0:
-        return bool(mode & 0o111)  # root needs one execute bit, as execve(2) does
+    mode = st.st_mode
     if st.st_uid == uid:
-        return bool(mode & stat.S_IXUSR)
+        return bool(mode & bits)
     if st.st_gid in groups:
-        return bool(mode & stat.S_IXGRP)
-    return bool(mode & stat.S_IXOTH)
+        return bool(mode & (bits >> 3))
+    return bool(mode & (bits >> 6))
+
+
+def _is_root(identity: Identity | None) -> bool:
+    return (os.geteuid() if identity is None else identity.uid) == 0
+
+
+def _may_execute(st: os.stat_result, identity: Identity | None) -> bool:
+    if not stat.S_ISREG(st.st_mode):
+        return False
+    if _is_root(identity):
+        return bool(st.st_mode & 0o111)  # root needs one execute bit, as execve(2) does
+    return _permits(st, identity, stat.S_IXUSR)
+
+
+def _closed_directory(candidate: str, identity: Identity | None) -> str | None:
+    """The first directory on CANDIDATE's path the child may not search (x): execve fails EACCES there.  The
+    directories of the path as written and of its real path, so a symlink's target directories count too."""
+    if _is_root(identity):
+        return None  # CAP_DAC_READ_SEARCH
+    seen = set()
+    for path in (os.path.abspath(candidate), os.path.realpath(candidate)):
+        for directory in reversed(Path(path).parents):
+            if directory in seen:
+                continue
+            seen.add(directory)
+            try:
+                st = os.stat(directory)
+            except OSError:
+                continue  # the stat of the file itself said what is missing
+            if not _permits(st, identity, stat.S_IXUSR):
+                return str(directory)
+    return None
 
 
 def resolve_executable(argv0: str, env: Mapping[str, str], cwd: str | None, identity: Identity | None) -> str:
@@ -98,16 +130,19 @@ def resolve_executable(argv0: str, env: Mapping[str, str], cwd: str | None, iden
         path = env.get("PATH", os.defpath)
         candidates = [os.path.join(d or ".", argv0) for d in path.split(os.pathsep)]
         where = f" on the child's PATH ({path[:200]})"
+    who = f"user {identity.user!r}" if identity else "the supervisor's user"
     denied = None
     for candidate in candidates:
         try:
             st = os.stat(candidate)
         except OSError:
             continue
-        if _may_execute(st, identity):
+        closed = _closed_directory(candidate, identity)
+        if closed is not None:
+            denied = denied or f"{candidate} is in {closed}, a directory {who} may not search (no x permission)"
+        elif _may_execute(st, identity):
             return os.path.abspath(candidate)
-        denied = denied or candidate
-    who = f"user {identity.user!r}" if identity else "the supervisor's user"
+        denied = denied or f"{candidate} is not an executable file for {who}"
     if denied is not None:
-        raise Unresolvable("argv[0]", f"{denied} is not an executable file for {who}")
+        raise Unresolvable("argv[0]", denied)
     raise Unresolvable("argv[0]", f"{argv0!r} not found{where}")

@@ -98,14 +98,84 @@ def test_unknown_user_group_and_executable_are_named() -> None:
 
 
 @needs_root
-def test_executable_that_only_root_may_run_is_refused_for_nobody(tmp_path: Path) -> None:
-    tool = tmp_path / "serve"
+def test_executable_that_only_root_may_run_is_refused_for_nobody(open_dir: Path) -> None:
+    tool = open_dir / "serve"
     tool.write_text("#!/bin/sh\nexit 0\n")
     tool.chmod(0o700)
     assert prepare_spawn(spec(str(tool)), {}).executable == str(tool)
     with pytest.raises(Unresolvable) as info:
         prepare_spawn(spec(str(tool), user="nobody"), {})
     assert info.value.message == f"{tool} is not an executable file for user 'nobody'"
+
+
+@needs_root
+def test_executable_in_a_directory_the_child_may_not_search_is_refused(open_dir: Path) -> None:
+    # Before: the file's own mode was all that was looked at; execve as nobody then failed EACCES (exit 15).
+    nobody = pwd.getpwnam("nobody")
+    locked = open_dir / "opt" / "venv"
+    locked.mkdir(parents=True)
+    tool = locked / "python3"
+    tool.write_text("#!/bin/sh\nexit 0\n")
+    tool.chmod(0o755)
+    for mode, group, searchable in (
+        (0o700, 0, False),
+        (0o711, 0, True),  # others' x
+        (0o710, nobody.pw_gid, True),  # through nobody's own group
+        (0o701, nobody.pw_gid, False),  # in the group, whose class has no x: others' x does not apply
+    ):
+        os.chown(locked, 0, group)
+        locked.chmod(mode)
+        assert prepare_spawn(spec(str(tool)), {}).executable == str(tool)  # root searches any directory
+        if searchable:
+            assert prepare_spawn(spec(str(tool), user="nobody"), {}).executable == str(tool)
+            continue
+        with pytest.raises(Unresolvable) as info:
+            prepare_spawn(spec(str(tool), user="nobody"), {})
+        assert (info.value.key, info.value.message) == (
+            "argv[0]",
+            f"{tool} is in {locked}, a directory user 'nobody' may not search (no x permission)",
+        ), oct(mode)
+    # Through a symlink: the target's directories are the ones execve walks.
+    locked.chmod(0o700)
+    link = open_dir / "python3"
+    link.symlink_to(tool)
+    with pytest.raises(Unresolvable) as info:
+        prepare_spawn(spec("python3", user="nobody", env={"PATH": str(open_dir)}), {})
+    assert info.value.message == f"{link} is in {locked}, a directory user 'nobody' may not search (no x permission)"
+
+
+@needs_root
+def test_cli_interpreter_under_a_0700_directory_exits_78_naming_it_and_acts_on_nothing(
+    tmp_path: Path, open_dir: Path
+) -> None:
+    # Before: argv[0] passed, the preflight removed the stale shm file, then the spawn failed: exit 15, restarted.
+    locked = open_dir / "venv"
+    locked.mkdir(mode=0o700)
+    tool = locked / "vllm"
+    tool.write_text("#!/bin/sh\nexit 0\n")
+    tool.chmod(0o755)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / "psm_stale").write_bytes(b"x")
+    cfg = write_config(
+        tmp_path / "k.toml",
+        {
+            "child": {"argv": [str(tool), "serve"], "user": "nobody"},
+            "preflight": {"gpus": [], "check_model": False, "check_port": False},
+            "preflight.shm": {"directory": str(shm)},
+        },
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "kimi_supervisor", "--config", str(cfg), "--log-format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert run.returncode == 78, run.stderr[-2000:]
+    assert (shm / "psm_stale").exists()
+    words = f"{cfg}: child.argv[0]: {tool} is in {locked}, a directory user 'nobody' may not search (no x permission)"
+    assert words in run.stderr
 
 
 @pytest.mark.parametrize(
