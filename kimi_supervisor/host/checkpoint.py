@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import struct
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 from kimi_supervisor.host import pagecache
 
-INDEX = "model.safetensors.index.json"
+INDEX = pagecache.INDEX
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
@@ -48,48 +47,42 @@ def _hasher() -> Any:
         return hashlib.sha256()
 
 
-def _regular(path: Path) -> int:
+def _regular(path: Path, within: Path) -> int:
     try:
-        return pagecache.open_regular(path)
-    except ValueError as exc:  # a FIFO or a device: refused unopened
+        return pagecache.open_regular(path, within)
+    except ValueError as exc:  # outside the model, a FIFO or a device: refused unopened
         raise CheckpointError(str(exc)) from None
     except OSError as exc:
         raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
 
 
-def _header(path: Path) -> bytes:
-    fd = _regular(path)
+def _header(path: Path, within: Path) -> bytes:
+    # The errors name no number read from the file: what a shard's first bytes hold is never published.
+    fd = _regular(path, within)
     with open(fd, "rb") as f:
         size = f.read(8)
         if len(size) < 8:
             raise CheckpointError(f"{path}: shorter than a safetensors header")
         (length,) = struct.unpack("<Q", size)
         if length > MAX_HEADER:
-            raise CheckpointError(f"{path}: a safetensors header of {length} bytes (more than {MAX_HEADER})")
+            raise CheckpointError(f"{path}: its first 8 bytes give a safetensors header of more than {MAX_HEADER}")
         body = f.read(length)
         if len(body) < length:
-            raise CheckpointError(f"{path}: the safetensors header is cut short ({len(body)} of {length} bytes)")
+            raise CheckpointError(f"{path}: the safetensors header is cut short (the file ends inside it)")
     return size + body
 
 
 def _indexed(model: Path, files: list[Path]) -> list[Path]:
-    index = model / INDEX
-    if not os.path.isfile(index):
-        return files
     try:
-        raw = pagecache.read_index(index)
-    except ValueError as exc:
+        names = pagecache.index_names(model)
+    except pagecache.ModelFileError as exc:
         raise CheckpointError(str(exc)) from None
-    except OSError as exc:
-        raise CheckpointError(f"{index}: {exc.strerror or exc}") from None
-    try:
-        weight_map = json.loads(raw)["weight_map"]
-        named = {model / str(v) for v in weight_map.values()}
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise CheckpointError(f"{index}: no readable weight_map") from None
+    if names is None:
+        return files
+    named = {model / n for n in names}
     missing = sorted(p.name for p in named - set(files))
     if missing:
-        raise CheckpointError(f"{index} names shards that are missing: {', '.join(missing[:3])}")
+        raise CheckpointError(f"{model / INDEX} names shards that are missing: {', '.join(missing[:3])}")
     return [f for f in files if f in named]
 
 
@@ -105,8 +98,9 @@ def fingerprint(model: str | Path | None) -> Fingerprint | None:
         return None
     whole = _hasher()
     shards: dict[str, str] = {}
+    within = pagecache.boundary(root)
     for path in sorted(files, key=lambda p: p.name):
-        header = _header(path)
+        header = _header(path, within)
         whole.update(path.name.encode())
         whole.update(header)
         one = _hasher()

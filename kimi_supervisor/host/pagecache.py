@@ -28,6 +28,8 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from kimi_supervisor.config.file import file_kind
+
 SAMPLE_WINDOWS = 64
 WINDOW_PAGES = 256
 PAGE = mmap.PAGESIZE
@@ -132,12 +134,17 @@ def drop(paths: Iterable[Path]) -> None:
 def shards_in_load_order(model_dir: Path) -> list[Path]:
     """The shards vLLM 0.32 reads, in its order: the index's files, natural-sorted by base name
     (model_executor/model_loader/weight_utils.py:147 `_natural_sort_key`, :1098); without a readable index,
-    every *.safetensors (default_loader.py:170-253)."""
+    every *.safetensors (default_loader.py:170-253).  A shard that resolves outside the model (`inside`) is
+    left out: nothing here reads, maps or asks about a file the model does not hold."""
     try:
-        names = set(json.loads(read_index(model_dir / "model.safetensors.index.json"))["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        names = {p.name for p in model_dir.glob("*.safetensors")}
-    return [model_dir / n for n in sorted(names, key=_natural_key)]
+        names = index_names(model_dir)
+    except ModelFileError:
+        names = None
+    if names is None:
+        names = [p.name for p in model_dir.glob("*.safetensors")]
+    bound = boundary(model_dir)
+    paths = [model_dir / n for n in sorted(set(names), key=_natural_key)]
+    return [p for p in paths if inside(p, bound)]
 
 
 def _natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
@@ -145,20 +152,110 @@ def _natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
     return tuple((0, int(s)) if s.isdigit() else (1, s) for s in re.split(r"(\d+)", name))
 
 
-def open_regular(path: Path) -> int:
-    """An fd to read the regular file at PATH, through symlinks (a Hugging Face snapshot links each file to its
-    blob); a FIFO or a device is refused unopened (ValueError), and again on the fd if one was swapped in."""
+INDEX = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 << 20  # Kimi-K2's index is ~6 MB; a larger one is not an index
+
+
+class ModelFileError(ValueError):
+    """A file of the model cannot be used as vLLM would use it: `what` says why (one line, no bytes of the
+    file but its JSON error's position), str() is `PATH: what`."""
+
+    def __init__(self, path: Path | str, what: str) -> None:
+        super().__init__(f"{path}: {what}")
+        self.path = str(path)
+        self.what = what
+
+
+def boundary(model_dir: Path) -> Path:
+    """The directory every file of the model must resolve inside: the model directory's real path or, for a
+    Hugging Face cache snapshot (`<cache>/models--ORG--NAME/snapshots/REV`, whose files link to
+    `../../blobs/HASH`), that repository's directory: its blobs are the model's files, another repository's or
+    anything else on the host are not."""
+    real = Path(os.path.realpath(model_dir))
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent
+    return real
+
+
+def inside(path: Path | str, bound: Path) -> bool:
+    """Whether PATH, symlinks resolved, lies inside BOUND (a missing file: where it would be)."""
     real = os.path.realpath(path)
-    if not stat.S_ISREG(os.stat(real).st_mode):
-        raise ValueError(f"{path} is not a regular file")
-    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    return real == str(bound) or real.startswith(str(bound).rstrip("/") + "/")
+
+
+def open_regular(path: Path, within: Path | None = None) -> int:
+    """An fd to read the regular file at PATH, through symlinks (a Hugging Face snapshot links each file to its
+    blob); a FIFO or a device is refused unopened (ModelFileError), and again on the fd if one was swapped in.
+    WITHIN (a `boundary`): a file that resolves outside it is refused unopened, and the fd's own path is
+    checked again after the open, so a link swapped in between cannot lead the read outside."""
+    real = os.path.realpath(path)
+    if within is not None and not inside(real, within):
+        raise ModelFileError(path, f"resolves to {real}, outside the model ({within})")
+    mode = os.stat(real).st_mode
+    if not stat.S_ISREG(mode):
+        raise ModelFileError(path, f"is {file_kind(mode)}, expected a regular file")
+    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    mode = os.fstat(fd).st_mode
+    opened = _fd_path(fd)
+    if not stat.S_ISREG(mode) or (within is not None and opened is not None and not inside(opened, within)):
         os.close(fd)
-        raise ValueError(f"{path} is not a regular file")
+        why = f"is {file_kind(mode)}, expected a regular file" if not stat.S_ISREG(mode) else "changed under us"
+        raise ModelFileError(path, why)
     return fd
 
 
-def read_index(path: Path, max_bytes: int = 64 << 20) -> bytes:
-    """The shard index's bytes (open_regular)."""
-    with open(open_regular(path), "rb") as f:
-        return f.read(max_bytes)
+def _fd_path(fd: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # no /proc: the check before the open stands alone
+        return None
+
+
+def read_index(path: Path, max_bytes: int = MAX_INDEX_BYTES, within: Path | None = None) -> bytes:
+    """The shard index's bytes (open_regular); ModelFileError when it holds more than MAX_BYTES."""
+    with open(open_regular(path, within), "rb") as f:
+        raw = f.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise ModelFileError(path, f"larger than {max_bytes >> 20} MiB: not a shard index")
+    return raw
+
+
+def index_names(model_dir: Path) -> list[str] | None:
+    """The shard file names MODEL_DIR's index maps its weights to (each once, the index's order), None without
+    an index.  Whatever else the index is (unreadable, outside the model, not JSON, nested too deep, no
+    `weight_map` object, a name that is not a string or holds a NUL): ModelFileError naming the index and
+    what is wrong, never another exception."""
+    index = model_dir / INDEX
+    if not os.path.lexists(index):
+        return None
+    try:
+        raw = read_index(index, within=boundary(model_dir))
+    except OSError as exc:
+        raise ModelFileError(index, exc.strerror or str(exc)) from None
+    try:
+        doc = json.loads(raw)
+    except RecursionError:
+        raise ModelFileError(index, "not a shard index (JSON nested too deep)") from None
+    except ValueError as exc:  # not JSON, not UTF-8/16/32, an integer of more digits than Python converts
+        raise ModelFileError(index, f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ModelFileError(index, f"not a shard index (a JSON {_json_type(doc)}, expected an object)")
+    if "weight_map" not in doc:
+        raise ModelFileError(index, "not a shard index (no weight_map)")
+    weight_map = doc["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise ModelFileError(index, f"not a shard index (weight_map is a JSON {_json_type(weight_map)})")
+    names: dict[str, None] = {}
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name or "\0" in name:
+            shown = repr(name)[:40] if isinstance(name, str) else f"a JSON {_json_type(name)}"
+            raise ModelFileError(index, f"weight_map[{key[:80]!r}] is {shown}, expected a shard file name")
+        names[name] = None
+    return list(names)
+
+
+def _json_type(value: object) -> str:
+    for kind, word in ((bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "array")):
+        if isinstance(value, kind):
+            return word
+    return "object" if isinstance(value, dict) else "null"

@@ -59,7 +59,8 @@ def read_meminfo(path: str = "/proc/meminfo") -> MemInfo:
 
 def read_chunk(path: Path, offset: int, buffer: bytearray) -> int:
     """Read up to len(buffer) bytes of `path` at `offset` (into the page cache); the count read."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    # `path` is a shard's real path (for_model): a link swapped in for it later is not followed out of the model.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW)
     try:
         return os.preadv(fd, [buffer], offset)
     finally:
@@ -95,13 +96,15 @@ class ReadAhead:
 
     @classmethod
     def for_model(cls, model_dir: Path, shards_ahead: int) -> ReadAhead | None:
-        """A read-ahead of `model_dir`'s shards in vLLM's order; None when it holds none we can stat."""
+        """A read-ahead of `model_dir`'s shards in vLLM's order; None when it holds none we can stat.  Only shards
+        that resolve inside the model are read (pagecache.shards_in_load_order), each at its real path."""
         from kimi_supervisor.host.pagecache import shards_in_load_order
 
         shards = []
         for path in shards_in_load_order(model_dir):
             try:
-                shards.append((path, path.stat().st_size))
+                real = Path(os.path.realpath(path))
+                shards.append((real, real.stat().st_size))
             except OSError:
                 return None  # the preflight's model check names it; vLLM will fail on it anyway
         return cls(shards, shards_ahead) if shards else None

@@ -7,17 +7,15 @@ collects them into the report an operator reads in five seconds.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import socket
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 import psutil
 
 from kimi_supervisor.checks import Check, Status
-from kimi_supervisor.config.file import file_kind
+from kimi_supervisor.host import pagecache
 from kimi_supervisor.host.gpu import GpuMemory
 
 
@@ -80,19 +78,26 @@ def check_model(model: str | None) -> Check:
         return Check("model", Status.FAIL, f"model directory {model} does not exist or is not a directory")
     if not os.access(path, os.R_OK | os.X_OK):
         return Check("model", Status.FAIL, f"model directory {model} is not readable by uid {os.geteuid()}")
-    index = path / "model.safetensors.index.json"
-    if not index.exists():
+    # The shards must resolve inside the model (pagecache.boundary): a link to any other file is refused
+    # unread, and a bad index is this failed check, never an exception (issue 32).
+    bound = pagecache.boundary(path)
+    index = path / pagecache.INDEX
+    try:
+        names = pagecache.index_names(path)
+    except pagecache.ModelFileError as exc:
+        return Check("model", Status.FAIL, f"{index}: unreadable shard index ({exc.what})")
+    if names is None:
         shards = sorted(path.glob("*.safetensors"))
         if not shards:
             return Check("model", Status.FAIL, f"{model} holds no *.safetensors file and no index")
+        outside = [p.name for p in shards if not pagecache.inside(p, bound)]
+        if outside:
+            return _outside(outside, len(shards), f"of the *.safetensors in {model}", bound)
         return Check("model", Status.OK, f"{len(shards)} safetensors file(s) in {model}", {"shards": len(shards)})
-    try:
-        weight_map = json.loads(_read_regular(index))["weight_map"]
-        shard_names = sorted(set(weight_map.values()))
-    except NotRegularFile as exc:
-        return Check("model", Status.FAIL, f"{index}: unreadable shard index (is {exc}, expected a regular file)")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return Check("model", Status.FAIL, f"{index}: unreadable shard index ({type(exc).__name__}: {exc})")
+    shard_names = sorted(names)
+    outside = [n for n in shard_names if not pagecache.inside(path / n, bound)]
+    if outside:
+        return _outside(outside, len(shard_names), f"named in {index}", bound)
     missing = []
     size = 0
     for name in shard_names:
@@ -101,11 +106,10 @@ def check_model(model: str | None) -> Check:
         except OSError:
             missing.append(name)
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         return Check(
             "model",
             Status.FAIL,
-            f"{len(missing)} of {len(shard_names)} shards named in {index.name} are missing: {shown}",
+            f"{len(missing)} of {len(shard_names)} shards named in {index.name} are missing: {_some(missing)}",
             {"shards": len(shard_names), "missing": missing},
         )
     return Check(
@@ -116,27 +120,17 @@ def check_model(model: str | None) -> Check:
     )
 
 
-class NotRegularFile(Exception):
-    """What stands where a regular file was expected (configfile.file_kind: "a FIFO", "a directory", ...)."""
+def _some(names: list[str], most: int = 5) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def _read_regular(path: Path) -> str:
-    """A regular file's text, through symlinks (a Hugging Face snapshot links each file to its blob).
-
-    Anything else is refused before it is opened, as configfile.py does for the config: opening a FIFO blocks
-    until a writer comes (the preflight, and the start, would hang), opening a device may act on it.  The open
-    is O_NONBLOCK|O_NOFOLLOW and the descriptor is checked again, so nothing swapped in between can block us.
-    """
-    real = os.path.realpath(path)
-    mode = os.stat(real).st_mode
-    if not stat.S_ISREG(mode):
-        raise NotRegularFile(file_kind(mode))
-    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
-    with open(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotRegularFile(file_kind(mode))
-        return f.read().decode("utf-8")
+def _outside(names: list[str], total: int, which: str, bound: Path) -> Check:
+    return Check(
+        "model",
+        Status.FAIL,
+        f"{len(names)} of {total} shards {which} resolve outside the model ({bound}): {_some(names)}",
+        {"shards": total, "outside": names},
+    )
 
 
 def check_port(host: str, port: int) -> Check:

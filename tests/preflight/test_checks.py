@@ -65,14 +65,15 @@ def test_model_index_that_is_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> 
 
 def test_model_index_through_a_symlink_is_read(tmp_path: Path) -> None:
     # A Hugging Face snapshot links each file to its blob: the target is what is checked and read.
-    blobs = tmp_path / "blobs"
-    blobs.mkdir()
+    repo = tmp_path / "hub" / "models--moonshotai--Kimi-K2.5"
+    blobs = repo / "blobs"
+    blobs.mkdir(parents=True)
     (blobs / "index").write_text(json.dumps({"weight_map": {"a": "model.safetensors"}}))
-    model = tmp_path / "snapshot"
-    model.mkdir()
+    model = repo / "snapshots" / "0123abcd"
+    model.mkdir(parents=True)
     (model / "model.safetensors").write_bytes(b"x")
     index = model / "model.safetensors.index.json"
-    index.symlink_to(blobs / "index")
+    index.symlink_to("../../blobs/index")
     assert check_model(str(model)).message == f"all 1 shards present (0.0 GB) in {model}"
     os.mkfifo(blobs / "fifo")
     index.unlink()
