@@ -154,24 +154,7 @@ def test_cli_interpreter_under_a_0700_directory_exits_78_naming_it_and_acts_on_n
     tool = locked / "vllm"
     tool.write_text("#!/bin/sh\nexit 0\n")
     tool.chmod(0o755)
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    (shm / "psm_stale").write_bytes(b"x")
-    cfg = write_config(
-        tmp_path / "k.toml",
-        {
-            "child": {"argv": [str(tool), "serve"], "user": "nobody"},
-            "preflight": {"gpus": [], "check_model": False, "check_port": False},
-            "preflight.shm": {"directory": str(shm)},
-        },
-    )
-    run = subprocess.run(
-        [sys.executable, "-m", "kimi_supervisor", "--config", str(cfg), "--log-format", "json"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=60,
-    )
+    cfg, shm, run = cli_start(tmp_path, {"argv": [str(tool), "serve"], "user": "nobody"})
     assert run.returncode == 78, run.stderr[-2000:]
     assert (shm / "psm_stale").exists()
     words = f"{cfg}: child.argv[0]: {tool} is in {locked}, a directory user 'nobody' may not search (no x permission)"
@@ -223,14 +206,15 @@ def test_a_start_that_cannot_happen_kills_nothing_and_removes_nothing(
     assert sup.child is None
 
 
-def test_cli_bogus_user_exits_78_in_one_line_and_the_dry_run_says_why(tmp_path: Path) -> None:
+def cli_start(tmp_path: Path, child: dict[str, object]) -> tuple[Path, Path, subprocess.CompletedProcess[str]]:
+    """The real CLI started on a config with CHILD and a stale shm file the preflight would remove."""
     shm = tmp_path / "shm"
     shm.mkdir()
     (shm / "psm_stale").write_bytes(b"x")
     cfg = write_config(
         tmp_path / "k.toml",
         {
-            "child": {"argv": [sys.executable, "-c", "pass"], "user": BOGUS},
+            "child": child,
             "preflight": {"gpus": [], "check_model": False, "check_port": False},
             "preflight.shm": {"directory": str(shm)},
         },
@@ -242,6 +226,11 @@ def test_cli_bogus_user_exits_78_in_one_line_and_the_dry_run_says_why(tmp_path: 
         cwd=REPO,
         timeout=60,
     )
+    return cfg, shm, run
+
+
+def test_cli_bogus_user_exits_78_in_one_line_and_the_dry_run_says_why(tmp_path: Path) -> None:
+    cfg, shm, run = cli_start(tmp_path, {"argv": [sys.executable, "-c", "pass"], "user": BOGUS})
     assert run.returncode == 78
     assert (shm / "psm_stale").exists()
     assert f"{cfg}: child.user: no such user {BOGUS!r} on this host" in run.stderr

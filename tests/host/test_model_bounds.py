@@ -17,10 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kimi_supervisor.checks import Status
 from kimi_supervisor.host import pagecache
 from kimi_supervisor.host.checkpoint import CheckpointError, fingerprint
 from kimi_supervisor.host.readahead import ReadAhead
-from kimi_supervisor.preflight.checks import Status, check_model
+from kimi_supervisor.preflight.checks import check_model
 from testkit.safetensors_files import write_model
 
 INDEX = "model.safetensors.index.json"
