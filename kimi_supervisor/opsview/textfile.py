@@ -62,10 +62,11 @@ class MetricsSnapshot:
 
 
 class _SnapshotCollector(Collector):
-    def __init__(self, snap: MetricsSnapshot, deployment: str, role: str) -> None:
+    def __init__(self, snap: MetricsSnapshot, deployment: str, role: str, file: str | None) -> None:
         self.snap = snap
         self.deployment = deployment
         self.role = role
+        self.file = file
 
     def _family(
         self, kind: type[GaugeMetricFamily | CounterMetricFamily], name: str, documentation: str, *labels: str
@@ -85,6 +86,12 @@ class _SnapshotCollector(Collector):
         for candidate in State:
             state.add_metric([dep, role, candidate.value], 1.0 if candidate.value == s.state else 0.0)
         yield state
+        if self.file is not None:
+            # node_exporter says when each file last changed (node_textfile_mtime_seconds{file}); this names the
+            # deployment a file is, so a rule can tell a textfile whose supervisor stopped writing.
+            textfile = InfoMetricFamily(f"{PREFIX}_textfile", "The textfile this deployment's supervisor writes")
+            textfile.add_metric([], {"deployment": dep, "role": role, "file": self.file})
+            yield textfile
         yield self._one(
             "ready_timestamp_seconds", "Unix time this run sent READY=1 (0 while not ready)", s.ready_timestamp_s or 0.0
         )
@@ -165,9 +172,10 @@ def failure_reason(code: int) -> str:
         return "unknown"
 
 
-def render(snap: MetricsSnapshot, deployment: str, role: str = Role.ENGINE.value) -> bytes:
+def render(snap: MetricsSnapshot, deployment: str, role: str = Role.ENGINE.value, file: str | None = None) -> bytes:
+    """`file`: the textfile's name, published as kimi_supervisor_textfile_info{file} (the staleness rule's join)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(snap, deployment, role))
+    registry.register(_SnapshotCollector(snap, deployment, role, file))
     data: bytes = generate_latest(registry)
     return data
 
@@ -184,7 +192,7 @@ class MetricsWriter:
 
     def write(self, snap: MetricsSnapshot) -> None:
         try:
-            write_atomic(self.path, render(snap, self.deployment, self.role))
+            write_atomic(self.path, render(snap, self.deployment, self.role, self.path.name))
             self._warned = False
         except OSError as exc:
             if not self._warned:

@@ -138,7 +138,7 @@ def test_a_weight_holder_and_its_engine_can_be_scraped_together(tmp_path: Path) 
         for family in text_string_to_metric_families(text.decode()):
             assert all(s.labels["deployment"] == "kimi" and s.labels["role"] == role for s in family.samples)
     # The check can fail: the same file twice is every series twice.
-    assert len(node_exporter_problems(texts[1], texts[1])) == 17
+    assert len(node_exporter_problems(texts[1], texts[1])) == 18
 
 
 def test_textfile_passes_promtool_check_metrics(tmp_path: Path) -> None:
@@ -180,7 +180,7 @@ def test_writer_is_atomic_world_readable_whatever_the_umask(tmp_path: Path) -> N
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
-    assert path.read_bytes() == render(SNAP, "kimi-a")
+    assert path.read_bytes() == render(SNAP, "kimi-a", "engine", "kimi_supervisor.prom")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kimi_supervisor.prom"]
 
 
