@@ -63,8 +63,8 @@ def record_failed_start(cfg: Config, code: int, reason: str, probe: GpuProbe, lo
     except SupervisorError as exc:
         log.warning("start.unrecorded", exit_code=code, why=exc.message)
         return False
-    if guard is None:
-        log.info(
+    if guard is None:  # the supervisor.exit line that follows is all (a refused twin says one line, nothing else)
+        log.debug(
             "start.unrecorded",
             exit_code=code,
             why="a running supervisor of this deployment holds its files; its state stands",

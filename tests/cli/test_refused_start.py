@@ -11,12 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.exitcodes import ExitCode
 from testkit.harness import REPO, Run, fake_config, fake_tree_of, write_config
+from tests.cli.test_status_lifecycle import metrics
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -24,17 +23,9 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
-def series(prom: Path) -> dict[str, list[tuple[dict[str, str], float]]]:
-    found: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(prom.read_text()):
-        for s in family.samples:
-            found.setdefault(s.name, []).append((dict(s.labels), s.value))
-    return found
-
-
 def state_of(prom: Path) -> str:
     assert prom.exists(), f"no textfile {prom}"
-    [state] = [labels["state"] for labels, value in series(prom)["kimi_supervisor_state"] if value == 1.0]
+    [state] = [labels["state"] for labels, value in metrics(prom)["kimi_supervisor_state"] if value == 1.0]
     return state
 
 
@@ -96,7 +87,7 @@ def test_a_refused_start_is_failed_in_textfile_and_history_never_over_a_running_
         refused = start(other)
         assert refused.returncode == ExitCode.ANOTHER_INSTANCE, refused.stderr[-2000:]
         assert state_of(other_prom) == "failed"
-        [(labels, _)] = series(other_prom)["kimi_supervisor_last_failure_info"]
+        [(labels, _)] = metrics(other_prom)["kimi_supervisor_last_failure_info"]
         assert (labels["exit_code"], labels["reason"], labels["deployment"]) == ("16", "another_instance", "other")
         [only] = runs(other)
         assert only["exit_code"] == ExitCode.ANOTHER_INSTANCE and "port" in only["root_cause"]
@@ -121,10 +112,10 @@ def test_a_refused_start_is_failed_in_textfile_and_history_never_over_a_running_
     assert refused.returncode == ExitCode.CONFIG, refused.stderr[-2000:]
     assert "shutdown.grace_s" in refused.stderr
     assert state_of(kimi_prom) == "failed"
-    got = series(kimi_prom)
+    got = metrics(kimi_prom)
     [(labels, _)] = got["kimi_supervisor_last_failure_info"]
     assert (labels["exit_code"], labels["reason"]) == ("78", "config")
     assert [value for _, value in got["kimi_supervisor_restarts_total"]] == [1.0]
     assert [r["exit_code"] for r in runs(broken)] == [0, ExitCode.CONFIG]
     assert fake_tree_of(str(tmp_path)) == []
-    assert "start.unrecorded" in twin.stderr  # the twin said why it wrote nothing
+    assert [json.loads(line)["event"] for line in twin.stderr.splitlines()] == ["supervisor.exit"]  # one line
