@@ -42,6 +42,8 @@ def _trusted(cfg: Config, *directories: tuple[Path, str]) -> bool:
     return True
 
 
+# Why nothing was recorded is logged at debug only: a refused start says one line (its error names the directory,
+# the lock or the running supervisor), never more.
 def record_failed_start(cfg: Config, code: int, reason: str, probe: GpuProbe, log: Logger, lock_suffix: str) -> bool:
     """Record a start that failed with `code` (`reason`: its one line, secrets redacted) as this deployment's
     start and failure; False (and why, logged) where it must not."""
@@ -54,16 +56,16 @@ def record_failed_start(cfg: Config, code: int, reason: str, probe: GpuProbe, lo
         (own.state, "paths.state_directory"),
     ]
     if not _trusted(cfg, *ours):
-        log.warning("start.unrecorded", exit_code=code, why="the runtime or state directory failed its check")
+        log.debug("start.unrecorded", exit_code=code, why="the runtime or state directory failed its check")
         return False
     try:
         guard = instance_lock.own_files(
             paths.runtime_directory, cfg.deployment.name, cfg.metrics.textfile, lock_suffix, log
         )
     except SupervisorError as exc:
-        log.warning("start.unrecorded", exit_code=code, why=exc.message)
+        log.debug("start.unrecorded", exit_code=code, why=exc.message)
         return False
-    if guard is None:  # the supervisor.exit line that follows is all (a refused twin says one line, nothing else)
+    if guard is None:
         log.debug(
             "start.unrecorded",
             exit_code=code,
