@@ -41,8 +41,20 @@ def _load(args: argparse.Namespace) -> Config:
     cfg = load_config(args.config)
     grace = timeouts.check_grace(cfg)
     if grace.blocking and not args.dry_run:  # the dry run shows it as a FAILED check instead
-        raise ConfigError(grace.message)
+        err = ConfigError(grace.message)
+        if args.command == "run":
+            _record_refused_start(cfg, err, NvmlProbe())
+        raise err
     return cfg
+
+
+def _record_refused_start(cfg: Config, err: SupervisorError, probe: GpuProbe) -> None:
+    """A start refused before its run: failed in the state file, history and textfile where that clobbers
+    no running supervisor's (cli/prerun.py)."""
+    from kimi_supervisor.cli.prerun import record_failed_start  # only a refused start pays for the view
+
+    reason = redact_text(err.message, secret_values(cfg))
+    record_failed_start(cfg, int(err.exit_code), reason, probe, get_logger(), lock_suffix(cfg))
 
 
 def _unit_stop_check(cfg: Config) -> Check | None:
@@ -251,19 +263,23 @@ def _weights_checks(cfg: Config, gpu_count: int) -> list[Check]:
 
 def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
     try:
-        # Root's files go only where no other account can steer the writes (exit 78 naming the key).
-        dirtrust.prepare_directories(cfg)
-        # Before any preflight action: a second supervisor must change nothing (exit 16).  Without NVML no GPU
-        # is locked: the preflight fails on NVML before touching anything, and the port lock still holds.
-        lock = instance_lock.acquire(
-            cfg.paths.runtime_directory,
-            configured_gpus(probe, cfg.preflight.gpus),
-            cfg.child.vllm.port,
-            str(cfg.path),
-            deployment=cfg.deployment.name,
-            textfile=cfg.metrics.textfile,
-            suffix=lock_suffix(cfg),
-        )
+        try:
+            # Root's files go only where no other account can steer the writes (exit 78 naming the key).
+            dirtrust.prepare_directories(cfg)
+            # Before any preflight action: a second supervisor must change nothing (exit 16).  Without NVML no
+            # GPU is locked: the preflight fails on NVML before touching anything, and the port lock still holds.
+            lock = instance_lock.acquire(
+                cfg.paths.runtime_directory,
+                configured_gpus(probe, cfg.preflight.gpus),
+                cfg.child.vllm.port,
+                str(cfg.path),
+                deployment=cfg.deployment.name,
+                textfile=cfg.metrics.textfile,
+                suffix=lock_suffix(cfg),
+            )
+        except SupervisorError as err:  # refused before the run: still failed, where the operator looks
+            _record_refused_start(cfg, err, probe)
+            raise
         try:
             return _supervise(cfg, sink, probe)
         finally:

@@ -414,6 +414,31 @@ def _take(directory: Path, resource: Resource, log: Logger | None) -> int:
         os.close(guard)
 
 
+def own_files(
+    directory: Path, deployment: str, textfile: Path | None, suffix: str = "", log: Logger | None = None
+) -> InstanceLock | None:
+    """The locks of a deployment's own files alone (its name's, which guards its state file and history, and its
+    textfile's), or None when a root kimi-supervisor holds one: then those files are that running supervisor's.
+    For a start refused before its run: it records its failure only where it clobbers no live one."""
+    _ensure_directory(directory)
+    own = [
+        r for r in resources((), 0, deployment, textfile, suffix) if r.filename.startswith(("deployment-", "textfile-"))
+    ]
+    taken: list[int] = []
+    try:
+        for resource in own:
+            taken.append(_take(directory, resource, log))
+    except AnotherInstance:
+        for fd in taken:
+            os.close(fd)
+        return None
+    except BaseException:
+        for fd in taken:
+            os.close(fd)
+        raise
+    return InstanceLock(directory, taken)
+
+
 def acquire(
     directory: Path,
     gpus: Sequence[int],

@@ -126,6 +126,11 @@ class Drain:
         self._t0 = 0.0
         self._drained_at: float | None = None
         self._main_exited_at: float | None = None  # vLLM's main exited by itself (before any SIGKILL)
+        self._zero_at: float | None = None  # a drain sample read 0 in flight (before the main exited)
+        # The main's exit was a signal the supervisor never sent (the OOM killer, an operator's kill -9) before
+        # any sample read 0: whatever was in flight was cut, not drained.
+        self._died_of: str | None = None
+        self._child: Child | None = None
         self._killed_at: float | None = None
         self._in_flight_at_kill: float | None = None
         self._last_status = 0.0
@@ -143,6 +148,7 @@ class Drain:
             self._log.warning("stop.metrics_unavailable", url=self.url, error=str(exc))
         if self.in_flight_at_sigterm is None and not self.timeout_s:
             self._from_liveness(start)
+        self._child = child
         child.refresh_members()  # remembered, so workers that outlive the main are still found
         child.signal_main(signal.SIGTERM)
         self._t0 = self._clock()
@@ -173,9 +179,10 @@ class Drain:
             self.in_flight_at_sigterm = sample[1]
             self.in_flight_source = "first drain sample"
         if self._drained_at is None and self._killed_at is None and sample is not None and sample[1] == 0:
-            self._drained_at = sample[0]
+            self._drained_at = self._zero_at = sample[0]
         if self._main_exited_at is None and self._killed_at is None and child.poll() is not None:
             self._main_exited_at = now
+            self._died_of = _foreign_signal(child.returncode) if self._zero_at is None else None
             if self._drained_at is None:
                 self._drained_at = now
             # vLLM's main stops its own engine and workers; anything still here gets SIGTERM now.
@@ -205,9 +212,12 @@ class Drain:
     @property
     def outcome(self) -> str:
         """drained: vLLM's main exited by itself within its deadline; cut: past it (vLLM cut requests); aborted:
-        no drain (vLLM aborted every request at SIGTERM); killed: the main was still there at the SIGKILL."""
+        no drain (vLLM aborted every request at SIGTERM); killed: the main was still there at the SIGKILL;
+        died: a signal the supervisor never sent ended the main before the drain was seen to reach 0."""
         if self._killed_at is not None and self._main_exited_at is None:
             return "killed"
+        if self._died_of is not None:
+            return "died"
         if self.timeout_s == 0:
             return "aborted"
         return "drained" if self._drain_s() <= self.timeout_s else "cut"
@@ -259,6 +269,9 @@ class Drain:
         now = self._clock()
         if self.in_flight_at_sigterm is None:
             self._from_liveness(self._t0)
+        if self._main_exited_at is None and self._killed_at is None and self._zero_at is None and self._child:
+            # The whole tree went between two looks, so tick() never saw the main's exit: its status still says how.
+            self._died_of = _foreign_signal(self._child.poll())
         outcome = self.outcome
         drain_s = 0.0 if outcome == "aborted" else self._drain_s()
         self._log.info(
@@ -271,9 +284,22 @@ class Drain:
             outcome=outcome,
             # killed: what /metrics last said was in flight when the SIGKILL went out (None: unknown).
             in_flight_at_sigkill=self._in_flight_at_kill if outcome == "killed" else None,
+            # died: the signal that ended vLLM's main, which the supervisor did not send.
+            main_died_of=self._died_of,
             stop_s=round(now - self._t0, 2),
             tree_gone=tree_gone,
         )
+
+
+def _foreign_signal(returncode: int | None) -> str | None:
+    """The name of the signal that ended the main when the supervisor did not send it: it sends SIGTERM to a
+    draining main, and its own SIGKILL is recorded as `killed` before this is ever asked."""
+    if returncode is None or returncode >= 0 or -returncode == signal.SIGTERM:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
 
 
 def stopped_status(tree_gone: bool, gpus_free: bool | None, drain_outcome: str | None = None) -> str:
@@ -281,6 +307,8 @@ def stopped_status(tree_gone: bool, gpus_free: bool | None, drain_outcome: str |
     tree = "tree gone" if tree_gone else "processes left behind (see stop.survivors)"
     if drain_outcome == "killed":
         tree += " (drain cut: vLLM was SIGKILLed, see stop.drain)"
+    elif drain_outcome == "died":
+        tree += " (drain cut: vLLM's main was killed by a signal the supervisor did not send, see stop.drain)"
     if gpus_free is None:
         return f"stopping: {tree}"
     return f"stopping: {tree}, {'GPUs free' if gpus_free else 'GPUs still busy'}"

@@ -76,6 +76,31 @@ def send_canary(
     return CanaryResult(True, None, a.latency_s)
 
 
+def served_model(
+    url: str, timeout_s: float, key: str | None = None, http: HttpClient = request
+) -> tuple[str | None, str | None]:
+    """vLLM's own answer to "which model do you serve": the first id of GET /v1/models (its primary served
+    name, vllm/entrypoints/openai/models/serving.py); (id, None) or (None, why not)."""
+    headers = {"User-Agent": "kimi-supervisor canary"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    a = http("GET", url, timeout_s, headers=headers, max_body=MAX_CANARY_BODY)
+    if a.error is not None:
+        return None, f"GET /v1/models: {a.error}"
+    if a.status != 200:
+        return None, one_line(f"GET /v1/models: HTTP {a.status}: {a.body[:200].decode('utf-8', 'replace')}")
+    try:
+        doc = parse_json(a.body)
+    except ValueError as exc:
+        return None, f"GET /v1/models: HTTP 200, {exc}"
+    data = doc.get("data") if isinstance(doc, dict) else None
+    first = data[0] if isinstance(data, list) and data else None
+    model = first.get("id") if isinstance(first, dict) else None
+    if not isinstance(model, str) or not model:
+        return None, "GET /v1/models: HTTP 200 without a model id"
+    return model, None
+
+
 class ProgressTracker:
     """Pure: fed metrics samples, says when running requests have produced no token for `stuck_after_s`."""
 
@@ -119,8 +144,11 @@ class DeepLiveness:
         self.cfg = cfg.liveness
         self._http = http
         self._on_canary = on_canary  # the operator's view: the state file and metrics show each result
+        # None when argv names the model in a form the parser does not know: the canary asks vLLM (/v1/models)
+        # rather than turning itself off, so the deployment never runs unwatched.
         self.model = cfg.child.vllm.served_model_name
         self.completions_url = cfg.child.vllm.api_url("/v1/completions")
+        self.models_url = cfg.child.vllm.api_url("/v1/models")
         # The environment the child was spawned with (Deps.environ): its VLLM_API_KEY is the one vLLM checks.
         env = {**(environ if cfg.child.inherit_environment else {}), **cfg.child.env}
         self._key = api_key(cfg.child.argv, env)  # never logged
@@ -144,7 +172,7 @@ class DeepLiveness:
 
     @property
     def canary_on(self) -> bool:
-        return self.cfg.canary_interval_s > 0 and self.model is not None
+        return self.cfg.canary_interval_s > 0
 
     @property
     def healthy(self) -> bool:
@@ -157,8 +185,6 @@ class DeepLiveness:
 
     def start(self) -> None:
         c = self.cfg
-        if c.canary_interval_s > 0 and self.model is None:
-            self._log.warning("liveness.no_canary", why="no model in child.argv to name in a completion")
         if self.canary_on:
             self._threads.append(threading.Thread(target=self._canary_loop, name="canary", daemon=True))
         if c.stuck_after_s > 0 or (self.canary_on and c.when == "idle"):
@@ -191,19 +217,32 @@ class DeepLiveness:
 
     def _canary_loop(self) -> None:
         c = self.cfg
-        assert self.model is not None
         wait = c.canary_interval_s
         while not self._stop.wait(wait):
             latest = self._latest
             if c.when == "idle" and latest is not None and (latest.in_flight or 0) > 0:
                 wait = c.canary_interval_s  # busy: token progress is the check that applies
                 continue
-            result = send_canary(self.completions_url, self.model, c.canary_timeout_s, self._key, self._http)
+            model = self.model if self.model is not None else self._ask_model()
+            if isinstance(model, str):
+                result = send_canary(self.completions_url, model, c.canary_timeout_s, self._key, self._http)
+            else:
+                result = model
             if self._stop.is_set():
                 return
             self._canaries.put(result)
             self._wake()
             wait = c.canary_interval_s if result.ok else min(c.canary_interval_s, RETRY_S)
+
+    def _ask_model(self) -> str | CanaryResult:
+        """No model from argv: vLLM names it.  A vLLM that cannot is a failed canary, counted like any other."""
+        start = time.monotonic()
+        model, error = served_model(self.models_url, self.cfg.canary_timeout_s, self._key, self._http)
+        if model is None:
+            return CanaryResult(False, f"no model to name in the canary: {error}", time.monotonic() - start)
+        self._log.info("liveness.canary_model", model=model, source="GET /v1/models (not in child.argv)")
+        self.model = model
+        return model
 
     def _metrics_loop(self) -> None:
         c = self.cfg

@@ -14,6 +14,9 @@ reset when systemd restarts the service (a reset would read as a rate spike).
 Every series carries `deployment` (issue 28): node_exporter serves every
 deployment's textfile of a host at once, and the alerts
 (packaging/prometheus/kimi-supervisor.rules.yml) name the one to look at.
+And `role` (issue 32): a weight holder and its engine share the deployment's
+name, so without it their two textfiles held the same series and node_exporter
+refused the scrape ("collected before with the same name and label values").
 Label values come from bounded sets only (state, GPU index, exit code and its
 name); the failure's text stays in the state file and the journal.
 """
@@ -32,6 +35,7 @@ from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.files.atomic import write_atomic
 from kimi_supervisor.host.gpu import MIB
 from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.roles import Role
 from kimi_supervisor.states import State
 
 PREFIX = "kimi_supervisor"
@@ -58,28 +62,36 @@ class MetricsSnapshot:
 
 
 class _SnapshotCollector(Collector):
-    def __init__(self, snap: MetricsSnapshot, deployment: str) -> None:
+    def __init__(self, snap: MetricsSnapshot, deployment: str, role: str, file: str | None) -> None:
         self.snap = snap
         self.deployment = deployment
+        self.role = role
+        self.file = file
 
     def _family(
         self, kind: type[GaugeMetricFamily | CounterMetricFamily], name: str, documentation: str, *labels: str
     ) -> GaugeMetricFamily | CounterMetricFamily:
-        return kind(f"{PREFIX}_{name}", documentation, labels=["deployment", *labels])
+        return kind(f"{PREFIX}_{name}", documentation, labels=["deployment", "role", *labels])
 
     def _one(self, name: str, documentation: str, value: float, kind: type = GaugeMetricFamily) -> Metric:
         family = self._family(kind, name, documentation)
-        family.add_metric([self.deployment], value)
+        family.add_metric([self.deployment, self.role], value)
         return family
 
     def collect(self) -> Iterator[Metric]:
-        s, dep = self.snap, self.deployment
+        s, dep, role = self.snap, self.deployment, self.role
         state = self._family(
             GaugeMetricFamily, "state", "1 for the supervisor's current lifecycle state, 0 for the others", "state"
         )
         for candidate in State:
-            state.add_metric([dep, candidate.value], 1.0 if candidate.value == s.state else 0.0)
+            state.add_metric([dep, role, candidate.value], 1.0 if candidate.value == s.state else 0.0)
         yield state
+        if self.file is not None:
+            # node_exporter says when each file last changed (node_textfile_mtime_seconds{file}); this names the
+            # deployment a file is, so a rule can tell a textfile whose supervisor stopped writing.
+            textfile = InfoMetricFamily(f"{PREFIX}_textfile", "The textfile this deployment's supervisor writes")
+            textfile.add_metric([], {"deployment": dep, "role": role, "file": self.file})
+            yield textfile
         yield self._one(
             "ready_timestamp_seconds", "Unix time this run sent READY=1 (0 while not ready)", s.ready_timestamp_s or 0.0
         )
@@ -109,7 +121,7 @@ class _SnapshotCollector(Collector):
                 "phase",
             )
             for phase, seconds in s.load_phases.items():
-                phases.add_metric([dep, phase], seconds)
+                phases.add_metric([dep, role, phase], seconds)
             yield phases
         if s.compile_cache_hit is not None:
             yield self._one(
@@ -130,13 +142,13 @@ class _SnapshotCollector(Collector):
             "gpu",
         )
         for index, mib in sorted(s.gpu_used_mib_at_start.items()):
-            gpu.add_metric([dep, str(index)], float(mib * MIB))
+            gpu.add_metric([dep, role, str(index)], float(mib * MIB))
         yield gpu
         if s.last_failure is not None:
             # Labels from a bounded set only: the root cause is vLLM's text (maybe a client's words) and would
             # make a new series per failure; `kimi-supervisor status` and the journal quote it.
             code = s.last_failure[0]
-            labels = {"deployment": dep, "exit_code": str(code), "reason": failure_reason(code)}
+            labels = {"deployment": dep, "role": role, "exit_code": str(code), "reason": failure_reason(code)}
             info = InfoMetricFamily(
                 f"{PREFIX}_last_failure", "Exit code and reason (from the exit code) of the latest failed run"
             )
@@ -160,9 +172,10 @@ def failure_reason(code: int) -> str:
         return "unknown"
 
 
-def render(snap: MetricsSnapshot, deployment: str) -> bytes:
+def render(snap: MetricsSnapshot, deployment: str, role: str = Role.ENGINE.value, file: str | None = None) -> bytes:
+    """`file`: the textfile's name, published as kimi_supervisor_textfile_info{file} (the staleness rule's join)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(snap, deployment))
+    registry.register(_SnapshotCollector(snap, deployment, role, file))
     data: bytes = generate_latest(registry)
     return data
 
@@ -170,15 +183,16 @@ def render(snap: MetricsSnapshot, deployment: str) -> bytes:
 class MetricsWriter:
     """Writes snapshots to `path`; an unwritable path is warned about once per outage, never raised."""
 
-    def __init__(self, path: Path, log: Logger, deployment: str) -> None:
+    def __init__(self, path: Path, log: Logger, deployment: str, role: str = Role.ENGINE.value) -> None:
         self.path = path
         self.deployment = deployment
+        self.role = role
         self._log = log
         self._warned = False
 
     def write(self, snap: MetricsSnapshot) -> None:
         try:
-            write_atomic(self.path, render(snap, self.deployment))
+            write_atomic(self.path, render(snap, self.deployment, self.role, self.path.name))
             self._warned = False
         except OSError as exc:
             if not self._warned:

@@ -118,7 +118,7 @@ class OperatorView:
         self.state_file = StateFile(own.runtime, log, own.state_file.name)
         self.history = History(own.history_file, log, pid)
         textfile = cfg.metrics.textfile
-        self.metrics = MetricsWriter(textfile, log, cfg.deployment.name) if textfile else None
+        self.metrics = MetricsWriter(textfile, log, cfg.deployment.name, cfg.role.value) if textfile else None
         self.eta = LoadEta(None)
         self.load = LoadWatch(cfg.child.vllm.model, self._table)  # the start broken down (loadwatch.py)
         self._load_recorded = False

@@ -127,13 +127,15 @@ def test_state_file_and_status_through_a_lifecycle(tmp_path: Path) -> None:
 
         m = metrics(prom)
         assert m["kimi_supervisor_state"] == [
-            ({"deployment": "kimi", "state": s}, 1.0 if s == "ready" else 0.0)
+            ({"deployment": "kimi", "role": "engine", "state": s}, 1.0 if s == "ready" else 0.0)
             for s in ("preflight", "starting", "ready", "stopping", "stopped", "failed")
         ]
         assert m["kimi_supervisor_ready_timestamp_seconds"][0][1] == st["ready_at"]
         assert m["kimi_supervisor_last_load_seconds"][0][1] == ready["startup_s"]
-        assert m["kimi_supervisor_restarts_total"] == [({"deployment": "kimi"}, 0.0)]
-        assert m["kimi_supervisor_start_timestamp_seconds"] == [({"deployment": "kimi"}, st["started_at"])]
+        assert m["kimi_supervisor_restarts_total"] == [({"deployment": "kimi", "role": "engine"}, 0.0)]
+        assert m["kimi_supervisor_start_timestamp_seconds"] == [
+            ({"deployment": "kimi", "role": "engine"}, st["started_at"])
+        ]
         assert stat.S_IMODE(prom.stat().st_mode) == 0o644
 
         run.signal(signal.SIGTERM)
@@ -161,7 +163,7 @@ def test_state_file_and_status_through_a_lifecycle(tmp_path: Path) -> None:
         assert any(s.endswith(" left") and "loading weights" not in s for s in loading_lines), loading_lines
         assert any(s.startswith("starting: loading weights ") and s.endswith(" left") for s in loading_lines)
         m = metrics(prom)
-        assert m["kimi_supervisor_restarts_total"] == [({"deployment": "kimi"}, 1.0)]
+        assert m["kimi_supervisor_restarts_total"] == [({"deployment": "kimi", "role": "engine"}, 1.0)]
         run2.signal(signal.SIGTERM)
         assert run2.wait() == 0
     finally:
@@ -185,7 +187,12 @@ def test_failure_root_cause_in_state_history_metrics_and_report(tmp_path: Path) 
     assert report.startswith("× kimi-supervisor@kimi - not running (failed at ")
     assert "Last failure: exit 11 at " in report
     [(labels, value)] = metrics(prom)["kimi_supervisor_last_failure_info"]
-    assert value == 1.0 and labels == {"deployment": "kimi", "exit_code": "11", "reason": "startup_failed"}
+    assert value == 1.0 and labels == {
+        "deployment": "kimi",
+        "role": "engine",
+        "exit_code": "11",
+        "reason": "startup_failed",
+    }
     [(labels, when)] = metrics(prom)["kimi_supervisor_last_failure_timestamp_seconds"]
     assert labels["reason"] == "startup_failed" and when == status_json(config)["state"]["last_failure"]["at"]
 

@@ -154,6 +154,39 @@ def test_without_shutdown_timeout_the_stream_is_aborted_and_vllm_exits(tmp_path:
     assert fake_tree_of(str(tmp_path)) == []
 
 
+def test_a_main_sigkilled_by_someone_else_while_draining_is_not_drained(tmp_path: Path) -> None:
+    """The OOM killer (or an operator's kill -9) ends vLLM's main mid-drain with a request in flight: the record
+    says `died` of SIGKILL, never `drained` (the supervisor sent only SIGTERM, so its own `killed` is not it)."""
+    port = free_port()
+    run = Run(drain_config(tmp_path, port, shutdown_timeout=10, grace_s=25), tmp_path)
+    release = tmp_path / "release"  # never written before the kill: the request is in flight when the main dies
+    out: dict[str, Any] = {}
+    body = {"model": "m", "prompt": "hi", "max_tokens": TOKENS, "hold": str(release)}
+    client = threading.Thread(target=stream_completion, args=(f"http://127.0.0.1:{port}/v1/completions", body, out, 60))
+    try:
+        run.wait_event("state.ready", timeout=30)
+        client.start()
+        wait_until("5 chunks at the client", lambda: out.get("chunks", 0) >= 5, 30)
+        wait_until("the supervisor's sample sees it", lambda: child_said(run, "metrics: 1 in flight, read by kimi"), 30)
+        run.signal()
+        main_pid = run.wait_event("stop.sigterm", timeout=30)["pid"]
+        wait_until("vLLM draining", lambda: child_said(run, "stopping engine client mode=drain"), 30)
+        os.kill(main_pid, signal.SIGKILL)
+        assert run.wait(timeout=35) == 0
+    finally:
+        release.touch()
+        if client.ident is not None:
+            client.join(30)
+        run.kill()
+    [record] = [e for e in run.events if e.get("event") == "stop.drain"]
+    assert record["in_flight_at_sigterm"] == 1.0, record
+    assert record["outcome"] == "died" and record["main_died_of"] == "SIGKILL", record
+    assert run.event("stop.sigkill") is None  # the supervisor itself never sent SIGKILL
+    statuses = [f["STATUS"] for f in run.notify.fields() if "STATUS" in f]
+    assert "signal the supervisor did not send" in statuses[-2], statuses[-2:]
+    assert fake_tree_of(str(tmp_path)) == []
+
+
 def test_last_status_says_tree_gone_gpus_free(tmp_path: Path) -> None:
     """In process, with a GPU (the fake NVML probe): the stop ends on "stopping: tree gone, GPUs free"."""
     path = drain_config(tmp_path, free_port(), shutdown_timeout=10, grace_s=25)
@@ -199,6 +232,10 @@ class _Main:
 
     def __init__(self, proc: subprocess.Popen[bytes]) -> None:
         self.pid = proc.pid
+        self._proc = proc
+
+    def poll(self) -> int | None:
+        return self._proc.poll()
 
     def refresh_members(self) -> list[object]:
         return []

@@ -162,6 +162,66 @@ def test_the_canary_key_comes_from_the_environment_the_child_got(
     assert sent[0] == ("Bearer from-deps" if inherit else None)
 
 
+# vLLM 0.32's /v1/models answer (vllm/entrypoints/openai/models/serving.py, show_available_models).
+MODELS_PAGE = (
+    b'{"object":"list","data":[{"id":"kimi-k2.5","object":"model","created":1764662400,"owned_by":"vllm",'
+    b'"root":"/models/kimi","parent":null,"max_model_len":262144,"permission":[]}]}'
+)
+
+
+@pytest.mark.parametrize("models", ["answers", "fails"])
+def test_a_model_argv_does_not_name_is_asked_of_vllm_never_a_silent_canary_off(tmp_path: Path, models: str) -> None:
+    # `--config=FILE` names the model where the argv parser cannot see it: the canary the config asks for asks
+    # vLLM which model it serves (was: a warning and no canary at all, the deployment unwatched).
+    cfg = parse_config(
+        {
+            "child": {"argv": ["vllm", "serve", "--config=/etc/vllm/kimi.yaml"]},
+            "liveness": {"canary_interval_s": 0.05, "when": "always", "stuck_after_s": 0},
+            "gpu_health": {"xid_events": False},
+        },
+        tmp_path / "k.toml",
+    )
+    assert cfg.child.vllm.served_model_name is None
+    asked: list[tuple[str, str, object]] = []
+    done, stopped = threading.Event(), threading.Event()
+
+    def client(method: str, url: str, timeout_s: float, **kw: object) -> Answer:
+        if done.is_set():  # one canary's worth of requests: later ones end after the stop, so they are dropped
+            stopped.wait(10)
+        body = kw.get("body")
+        asked.append((method, url, json.loads(body) if isinstance(body, bytes) else None))
+        if url.endswith("/v1/models"):
+            if models == "fails":
+                done.set()
+                return Answer(503, b"", None, 0.0, 0.0)
+            return Answer(200, MODELS_PAGE, None, 0.0, 0.0)
+        done.set()
+        return Answer(200, b'{"choices": [{"text": "x"}]}', None, 0.0, 0.0)
+
+    log = RecordingLog()
+    deep = DeepLiveness(cfg, FakeGpuProbe([]), (), lambda: None, SilentNotifier(), log, http=client, environ={})
+    deep.start()
+    try:
+        assert done.wait(10), f"no canary within 10 s: {asked}"
+    finally:
+        deep.stop()
+        stopped.set()
+    deep.check()
+    assert asked[0][:2] == ("GET", "http://127.0.0.1:8000/v1/models")
+    if models == "answers":
+        assert asked[1] == (
+            "POST",
+            "http://127.0.0.1:8000/v1/completions",
+            {"model": "kimi-k2.5", "prompt": "Hi", "max_tokens": 1, "temperature": 0},
+        )
+        assert deep.canaries_ok == 1 and log.events("liveness.canary_model")[0]["model"] == "kimi-k2.5"
+    else:
+        # Counted like any failed canary: the streak ends the run (exit 17), the watchdog is not pinged.
+        assert deep.canary_failures == 1 and not deep.healthy
+        failed = log.events("liveness.canary_failed")[0]
+        assert failed["error"] == "no model to name in the canary: GET /v1/models: HTTP 503: "
+
+
 @pytest.mark.parametrize(
     ("mode", "error"),
     [

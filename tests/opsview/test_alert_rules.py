@@ -34,6 +34,9 @@ def test_every_rule_has_a_firing_and_a_quiet_case() -> None:
             "KimiSupervisorGpuFailed",
             "KimiSupervisorEngineWedged",
             "KimiSupervisorPreflightKilledProcesses",
+            "KimiSupervisorStartRefused",
+            "KimiSupervisorTextfileStale",
+            "KimiSupervisorUnitFailed",
         }
     )
     for name in alerts():
@@ -59,6 +62,6 @@ def test_the_rules_use_only_metrics_the_textfile_writes() -> None:
         last_failure_timestamp_s=1.0,
         health_latency_s=0.1,
     )
-    written = set(re.findall(r"^(kimi_supervisor_\w+)[{ ]", render(full, "a").decode(), re.M))
+    written = set(re.findall(r"^(kimi_supervisor_\w+)[{ ]", render(full, "a", "engine", "a.prom").decode(), re.M))
     used = set(re.findall(r"\b(kimi_supervisor_[a-z_]+)\b", RULES.read_text()))
     assert used and used <= written, used - written

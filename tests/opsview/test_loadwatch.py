@@ -54,10 +54,10 @@ def test_the_phases_reach_history_status_and_metrics(tmp_path: Path) -> None:
     assert "Last load: weights 514 s at 4 kB/s from nfs4 (100% cached" in text
     assert "post-processing 8.9 s, compile 38 s (cache hit), graphs 61 s, engine init 132 s" in text
     prom = (tmp_path / "k.prom").read_text()
-    assert 'kimi_supervisor_load_phase_seconds{deployment="kimi",phase="weights"} 514.22' in prom
-    assert 'kimi_supervisor_load_phase_seconds{deployment="kimi",phase="graphs"} 61.0' in prom
-    assert 'kimi_supervisor_compile_cache_hit{deployment="kimi"} 1.0' in prom
-    assert 'kimi_supervisor_load_cached_ratio{deployment="kimi"} 1.0' in prom
+    assert 'kimi_supervisor_load_phase_seconds{deployment="kimi",phase="weights",role="engine"} 514.22' in prom
+    assert 'kimi_supervisor_load_phase_seconds{deployment="kimi",phase="graphs",role="engine"} 61.0' in prom
+    assert 'kimi_supervisor_compile_cache_hit{deployment="kimi",role="engine"} 1.0' in prom
+    assert 'kimi_supervisor_load_cached_ratio{deployment="kimi",role="engine"} 1.0' in prom
 
 
 def test_status_shows_the_trees_read_rate_while_weights_load(tmp_path: Path) -> None:

@@ -9,8 +9,13 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kimi_supervisor.child.readiness import ReadinessTracker
+from kimi_supervisor.config.load import load_config
 from kimi_supervisor.opsview.textfile import MetricsSnapshot, MetricsWriter, render
+from kimi_supervisor.opsview.view import OperatorView
 from testkit.fakes.clock import RecordingLog
+from testkit.fakes.gpu import FakeGpuProbe
+from testkit.harness import weights_pair
 from tests.promtool import check_metrics
 
 SNAP = MetricsSnapshot(
@@ -27,7 +32,7 @@ SNAP = MetricsSnapshot(
     started_timestamp_s=1_795_989_400.0,
     last_failure_timestamp_s=1_795_989_300.25,
 )
-DEP = {"deployment": "kimi-a"}
+DEP = {"deployment": "kimi-a", "role": "engine"}
 
 
 def families() -> dict[str, tuple[str, str, list[tuple[str, dict[str, str], float]]]]:
@@ -93,6 +98,49 @@ def test_every_series_names_its_deployment() -> None:
     assert len(series) == 2 * 17
 
 
+def node_exporter_problems(*texts: bytes) -> list[str]:
+    """What node_exporter's textfile collector refuses when it gathers several files into one scrape
+    (client_golang's Gather): a series twice (same name and label values), or one family with two types or
+    two HELP texts across files.  Any of them fails the whole scrape, every deployment's series with it."""
+    problems: list[str] = []
+    kinds: dict[str, tuple[str, str]] = {}
+    seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+    for text in texts:
+        for family in text_string_to_metric_families(text.decode()):
+            if kinds.setdefault(family.name, (family.type, family.documentation)) != (
+                family.type,
+                family.documentation,
+            ):
+                problems.append(f"{family.name}: type or HELP differs between files")
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                if key in seen:
+                    problems.append(f"{sample.name}{dict(key[1])} was collected before with the same label values")
+                seen.add(key)
+    return problems
+
+
+def test_a_weight_holder_and_its_engine_can_be_scraped_together(tmp_path: Path) -> None:
+    """One deployment, two supervisors (its weight holder and its engine), two textfiles in node_exporter's
+    directory: every series stays distinct (`role`), so node_exporter serves both (was: every series twice)."""
+    holder_path, engine_path = weights_pair(tmp_path)
+    texts = []
+    for path, role in ((holder_path, "weights"), (engine_path, "engine")):
+        cfg = load_config(path)
+        prom = tmp_path / f"{role}.prom"
+        cfg = dataclasses.replace(cfg, metrics=dataclasses.replace(cfg.metrics, textfile=prom))
+        view = OperatorView(cfg, FakeGpuProbe([]), RecordingLog(), ReadinessTracker(cfg.readiness), None)
+        assert view.metrics is not None
+        view.metrics.write(SNAP)  # the writer the supervisor's view builds from its config
+        texts.append(prom.read_bytes())
+    assert node_exporter_problems(*texts) == []
+    for text, role in zip(texts, ("weights", "engine"), strict=True):
+        for family in text_string_to_metric_families(text.decode()):
+            assert all(s.labels["deployment"] == "kimi" and s.labels["role"] == role for s in family.samples)
+    # The check can fail: the same file twice is every series twice.
+    assert len(node_exporter_problems(texts[1], texts[1])) == 18
+
+
 def test_textfile_passes_promtool_check_metrics(tmp_path: Path) -> None:
     """What node_exporter's operators lint with: HELP and TYPE, `_total` counters, base units, valid names."""
     full = render(SNAP, "kimi-a")
@@ -132,7 +180,7 @@ def test_writer_is_atomic_world_readable_whatever_the_umask(tmp_path: Path) -> N
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
-    assert path.read_bytes() == render(SNAP, "kimi-a")
+    assert path.read_bytes() == render(SNAP, "kimi-a", "engine", "kimi_supervisor.prom")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kimi_supervisor.prom"]
 
 

@@ -144,7 +144,8 @@ def test_tree_gpu_memory_health_watchdog_and_canary_reach_the_state_file(tmp_pat
     assert doc["canary"] == {"ok": True, "latency_s": 0.84, "at": 5009.0}
     assert sent[-1] == {"WATCHDOG": 1}  # the tap passed it on
     prom = (tmp_path / "k.prom").read_text()
-    assert 'kimi_supervisor_gpu_memory_used_at_start_bytes{deployment="k",gpu="0"} 4.3761270784e+10' in prom
+    gpu0 = 'kimi_supervisor_gpu_memory_used_at_start_bytes{deployment="k",gpu="0",role="engine"} 4.3761270784e+10'
+    assert gpu0 in prom
     sm.to(State.STOPPING, "stopping: stop requested", notify={"STOPPING": 1})
     sm.to(State.FAILED, "failed: vLLM exited with status 1 after it was ready", exit_code=13)
     doc = json.loads((tmp_path / "run" / "k" / "state.json").read_text())
