@@ -342,11 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = get_logger()
     try:
         if args.command == "status":
-            from kimi_supervisor.cli.status import run_status  # only what reading two files needs
+            from kimi_supervisor.cli.status import DEFAULT_RUNTIME_DIR, run_status  # only what reading files needs
 
             if args.name is not None and args.config is not None:
                 raise ConfigError(f"status: give NAME ({args.name}) or --config ({args.config}), not both")
-            return run_status(args.config, args.json, args.watch, name=args.name)
+            return run_status(args.config, args.json, args.watch, name=args.name, runtime_dirs=(DEFAULT_RUNTIME_DIR,))
         cfg = _load(args)
         # Known secret values (HF_TOKEN=...) are scrubbed from every event from now on.
         secrets = secret_values(cfg)
