@@ -441,8 +441,8 @@ def _running_under(root: Path, known: set[str], err: TextIO) -> list[DeploymentD
         if dirs is None or dirs.name != name or dirs.locks != root:
             # Its history: where the default [paths] put it, if its runtime directory is the default one too;
             # else unknown (none shown), never another deployment's.
-            state = (DEFAULT_STATE_DIR if root == DEFAULT_RUNTIME_DIR else root) / name
-            dirs = DeploymentDirectories(name, locks=root, runtime=root / name, state=state)
+            history = (DEFAULT_STATE_DIR if root == DEFAULT_RUNTIME_DIR else root) / name
+            dirs = DeploymentDirectories(name, locks=root, runtime=root / name, state=history)
         out.append(dirs)
     return out
 
