@@ -19,14 +19,10 @@ exit 0 when every check passed.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,8 +30,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaccept.gpu_tier_common import SAFE_ENV, gpu_child_section, write_gpu_config  # noqa: E402
+from gpuaccept.gpu_tier_common import gpu_child_section, scene_start, write_gpu_config  # noqa: E402
 from gpuaccept.gpu_two_supervisors import CHECKS, Supervisor, expect  # noqa: E402
+from testkit.procutil import free_port  # noqa: E402
 
 RAS_BASE_PORT = 28100  # kimi_supervisor/config/gpu_pinning.py
 
@@ -66,12 +63,6 @@ def smi_bus_ids() -> dict[int, str]:
         ["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"], capture_output=True, text=True
     ).stdout
     return {int(i): b.strip() for i, _, b in (line.partition(",") for line in text.splitlines() if "," in line)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def environ_of(pid: int) -> dict[str, str]:
@@ -160,14 +151,7 @@ def render_md(result: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--mib", type=int, default=1024)
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="kimi-pin-"))
-    env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), str(REPO)]))
+    args, work, env = scene_start("kimi-pin-", 1024, __doc__)
     for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):  # the supervisor's, not the shell's, must win
         env.pop(name, None)
     nvml, smi = nvml_bus_ids(), smi_bus_ids()
