@@ -60,7 +60,8 @@ def test_check_config_prints_effective_config_with_secrets_redacted(tmp_path: Pa
     out = result.stdout
     assert 'child.argv = ["vllm", "serve", "/m", "--api-key", "<redacted>"]' in out
     # What the child gets over the inherited environment: child.env, its GPU order and its NCCL RAS endpoint.
-    env = '{"HF_TOKEN": "<redacted>", "NCCL_PROTO": "LL", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "NCCL_RAS_ADDR": "127.0.0.1:28100"}'
+    env = '{"HF_TOKEN": "<redacted>", "NCCL_PROTO": "LL", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", '
+    env += '"NCCL_RAS_ADDR": "127.0.0.1:28100"}'
     assert f"child.env = {env}" in out
     assert "sk-live-123" not in out and "hf_abc" not in out
     assert 'readiness.health_url = "http://127.0.0.1:8000/health"' in out
