@@ -65,10 +65,36 @@ def worker(args: argparse.Namespace) -> int:
             info.update(nccl_all_reduce(args.rank, args.rank, args.world, args.master_port))
         torch.cuda.synchronize()
         info["held_bytes"] = hold.numel()
+        info.update(cuda_view())
     say(who, f"Loading weights took 0.01 GiB and 0.1 seconds; holding {args.mib} MiB ({json.dumps(info)})")
     write_json(args.ready, info)
     while True:
         time.sleep(3600)
+
+
+def cuda_view() -> dict[str, object]:
+    """What CUDA shows this worker (issue 33): its pinning variables, torch's device count, and device 0's PCI
+    bus id from torch and from the driver API (cuDeviceGetPCIBusId, which honours CUDA_DEVICE_ORDER)."""
+    import ctypes
+
+    import torch
+
+    out: dict[str, object] = {
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "cuda_device_order": os.environ.get("CUDA_DEVICE_ORDER"),
+        "nccl_ras_addr": os.environ.get("NCCL_RAS_ADDR"),
+        "torch_device_count": torch.cuda.device_count(),
+    }
+    props = torch.cuda.get_device_properties(0)
+    if hasattr(props, "pci_bus_id"):
+        out["torch_pci_bus_id"] = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    with contextlib.suppress(OSError, AttributeError):
+        cuda = ctypes.CDLL("libcuda.so.1")
+        dev, buf = ctypes.c_int(), ctypes.create_string_buffer(64)
+        ok = cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+        if ok and cuda.cuDeviceGetPCIBusId(buf, 64, dev) == 0:
+            out["cuda_pci_bus_id"] = buf.value.decode()
+    return out
 
 
 # -- main (API server) ---------------------------------------------------------

@@ -76,6 +76,23 @@ def shm_listing(directory: str) -> list[str]:
         return []
 
 
+def scene_start(prefix: str, mib: int, description: str | None = None) -> tuple[Any, Path, dict[str, str]]:
+    """A device scene's start: its --out and --mib, a fresh work directory, and the environment its supervisors
+    run in (the safe NCCL settings, this checkout first on PYTHONPATH)."""
+    import argparse
+    import tempfile
+
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--mib", type=int, default=mib)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), str(REPO)]))
+    return args, work, env
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(SAFE_ENV)

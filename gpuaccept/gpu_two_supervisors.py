@@ -19,14 +19,11 @@ Writes DIR/two_supervisors.json and DIR/two_supervisors.md.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -36,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaccept.gpu_tier_common import SAFE_ENV, gpu_child_section, write_gpu_config  # noqa: E402 - needs the repo on sys.path
+from gpuaccept.gpu_tier_common import gpu_child_section, scene_start, write_gpu_config  # noqa: E402 - needs the repo on sys.path
 
 CHECKS: list[tuple[str, bool, str]] = []
 
@@ -145,14 +142,7 @@ def unchanged(label: str, a: Supervisor, before: dict[int, tuple[str, float]], n
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--mib", type=int, default=4096)
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="kimi-two-"))
-    env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), str(REPO)]))
+    args, work, env = scene_start("kimi-two-", 4096)
     ngpu = len(nvml_state())
     port = int(
         subprocess.check_output(

@@ -18,12 +18,13 @@ from kimi_supervisor.child.spawnplan import Unresolvable
 from kimi_supervisor.cli.args import parse_args
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import layout, timeouts
+from kimi_supervisor.config.gpu_pinning import ras_port
 from kimi_supervisor.config.load import effective_config, load_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import ConfigError, ExitCode, SupervisorError
 from kimi_supervisor.files import dirtrust
 from kimi_supervisor.host import checkpoint, instance_lock
-from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, configured_gpus
+from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, configured_gpus, pin_configured_gpus
 from kimi_supervisor.host.nvml import NvmlProbe
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.logs.journal import ChildSink, close_outputs, configure, get_logger, resolve_format
@@ -164,8 +165,10 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
             cfg.metrics.textfile,
             lock_suffix(cfg),
         )
+        owner = owner or _ras_owner(cfg)
         report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
         gpu_count = _gpu_count(cfg, probe)
+        child = pin_configured_gpus(cfg.child, cfg.preflight.gpus, probe)
     finally:
         probe.close()
     stop = _unit_stop_check(cfg)
@@ -186,10 +189,26 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
         report.checks.insert(0, Check("paths", Status.FAIL, exc.message))
     if owner is not None:
         report.checks.insert(0, Check("instance", Status.FAIL, instance_lock.dry_run_text(owner), {"pid": owner.pid}))
-    print(render_json(report, str(cfg.path)) if as_json else render_text(report, str(cfg.path)))
+    env = redact_env(child.env)
+    print(render_json(report, str(cfg.path), env) if as_json else render_text(report, str(cfg.path)))
     if owner is not None:
         return ExitCode.ANOTHER_INSTANCE
     return ExitCode.OK if report.proceed else ExitCode.PREFLIGHT_FAILED
+
+
+def _lock_ras_port(cfg: Config) -> instance_lock.InstanceLock | None:
+    """NCCL's RAS port (config/gpu_pinning.py) is host-wide like the serving port: locked the same way."""
+    port = ras_port(cfg.child.env)
+    if port is None:
+        return None
+    return instance_lock.acquire(cfg.paths.runtime_directory, (), port, str(cfg.path), suffix=lock_suffix(cfg))
+
+
+def _ras_owner(cfg: Config) -> instance_lock.Owner | None:
+    port = ras_port(cfg.child.env)
+    if port is None:
+        return None
+    return instance_lock.find_owner(cfg.paths.runtime_directory, (), port, None, None, lock_suffix(cfg))
 
 
 def _gpu_count(cfg: Config, probe: GpuProbe) -> int:
@@ -281,7 +300,12 @@ def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
             _record_refused_start(cfg, err, probe)
             raise
         try:
-            return _supervise(cfg, sink, probe)
+            ras = _lock_ras_port(cfg)
+            try:
+                return _supervise(cfg, sink, probe)
+            finally:
+                if ras is not None:
+                    ras.close()
         finally:
             lock.close()
     finally:
@@ -334,11 +358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = get_logger()
     try:
         if args.command == "status":
-            from kimi_supervisor.cli.status import run_status  # only what reading two files needs
+            from kimi_supervisor.cli.status import DEFAULT_RUNTIME_DIR, run_status  # only what reading files needs
 
             if args.name is not None and args.config is not None:
                 raise ConfigError(f"status: give NAME ({args.name}) or --config ({args.config}), not both")
-            return run_status(args.config, args.json, args.watch, name=args.name)
+            return run_status(args.config, args.json, args.watch, name=args.name, runtime_dirs=(DEFAULT_RUNTIME_DIR,))
         cfg = _load(args)
         # Known secret values (HF_TOKEN=...) are scrubbed from every event from now on.
         secrets = secret_values(cfg)

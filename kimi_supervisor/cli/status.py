@@ -7,8 +7,9 @@ PID *and* start time, so a recycled PID does not pass for the supervisor).
 Exit status as `systemctl status`: 0 while it runs, 3 when it does not.
 
 A host may run several deployments (config/layout.py: each its own state file and history).  Without
-`--config` and NAME, `status` looks at every config in /etc/kimi-supervisor/: one shows in full as
-before; several are listed one line each (`status NAME` then shows one), 0 only when all of them run.
+`--config` and NAME, `status` looks at every config in /etc/kimi-supervisor/ and every deployment with a
+state file under the runtime directory (started from a config elsewhere): one shows in full as before;
+several are listed one line each (`status NAME` then shows one), 0 only when all of them run.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ from kimi_supervisor.opsview.statefile import read_state, writer_alive
 from kimi_supervisor.roles import Role
 
 RUNS_SHOWN = 5
+# [paths]' defaults (config/load.py): where a deployment without a config in /etc/kimi-supervisor has its files.
+DEFAULT_RUNTIME_DIR = Path("/run/kimi-supervisor")
+DEFAULT_STATE_DIR = Path("/var/lib/kimi-supervisor")
 BAR_WIDTH = 24
 _COLORS = {"green": "\x1b[32m", "yellow": "\x1b[33m", "red": "\x1b[31m", "bold": "\x1b[1m", "dim": "\x1b[2m"}
 _RESET = "\x1b[0m"
@@ -398,8 +402,9 @@ def deployment_of(config: Path, err: TextIO) -> DeploymentDirectories:
         return layout.of(parse_config({"child": {"argv": ["vllm"]}}, config))
 
 
-def deployments(config_dir: Path, err: TextIO) -> list[DeploymentDirectories]:
-    """Every deployment configured in `config_dir` (one `NAME.toml` each), by name."""
+def deployments(config_dir: Path, err: TextIO, runtime_dirs: tuple[Path, ...] = ()) -> list[DeploymentDirectories]:
+    """Every deployment configured in `config_dir` (one `NAME.toml` each), and every one with a state file
+    under a runtime directory (theirs, and `runtime_dirs`): one started from a config elsewhere runs too."""
     try:
         configs = sorted(p for p in config_dir.iterdir() if p.suffix == ".toml" and not p.name.startswith("."))
     except OSError:
@@ -408,15 +413,48 @@ def deployments(config_dir: Path, err: TextIO) -> list[DeploymentDirectories]:
     for config in configs:
         dirs = deployment_of(config, err)
         found.setdefault(dirs.name, dirs)
+    for root in sorted({*runtime_dirs, *(d.locks for d in found.values())}):
+        for dirs in _running_under(root, set(found), err):
+            found[dirs.name] = dirs
     return [found[name] for name in sorted(found)]
 
 
-def select(config: Path | None, name: str | None, config_dir: Path, err: TextIO) -> list[DeploymentDirectories]:
-    """What `status` shows: the one config given, the NAME asked for, or every deployment configured here
-    (the default config's when none is).  ConfigError for a NAME no config names."""
+def _running_under(root: Path, known: set[str], err: TextIO) -> list[DeploymentDirectories]:
+    """The deployments with a state file in `root` (config/layout.py: ROOT/NAME/state.json): each one's own
+    directories from the config its state file names, else ROOT/NAME and the default state directory."""
+    try:
+        names = sorted(
+            p.name
+            for p in root.iterdir()
+            if p.name not in known and (p / layout.state_file_name(Role.ENGINE)).is_file()
+        )
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        try:
+            state = read_state(root / name / layout.state_file_name(Role.ENGINE)) or {}
+        except (OSError, ValueError):
+            state = {}
+        config = (state.get("supervisor") or {}).get("config")
+        dirs = deployment_of(Path(config), err) if isinstance(config, str) and os.path.isfile(config) else None
+        if dirs is None or dirs.name != name or dirs.locks != root:
+            # Its history: where the default [paths] put it, if its runtime directory is the default one too;
+            # else unknown (none shown), never another deployment's.
+            history = (DEFAULT_STATE_DIR if root == DEFAULT_RUNTIME_DIR else root) / name
+            dirs = DeploymentDirectories(name, locks=root, runtime=root / name, state=history)
+        out.append(dirs)
+    return out
+
+
+def select(
+    config: Path | None, name: str | None, config_dir: Path, err: TextIO, runtime_dirs: tuple[Path, ...] = ()
+) -> list[DeploymentDirectories]:
+    """What `status` shows: the one config given, the NAME asked for, or every deployment configured here or
+    running (the default config's when there is none).  ConfigError for a NAME none of them has."""
     if config is not None:
         return [deployment_of(config, err)]
-    found = deployments(config_dir, err)
+    found = deployments(config_dir, err, runtime_dirs)
     if name is not None:
         chosen = [d for d in found if d.name == name]
         if not chosen:
@@ -443,9 +481,10 @@ def run_status(
     *,
     name: str | None = None,
     config_dir: Path = DEFAULT_PATH.parent,
+    runtime_dirs: tuple[Path, ...] = (),
 ) -> int:
     out = out or sys.stdout
-    chosen = select(config, name, config_dir, sys.stderr)
+    chosen = select(config, name, config_dir, sys.stderr, runtime_dirs)
     tty = out.isatty()
     color = tty and not os.environ.get("NO_COLOR")
     if len(chosen) > 1:  # a host of several deployments: one line each (`status NAME` for one)

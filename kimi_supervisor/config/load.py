@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_supervisor.config.file import read_config_bytes
+from kimi_supervisor.config.gpu_pinning import PinningError, pinned_env, ras_env
 from kimi_supervisor.config.model import (
     GPU_HEALTH_POLICIES,
     ChildConfig,
@@ -524,6 +525,26 @@ def _apply_cluster(
     return cfg, dataclasses.replace(child, argv=group.argv, env=env)
 
 
+def _own_devices(child: ChildConfig, preflight: PreflightConfig, role: Role, path: Path) -> ChildConfig:
+    """The child's GPUs pinned to preflight.gpus and its own NCCL RAS endpoint (config/gpu_pinning.py)."""
+    try:
+        env = pinned_env(child.env, preflight.gpus)
+        env = ras_env(env, preflight.gpus, holder=role is Role.WEIGHTS)
+    except PinningError as exc:
+        raise ConfigError(f"{path}: child.env.{exc.key}: {exc}") from None
+    return dataclasses.replace(child, env=env)
+
+
+def _check_world_size(child: ChildConfig, preflight: PreflightConfig, path: Path) -> None:
+    """One node's vLLM takes TP x PP x DP GPUs (a group node's share is checked by _apply_cluster)."""
+    vllm = child.vllm
+    if preflight.gpus and len(preflight.gpus) < vllm.world_size:
+        raise ConfigError(
+            f"{path}: preflight.gpus: {len(preflight.gpus)} GPU(s) {list(preflight.gpus)}, but child.argv's "
+            f"{vllm.parallel_flags} needs {vllm.world_size}"
+        )
+
+
 def _parse_weights(
     t: Table, present: bool, deployment: DeploymentConfig, child: ChildConfig, paths: PathsConfig, path: Path
 ) -> tuple[WeightsConfig | None, ChildConfig]:
@@ -586,6 +607,7 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     # Before readiness and liveness: a holder's /health is on the port its argv gets here.
     weights, child = _parse_weights(root.table("weights"), "weights" in data, deployment, child, paths, path)
     preflight = _parse_preflight(root.table("preflight"), child.user)
+    child = _own_devices(child, preflight, deployment.role, path)
     readiness = _parse_readiness(root.table("readiness"), child.vllm)
     health = _parse_health(root.table("health"))
     shutdown = _parse_shutdown(root.table("shutdown"))
@@ -603,6 +625,8 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
         cluster, child = _apply_cluster(cluster, child, liveness, preflight, path)
         if cluster.node_rank > 0:
             readiness, shutdown = _follower_defaults(data, readiness, shutdown, cluster)
+    if cluster is None:
+        _check_world_size(child, preflight, path)
     root.done()
     child = dataclasses.replace(child, cache_directory=paths.cache_directory)
     return Config(

@@ -21,6 +21,11 @@ _VALUE_OPTIONS = {
     "--port": "port",
     "--tensor-parallel-size": "tp",
     "-tp": "tp",
+    # With TP, the sizes whose product is the GPUs one node's vLLM takes (vllm/engine/arg_utils.py).
+    "--pipeline-parallel-size": "pp",
+    "-pp": "pp",
+    "--data-parallel-size": "dp",
+    "-dp": "dp",
     "--gpu-memory-utilization": "gpu_util",
     "--served-model-name": "served_name",  # takes one or more names; the first is what clients use
     # vLLM >= 0.32: on SIGTERM, reject new requests and let in-flight ones finish for up to this many
@@ -38,6 +43,24 @@ class VllmArgs:
     gpu_memory_utilization: float
     served_name: str | None = None
     shutdown_timeout: int = 0
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """The GPUs this vLLM takes on one node: TP x PP x DP (a GPU per rank)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def parallel_flags(self) -> str:
+        """The size flags that make the world size, as an operator reads them: `--tensor-parallel-size 4 x
+        --pipeline-parallel-size 2`; sizes of 1 other than TP's are left out."""
+        sizes = [("--tensor-parallel-size", self.tensor_parallel_size)]
+        sizes += [
+            ("--pipeline-parallel-size", self.pipeline_parallel_size),
+            ("--data-parallel-size", self.data_parallel_size),
+        ]
+        return " x ".join(f"{flag} {n}" for i, (flag, n) in enumerate(sizes) if i == 0 or n > 1)
 
     @property
     def served_model_name(self) -> str | None:
@@ -82,7 +105,7 @@ def _options(argv: list[str] | tuple[str, ...]) -> tuple[dict[str, str], list[st
 
 
 def parse_vllm_args(argv: list[str] | tuple[str, ...]) -> VllmArgs:
-    """Extract model, host, port, TP size and memory fraction; ValueError names the bad option."""
+    """Extract model, host, port, TP/PP/DP sizes and memory fraction; ValueError names the bad option."""
     found, positionals = _options(argv)
     model = found.get("model")
     # `vllm serve MODEL ...`: the model is the positional after "serve".
@@ -96,12 +119,7 @@ def parse_vllm_args(argv: list[str] | tuple[str, ...]) -> VllmArgs:
         raise ValueError(f"--port expects an integer, got {found['port']!r}") from None
     if not 0 < port < 65536:
         raise ValueError(f"--port expects 1..65535, got {port}")
-    try:
-        tp = int(found.get("tp", 1))
-    except ValueError:
-        raise ValueError(f"--tensor-parallel-size expects an integer, got {found['tp']!r}") from None
-    if tp < 1:
-        raise ValueError(f"--tensor-parallel-size expects >= 1, got {tp}")
+    tp, pp, dp = (_size(found, key, flag) for key, flag in _SIZE_FLAGS)
     try:
         util = float(found.get("gpu_util", DEFAULT_GPU_MEMORY_UTILIZATION))
     except ValueError:
@@ -117,4 +135,18 @@ def parse_vllm_args(argv: list[str] | tuple[str, ...]) -> VllmArgs:
         ) from None
     if drain < 0:
         raise ValueError(f"--shutdown-timeout expects >= 0 seconds, got {drain}")
-    return VllmArgs(model, found.get("host", DEFAULT_HOST), port, tp, util, found.get("served_name"), drain)
+    host = found.get("host", DEFAULT_HOST)
+    return VllmArgs(model, host, port, tp, util, found.get("served_name"), drain, pp, dp)
+
+
+_SIZE_FLAGS = (("tp", "--tensor-parallel-size"), ("pp", "--pipeline-parallel-size"), ("dp", "--data-parallel-size"))
+
+
+def _size(found: dict[str, str], key: str, flag: str) -> int:
+    try:
+        size = int(found.get(key, 1))
+    except ValueError:
+        raise ValueError(f"{flag} expects an integer, got {found[key]!r}") from None
+    if size < 1:
+        raise ValueError(f"{flag} expects >= 1, got {size}")
+    return size

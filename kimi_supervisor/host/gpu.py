@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from kimi_supervisor.clock import Clock
+from kimi_supervisor.config.gpu_pinning import pin_every_gpu
+from kimi_supervisor.config.model import ChildConfig
 from kimi_supervisor.exitcodes import ExitCode
 
 MIB = 1024 * 1024
@@ -106,6 +108,13 @@ def configured_gpus(probe: GpuProbe, gpus: tuple[int, ...] | None) -> tuple[int,
         return tuple(range(probe.device_count()))
     except GpuUnavailable:
         return ()
+
+
+def pin_configured_gpus(child: ChildConfig, gpus: tuple[int, ...] | None, probe: GpuProbe) -> ChildConfig:
+    """`child` pinned to every GPU NVML sees now when preflight.gpus is "all"; a list was pinned by the config."""
+    if gpus is not None:
+        return child
+    return dataclasses.replace(child, env=pin_every_gpu(child.env, len(configured_gpus(probe, None))))
 
 
 # Waiting for memory: shared by the preflight and by the supervisor's stop path.

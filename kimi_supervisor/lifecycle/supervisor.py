@@ -37,7 +37,7 @@ from kimi_supervisor.exitcodes import (
     SupervisorError,
     exit_outcome,
 )
-from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, configured_gpus, holders
+from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, configured_gpus, holders, pin_configured_gpus
 from kimi_supervisor.host.proctable import ProcessTable
 from kimi_supervisor.host.readahead import ReadAhead
 from kimi_supervisor.lifecycle.deps import (
@@ -186,6 +186,8 @@ class Supervisor:
             raise
 
     def _prepare_child(self) -> None:
+        child = pin_configured_gpus(self.cfg.child, self.cfg.preflight.gpus, self.deps.probe)
+        self.cfg = dataclasses.replace(self.cfg, child=child)
         try:
             self._prepared = self.deps.spawn.prepare(self.cfg.child, self.deps.environ)
         except Unresolvable as exc:

@@ -19,7 +19,11 @@ from kimi_supervisor.host import pagecache
 from kimi_supervisor.host.gpu import GpuMemory
 
 
-def check_gpu_count(visible: int, selected: tuple[int, ...], tp: int) -> Check:
+def check_gpu_count(visible: int, selected: tuple[int, ...], tp: int, world: int = 0, flags: str = "") -> Check:
+    """`world`: TP x PP x DP, the GPUs one node's vLLM takes (0: TP alone); `flags` names them for the message."""
+    world = world or tp
+    flags = flags or f"--tensor-parallel-size {tp}"
+    data: dict[str, object] = {"visible": visible, "selected": list(selected), "tensor_parallel_size": tp}
     missing = [i for i in selected if i >= visible]
     if missing:
         return Check(
@@ -28,20 +32,16 @@ def check_gpu_count(visible: int, selected: tuple[int, ...], tp: int) -> Check:
             f"configured GPU(s) {missing} do not exist: NVML sees {visible} GPU(s)",
             {"visible": visible, "selected": list(selected)},
         )
-    if len(selected) < tp:
+    if len(selected) < world:
         return Check(
             "gpus",
             Status.FAIL,
-            f"--tensor-parallel-size {tp} needs {tp} GPUs but only {len(selected)} are available "
+            f"{flags} needs {world} GPUs but only {len(selected)} are available "
             f"(NVML sees {visible}, preflight.gpus selects {list(selected)})",
-            {"visible": visible, "selected": list(selected), "tensor_parallel_size": tp},
+            data | {"world_size": world},
         )
-    return Check(
-        "gpus",
-        Status.OK,
-        f"{len(selected)} GPU(s) {list(selected)} for tensor-parallel size {tp}",
-        {"visible": visible, "selected": list(selected), "tensor_parallel_size": tp},
-    )
+    what = f"tensor-parallel size {tp}" if world == tp else f"world size {world} ({flags})"
+    return Check("gpus", Status.OK, f"{len(selected)} GPU(s) {list(selected)} for {what}", data | {"world_size": world})
 
 
 def check_free_memory(memory: list[GpuMemory], utilization: float, releasable_mib: Mapping[int, int]) -> Check:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 
 from kimi_supervisor.checks import Status
 from kimi_supervisor.preflight.run import PreflightReport
@@ -50,7 +51,9 @@ def render_text(report: PreflightReport, config_path: str) -> str:
     return "\n".join(lines)
 
 
-def render_json(report: PreflightReport, config_path: str) -> str:
+def render_json(report: PreflightReport, config_path: str, child_env: Mapping[str, str] | None = None) -> str:
     data = report.to_dict()
     data["config"] = config_path
+    if child_env is not None:  # what the supervisor sets over the inherited environment, secrets redacted
+        data["child_env"] = dict(child_env)
     return json.dumps(data, indent=2, sort_keys=False)

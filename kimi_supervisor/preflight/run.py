@@ -172,7 +172,10 @@ class Preflight:
         if cluster is not None:  # a group node holds its share of the world (preflight/group_checks.py)
             check = group_checks.check_local_gpus(visible, selected, cluster.local_world_size, cluster.nnodes)
         else:
-            check = checks.check_gpu_count(visible, selected, self._cfg.child.vllm.tensor_parallel_size)
+            vllm = self._cfg.child.vllm
+            check = checks.check_gpu_count(
+                visible, selected, vllm.tensor_parallel_size, vllm.world_size, vllm.parallel_flags
+            )
         add(check)
         return selected if check.status is Status.OK else ()
 

@@ -50,6 +50,11 @@ class Main:
             os._exit(0)
         set_comm("vllm")  # the `vllm` console script
         identify(cfg.model, self.url(), cfg.port)
+        for name in cfg.print_env:
+            value = os.environ.get(name)
+            plain(
+                f"fake-vllm env {name}={value}" if value is not None else f"fake-vllm env {name} unset", important=True
+            )
         try:
             replay(excerpt(tree.STARTUP, "Triton is installed", "Enabled custom fusions"))
             self.stress_output()

@@ -49,6 +49,8 @@ class Config:
     long_line_no_newline: bool
     invalid_utf8: bool
     silent_load: bool
+    # names of environment variables to print at start, as this process got them (tests of the child's env)
+    print_env: tuple[str, ...] = ()
 
 
 # vLLM options that take a value, declared (and ignored) so that their value is never taken for the
@@ -174,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--long-line-no-newline", action="store_true", help="the next log line continues --long-line")
     o.add_argument("--invalid-utf8", action="store_true", help="invalid UTF-8, and a character split across writes")
     o.add_argument("--silent-load", action="store_true", help="print nothing (errors excepted) until ready")
+    o.add_argument(
+        "--print-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="print `fake-vllm env NAME=VALUE` (or `NAME unset`) at start, from this process's own environment",
+    )
     return p
 
 
@@ -216,4 +225,5 @@ def parse_config(argv: Sequence[str]) -> Config:
         long_line_no_newline=bool(ns.long_line_no_newline),
         invalid_utf8=bool(ns.invalid_utf8),
         silent_load=bool(ns.silent_load),
+        print_env=tuple(ns.print_env),
     )

@@ -59,11 +59,15 @@ def test_check_config_prints_effective_config_with_secrets_redacted(tmp_path: Pa
     assert result.returncode == 0
     out = result.stdout
     assert 'child.argv = ["vllm", "serve", "/m", "--api-key", "<redacted>"]' in out
-    assert 'child.env = {"HF_TOKEN": "<redacted>", "NCCL_PROTO": "LL"}' in out
+    # What the child gets over the inherited environment: child.env, its GPU order and its NCCL RAS endpoint.
+    env = '{"HF_TOKEN": "<redacted>", "NCCL_PROTO": "LL", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", '
+    env += '"NCCL_RAS_ADDR": "127.0.0.1:28100"}'
+    assert f"child.env = {env}" in out
     assert "sk-live-123" not in out and "hf_abc" not in out
     assert 'readiness.health_url = "http://127.0.0.1:8000/health"' in out
     as_json = json.loads(cli("check-config", "--json", "--config", str(cfg)).stdout)
     assert as_json["child"]["argv"][-1] == "<redacted>"
+    assert as_json["child"]["env"] == json.loads(env)
 
 
 def test_shipped_config_check() -> None:

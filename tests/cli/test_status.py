@@ -409,3 +409,39 @@ def test_one_deployment_on_the_host_shows_in_full_without_config(tmp_path: Path)
     out = io.StringIO()
     assert run_status(None, False, False, out=out, now=lambda: NOW, config_dir=tmp_path / "etc") == 0
     assert out.getvalue() == render_text(gather(paths(tmp_path)), NOW)
+
+
+def test_deployments_without_a_config_here_are_found_by_their_state_files(tmp_path: Path) -> None:
+    """Issue 33: one started from a config elsewhere (kimi-b, its config in /srv) and one whose config is gone
+    (kimi-c) show beside the configured kimi-a, running or not, instead of "not running", exit 3."""
+    me = os.getpid()
+    deployment(tmp_path, "kimi-a", state_doc("ready", status="ready: serving on http://127.0.0.1:18555"))
+    srv = tmp_path / "srv"
+    srv.mkdir()
+    b_config = setup(tmp_path, None, history(), name="kimi-b").rename(srv / "kimi-b.toml")
+    b = state_doc("ready", status="ready: serving on http://127.0.0.1:18556")
+    b["supervisor"]["config"] = str(b_config)
+    state_path(tmp_path, "kimi-b").write_text(json.dumps(b))
+    c = state_doc("failed", supervisor={"pid": me, "start_time": 1.0, "config": str(srv / "gone.toml")})
+    setup(tmp_path, c | {"ended_at": T0 + 600, "exit_code": 13}, name="kimi-c").unlink()
+    out = io.StringIO()
+    assert run_status(None, False, False, out=out, config_dir=tmp_path / "etc") == 3
+    assert out.getvalue() == (
+        f"● kimi-a                   ready: serving on http://127.0.0.1:18555 (PID {me})\n"
+        f"● kimi-b                   ready: serving on http://127.0.0.1:18556 (PID {me})\n"
+        "× kimi-c                   not running (failed at 2026-11-29 20:56:40 UTC, exit 13)\n"
+    )
+    out = io.StringIO()
+    assert run_status(None, True, False, out=out, name="kimi-b", config_dir=tmp_path / "etc") == 0
+    shown = json.loads(out.getvalue())
+    # kimi-b's history comes from the directories its own config names, not a default.
+    assert shown["history_file"] == str(history_path(tmp_path, "kimi-b")) and len(shown["runs"]) == len(history().runs)
+    # A runtime directory given outright (the host's /run/kimi-supervisor for the CLI) is searched too.
+    alone = tmp_path / "alone"
+    (alone / "kimi-d").mkdir(parents=True)
+    (alone / "kimi-d" / "state.json").write_text(json.dumps(state_doc("ready", status="ready: d")))
+    out = io.StringIO()
+    assert run_status(None, False, False, out=out, config_dir=tmp_path / "none", runtime_dirs=(alone,)) == 0
+    assert (
+        out.getvalue().startswith("● kimi-supervisor@kimi-d - ready: d\n") and "No runs recorded yet." in out.getvalue()
+    )

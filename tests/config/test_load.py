@@ -211,7 +211,8 @@ def test_shipped_config_reproduces_the_seeds() -> None:
     assert cfg.child.vllm.gpu_memory_utilization == 0.95
     assert argv[argv.index("--max-model-len") + 1] == "131072"
     assert "--tool-call-parser" in argv and "--reasoning-parser" in argv
-    assert dict(cfg.child.env) == {"NCCL_PROTO": "LL", "NCCL_P2P_LEVEL": "SYS"}
+    pinned = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "NCCL_RAS_ADDR": "127.0.0.1:28100"}  # gpus = "all"
+    assert dict(cfg.child.env) == {"NCCL_PROTO": "LL", "NCCL_P2P_LEVEL": "SYS"} | pinned
     assert cfg.preflight.memory_threshold_mib == 1000
     assert cfg.preflight.deadline_s == 30
     assert cfg.readiness.health_url == "http://127.0.0.1:8000/health"

@@ -2,7 +2,8 @@
 
 kimi-supervisor@kimi-a and kimi-supervisor@kimi-b run /etc/kimi-supervisor/kimi-a.toml and kimi-b.toml, on
 disjoint fake GPUs (testkit.fakes.gpu_cli: NVML replaced by a GPU file) and ports, with the default [paths].
-Both become READY, each has its own state file and history, `status` tells them apart, restarting one leaves
+Both become READY, each child sees only its own GPUs in PCI bus order and has its own NCCL RAS port
+(issue 33: /proc/PID/environ), each has its own state file and history, `status` tells them apart, restarting one leaves
 the other's MainPID, NRestarts and processes alone, and the host-wide lock still refuses a third config that
 overlaps one of them (exit 16).
 """
@@ -84,9 +85,20 @@ def test_two_instances_side_by_side(m: NspawnMachine) -> None:
         assert state["supervisor"]["pid"] == int(p["MainPID"]) and state["phase"] == "ready"
         history = json.loads(m.run(["cat", f"/var/lib/kimi-supervisor/{name}/history.json"]).stdout)
         assert [r["pid"] for r in history["runs"]] == [int(p["MainPID"])]  # its own runs only
+    # Issue 33: each child runs on its own GPUs only, numbered as NVML numbers them, with its own NCCL RAS
+    # endpoint: read from the kernel's copy of the vLLM process's environment, not from what we configured.
+    for name, p in (("kimi-a", a), ("kimi-b", b)):
+        [child] = m.run(["pgrep", "-P", p["MainPID"]]).stdout.split()
+        raw = m.run(["cat", f"/proc/{child}/environ"]).stdout.split("\0")
+        env = dict(item.partition("=")[::2] for item in raw if item)
+        gpus, _port = DEPLOYMENTS[name]
+        assert env.get("CUDA_VISIBLE_DEVICES") == ",".join(map(str, gpus)), (name, env)
+        assert env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
+        assert env.get("NCCL_RAS_ADDR") == f"127.0.0.1:{28100 + 2 * min(gpus)}"
     # The locks stay in the one host-wide directory, whichever instance took them.
     locks = m.run(["ls", "/run/kimi-supervisor"]).stdout.split()
     assert {"gpu-0.lock", "gpu-3.lock", "port-18555.lock", "port-18556.lock", "kimi-a", "kimi-b"} <= set(locks)
+    assert {"port-28100.lock", "port-28104.lock"} <= set(locks)  # each one's NCCL RAS port
     journal = m.run(["journalctl", "-u", instance("kimi-b"), "-o", "json", "KIMI_EVENT=state.ready"]).stdout
     [ready_b] = [json.loads(line) for line in journal.splitlines()]
     assert ready_b["SYSLOG_IDENTIFIER"] == "kimi-supervisor@kimi-b" and ready_b["KIMI_DEPLOYMENT"] == "kimi-b"
@@ -110,8 +122,9 @@ def test_two_instances_side_by_side(m: NspawnMachine) -> None:
     assert (b2["MainPID"], b2["NRestarts"], b2["ActiveState"]) == (b["MainPID"], b["NRestarts"], "active")
     assert sorted(m.unit_pids(instance("kimi-b"))) == b_tree
 
-    # A third config overlapping a's GPU 1 (from a shell, by mistake): refused at once, nothing changed.
-    m.write_file("/etc/kimi-supervisor/kimi-c.toml", config_text([1], 18557))
+    # A third config overlapping a's GPU 1 and b's 2 (from a shell, by mistake): refused at once, nothing changed.
+    # ([1, 2]: its TP 2 needs two GPUs, else the config alone refuses it, exit 78, before any lock is looked at.)
+    m.write_file("/etc/kimi-supervisor/kimi-c.toml", config_text([1, 2], 18557))
     third = m.run([FAKE_GPU_LAUNCHER, "--config", "/etc/kimi-supervisor/kimi-c.toml"], check=False, timeout=30)
     assert third.returncode == 16, third.stdout + third.stderr
     assert f"another kimi-supervisor (PID {a2['MainPID']}, unit {instance('kimi-a')}) owns GPU 1" in third.stderr
