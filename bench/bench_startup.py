@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import Row  # noqa: E402
+from kimi_supervisor.config import layout  # noqa: E402
+from kimi_supervisor.config.load import load_config  # noqa: E402
 from kimi_supervisor.host import pagecache  # noqa: E402
 from testkit.harness import Run, free_port, write_config  # noqa: E402
 from testkit.vllm_serve import MODEL_DIR, VENV, VLLM_ENV  # noqa: E402
@@ -129,7 +131,8 @@ def one_start(model: Path, work: Path, *, cold: bool, readahead: bool) -> dict[s
         run.wait(timeout=60)
     finally:
         run.kill()
-    [rec] = json.loads((work / "state" / "history.json").read_text())["runs"]
+    # The history is the deployment's own (<state_directory>/<name>/history.json): the product's layout says where.
+    [rec] = json.loads(layout.of(load_config(cfg)).history_file.read_text())["runs"]
     stopped = next((e for e in run.events if e.get("event") == "readahead.stopped"), None)
     return {
         "cold": cold,

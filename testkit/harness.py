@@ -27,6 +27,25 @@ from testkit.procutil import free_port as free_port  # re-exported: tests and be
 REPO = Path(__file__).resolve().parent.parent
 FAKE = REPO / "testkit" / "fakes" / "fake_vllm.py"
 
+# The Runs started since the current test began, while tests/run_errors.py records them (None: not recording,
+# e.g. in a benchmark): a failing test's report then shows the traceback of each error-level record its
+# supervisors wrote (an `operator_view.error` the product swallowed), not only the event's name.
+STARTED: list[Run] | None = None
+
+
+def error_records(runs: list[Run]) -> str:
+    """Each error-level record of these runs, its traceback in full; "" when there is none."""
+    out = []
+    for run in runs:
+        for e in list(run.events):
+            if not (str(e.get("event", "")).endswith(".error") or e.get("level") == "error"):
+                continue
+            rest = {k: v for k, v in e.items() if k != "traceback"}
+            out.append(f"supervisor PID {run.proc.pid}: {json.dumps(rest, default=str)}")
+            if e.get("traceback"):
+                out.append(str(e["traceback"]).rstrip("\n"))
+    return "\n".join(out)
+
 
 def toml_value(value: object) -> str:
     if isinstance(value, bool):
@@ -145,6 +164,8 @@ class Run:
         )
         self.events: list[dict[str, Any]] = []
         self.child_lines: list[dict[str, Any]] = []
+        if STARTED is not None:
+            STARTED.append(self)
         self.raw_stderr: list[str] = []
         self._threads = [threading.Thread(target=self._read, args=(self.proc.stderr, True), daemon=True)]
         self._threads[0].start()

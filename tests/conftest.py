@@ -183,6 +183,11 @@ def pytest_configure(config: pytest.Config) -> None:
     host_guard.claim_session()
     if not config.pluginmanager.is_registered(host_guard):
         config.pluginmanager.register(host_guard, "kimi-host-guard")
+    # A failing test shows the tracebacks of its supervisors' error-level records (tests/run_errors.py).
+    from tests import run_errors
+
+    if not config.pluginmanager.is_registered(run_errors):
+        config.pluginmanager.register(run_errors, "kimi-run-errors")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kimi_supervisor.host.procident import ProcIdent, send_signal
 from testkit.harness import REPO
 
 
@@ -94,7 +95,9 @@ def test_shm_files_of_ours_left_behind_fail_and_held_or_foreign_ones_do_not(tmp_
         "code = 'import sys, time; f = open(sys.argv[1]); print(1, flush=True); time.sleep(60)'\n"
         "p = subprocess.Popen([sys.executable, '-c', code, held], stdout=subprocess.PIPE, start_new_session=True)\n"
         "assert p.stdout.readline() == b'1\\n'\n"
-        f"pathlib.Path({str(pidfile)!r}).write_text(str(p.pid))"
+        # The PID with its create time: by the time the outer test kills it the holder may be gone, its PID reused.
+        "import psutil\n"
+        f"pathlib.Path({str(pidfile)!r}).write_text(f'{{p.pid}} {{psutil.Process(p.pid).create_time()!r}}')"
     )
     result = run_suite(tmp_path, body)
     shm = tmp_path / "host" / "shm"
@@ -103,8 +106,9 @@ def test_shm_files_of_ours_left_behind_fail_and_held_or_foreign_ones_do_not(tmp_
         assert f"left behind: {shm / 'psm_left'}" in result.stdout
         assert "someone-else" not in result.stdout and "sem.mp-held" not in result.stdout, result.stdout
     finally:
-        if pidfile.exists():
-            os.kill(int(pidfile.read_text()), signal.SIGKILL)  # the holder the inner test started, by its PID
+        if pidfile.exists():  # the holder the inner test started, by its identity, never a PID alone
+            pid, created = pidfile.read_text().split()
+            send_signal(ProcIdent(int(pid), float(created)), signal.SIGKILL)
 
 
 def test_nspawn_directories_count_only_with_this_sessions_tag(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ import itertools
 import os
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +17,15 @@ from kimi_supervisor.child.output import ChildOutput, LineMeter
 from kimi_supervisor.child.process import ChildProcess, SpawnSpec, read_pipe
 from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.logs.fdwriter import FdWriter
 from kimi_supervisor.logs.journal import ConsoleChildSink, JournalChildSink, JournalWriter
 from testkit.fakes.clock import RecordingLog
 from testkit.fakes.journal_socket import JournalSocket
 from testkit.fakes.lifecycle import ListSink
+from testkit.fatal_flood import LINES, fatal_after_flood
 from testkit.flood_child import vllm_lines as flood_lines
-from testkit.harness import FAKE, Run, free_port, write_config
+from testkit.harness import FAKE
 
 CFG = parse_config({"child": {"argv": ["vllm"]}}, Path("t.toml")).readiness
 
@@ -286,37 +287,15 @@ def test_plain_lines_over_the_budget_are_counted_and_never_classified(monkeypatc
 
 
 @pytest.mark.parametrize("where", ["inside", "after"])
-def test_a_fatal_line_inside_or_right_after_a_flood_ends_the_run_within_a_second(tmp_path: Path, where: str) -> None:
-    """vLLM's fatal record in the middle of (or right after) 300,000 lines flat out after READY: the
-    supervisor exits 13 naming it, its supervisor.exit event within 1 s of the line's write."""
-    lines = 300_000
-    fatal_file = tmp_path / "fatal-at"
-    argv = [sys.executable, str(FLOOD_CHILD), str(lines), str(tmp_path / "elapsed"), "--port", str(free_port())]
-    argv += ["--ready", "--hold", "--fatal-after", str(lines // 2 if where == "inside" else lines)]
-    argv += ["--fatal-file", str(fatal_file)]
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    cfg = write_config(
-        tmp_path / "kimi.toml",
-        {
-            "child": {"argv": argv},
-            "preflight": {"gpus": [], "check_model": False, "check_port": False},
-            "preflight.shm": {"directory": str(shm)},
-            "readiness": {"poll_interval_s": 0.05},
-            "shutdown": {"grace_s": 3, "gpu_release_timeout_s": 0},
-            "paths": {"runtime_directory": str(tmp_path / "run"), "state_directory": str(tmp_path / "state")},
-        },
-    )
-    run = Run(cfg, tmp_path)
-    try:
-        run.wait_event("state.ready", timeout=60)
-        exit_event = run.wait_event("supervisor.exit", timeout=60)
-        seen = time.monotonic()
-        assert run.wait() == 13
-    finally:
-        run.kill()
-    assert "died unexpectedly" in str(exit_event["error"])
-    assert seen - float(fatal_file.read_text()) <= 1.0
+def test_a_fatal_line_inside_or_right_after_a_flood_ends_the_run(tmp_path: Path, where: str) -> None:
+    """vLLM's fatal record in the middle of (or right after) 300,000 lines flat out after READY: the supervisor
+    exits 13 naming it.  By cause, not by this machine's speed: the child never exits on its own (it holds and
+    answers /health after its flood), so only the fatal record can end the run.  How soon after the record's
+    write (1 s) is bench row 4's."""
+    got = fatal_after_flood(tmp_path, LINES // 2 if where == "inside" else LINES)
+    assert got.rc == ExitCode.CHILD_DIED
+    assert "Worker proc VllmWorker-0 died unexpectedly (exit code: -9)" in str(got.exit_event["error"])
+    assert got.fatal_written <= got.exit_seen  # the exit followed the record's write
 
 
 def test_a_flood_into_a_stalled_journald_loses_no_supervisor_record(tmp_path: Path) -> None:

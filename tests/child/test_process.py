@@ -11,6 +11,7 @@ import pytest
 
 from kimi_supervisor.child.process import ChildProcess, LineSplitter, SpawnSpec, child_environment
 from kimi_supervisor.exitcodes import ExitCode, SpawnError
+from kimi_supervisor.host.procident import alive, identify
 from tests.conftest import close_pipes, wait_for
 
 
@@ -125,6 +126,7 @@ def test_tree_is_terminated_including_detached_members(ignore_term: bool) -> Non
     child = ChildProcess.spawn(spec(sys.executable, "-c", _tree_script(ignore_term, detach_grandchild=True)))
     try:
         pids = [int(p) for p in _read_line(child).split()]
+        idents = [identify(pid) for pid in pids]  # "gone" later means these processes, not whoever holds the PIDs
         members = {p.pid for p in child.refresh_members()}
         assert {child.pid, *pids} <= members  # the setsid'd grandchild too: it is a descendant
         child.signal_tree(signal.SIGTERM)
@@ -134,8 +136,7 @@ def test_tree_is_terminated_including_detached_members(ignore_term: bool) -> Non
             child.signal_tree(signal.SIGKILL)
         wait_for(lambda: not child.alive_members(), timeout=10)
         assert child.poll() == (-signal.SIGKILL if ignore_term else -signal.SIGTERM)
-        for pid in pids:
-            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert None not in idents and not [i for i in idents if i is not None and alive(i)]
     finally:
         for p in child.refresh_members():
             p.kill()

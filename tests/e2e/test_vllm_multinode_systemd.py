@@ -36,6 +36,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -64,7 +65,8 @@ GROUP_READY_S = 300.0  # ~40 s measured for a group start; a loaded CI box sever
 PEER_LOST_BOUND_S = 30.0
 LEADER_LOST_KILL_BOUND_S = 10.0
 
-# Each process in the container, [pid, ppid, cmdline] as JSON.  Run by the host interpreter inside the machine.
+# Each process in the container, [pid, ppid, start, cmdline] as JSON (start: /proc/PID/stat's starttime, clock
+# ticks since boot).  Run by the host interpreter inside the machine.
 PS = (
     "import json, os\n"
     "rows = []\n"
@@ -74,7 +76,7 @@ PS = (
     "        c = open(f'/proc/{p}/cmdline', 'rb').read().replace(bytes(1), b' ').decode(errors='replace')\n"
     "        s = open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()\n"
     "    except OSError: continue\n"
-    "    rows.append((int(p), int(s[1]), c))\n"
+    "    rows.append((int(p), int(s[1]), int(s[19]), c))\n"
     "print(json.dumps(rows))\n"
 )
 
@@ -86,6 +88,12 @@ LISTENING = (
     "rows = [l.split() for f in ('/proc/net/tcp', '/proc/net/tcp6') for l in open(f).readlines()[1:]]\n"
     "print(any(r[1].endswith(port) and r[3] == '0A' for r in rows))\n"
 )
+
+
+class Proc(NamedTuple):
+    node: str
+    pid: int
+    start: int  # /proc/PID/stat starttime: clock ticks after boot
 
 
 class Node:
@@ -107,25 +115,34 @@ class Node:
             return False
         return self.prop("StatusText").startswith("ready")
 
-    def processes(self) -> list[tuple[int, int, str]]:
+    def processes(self) -> list[tuple[int, int, int, str]]:
         rows = json.loads(self.m.run([sys.executable, "-c", PS], timeout=30).stdout)
-        return [(int(pid), int(ppid), str(cmd)) for pid, ppid, cmd in rows]
+        return [(int(pid), int(ppid), int(start), str(cmd)) for pid, ppid, start, cmd in rows]
 
-    def vllm_pids(self) -> set[int]:
+    def vllm_procs(self) -> set[Proc]:
         """Every vLLM process in the machine, in the unit or orphaned out of it (vLLM's process titles
-        are VLLM::..., the main's argv is the venv's vllm)."""
-        return {pid for pid, _, cmd in self.processes() if cmd.startswith("VLLM") or str(VENV) in cmd}
+        are VLLM::..., the main's argv is the venv's vllm).  A set taken before a fault is compared with one
+        taken after it: in the machine's small PID namespace a new process gets an old one's PID within
+        minutes, so a process is (node, PID, start time), never its PID alone."""
+        return {
+            Proc(self.name, pid, start)
+            for pid, _, start, cmd in self.processes()
+            if cmd.startswith("VLLM") or str(VENV) in cmd
+        }
+
+    def main_ident(self) -> tuple[int, int]:
+        return self.m.unit_main(UNIT)
 
     def vllm_main(self) -> int:
         """The supervisor's child: the vLLM main (`vllm serve`)."""
         main = int(self.prop("MainPID"))
-        [child] = [pid for pid, ppid, _ in self.processes() if ppid == main]
+        [child] = [pid for pid, ppid, _, _ in self.processes() if ppid == main]
         return child
 
     def workers(self) -> list[int]:
         """The vLLM main's `VLLM::Worker` children (one per local rank)."""
         main = self.vllm_main()
-        return [pid for pid, ppid, cmd in self.processes() if ppid == main and cmd.startswith("VLLM::Worker")]
+        return [pid for pid, ppid, _, cmd in self.processes() if ppid == main and cmd.startswith("VLLM::Worker")]
 
     def listening(self, port: int) -> bool:
         return self.m.run([sys.executable, "-c", LISTENING, str(port)], timeout=30).stdout.strip() == "True"
@@ -149,9 +166,11 @@ class Node:
                 out.append((at - since_wall, int(status.split("/")[0]) if code == "exited" else -1))
         return out
 
-    def orphans(self) -> set[int]:
+    def orphans(self) -> set[Proc]:
         """vLLM processes outside the unit's cgroup (a tree systemd or the supervisor failed to stop)."""
-        return self.vllm_pids() - set(self.m.unit_pids(UNIT))
+        procs = self.vllm_procs()
+        in_unit = set(self.m.unit_pids(UNIT))  # read right after: PIDs of one moment, compared with each other
+        return {p for p in procs if p.pid not in in_unit}
 
 
 def node_config(tmp_path: Path, model: Path, net: NetPair, rank: int) -> str:
@@ -229,7 +248,7 @@ def assert_group_serving(leader: Node, follower: Node) -> None:
     assert leader.serving() and follower.serving()
     assert health(leader) == "200"
     assert leader.orphans() == set() and follower.orphans() == set()
-    assert len(follower.vllm_pids()) >= 2 and len(leader.vllm_pids()) >= 3  # main+worker; api+core+worker
+    assert len(follower.vllm_procs()) >= 2 and len(leader.vllm_procs()) >= 3  # main+worker; api+core+worker
 
 
 def ensure_group(leader: Node, follower: Node) -> None:
@@ -248,7 +267,7 @@ def follower_fault_restarts_both(leader: Node, follower: Node, victim: int, key:
     own): the leader's run ends with 19 within the bound, the follower's with 13 (its tree stopped, the orphaned
     worker too), systemd restarts both once, the group serves again, nothing of the old trees lives on."""
     l_restarts, f_restarts = leader.nrestarts(), follower.nrestarts()
-    old = leader.vllm_pids() | follower.vllm_pids()
+    old = leader.vllm_procs() | follower.vllm_procs()
     killed_wall, killed = time.time(), time.monotonic()
     follower.kill(victim)
     # The leader's run ends with 19 within the bound; systemd restarts it (RestartSec=1).
@@ -267,14 +286,14 @@ def follower_fault_restarts_both(leader: Node, follower: Node, victim: int, key:
     assert [s for _, s in leader.exits(killed_wall)] == [ExitCode.PEER_LOST]
     assert [s for _, s in follower.exits(killed_wall)] == [ExitCode.CHILD_DIED]
     assert_group_serving(leader, follower)
-    assert not old & (leader.vllm_pids() | follower.vllm_pids())  # nothing of the old trees lives on
+    assert not old & (leader.vllm_procs() | follower.vllm_procs())  # nothing of the old trees lives on
 
 
 def test_follower_first_then_leader_stopped(group: tuple[Node, Node]) -> None:
     leader, follower = group
     follower.m.systemctl("start", "--no-block", UNIT)  # READY only once the leader serves
     wait_for(lambda: follower.prop("StatusText").startswith("waiting for leader"), timeout=60, interval=0.2)
-    assert follower.vllm_pids() == set()  # a waiting follower spawns nothing
+    assert follower.vllm_procs() == set()  # a waiting follower spawns nothing
     started = time.monotonic()
     leader.m.systemctl("start", UNIT, timeout=GROUP_READY_S)  # returns at the leader's READY=1
     measured["follower_first_leader_ready_s"] = time.monotonic() - started
@@ -282,17 +301,17 @@ def test_follower_first_then_leader_stopped(group: tuple[Node, Node]) -> None:
     measured["follower_first_group_ready_s"] = time.monotonic() - started
     assert_group_serving(leader, follower)
 
-    f_main, f_restarts, l_restarts = follower.prop("MainPID"), follower.nrestarts(), leader.nrestarts()
+    f_main, f_restarts, l_restarts = follower.main_ident(), follower.nrestarts(), leader.nrestarts()
     stop_wall, stop = time.time(), time.monotonic()
     leader.m.systemctl("stop", UNIT, timeout=90)
     measured["leader_stop_s"] = time.monotonic() - stop
     assert (leader.prop("ActiveState"), leader.prop("ExecMainStatus")) == ("inactive", "0")
     assert leader.exits(stop_wall) == []  # systemd logs only an unclean exit of the main process
-    assert leader.vllm_pids() == set() and leader.nrestarts() == l_restarts
-    wait_for(lambda: not follower.vllm_pids(), timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
+    assert leader.vllm_procs() == set() and leader.nrestarts() == l_restarts
+    wait_for(lambda: not follower.vllm_procs(), timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
     measured["leader_stopped_follower_tree_gone_s"] = time.monotonic() - stop
     # The follower waits: the same process, no restart consumed, still active for systemd.
-    assert (follower.prop("MainPID"), follower.nrestarts(), follower.prop("ActiveState")) == (
+    assert (follower.main_ident(), follower.nrestarts(), follower.prop("ActiveState")) == (
         f_main,
         f_restarts,
         "active",
@@ -302,7 +321,7 @@ def test_follower_first_then_leader_stopped(group: tuple[Node, Node]) -> None:
 
     follower.m.systemctl("stop", UNIT, timeout=90)
     assert (follower.prop("ActiveState"), follower.prop("ExecMainStatus")) == ("inactive", "0")
-    assert follower.vllm_pids() == set()
+    assert follower.vllm_procs() == set()
 
 
 def test_both_together_then_follower_main_killed(group: tuple[Node, Node]) -> None:
@@ -320,24 +339,24 @@ def test_both_together_then_follower_main_killed(group: tuple[Node, Node]) -> No
 def test_leader_supervisor_sigkilled(group: tuple[Node, Node]) -> None:
     leader, follower = group
     ensure_group(leader, follower)
-    l_restarts, f_restarts, f_main = leader.nrestarts(), follower.nrestarts(), follower.prop("MainPID")
-    old = leader.vllm_pids() | follower.vllm_pids()
+    l_restarts, f_restarts, f_main = leader.nrestarts(), follower.nrestarts(), follower.main_ident()
+    old = leader.vllm_procs() | follower.vllm_procs()
     killed_wall, killed = time.time(), time.monotonic()
     leader.m.systemctl("kill", "--kill-whom=main", "--signal=SIGKILL", UNIT)
     # systemd stops the rest of the leader's cgroup (KillMode=mixed) and restarts it; the follower sees its
     # leader's run gone and stops its own tree, without exiting.
-    wait_for(lambda: not follower.vllm_pids() & old, timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
+    wait_for(lambda: not follower.vllm_procs() & old, timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
     measured["leader_sigkilled_follower_tree_gone_s"] = time.monotonic() - killed
     wait_serving(leader, follower)
     measured["leader_sigkilled_group_ready_again_s"] = time.monotonic() - killed
     assert [s for _, s in leader.exits(killed_wall)] == [-1]  # killed by a signal, not an exit status
     assert leader.nrestarts() == l_restarts + 1
-    assert (follower.prop("MainPID"), follower.nrestarts(), follower.exits(killed_wall)) == (f_main, f_restarts, [])
+    assert (follower.main_ident(), follower.nrestarts(), follower.exits(killed_wall)) == (f_main, f_restarts, [])
     assert_group_serving(leader, follower)
-    assert not old & (leader.vllm_pids() | follower.vllm_pids())
+    assert not old & (leader.vllm_procs() | follower.vllm_procs())
     for n in (leader, follower):
         n.m.systemctl("stop", UNIT, timeout=90)
-        assert n.vllm_pids() == set() and n.prop("ExecMainStatus") == "0"
+        assert n.vllm_procs() == set() and n.prop("ExecMainStatus") == "0"
 
 
 def test_leader_first_then_a_follower_worker_killed(group: tuple[Node, Node]) -> None:
@@ -367,8 +386,8 @@ def test_leader_first_then_a_follower_worker_killed(group: tuple[Node, Node]) ->
 def test_follower_link_down_then_up(group: tuple[Node, Node]) -> None:
     leader, follower = group
     ensure_group(leader, follower)
-    l_restarts, f_restarts, f_main = leader.nrestarts(), follower.nrestarts(), follower.prop("MainPID")
-    old = leader.vllm_pids() | follower.vllm_pids()
+    l_restarts, f_restarts, f_main = leader.nrestarts(), follower.nrestarts(), follower.main_ident()
+    old = leader.vllm_procs() | follower.vllm_procs()
     cut_wall, cut = time.time(), time.monotonic()
     follower.link(up=False)
     try:
@@ -379,13 +398,13 @@ def test_follower_link_down_then_up(group: tuple[Node, Node]) -> None:
         assert leader_status == ExitCode.PEER_LOST
         assert leader_exit_s < PEER_LOST_BOUND_S
         # The follower cannot reach its leader either: its tree goes, the same process waits.
-        wait_for(lambda: not follower.vllm_pids() & old, timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
+        wait_for(lambda: not follower.vllm_procs() & old, timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
         measured["partition_follower_tree_gone_s"] = time.monotonic() - cut
         # systemd restarts the leader; its new run waits at its rendezvous, behind the partition.
         wait_for(lambda: leader.nrestarts() == l_restarts + 1, timeout=30, interval=0.5)
         wait_for(lambda: leader.listening(MASTER_PORT), timeout=GROUP_READY_S, interval=0.5)
-        assert (follower.prop("MainPID"), follower.nrestarts(), follower.exits(cut_wall)) == (f_main, f_restarts, [])
-        assert not follower.serving() and follower.vllm_pids() == set()
+        assert (follower.main_ident(), follower.nrestarts(), follower.exits(cut_wall)) == (f_main, f_restarts, [])
+        assert not follower.serving() and follower.vllm_procs() == set()
     finally:
         healed = time.monotonic()
         follower.link(up=True)
@@ -394,34 +413,34 @@ def test_follower_link_down_then_up(group: tuple[Node, Node]) -> None:
     measured["partition_healed_group_ready_s"] = time.monotonic() - healed
     assert (leader.nrestarts(), follower.nrestarts()) == (l_restarts + 1, f_restarts)
     assert [s for _, s in leader.exits(cut_wall)] == [ExitCode.PEER_LOST]
-    assert (follower.prop("MainPID"), follower.exits(cut_wall)) == (f_main, [])
+    assert (follower.main_ident(), follower.exits(cut_wall)) == (f_main, [])
     assert_group_serving(leader, follower)
-    assert not old & (leader.vllm_pids() | follower.vllm_pids())
+    assert not old & (leader.vllm_procs() | follower.vllm_procs())
 
 
 def test_leader_vllm_main_killed(group: tuple[Node, Node]) -> None:
     leader, follower = group
     ensure_group(leader, follower)
-    l_restarts, f_restarts, f_main = leader.nrestarts(), follower.nrestarts(), follower.prop("MainPID")
-    old = leader.vllm_pids() | follower.vllm_pids()
+    l_restarts, f_restarts, f_main = leader.nrestarts(), follower.nrestarts(), follower.main_ident()
+    old = leader.vllm_procs() | follower.vllm_procs()
     killed_wall, killed = time.time(), time.monotonic()
     leader.kill(leader.vllm_main())  # the API server: its EngineCore and worker would live on as orphans
     # The leader's supervisor stops its tree and exits 13, like one node's; its status said "stopping" first, so
     # the follower's tree goes within the bound, without a restart of its own.
-    wait_for(lambda: not follower.vllm_pids() & old, timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
+    wait_for(lambda: not follower.vllm_procs() & old, timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
     measured["leader_main_killed_follower_tree_gone_s"] = time.monotonic() - killed
     wait_for(lambda: leader.exits(killed_wall), timeout=60, interval=0.5)
     [(leader_exit_s, leader_status)] = leader.exits(killed_wall)[:1]
     measured["leader_main_killed_leader_exit_s"] = leader_exit_s
     assert leader_status == ExitCode.CHILD_DIED
-    assert not leader.vllm_pids() & old  # the orphaned EngineCore and worker went with the tree
+    assert not leader.vllm_procs() & old  # the orphaned EngineCore and worker went with the tree
     wait_serving(leader, follower)
     measured["leader_main_killed_group_ready_again_s"] = time.monotonic() - killed
     assert leader.nrestarts() == l_restarts + 1
     assert [s for _, s in leader.exits(killed_wall)] == [ExitCode.CHILD_DIED]
-    assert (follower.prop("MainPID"), follower.nrestarts(), follower.exits(killed_wall)) == (f_main, f_restarts, [])
+    assert (follower.main_ident(), follower.nrestarts(), follower.exits(killed_wall)) == (f_main, f_restarts, [])
     assert_group_serving(leader, follower)
-    assert not old & (leader.vllm_pids() | follower.vllm_pids())
+    assert not old & (leader.vllm_procs() | follower.vllm_procs())
     for n in (leader, follower):
         n.m.systemctl("stop", UNIT, timeout=90)
-        assert n.vllm_pids() == set() and n.prop("ExecMainStatus") == "0"
+        assert n.vllm_procs() == set() and n.prop("ExecMainStatus") == "0"

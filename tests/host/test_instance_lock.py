@@ -17,6 +17,7 @@ from kimi_supervisor.cli import entry as cli
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.exitcodes import AnotherInstance, ExitCode, RuntimeDirectoryError
+from kimi_supervisor.files.atomic import write_atomic
 from kimi_supervisor.host import instance_lock
 from testkit.fakes.clock import RecordingLog
 from testkit.harness import Run, fake_config, fake_tree_of
@@ -121,8 +122,21 @@ def gpu_file(path: Path, holders: dict[int, int], count: int = 1) -> Path:
     gpus: list[dict[str, Any]] = [{"total_mib": 97887, "holders": {}} for _ in range(count)]
     for i, (pid, mib) in enumerate(holders.items()):
         gpus[i % count]["holders"][str(pid)] = mib
-    path.write_text(json.dumps(gpus))
+    # Replaced whole (a new file renamed over the old), never rewritten in place: the running supervisor's fake
+    # probe re-reads it on every call, and a read between write_text's truncate and its write saw an empty file
+    # (JSONDecodeError inside the operator view: `operator_view.error` on a loaded machine, issue 39).
+    write_atomic(path, json.dumps(gpus).encode())
     return path
+
+
+def test_gpu_file_is_replaced_whole_never_rewritten_in_place(tmp_path: Path) -> None:
+    """A reader that opened the file before a rewrite reads the old document whole; one opened after, the new
+    one.  In place (truncate, then write) the first would see the new bytes, or none at all."""
+    path = gpu_file(tmp_path / "gpus.json", {}, count=2)
+    with path.open() as before:
+        gpu_file(path, {4242: 40_000}, count=2)
+        assert json.load(before) == [{"total_mib": 97887, "holders": {}}] * 2
+    assert json.loads(path.read_text())[0]["holders"] == {"4242": 40_000}
 
 
 def test_second_supervisor_refuses_at_once_and_the_first_keeps_serving(tmp_path: Path) -> None:

@@ -262,8 +262,11 @@ def test_metrics_trickling_its_status_line_cannot_delay_sigterm() -> None:
             vllm.wait()
     assert srv.connections == 1
     assert SAMPLE_AT_SIGTERM_S <= 0.5
-    assert drain.sigterm_after_s is not None and SAMPLE_AT_SIGTERM_S <= drain.sigterm_after_s <= 0.5
-    assert signalled_within < 1.0, signalled_within
+    # Signalled at the read's deadline, not when the answer was whole (0.9 s a byte: `whole_s`): bounds by that
+    # cause, not by this machine's speed (were 0.5 s and 1 s; the deadline itself is SAMPLE_AT_SIGTERM_S).
+    whole_s = len(HEAD_METRICS) * 0.9
+    assert drain.sigterm_after_s is not None and SAMPLE_AT_SIGTERM_S <= drain.sigterm_after_s < whole_s
+    assert signalled_within < whole_s, signalled_within
     warning = log.events("stop.metrics_unavailable")
     assert len(warning) == 1, log.records
     assert warning[0]["url"] == srv.url("/metrics")

@@ -233,10 +233,10 @@ def test_a_model_argv_does_not_name_is_asked_of_vllm_never_a_silent_canary_off(t
 def test_canary_failures_say_why(completions: tuple[str, type[_Completions]], mode: str, error: str) -> None:
     url, handler = completions
     handler.mode = mode
-    start = time.monotonic()
     result = send_canary(url, "m", 0.5)
+    # "hang" never answers, so only the deadline can have ended it (its error says so); the others answer at once.
+    # No wall-clock bound (was < 1.5 s): the reply or the deadline's error decides, never this machine's speed.
     assert not result.ok and result.error == error
-    assert time.monotonic() - start < 1.5
 
 
 def test_canary_refused() -> None:

@@ -754,6 +754,18 @@ class NspawnMachine:
         """``systemctl show -p PROP --value UNIT`` (e.g. ActiveState, NRestarts)."""
         return self.systemctl("show", "-p", prop, "--value", unit).stdout.rstrip("\n")
 
+    def unit_main(self, unit: str) -> tuple[int, int]:
+        """The unit's main process as (MainPID, ExecMainStartTimestampMonotonic), from one systemd read.
+
+        A container's PID namespace is small: a restarted main can get the old main's PID back, so "restarted"
+        and "the same process" compare both, never the PID alone.  (0, 0) while there is no main process.
+        """
+        out = self.systemctl("show", "-p", "MainPID", "-p", "ExecMainStartTimestampMonotonic", unit).stdout
+        props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+        if props.get("MainPID", "0") == "0":
+            return (0, 0)
+        return int(props["MainPID"]), int(props["ExecMainStartTimestampMonotonic"])
+
     def unit_pids(self, unit: str) -> list[int]:
         """PIDs in the unit's cgroup (unified or the legacy name=systemd hierarchy, as the container
         sees them); [] once the cgroup is gone."""

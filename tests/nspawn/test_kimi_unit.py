@@ -133,12 +133,12 @@ def test_supervisor_sigkilled_then_next_start_finds_nothing_stale(m: NspawnMachi
     deploy(m, config(["--load-seconds", "1"]))
     since = now(m)
     m.systemctl("start", UNIT, timeout=60)
-    main_pid = prop(m, "MainPID")
+    main = m.unit_main(UNIT)  # with its exec time: the restarted main may get the same PID back
     assert len(cgroup_pids(m)) == 5  # supervisor, APIServer, EngineCore, 2 workers
     m.systemctl("kill", "--kill-whom=main", "--signal=SIGKILL", UNIT)
     # KillMode=mixed: the rest of the cgroup is killed; Restart=on-failure starts it again.
     m.wait_for(
-        lambda: prop(m, "MainPID") not in ("0", main_pid) and prop(m, "ActiveState") == "active",
+        lambda: m.unit_main(UNIT) not in ((0, 0), main) and prop(m, "ActiveState") == "active",
         timeout=40,
         message="not restarted after SIGKILL",
     )

@@ -10,7 +10,9 @@ import psutil
 
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.host import procident
 from kimi_supervisor.host.gpu import GpuProcess
+from kimi_supervisor.host.procident import ProcIdent
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight.reaper import execute_reap, plan_reap
 from testkit.fakes.gpu import INVISIBLE_PID
@@ -98,6 +100,9 @@ def test_execute_terms_then_kills_and_takes_companions(spawner: ProcSpawner) -> 
         lambda: [c for c in psutil.Process(worker.pid).children() if "resource_tracker" in " ".join(c.cmdline())]
     )
     tracker_pid = tracker[0].pid  # type: ignore[index]
+    # Not our child: once reaped by init its PID is free again (pid_max can be 32768), so "gone" is checked by
+    # identity, not by whoever holds the PID then.  worker and stubborn are our unreaped children: PIDs pinned.
+    tracker_ident = ProcIdent(tracker_pid, tracker[0].create_time())  # type: ignore[index]
     foreign_tracker = spawner.sleeper(extra_args=["multiprocessing.resource_tracker"])  # another session: lives
     decoy = spawner.sleeper(title="VLLM::Worker_TP9")
 
@@ -118,7 +123,7 @@ def test_execute_terms_then_kills_and_takes_companions(spawner: ProcSpawner) -> 
     assert [p.pid for p in outcome.killed] == [stubborn.pid]
     assert outcome.survivors == ()
     assert (stubborn.pid, "SIGKILL") in signalled and (worker.pid, "SIGTERM") in signalled
-    assert not alive(worker.pid) and not alive(stubborn.pid) and not alive(tracker_pid)
+    assert not alive(worker.pid) and not alive(stubborn.pid) and not procident.alive(tracker_ident)
     assert alive(foreign_tracker.pid) and alive(decoy.pid)
     assert worker.wait(5) == -signal.SIGTERM
     assert outcome.seconds < 5

@@ -342,4 +342,5 @@ def test_trickle_health_after(fakes: list[Fake], tmp_path: Path) -> None:
         first = s.recv(100)
         second = s.recv(100)
         took = time.monotonic() - start_at
-    assert first == b"H" and second == b"T" and 0.8 < took < 1.6  # one byte every 0.5 s
+    # One byte a read, the second at least 0.5 s after the first: a trickle (an upper bound would time the machine).
+    assert first == b"H" and second == b"T" and took > 0.8
