@@ -6,12 +6,9 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import stat
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -202,37 +199,26 @@ def test_the_holders_stop_drains_nothing(tmp_path: Path) -> None:
     assert holder.event("stop.drain") is None and holder.event("stop.metrics_unavailable") is None
 
 
-@pytest.fixture
-def shared_tmp() -> Iterator[Path]:
-    """A directory of the test's own that `nobody` may enter (pytest's tmp_path is under root's 0700 one)."""
-    base = Path(tempfile.mkdtemp(prefix="kimi-test-holder-user-"))
-    base.chmod(0o755)
-    try:
-        yield base
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
-def test_a_holder_with_a_child_user_starts_and_an_engine_of_another_user_is_refused(shared_tmp: Path) -> None:
+def test_a_holder_with_a_child_user_starts_and_an_engine_of_another_user_is_refused(open_dir: Path) -> None:
     """Issue 38 item 1 / issue 32 item 4: `vllm preload` as `child.user` could not make its socket directory in
     root's 0755 <runtime>/<name> (EACCES, exit 11 on every start).  The supervisor makes it for that user before
     the spawn and records the uid; an engine whose child runs as another account is refused (exit 10)."""
     nobody = pwd.getpwnam("nobody").pw_uid
     # The system python: nobody cannot enter /root, where the test's interpreter may live.
-    holder_cfg, engine_cfg = weights_pair(shared_tmp, holder_user="nobody", python="/usr/bin/python3")
-    holder = Run(holder_cfg, own(shared_tmp, "h"))
+    holder_cfg, engine_cfg = weights_pair(open_dir, holder_user="nobody", python="/usr/bin/python3")
+    holder = Run(holder_cfg, own(open_dir, "h"))
     try:
         made = holder.wait_event("weights.socket_dir", timeout=30)
-        sockets = shared_tmp / "run" / "kimi" / "weight-cache"
+        sockets = open_dir / "run" / "kimi" / "weight-cache"
         assert made["path"] == str(sockets) and made["uid"] == nobody and made["made"] is True
         holder.wait_event("state.ready", timeout=60)
         st = sockets.lstat()
         assert st.st_uid == nobody and stat.S_IMODE(st.st_mode) == 0o700
-        state_file = shared_tmp / "run" / "kimi" / "state.weights.json"
+        state_file = open_dir / "run" / "kimi" / "state.weights.json"
         weights = json.loads(state_file.read_text())["weights"]
         assert weights["child_uid"] == nobody and weights["child_user"] == "nobody"
-        engine = Run(engine_cfg, own(shared_tmp, "e"))  # its child runs as root
+        engine = Run(engine_cfg, own(open_dir, "e"))  # its child runs as root
         assert engine.wait(30) == ExitCode.PREFLIGHT_FAILED
         exit_event = engine.event("supervisor.exit")
         assert exit_event is not None and exit_event["error"] == (
