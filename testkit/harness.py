@@ -353,16 +353,22 @@ def weights_pair(
     engine_args: list[str] | None = None,
     tp: int = 2,
     wait_s: float = 30,
+    holder_user: str | None = None,
+    python: str = sys.executable,
 ) -> tuple[Path, Path]:
     """Configs of one deployment ("kimi") with a weight holder (issue 26): the fake `vllm preload` under
     role "weights" (kimi.weights.toml) and the fake engine mapping it (kimi.toml, `[weights] holder = true`)."""
-    holder_argv = [sys.executable, str(FAKE), "preload", "--model", str(tmp_path / "model"), "-tp", str(tp)]
+    holder_argv = [python, str(FAKE), "preload", "--model", str(tmp_path / "model"), "-tp", str(tp)]
     holder_argv += ["--load-seconds", "0.3", "--max-lifetime", "120", *(holder_args or [])]
     common = fake_sections(tmp_path)
     holder = write_config(
         tmp_path / "kimi.weights.toml",
         {
-            "child": {"argv": holder_argv, "env": {"KIMI_TEST_MARKER": f"{tmp_path}/holder"}},
+            "child": {
+                "argv": holder_argv,
+                "env": {"KIMI_TEST_MARKER": f"{tmp_path}/holder"},
+                **({"user": holder_user} if holder_user else {}),
+            },
             "deployment": {"name": "kimi", "role": "weights"},
             "weights": {"health_port": free_port()},
             **common,

@@ -16,11 +16,17 @@ unit's `CacheDirectory=` (`paths.cache_directory`, /var/cache/kimi-supervisor):
                                                    FlashInfer releases read it, older ones ignore it)
 
 Each only when neither `child.env` nor the environment the child inherits sets it: an operator's choice wins.
-<home> is the cache directory itself when the child runs as the supervisor's user, else `<dir>/<user>`, made
-0700 and owned by that user (the supervisor runs as root then: it could not drop privileges otherwise), so a
-child that runs as `nobody` can write it and another user's cache is never mixed in.  When the cache directory
-does not exist (not under systemd, or no `CacheDirectory=`), nothing is set: the supervisor does not create
-the unit's directories, and `--dry-run` says so.
+<home> is `<dir>/uid-<uid>`, one per account the child runs as (root's is `uid-0`), made 0700 and owned by that
+account through descriptors that follow no link (files/privdir.py).  Never the directory itself, and never a
+name an account could choose: vLLM loads pickles and generated Python from there, so root's child must never
+use a tree that `child.user` (the account that parses every client's request) could write, whatever that user
+is called (a user named `vllm` once owned root's `<dir>/vllm`), nor one left behind when a deployment moves
+from `user = "vllm"` to root (`CacheDirectory=` does not chown subdirectories).  An existing home owned by
+another account, or writable by group or others, or a symlink, and a cache directory that is not root's
+alone, refuse the start: exit 78 naming the path (CacheUntrusted; the operator removes it, the next start
+makes it again and recompiles once).  When the cache directory does not exist (not under systemd, or no
+`CacheDirectory=`), nothing is set: the supervisor does not create the unit's directories, and `--dry-run`
+says so.  A dry run creates and chowns nothing: it says what a start would create.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kimi_supervisor.checks import Check, Status
-from kimi_supervisor.child.spawnplan import Identity
+from kimi_supervisor.child.spawnplan import Identity, uid_gid
+from kimi_supervisor.exitcodes import ConfigError
+from kimi_supervisor.files import privdir
+from kimi_supervisor.files.atomic import directory_problem
 
 CUDA_CACHE_MAXSIZE = "4294967296"
 _MARKER_DIRS = ("torch_compile_cache",)
@@ -42,9 +51,7 @@ def cache_home(directory: Path | None, identity: Identity | None) -> Path | None
     """Where this child's caches go (not created here); None: no cache directory configured."""
     if directory is None:
         return None
-    if identity is None or identity.uid == os.geteuid():
-        return directory
-    return directory / identity.user
+    return directory / f"uid-{uid_gid(identity)[0]}"
 
 
 def cache_environment(home: Path, env: Mapping[str, str]) -> dict[str, str]:
@@ -62,39 +69,32 @@ def cache_environment(home: Path, env: Mapping[str, str]) -> dict[str, str]:
 
 
 class CacheUnusable(Exception):
-    """The cache home cannot be made or is not the child's: the child keeps vLLM's defaults."""
+    """The cache home cannot be made: the child keeps vLLM's defaults."""
 
 
-def ensure_home(directory: Path, home: Path, identity: Identity | None) -> None:
-    """Make `home` (a per-user directory under `directory`) for the child; raises CacheUnusable."""
-    if not directory.is_dir():
-        raise CacheUnusable(f"{directory} does not exist (the unit's CacheDirectory= creates it)")
-    if home == directory or identity is None:
-        return
-    made = False
+class CacheUntrusted(ConfigError):
+    """The cache home (or the directory above it) could be written by another account: the start is refused."""
+
+
+def ensure_home(directory: Path, home: Path, identity: Identity | None, *, create: bool = True) -> bool:
+    """Make `home` (`directory/uid-N`) for the child, or with `create` False only check it; True: it exists.
+
+    Raises CacheUnusable (missing directory, mkdir failed) or CacheUntrusted (module docstring)."""
     try:
-        os.mkdir(home, 0o700)
-        made = True
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise CacheUnusable(f"cannot make {home} for user {identity.user!r}: {exc.strerror}") from None
-    # Through a descriptor opened without following links: a name swapped for a symlink after the mkdir
-    # cannot steer the chown (root's) to another file.
-    try:
-        fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.stat(directory)
     except OSError:
-        raise CacheUnusable(f"{home} is not a directory owned by user {identity.user!r}") from None
+        raise CacheUnusable(f"{directory} does not exist (the unit's CacheDirectory= creates it)") from None
+    # Whoever may write the directory may rename a home away and put their own in its place after our check.
+    problem = directory_problem(st, holds_our_files=True)
+    if problem is not None:
+        raise CacheUntrusted(f"paths.cache_directory: {directory} {problem}; the child's compiled code lives below it")
+    uid, gid = uid_gid(identity)
     try:
-        if made:
-            os.fchown(fd, identity.uid, identity.gid)
-        st = os.fstat(fd)
+        return privdir.private_dir(directory, home.name, uid, gid, create=create).exists
+    except privdir.Refused as exc:
+        raise CacheUntrusted(f"paths.cache_directory: cache home {exc.message}") from None
     except OSError as exc:
-        raise CacheUnusable(f"cannot give {home} to user {identity.user!r}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != identity.uid:
-        raise CacheUnusable(f"{home} is not a directory owned by user {identity.user!r}")
+        raise CacheUnusable(f"cannot make {home} for {privdir.account_name(uid)}: {exc.strerror}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +146,8 @@ def report(directory: Path | None, identity: Identity | None) -> CacheReport:
     if home is None:
         return CacheReport(None, False, False, 0, 0)
     exists = directory is not None and directory.is_dir()
-    # A per-user home that does not exist yet is made by the supervisor (root) at the start.
-    writable = exists and (_writable_by(home, identity) if home.is_dir() else os.geteuid() == 0)
+    # A home that does not exist yet is made at the start: by root for any account, else for the supervisor's own.
+    writable = exists and (_writable_by(home, identity) if home.is_dir() else os.geteuid() == 0 or identity is None)
     size, compiles = _size(home) if home.is_dir() else (0, 0)
     return CacheReport(home, exists, writable, size, compiles)
 
@@ -179,5 +179,7 @@ def check_cache(directory: Path | None, identity: Identity | None, env: Mapping[
         f"holds {r.compile_caches} compile cache(s)"
         if r.compile_caches
         else "holds no compile cache yet (first start compiles)"
+        if r.home is not None and r.home.is_dir()
+        else "a start would create it (0700) and compile"
     )
     return Check("cache", Status.OK, f"{r.home} ({r.size_bytes / 1e6:.0f} MB) writable by {who}, {held}", data)

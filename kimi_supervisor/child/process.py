@@ -82,17 +82,18 @@ class PreparedSpawn:
     cache_note: str | None = None  # why the caches keep vLLM's defaults (cachedirs.py), for the log
 
 
-def prepare_spawn(spec: SpawnSpec, parent_env: Mapping[str, str]) -> PreparedSpawn:
+def prepare_spawn(spec: SpawnSpec, parent_env: Mapping[str, str], *, create: bool = True) -> PreparedSpawn:
     """Resolve user, groups, environment and the executable; raises Unresolvable naming the key.
 
-    Also makes the child's cache home (cachedirs.py): a directory of its own that no start can be hurt by."""
+    Also makes the child's cache home (cachedirs.py): a directory of its own that no start can be hurt by;
+    CacheUntrusted (exit 78) when one is there that is not.  `create` False (a dry run): makes nothing."""
     identity = resolve_identity(spec.user, spec.group)
     env = child_environment(spec, parent_env, identity)
     note = None
     home = cache_home(spec.cache_directory, identity)
     if home is not None and spec.cache_directory is not None:
         try:
-            ensure_home(spec.cache_directory, home, identity)
+            ensure_home(spec.cache_directory, home, identity, create=create)
             env.update(cache_environment(home, env))
         except CacheUnusable as exc:
             note = str(exc)

@@ -66,6 +66,22 @@ def resolve_identity(user: str | None, group: str | None) -> Identity | None:
     return Identity(pw.pw_name, pw.pw_uid, gid, groups, pw.pw_dir or "/")
 
 
+def account(identity: Identity | None) -> tuple[str, int]:
+    """(name, uid) of the account the child runs as: `child.user`'s, else the supervisor's own."""
+    if identity is not None:
+        return identity.user, identity.uid
+    uid = os.geteuid()
+    try:
+        return pwd.getpwuid(uid).pw_name, uid
+    except KeyError:
+        return str(uid), uid
+
+
+def uid_gid(identity: Identity | None) -> tuple[int, int]:
+    """The uid and gid the child runs as: `child.user`'s, else the supervisor's own."""
+    return (os.geteuid(), os.getegid()) if identity is None else (identity.uid, identity.gid)
+
+
 def identity_environment(identity: Identity | None) -> dict[str, str]:
     """HOME/USER/LOGNAME for the child's user (child.env still wins)."""
     if identity is None:

@@ -13,8 +13,10 @@ from pathlib import Path
 
 from kimi_supervisor import __version__
 from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.child.cachedirs import CacheUntrusted
 from kimi_supervisor.child.process import prepare_spawn
-from kimi_supervisor.child.spawnplan import Unresolvable
+from kimi_supervisor.child.socketdir import prepare_socket_dir
+from kimi_supervisor.child.spawnplan import Unresolvable, account, resolve_identity
 from kimi_supervisor.cli.args import parse_args
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import layout, timeouts
@@ -179,10 +181,12 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
     if cfg.weights is not None:  # the holder, or the engine's view of it (docs/weight-holder.md)
         report.checks[:0] = _weights_checks(cfg, gpu_count)
     try:
-        prepare_spawn(cfg.child, os.environ)
+        prepare_spawn(cfg.child, os.environ, create=False)  # a dry run makes and chowns nothing
     except Unresolvable as exc:
         # A real start stops here (exit 78) before the preflight acts; the report says so first.
         report.checks.insert(0, Check("child", Status.FAIL, f"child.{exc.key}: {exc.message}"))
+    except CacheUntrusted as exc:  # so does a cache home another account could write (cachedirs.py)
+        report.checks.insert(0, Check("cache", Status.FAIL, exc.message))
     try:
         dirtrust.prepare_directories(cfg, create=False)
     except ConfigError as exc:  # a real start exits 78 here, before the preflight acts
@@ -220,6 +224,22 @@ def _gpu_count(cfg: Config, probe: GpuProbe) -> int:
         return 0
 
 
+def _socket_dir_check(cfg: Config) -> Check:
+    """What a start would make for the holder's child (child/socketdir.py), made and chowned here never."""
+    assert cfg.weights is not None
+    try:
+        identity = resolve_identity(cfg.child.user, cfg.child.group)
+        found = prepare_socket_dir(cfg.weights.socket_dir, identity, create=False)
+    except Unresolvable as exc:
+        return Check("weights_socket_dir", Status.SKIP, f"child.{exc.key}: {exc.message}")
+    except SupervisorError as exc:
+        return Check("weights_socket_dir", Status.FAIL, exc.message)
+    user, uid = account(identity)
+    done = "exists, owned by" if found.exists else "a start would create it, 0700, owned by"
+    data = {"path": str(found.path), "exists": found.exists, "user": user, "uid": uid}
+    return Check("weights_socket_dir", Status.OK, f"{found.path}: {done} user {user!r} (uid {uid})", data)
+
+
 def _weights_checks(cfg: Config, gpu_count: int) -> list[Check]:
     """The weight holder as the dry run sees it: the holder's own settings, or, for its engine, whether the
     holder is ready and of the same cache key; and, without a GPU, that vLLM's real daemon cannot run here."""
@@ -251,6 +271,7 @@ def _weights_checks(cfg: Config, gpu_count: int) -> list[Check]:
                 },
             )
         )
+        out.append(_socket_dir_check(cfg))
     else:
         try:
             seen = look(cfg)

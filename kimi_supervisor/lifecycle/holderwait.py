@@ -9,7 +9,9 @@ its preflight kills or waits for anything, until the holder's own supervisor say
 
 The holder records its cache key (config/weights.py `weights_key`: model, TP, PP, DP, dtype, quantization,
 revision) in the same file.  An engine whose flags make another key would have its load refused by the
-daemon, so it is refused here, at once, naming each field that differs: exit 10.  So is an engine whose model on
+daemon, so it is refused here, at once, naming each field that differs: exit 10.  So is an engine whose child
+runs as another account than the holder's (the uid the holder records, child/socketdir.py): vLLM checks the
+sockets' owner and the daemon the peer's uid.  So is an engine whose model on
 disk is no longer the checkpoint the holder loaded (the holder's recorded fingerprint, host/checkpoint.py: vLLM's
 own, from the shards' headers), naming the shards that changed.
 """
@@ -21,6 +23,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from kimi_supervisor.child.spawnplan import Unresolvable, account, resolve_identity
 from kimi_supervisor.clock import Clock
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.model import Config
@@ -52,6 +55,25 @@ def engine_checkpoint(cfg: Config) -> Fingerprint | None:
     except checkpoint.CheckpointError as exc:
         why = f"weights: the model cannot be fingerprinted as vLLM will to map the held weights: {exc}"
         raise PreflightError(why) from None
+
+
+def _refuse_another_account(cfg: Config, weights: dict[str, Any], unit: str) -> None:
+    """PreflightError when the engine's child would run as another account than the holder's: vLLM's engine
+    accepts only a socket directory and sockets its own uid owns (weight_cache/protocol.py verify_private_dir,
+    verify_socket_owner) and the daemon refuses other uids (SO_PEERCRED), after the engine's whole start."""
+    held_uid, held_user = weights.get("child_uid"), weights.get("child_user")
+    if not isinstance(held_uid, int):
+        return  # a holder from before it was recorded
+    try:
+        user, uid = account(resolve_identity(cfg.child.user, cfg.child.group))
+    except Unresolvable:
+        return  # the engine's own start fails on it first (exit 78)
+    if uid != held_uid:
+        raise PreflightError(
+            f"weights: the engine's child runs as user {user!r} (uid {uid}) but its weight holder's ({unit}) as "
+            f"user {str(held_user)!r} (uid {held_uid}): vLLM maps held weights only between processes of one "
+            "account; give both configs the same child.user"
+        )
 
 
 def look(
@@ -87,6 +109,7 @@ def look(
             + "; ".join(mismatch)
             + f"): start the holder ({unit}) with the engine's flags, or the engine with the holder's"
         )
+    _refuse_another_account(cfg, weights, unit)
     held = weights.get("checkpoint")
     if isinstance(held, dict) and isinstance(held.get("digest"), str):
         now = (model_now or (lambda: engine_checkpoint(cfg)))()

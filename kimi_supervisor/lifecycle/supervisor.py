@@ -21,10 +21,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from kimi_supervisor.checks import Status
+from kimi_supervisor.child.cachedirs import CacheUntrusted
 from kimi_supervisor.child.output import ChildOutput
 from kimi_supervisor.child.process import Child, PreparedSpawn, ProcessSpawner
 from kimi_supervisor.child.readiness import LineEvent, ReadinessTracker
-from kimi_supervisor.child.spawnplan import Unresolvable
+from kimi_supervisor.child.socketdir import prepare_socket_dir
+from kimi_supervisor.child.spawnplan import Unresolvable, account
 from kimi_supervisor.clock import Clock, format_duration
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import (
@@ -192,9 +194,17 @@ class Supervisor:
             self._prepared = self.deps.spawn.prepare(self.cfg.child, self.deps.environ)
         except Unresolvable as exc:
             raise ConfigError(f"{self.cfg.path}: child.{exc.key}: {exc.message}") from None
+        except CacheUntrusted as exc:
+            raise CacheUntrusted(f"{self.cfg.path}: {exc.message}") from None
         note = self._prepared.cache_note if self._prepared is not None else None
         if note is not None:
             self.log.warning("cache.defaults", why=note, effect="vLLM's compile cache follows HOME (cachedirs.py)")
+        if self.cfg.role is Role.WEIGHTS and self.cfg.weights is not None:
+            # Before the spawn: vLLM's daemon could not make it in root's directory, after its whole load.
+            identity = self._prepared.identity if self._prepared is not None else None
+            made = prepare_socket_dir(self.cfg.weights.socket_dir, identity)
+            user, uid = account(identity)
+            self.log.info("weights.socket_dir", path=str(made.path), user=user, uid=uid, made=made.made)
 
     def _wait_for_holder(self) -> None:
         if not self.cfg.maps_held_weights:

@@ -174,6 +174,8 @@ def validate_state(doc: dict[str, Any]) -> None:
     string(weights.get("health_url"), "weights.health_url")
     string(weights.get("socket_dir"), "weights.socket_dir")
     string(weights.get("holder_state"), "weights.holder_state")
+    integer(weights.get("child_uid"), "weights.child_uid", hi=2**32 - 1)  # the engine compares it (holderwait.py)
+    string(weights.get("child_user"), "weights.child_user", longest=256)
     for name, value in mapping(weights.get("key"), "weights.key").items():
         string(value, f"weights.key.{printable(name)[:40]}")
     held = mapping(weights.get("checkpoint"), "weights.checkpoint")

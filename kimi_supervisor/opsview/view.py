@@ -14,6 +14,7 @@ about once, and an unexpected error in this module is logged, not raised.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -23,6 +24,7 @@ from typing import Any, TypeVar, cast
 
 from kimi_supervisor import __version__
 from kimi_supervisor.child.readiness import ReadinessTracker
+from kimi_supervisor.child.spawnplan import Unresolvable, account, resolve_identity
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.host import checkpoint
@@ -83,12 +85,16 @@ def weights_doc(cfg: Config) -> dict[str, Any]:
     assert cfg.weights is not None
     w = cfg.weights
     if cfg.role is Role.WEIGHTS:
-        return {
+        doc: dict[str, Any] = {
             "role": "holder",
             "key": dict(w.key),
             "health_url": cfg.readiness.health_url,
             "socket_dir": str(w.socket_dir),
         }
+        # Its engine must run as the same account: vLLM checks the sockets' owner (lifecycle/holderwait.py).
+        with contextlib.suppress(Unresolvable):  # the start itself fails on it, exit 78, before the spawn
+            doc["child_user"], doc["child_uid"] = account(resolve_identity(cfg.child.user, cfg.child.group))
+        return doc
     return {"role": "engine", "holder_state": str(layout.holder_of(cfg).state_file), "socket_dir": str(w.socket_dir)}
 
 

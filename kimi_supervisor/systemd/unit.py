@@ -154,7 +154,7 @@ RuntimeDirectoryPreserve=yes
 StateDirectory=kimi-supervisor
 StateDirectoryMode=0755
 # /var/cache/kimi-supervisor: vLLM's torch.compile/AOT, Triton, inductor and CUDA JIT caches, kept across
-# restarts whoever the child runs as (paths.cache_directory; a child.user gets <dir>/<user>): without it a
+# restarts whoever the child runs as (paths.cache_directory; each child uid gets <dir>/uid-<uid>): without it a
 # child without a home recompiles on every start (minutes at TP=8). Shared by the host's deployments: vLLM's
 # cache key hashes the model and its whole config, so one deployment never loads another's artefact.
 CacheDirectory=kimi-supervisor
@@ -173,7 +173,7 @@ RuntimeDirectoryPreserve=yes
 StateDirectory=kimi-supervisor kimi-supervisor/%i
 StateDirectoryMode=0755
 # /var/cache/kimi-supervisor: vLLM's torch.compile/AOT, Triton, inductor and CUDA JIT caches, kept across
-# restarts whoever the child runs as (paths.cache_directory; a child.user gets <dir>/<user>): without it a
+# restarts whoever the child runs as (paths.cache_directory; each child uid gets <dir>/uid-<uid>): without it a
 # child without a home recompiles on every start (minutes at TP=8). Shared by the host's deployments: vLLM's
 # cache key hashes the model and its whole config, so one deployment never loads another's artefact.
 CacheDirectory=kimi-supervisor

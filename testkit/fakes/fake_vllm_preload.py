@@ -20,6 +20,7 @@ import http.server
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -83,7 +84,14 @@ def main(argv: Sequence[str]) -> NoReturn:
     proc.P.deadline = time.monotonic() + ns.max_lifetime
     proc.install_term(False)
     sockets = ns.weight_cache_socket_dir
+    # vLLM's own before it binds (weight_cache/protocol.py ensure_private_socket_dir ~154-163, verify_private_dir
+    # ~166-186, strict_perms off for an explicit --weight-cache-socket-dir): makedirs as this uid, then a real
+    # directory this uid owns, else WeightCacheUnavailableError and exit 1.
     os.makedirs(sockets, mode=0o700, exist_ok=True)
+    info = os.lstat(sockets)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        log("ERROR", "daemon.py:345", f"Socket directory {sockets} is not owned by the current user")
+        raise SystemExit(1)
     httpd = http.server.ThreadingHTTPServer((ns.weight_cache_health_host, ns.weight_cache_health_port), _Health)
     threading.Thread(target=httpd.serve_forever, name="vllm-weight-cache-health", daemon=True).start()
     ranks: list[int] = []

@@ -12,6 +12,7 @@ kernel (inductor cache hits), not how long it took.
 from __future__ import annotations
 
 import json
+import pwd
 import shutil
 import signal
 import tempfile
@@ -83,7 +84,7 @@ def test_a_child_without_a_home_keeps_its_compile_cache_across_starts(tmp_path: 
     cache = Path(tempfile.mkdtemp(prefix="kimi-e2e-cache-"))  # not under pytest's 0700 tmp: nobody must reach it
     try:
         cache.chmod(0o755)
-        home = cache / "nobody"
+        home = cache / f"uid-{pwd.getpwnam('nobody').pw_uid}"  # one home per uid (cachedirs.py)
         cfg = config(tmp_path, cache, tiny_model, free_port())
         first = start_and_stop(cfg, tmp_path, 1)
         assert home.stat().st_uid == 65534  # made for the child by the supervisor

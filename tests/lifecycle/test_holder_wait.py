@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
-from kimi_supervisor.exitcodes import ExitCode
+import pytest
+
+from kimi_supervisor.config import layout
+from kimi_supervisor.config.load import load_config
+from kimi_supervisor.exitcodes import ExitCode, PreflightError
 from kimi_supervisor.host.checkpoint import fingerprint
+from kimi_supervisor.lifecycle.holderwait import look
+from kimi_supervisor.opsview.statefile import SCHEMA
 from testkit.harness import REPO, Run, fake_tree_of, weights_pair
 from testkit.safetensors_files import write_model, write_shard
 from tests.conftest import wait_for
@@ -189,3 +197,88 @@ def test_the_holders_stop_drains_nothing(tmp_path: Path) -> None:
     assert rc == ExitCode.OK
     assert holder.event("stop.tree_gone") is not None
     assert holder.event("stop.drain") is None and holder.event("stop.metrics_unavailable") is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+def test_a_holder_with_a_child_user_starts_and_an_engine_of_another_user_is_refused(open_dir: Path) -> None:
+    """Issue 38 item 1 / issue 32 item 4: `vllm preload` as `child.user` could not make its socket directory in
+    root's 0755 <runtime>/<name> (EACCES, exit 11 on every start).  The supervisor makes it for that user before
+    the spawn and records the uid; an engine whose child runs as another account is refused (exit 10)."""
+    nobody = pwd.getpwnam("nobody").pw_uid
+    # The system python: nobody cannot enter /root, where the test's interpreter may live.
+    holder_cfg, engine_cfg = weights_pair(open_dir, holder_user="nobody", python="/usr/bin/python3")
+    holder = Run(holder_cfg, own(open_dir, "h"))
+    try:
+        made = holder.wait_event("weights.socket_dir", timeout=30)
+        sockets = open_dir / "run" / "kimi" / "weight-cache"
+        assert made["path"] == str(sockets) and made["uid"] == nobody and made["made"] is True
+        holder.wait_event("state.ready", timeout=60)
+        st = sockets.lstat()
+        assert st.st_uid == nobody and stat.S_IMODE(st.st_mode) == 0o700
+        state_file = open_dir / "run" / "kimi" / "state.weights.json"
+        weights = json.loads(state_file.read_text())["weights"]
+        assert weights["child_uid"] == nobody and weights["child_user"] == "nobody"
+        engine = Run(engine_cfg, own(open_dir, "e"))  # its child runs as root
+        assert engine.wait(30) == ExitCode.PREFLIGHT_FAILED
+        exit_event = engine.event("supervisor.exit")
+        assert exit_event is not None and exit_event["error"] == (
+            "weights: the engine's child runs as user 'root' (uid 0) but its weight holder's "
+            f"(kimi-supervisor-weights@kimi.service) as user 'nobody' (uid {nobody}): vLLM maps held weights only "
+            "between processes of one account; give both configs the same child.user"
+        )
+        assert engine.event("state.starting") is None and holder.proc.poll() is None
+    finally:
+        holder.signal()
+        holder.wait(20)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_a_symlink_at_the_holders_socket_directory_is_refused_and_never_followed(tmp_path: Path) -> None:
+    holder_cfg, _ = weights_pair(tmp_path, holder_user="nobody")
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    (tmp_path / "run" / "kimi").mkdir(parents=True)
+    (tmp_path / "run" / "kimi" / "weight-cache").symlink_to(victim)
+    holder = Run(holder_cfg, own(tmp_path, "h"))
+    assert holder.wait(30) == ExitCode.CONFIG
+    said = [line for line in holder.raw_stderr if line.startswith("kimi-supervisor: config error: ")]
+    assert said == [
+        f"kimi-supervisor: config error: weight holder socket directory {tmp_path}/run/kimi/weight-cache is a "
+        "symbolic link; remove it (it is not ours to follow)"
+    ], holder.raw_stderr
+    assert victim.stat().st_uid == 0 and holder.event("state.starting") is None
+
+
+def test_the_holders_dry_run_says_what_it_would_create_and_creates_nothing(tmp_path: Path) -> None:
+    holder_cfg, _ = weights_pair(tmp_path)
+    result = cli("--config", str(holder_cfg), "--dry-run")
+    sockets = tmp_path / "run" / "kimi" / "weight-cache"
+    assert f"{sockets}: a start would create it, 0700, owned by user " in result.stdout, result.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_engine_of_another_account_than_the_holders_is_refused_naming_both(tmp_path: Path) -> None:
+    """vLLM's engine takes only sockets its own uid owns and the daemon only peers of its uid (SO_PEERCRED):
+    an engine of another account would fail after its whole start.  Refused at once, exit 10."""
+    _, engine_cfg = weights_pair(tmp_path)
+    cfg = load_config(engine_cfg)
+    assert cfg.weights is not None
+    other = 65534 if os.geteuid() != 65534 else 65533
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    state = layout.holder_of(cfg).state_file
+    state.parent.mkdir(parents=True)
+    holder = {"role": "holder", "key": dict(cfg.weights.key), "health_url": "http://127.0.0.1:9/health"}
+    doc = {"schema": SCHEMA, "phase": "starting", "supervisor": {"pid": os.getpid()}}
+    state.write_text(json.dumps({**doc, "weights": {**holder, "child_uid": other, "child_user": "holders"}}))
+    with pytest.raises(PreflightError) as info:
+        look(cfg, alive=lambda doc: True)
+    assert info.value.exit_code == ExitCode.PREFLIGHT_FAILED
+    assert info.value.message == (
+        f"weights: the engine's child runs as user {me!r} (uid {os.geteuid()}) but its weight holder's "
+        f"(kimi-supervisor-weights@kimi.service) as user 'holders' (uid {other}): vLLM maps held weights only "
+        "between processes of one account; give both configs the same child.user"
+    )
+    # The same account, or a holder from before the uid was recorded: no refusal, the engine waits for it.
+    for weights in ({**holder, "child_uid": os.geteuid(), "child_user": me}, holder):
+        state.write_text(json.dumps({**doc, "weights": weights}))
+        assert look(cfg, alive=lambda doc: True).why == "the holder is starting: no status"

@@ -1,0 +1,58 @@
+"""A directory root makes for one account: made through descriptors that follow no link, refused when not its own."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import stat
+from pathlib import Path
+
+import pytest
+
+from kimi_supervisor.files.privdir import Refused, private_dir
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+NOBODY = pwd.getpwnam("nobody").pw_uid
+
+
+@ROOT_ONLY
+def test_made_0700_for_the_account_and_used_again(tmp_path: Path) -> None:
+    old = os.umask(0o077)  # the umask must not decide the mode
+    try:
+        first = private_dir(tmp_path, "d", NOBODY, NOBODY)
+    finally:
+        os.umask(old)
+    st = (tmp_path / "d").lstat()
+    assert first.made and st.st_uid == NOBODY and stat.S_IMODE(st.st_mode) == 0o700
+    again = private_dir(tmp_path, "d", NOBODY, NOBODY)
+    assert again.exists and not again.made
+
+
+@ROOT_ONLY
+def test_another_accounts_directory_is_refused_never_taken(tmp_path: Path) -> None:
+    """A deployment moved from root to `user = "vllm"` leaves root's directory: refused, not chowned."""
+    (tmp_path / "d").mkdir(mode=0o700)
+    with pytest.raises(Refused, match=f"is owned by user 'root' \\(uid 0\\), not user 'nobody' \\(uid {NOBODY}\\)"):
+        private_dir(tmp_path, "d", NOBODY, NOBODY)
+    assert (tmp_path / "d").stat().st_uid == 0
+
+
+def test_a_symlink_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.mkdir(mode=0o755)
+    (tmp_path / "d").symlink_to(target)
+    with pytest.raises(Refused, match="is a symbolic link"):
+        private_dir(tmp_path, "d", os.geteuid(), os.getegid())
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755
+
+
+def test_a_group_writable_directory_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d").chmod(0o770)
+    with pytest.raises(Refused, match="writable by group or others \\(mode 0770\\)"):
+        private_dir(tmp_path, "d", os.geteuid(), os.getegid())
+
+
+def test_without_create_nothing_is_made(tmp_path: Path) -> None:
+    found = private_dir(tmp_path, "d", os.geteuid(), os.getegid(), create=False)
+    assert not found.exists and not found.made and list(tmp_path.iterdir()) == []
