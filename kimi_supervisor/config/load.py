@@ -48,6 +48,7 @@ from kimi_supervisor.config.weights import (
     READY_PATTERN,
     WeightsArgError,
     check_engine_argv,
+    check_socket_path,
     holder_argv,
     socket_dir,
     weights_key,
@@ -538,6 +539,7 @@ def _parse_weights(
             given = t.raw("health_port", None)
             port = t.integer("health_port", 0, minimum=1, maximum=65535) if given is not None else None
             argv, port, host = holder_argv(child.argv, sockets, port)
+            check_socket_path(sockets, argv)
             t.done()
             vllm = dataclasses.replace(parse_vllm_args(argv), host=host, port=port)
             child = dataclasses.replace(child, argv=argv, vllm=vllm)
@@ -556,6 +558,7 @@ def _parse_weights(
                 "holder", f"true, but deployment.role is {role.value!r}: a weight holder serves one host's engine"
             )
         check_engine_argv(child.argv, sockets)
+        check_socket_path(sockets, child.argv)
     except WeightsArgError as exc:
         raise ConfigError(f"{path}: {exc.key}: {exc}") from None
     return WeightsConfig(sockets, wait_s=wait_s, key=weights_key(child.argv)), child

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kimi_supervisor.config.load import load_config
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.host.checkpoint import fingerprint
 from testkit.harness import REPO, Run, fake_tree_of, weights_pair
@@ -145,7 +146,8 @@ def test_dry_run_and_status_show_the_holder(tmp_path: Path) -> None:
     refuses = "no GPU here: the real `vllm preload` refuses without CUDA IPC (check_ipc_platform_support)"
     assert [line for line in result.stdout.splitlines() if refuses in line] != []
     result = cli("--config", str(holder_cfg), "--dry-run")
-    assert "weight holder: sockets in " + str(tmp_path / "run" / "kimi" / "weight-cache") in result.stdout
+    sockets = load_config(holder_cfg).weights.socket_dir  # type: ignore[union-attr]
+    assert "weight holder: sockets in " + str(sockets) in result.stdout
     assert "checkpoint: not a local checkpoint (vLLM keys on the model's name)" in result.stdout
     write_model(tmp_path / "model")
     fp = fingerprint(tmp_path / "model")
