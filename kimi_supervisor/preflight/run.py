@@ -41,6 +41,7 @@ from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.preflight import checks, gpu_health, group_checks
 from kimi_supervisor.preflight.reaper import ReapPlan, Victim, execute_reap, plan_reap
 from kimi_supervisor.preflight.shm import plan_shm, remove_stale
+from kimi_supervisor.roles import Role
 
 
 @dataclasses.dataclass
@@ -124,7 +125,10 @@ class Preflight:
                 self._raise_if_failed(report)
         if self._pf.shm.enabled:
             self._shm(dry_run, add)
-        if self._pf.check_port and self._cfg.role.serves_api:  # a follower (--headless) opens no API port
+        # A follower (--headless) opens no API port.  The holder's /health port is checked as an API port: taken,
+        # vLLM's health thread dies while its READY line still comes, and a squatter answering 200 would pass
+        # for the holder (preload.py:81-100 runs uvicorn in a daemon thread and never looks back).
+        if self._pf.check_port and (self._cfg.role.serves_api or self._cfg.role is Role.WEIGHTS):
             add(self._port(plan, dry_run))
         if gpus:
             # A dry run killed nothing: count what the victims hold as free, as a real start would see it.
