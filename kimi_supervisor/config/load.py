@@ -571,6 +571,10 @@ def _holder_defaults(
     given_r, given_l = data.get("readiness", {}), data.get("liveness", {})
     if "started_patterns" not in given_r:
         readiness = dataclasses.replace(readiness, started_patterns=(re.compile(READY_PATTERN),))
+    if "stall_timeout_s" not in given_r:
+        # vLLM's daemon ranks never set its logging up (weight_cache/daemon.py:476-501, no configure_logging), so
+        # the holder prints nothing from its launch line to READY, a full load: only the deadline bounds it.
+        readiness = dataclasses.replace(readiness, stall_timeout_s=readiness.deadline_s)
     if "canary_interval_s" not in given_l:
         liveness = dataclasses.replace(liveness, canary_interval_s=0.0)
     if "stuck_after_s" not in given_l:

@@ -282,3 +282,12 @@ def test_weights_key_has_the_venvs_vllm_version(tmp_path: Path) -> None:
     # A holder recorded by a supervisor from before the field: not counted as a difference.
     older = {k: v for k, v in holder.items() if k != "vllm_version"}
     assert key_mismatch(older, weights_key([str(exe), "serve", "/m"])) == []
+
+
+def test_holder_stalls_only_past_its_deadline_since_its_ranks_print_nothing(tmp_path: Path) -> None:
+    """vLLM's daemon ranks never set its logging up: from the launch line to READY (a full load, ~9 min) the
+    holder prints nothing, so the default stall timeout (300 s) would kill every load: the deadline bounds it."""
+    cfg = load(tmp_path, holder_text(tmp_path, PRELOAD))
+    assert cfg.readiness.stall_timeout_s == cfg.readiness.deadline_s == 1800
+    given = load(tmp_path, holder_text(tmp_path, PRELOAD, "[readiness]\nstall_timeout_s = 60\n"))
+    assert given.readiness.stall_timeout_s == 60
