@@ -98,6 +98,15 @@ def engine_argv(name: str, model: Path, ngpu: int, port: int, util: float, work:
     ]
 
 
+def engine_config(
+    file: str, name: str, user: str, python: str, model: Path, ngpu: int, util: float, wait_s: float
+) -> Path:
+    argv = engine_argv(name, model, ngpu, free_port(), util, WORK)
+    return write_config(
+        WORK / file, sections(WORK, name, user, python, model, argv, weights={"holder": True, "wait_s": wait_s})
+    )
+
+
 def dry_run(config: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kimi_supervisor", "--config", str(config), "--dry-run"],
@@ -211,18 +220,7 @@ def main() -> int:
                 u_vllm < u_fail < u_nvml,
                 json.dumps(res["utilisation"]),
             )
-            fail_cfg = write_config(
-                WORK / f"{name}.fail.toml",
-                sections(
-                    WORK,
-                    name,
-                    a.user,
-                    a.python,
-                    model,
-                    engine_argv(name, model, ngpu, free_port(), u_fail, WORK),
-                    weights={"holder": True, "wait_s": 60},
-                ),
-            )
+            fail_cfg = engine_config(f"{name}.fail.toml", name, a.user, a.python, model, ngpu, u_fail, 60)
             dry = dry_run(fail_cfg)
             res["preflight_fail"] = {"rc": dry.returncode, "out": dry.stdout[-1500:]}
             bw.expect(
@@ -247,18 +245,7 @@ def main() -> int:
             )
         else:
             u_ok = 0.5
-        ok_cfg = write_config(
-            WORK / f"{name}.toml",
-            sections(
-                WORK,
-                name,
-                a.user,
-                a.python,
-                model,
-                engine_argv(name, model, ngpu, free_port(), u_ok, WORK),
-                weights={"holder": True, "wait_s": 60},
-            ),
-        )
+        ok_cfg = engine_config(f"{name}.toml", name, a.user, a.python, model, ngpu, u_ok, 60)
         engine = bw.Sup(ok_cfg, WORK, "engine")
         t_engine = engine.ready(300)
         res["engine_ready_s"] = t_engine - engine.t0
@@ -279,18 +266,7 @@ def main() -> int:
         )
         # 5. another user, while the holder serves alone
         if a.user != "root":
-            root_cfg = write_config(
-                WORK / f"{name}.root.toml",
-                sections(
-                    WORK,
-                    name,
-                    "root",
-                    a.python,
-                    model,
-                    engine_argv(name, model, ngpu, free_port(), u_ok, WORK),
-                    weights={"holder": True, "wait_s": 20},
-                ),
-            )
+            root_cfg = engine_config(f"{name}.root.toml", name, "root", a.python, model, ngpu, u_ok, 20)
             other = bw.Sup(root_cfg, WORK, "engine-root")
             rc = other.run.wait(300)
             res["other_user"] = {"rc": rc, "tail": other.tail()}

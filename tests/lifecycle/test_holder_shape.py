@@ -20,18 +20,27 @@ def own(tmp_path: Path, name: str) -> Path:
     return tmp_path / name
 
 
-def ranks_of(tmp_path: Path, parent: int) -> list[psutil.Process]:
+def ranks_of(tmp_path: Path) -> list[psutil.Process]:
     return [p for p in fake_tree_of(f"{tmp_path}/holder") if "spawn_main" in " ".join(p.cmdline())]
 
 
-def test_holder_ranks_are_silent_spawn_children_and_a_term_stop_is_clean(tmp_path: Path) -> None:
+def ready_holder(tmp_path: Path) -> tuple[Run, int, list[psutil.Process]]:
+    """A holder's supervisor around the fake `vllm preload` -tp 2, READY: (it, its child's PID, the 2 ranks)."""
     holder_cfg, _ = weights_pair(tmp_path, tp=2)
     holder = Run(holder_cfg, own(tmp_path, "h"))
     try:
         holder.wait_event("state.ready", timeout=60)
-        parent = holder.child_pid
-        ranks = ranks_of(tmp_path, parent)
-        assert len(ranks) == 2 and {r.ppid() for r in ranks} == {parent}
+        ranks = ranks_of(tmp_path)
+        assert len(ranks) == 2 and {r.ppid() for r in ranks} == {holder.child_pid}
+    except BaseException:
+        holder.kill()
+        raise
+    return holder, holder.child_pid, ranks
+
+
+def test_holder_ranks_are_silent_spawn_children_and_a_term_stop_is_clean(tmp_path: Path) -> None:
+    holder, _, ranks = ready_holder(tmp_path)
+    try:
         # No vLLM title: `python3 -c from multiprocessing.spawn import spawn_main; ...` (preload.py:239).
         assert all("vllm-weight-cache" not in " ".join(r.cmdline()) + r.name() for r in ranks)
         holder.signal()
@@ -48,13 +57,8 @@ def test_holder_ranks_are_silent_spawn_children_and_a_term_stop_is_clean(tmp_pat
 
 
 def test_ranks_outliving_a_sigkilled_parent_are_stopped_by_the_supervisor(tmp_path: Path) -> None:
-    holder_cfg, _ = weights_pair(tmp_path, tp=2)
-    holder = Run(holder_cfg, own(tmp_path, "h"))
+    holder, parent, ranks = ready_holder(tmp_path)
     try:
-        holder.wait_event("state.ready", timeout=60)
-        parent = holder.child_pid
-        ranks = ranks_of(tmp_path, parent)
-        assert len(ranks) == 2
         os.kill(parent, signal.SIGKILL)
         code = holder.wait(60)
         assert code != ExitCode.OK, "the holder's child died: its supervisor must not call that a clean stop"
