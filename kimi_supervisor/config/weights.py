@@ -172,14 +172,17 @@ def _digest_length() -> int:
 def has_draft_group(argv: Sequence[str]) -> bool:
     """The daemon also serves a draft group (`*_draft.sock`: weight_cache/utils.py:39-45): a speculative config
     whose method is one the daemon caches.  A method left to vLLM to infer counts, to be safe."""
+    # vllm/engine/arg_utils.py:1827-1835: the JSON config, or its shorthands --spec-method/--spec-model.
     raw = option(argv, "--speculative-config", "-sc")
-    if raw is None:
+    method = option(argv, "--spec-method")
+    if raw is None and method is None and option(argv, "--spec-model") is None:
         return False
-    try:
-        spec = json.loads(raw)
-    except json.JSONDecodeError:
-        return True
-    method = spec.get("method") if isinstance(spec, dict) else None
+    if method is None and raw is not None:
+        try:
+            spec = json.loads(raw)
+        except json.JSONDecodeError:
+            return True
+        method = spec.get("method") if isinstance(spec, dict) else None
     return method is None or method in DRAFT_METHODS
 
 

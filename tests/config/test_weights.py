@@ -201,7 +201,14 @@ SPEC = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_to
 
 @pytest.mark.parametrize(
     ("role", "extra", "longest_ok"),
-    [("holder", [], 17), ("engine", [], 17), ("holder", SPEC, 11), ("engine", SPEC, 11)],
+    [
+        ("holder", [], 17),
+        ("engine", [], 17),
+        ("holder", SPEC, 11),
+        ("engine", SPEC, 11),
+        ("holder", ["--spec-method", "eagle3"], 11),
+        ("holder", ["--speculative-config", '{"method": "ngram"}'], 17),  # not cached: no draft group
+    ],
 )
 def test_socket_path_longer_than_a_unix_socket_is_refused_at_load(
     tmp_path: Path, role: str, extra: list[str], longest_ok: int
@@ -213,7 +220,7 @@ def test_socket_path_longer_than_a_unix_socket_is_refused_at_load(
     message = error_of(tmp_path, sized(tmp_path, role, "k" * (longest_ok + 1), extra))
     assert "kimi.toml: deployment.name: the weight holder's sockets would be 108 bytes long" in message, message
     assert "over the 107 a Unix socket allows: shorten deployment.name" in message
-    assert ("_draft.sock" in message) == bool(extra)
+    assert ("_draft.sock" in message) == (longest_ok == 11)
 
 
 def test_socket_path_check_follows_vllms_sha256_fallback_on_a_fips_host(
