@@ -3,9 +3,11 @@
     python3 gpuaccept/weights_bin/vllm serve DIR --host H --port P --tensor-parallel-size N
         [--load-format ipc_cache --model-loader-extra-config '{"socket_dir": D, "fallback": false}']
 
-* `--load-format ipc_cache`: for each rank, connect to D/rank-<rank>.sock, rebuild the held tensor from its CUDA
-  IPC handle (no copy: the holder's memory, mapped) and sum its bytes on the GPU against the holder's checksum
-  and DIR/weights.json; an unreachable holder with `"fallback": false` is fatal, as in vLLM;
+* `--load-format ipc_cache`: vLLM's memory rule first (request_memory: free >= total x util - the daemon's
+  get_memory answer, else its ValueError); then for each rank, ask vLLM's socket for GPU <rank> (`get_state`),
+  rebuild the held tensor from its CUDA IPC handle (no copy: the holder's memory, mapped) and sum its bytes on
+  the GPU against the holder's checksum and DIR/weights.json; an unreachable holder with `"fallback": false` is
+  fatal, as in vLLM;
 * otherwise: read DIR/weights.bin from disk onto each GPU (O_DIRECT where allowed) and check the same sum;
 * then vLLM 0.32's startup lines ("Loading weights took", "Starting vLLM server on", "Application startup
   complete.") and GET /health 200 on H:P, so the supervisor's readiness takes it for vLLM;
@@ -32,6 +34,7 @@ from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpuaccept.weights_common import (  # noqa: E402
+    GIB,
     WEIGHTS_FILE,
     connect,
     fake,
@@ -40,6 +43,7 @@ from gpuaccept.weights_common import (  # noqa: E402
     rank_socket,
     read_meta,
     recv_msg,
+    send_msg,
 )
 from testkit.procutil import set_comm  # noqa: E402
 
@@ -84,8 +88,40 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, dest="tp")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--model-loader-extra-config", default="{}")
-    ns, _ = p.parse_known_args(list(argv))  # --gpu-memory-utilization, --dtype...: the supervisor's, not ours
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ns, _ = p.parse_known_args(list(argv))  # --dtype...: the supervisor's, not ours
     return ns
+
+
+def request_memory(ns: argparse.Namespace) -> None:
+    """vLLM's start-up memory rule for mapped weights (v1/worker/utils.py:716-768 request_memory): on each GPU,
+    free >= ceil(total x util) - what the daemon's allocator holds (its get_memory answer, ipc_loader.py:121-165),
+    else vLLM's ValueError, so the scene checks the supervisor's preflight against the same rule."""
+    import math
+
+    import torch
+
+    extra = json.loads(ns.model_loader_extra_config)
+    for rank in range(ns.tp):
+        with connect(rank_socket(extra["socket_dir"], rank), 2.0) as sock:
+            send_msg(sock, {"cmd": "get_memory"})
+            answer = recv_msg(sock)
+        if answer.get("status") != "ok":
+            raise SystemExit(f"Weight cache daemon rejected the memory query: {answer.get('message')}")
+        external = int(answer["memory_bytes"])
+        free, total = torch.cuda.mem_get_info(rank)
+        engine_memory = math.ceil(total * ns.gpu_memory_utilization) - external
+        if free < engine_memory:
+            raise SystemExit(
+                f"ValueError: Free memory on device cuda:{rank} ({free / GIB:.2f}/{total / GIB:.2f} GiB) on startup "
+                "is less than the engine's budget after excluding external process's weights "
+                f"({ns.gpu_memory_utilization}, {engine_memory / GIB:.2f} GiB)."
+            )
+        say(
+            f"Weights are held outside this process: {external / GIB:.2f} GiB externally held, "
+            f"{engine_memory / GIB:.2f} GiB for the engine",
+            "utils.py:750",
+        )
 
 
 def map_from_holder(ns: argparse.Namespace, want: int) -> list[Any]:
@@ -99,7 +135,10 @@ def map_from_holder(ns: argparse.Namespace, want: int) -> list[Any]:
                 raise SystemExit("fallback to a disk load is not in this stand-in") from err
             raise SystemExit(f"ipc_cache: no weight cache daemon for rank {rank} ({err}) and fallback is off") from err
         with sock:
+            send_msg(sock, {"cmd": "get_state"})
             msg = recv_msg(sock)
+        if msg.get("status") != "ok":
+            raise SystemExit(f"ipc_cache: rank {rank}: the weight cache daemon answered {msg}")
         rebuild, args = msg["handle"]
         tensor = rebuild(*args)  # cudaIpcOpenMemHandle: the holder's bytes, not a copy
         got = gpu_checksum(tensor)
@@ -122,6 +161,8 @@ def main(argv: Sequence[str]) -> int:
     want = read_meta(ns.model)["checksum"]
     t0 = time.monotonic()
     if ns.load_format == "ipc_cache":
+        if not fake():
+            request_memory(ns)
         held = map_from_holder(ns, want)
         TIMES["mode"] = "ipc_cache (mapped)"
         TIMES["direct"] = None

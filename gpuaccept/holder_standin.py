@@ -1,20 +1,27 @@
 """A stand-in for vLLM 0.32's weight-cache daemon (`vllm preload`, issue 26) as the supervisor sees it from
-outside, holding real GPU memory:
+outside, holding real GPU memory, with the real daemon's shape (issue 38; the vLLM source line of each behaviour
+beside it):
 
     python3 gpuaccept/weights_bin/vllm preload --model DIR -tp N --weight-cache-socket-dir D
         --weight-cache-health-port P [--weight-cache-health-host H]
 
-* the parent (stdlib only, as preload.py's parent holds no CUDA context) spawns one process per local rank,
-  named `vllm-weight-cache-target-<rank>` as preload.py names them (comm keeps 15 bytes);
-* each rank reads DIR/weights.bin from disk into one tensor on GPU <rank> with torch (O_DIRECT where allowed),
-  checks the sum against DIR/weights.json, then answers every connection on D/rank-<rank>.sock with the
-  tensor's CUDA IPC handle (torch.multiprocessing.reductions.reduce_tensor), its size and its checksum;
+* the parent (stdlib only, as preload.py's parent holds no CUDA context) spawns one process per local rank
+  (preload.py:239 `get_context("spawn")`): `python3 -c from multiprocessing.spawn import spawn_main; ...`, no
+  process title of vLLM's (`vllm-weight-cache-target-<rank>` is only the Process object's name, 265-268);
+* a rank prints nothing (daemon.py:476-501: it never sets vLLM's logging up, so its INFO lines never appear);
+  it reads DIR/weights.bin into one tensor on GPU <rank> with torch (O_DIRECT where allowed), checks the sum
+  against DIR/weights.json, makes D (daemon.py:345-347; as its own user, after the load), binds
+  D/vllm_weight_cache_<md5 of the GPU's uuid>.sock 0600 (protocol.py:135-151, daemon.py:353-356) and answers
+  `get_memory` with torch's allocated bytes (daemon.py:419-426) and `get_state` with the tensor's CUDA IPC
+  handle, its size and checksum; a peer of another uid is rejected (protocol.py:212-228);
 * the parent's /health on H:P answers 503 until every rank reported ready, 200 after, 503 again once a rank
-  died (preload.py's _HealthState); then it logs vLLM's READY line;
-* SIGTERM/SIGINT: the ranks exit, which frees their GPU memory, then the parent exits 0.
+  died (preload.py:54-78); then it logs vLLM's READY line (preload.py:321);
+* SIGTERM/SIGINT: the parent terminates the ranks (preload.py:289-296), which die of the signal (their memory
+  freed with them), and exits `max(exitcode)` = -15, status 241 (preload.py:337);
+* a SIGKILLed parent leaves its ranks running (spawn children are not tied to it): the supervisor stops them.
 
 Stand-in, not vLLM: the real daemon holds the post-processed TP shard of a model and checks the engine's cache
-key and user; this one holds the bytes of one file and serves whoever connects.
+key; this one holds the bytes of one file.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import os
 import queue
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -35,8 +43,16 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpuaccept.weights_common import READY_LINE, WEIGHTS_FILE, fake, load_to_gpu, rank_socket, read_meta, send_msg
-from testkit.procutil import set_comm
+from gpuaccept.weights_common import (
+    READY_LINE,
+    WEIGHTS_FILE,
+    fake,
+    load_to_gpu,
+    rank_socket,
+    read_meta,
+    recv_msg,
+    send_msg,
+)
 
 
 def say(msg: str, where: str = "preload.py:260", level: str = "INFO") -> None:
@@ -55,50 +71,53 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return ns
 
 
+def _answer(conn: socket.socket, res: Any, handle: Any) -> None:
+    uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+    request = recv_msg(conn)
+    if uid != os.getuid():
+        send_msg(conn, {"status": "error", "message": f"Rejecting weight cache connection from uid {uid}"})
+    elif request.get("cmd") == "get_memory":
+        nbytes = res.nbytes
+        if not fake():
+            import torch
+
+            nbytes = torch.cuda.memory_allocated()
+        send_msg(conn, {"status": "ok", "memory_bytes": nbytes})
+    else:
+        send_msg(conn, {"status": "ok", "nbytes": res.nbytes, "checksum": res.checksum, "handle": handle})
+
+
 def rank_main(rank: int, model: str, socket_dir: str, ready: Any) -> None:
-    """One GPU's daemon: load, check, then serve the handle until SIGTERM."""
-    set_comm(f"vllm-weight-cache-target-{rank}")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    """One GPU's daemon: load, check, then serve until killed (no SIGTERM handler, as vLLM's)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides
+    if not fake():
+        import torch
+
+        torch.cuda.set_device(rank)
     tensor, res = load_to_gpu(os.path.join(model, WEIGHTS_FILE), rank)
     want = read_meta(model)["checksum"]
     if res.checksum != want:
-        say(f"rank {rank}: checksum {res.checksum} != {want} of {model}", "daemon.py:1", "ERROR")
+        sys.stderr.write(f"rank {rank}: checksum {res.checksum} != {want} of {model}\n")  # as an exception would
         os._exit(1)
-    gib = res.nbytes / (1 << 30)
-    say(f"rank {rank}: loaded {gib:.2f} GiB in {res.seconds:.2f} s (O_DIRECT {res.direct})", "daemon.py:1")
     if fake():
         handle: Any = (bytes, (tensor,))  # "rebuilt" as a copy: the CPU run checks the protocol, not CUDA IPC
     else:
         from torch.multiprocessing.reductions import reduce_tensor
 
         handle = reduce_tensor(tensor)
+    os.makedirs(socket_dir, mode=0o700, exist_ok=True)
     path = rank_socket(socket_dir, rank)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
+    os.chmod(path, 0o600)
     server.listen(8)
-    server.settimeout(0.2)
     ready.put(("target", rank, res.nbytes, res.seconds, res.direct))
-    served = 0
-    while not stop.is_set():
-        try:
-            conn, _ = server.accept()
-        except TimeoutError:
-            continue
-        except OSError:
-            break
-        with conn:
-            served += 1
-            send_msg(conn, {"rank": rank, "nbytes": res.nbytes, "checksum": res.checksum, "handle": handle})
-    server.close()
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-    say(f"rank {rank}: stopping after {served} load(s) served", "daemon.py:1")
-    del tensor
-    os._exit(0)
+    while True:
+        conn, _ = server.accept()
+        with conn, contextlib.suppress(OSError, ValueError, EOFError):
+            _answer(conn, res, handle)
 
 
 class Health(http.server.BaseHTTPRequestHandler):
@@ -118,8 +137,6 @@ class Health(http.server.BaseHTTPRequestHandler):
 
 def main(argv: Sequence[str]) -> int:
     ns = parse(argv)
-    set_comm("vllm-preload")
-    os.makedirs(ns.weight_cache_socket_dir, mode=0o700, exist_ok=True)
     ctx = mp.get_context("spawn")  # as vLLM: a fresh interpreter per rank, no CUDA state inherited
     ready_q = ctx.Queue()
     procs = [
@@ -148,9 +165,8 @@ def main(argv: Sequence[str]) -> int:
     seen = 0
     while seen < ns.tp and not stopping.is_set():
         try:
-            _, rank, nbytes, seconds, direct = ready_q.get(timeout=1.0)
+            ready_q.get(timeout=1.0)  # the real parent logs nothing per rank either (preload.py:298-301)
             seen += 1
-            say(f"rank {rank} ready: {nbytes} bytes in {seconds:.2f} s, O_DIRECT {direct}", "preload.py:300")
         except queue.Empty:
             dead = [p.exitcode for p in procs if p.exitcode is not None]
             if dead:
@@ -167,7 +183,7 @@ def main(argv: Sequence[str]) -> int:
     for proc in procs:
         proc.join()
     httpd.shutdown()
-    return 0 if stopping.is_set() else max(p.exitcode or 0 for p in procs)
+    return max(p.exitcode or 0 for p in procs)  # -15 after a SIGTERM: status 241, as preload.py:337
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ module (the CI has no torch) and the stand-ins' parents stay stdlib-only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -28,8 +29,19 @@ READY_LINE = "===== Weight cache daemon READY: node 0/1 serving {n} local rank(s
 _LEN = struct.Struct("!Q")
 
 
+def gpu_uuid(rank: int) -> str:
+    """The GPU's uuid as vLLM names it (NVML's `GPU-...`; current_platform.get_device_uuid)."""
+    if fake():
+        return f"GPU-fake-{rank}"
+    import torch
+
+    return f"GPU-{torch.cuda.get_device_properties(rank).uuid}"
+
+
 def rank_socket(socket_dir: str | Path, rank: int) -> str:
-    return os.path.join(str(socket_dir), f"rank-{rank}.sock")
+    """vLLM's socket for GPU `rank` (weight_cache/protocol.py:42, 135-151: md5 of the GPU's uuid)."""
+    digest = hashlib.md5(gpu_uuid(rank).encode()).hexdigest()
+    return os.path.join(str(socket_dir), f"vllm_weight_cache_{digest}.sock")
 
 
 def add_checksum(total: int, part: int) -> int:

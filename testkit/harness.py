@@ -5,14 +5,17 @@ Shared by the lifecycle tests, the fault matrix and the benchmarks.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import http.server
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -68,6 +71,17 @@ def own_dirs(base: Path) -> dict[str, str]:
         "state_directory": str(base / "state"),
         "cache_directory": str(base / "cache"),
     }
+
+
+def short_link(target: Path) -> Path:
+    """A short path (/tmp/kw-XXXXXXXX/d) that is a link to `target`, removed when this test process exits."""
+    made = Path(tempfile.mkdtemp(prefix="kw-", dir="/tmp"))
+    # mkdtemp's 0700 would stop a child user (holder_user) on its way through the link.
+    made.chmod(0o755)
+    atexit.register(shutil.rmtree, made, True)
+    target.mkdir(parents=True, exist_ok=True)
+    (made / "d").symlink_to(target)
+    return made / "d"
 
 
 def write_config(path: Path, sections: dict[str, dict[str, Any]], host_paths: bool = False) -> Path:
@@ -360,7 +374,10 @@ def weights_pair(
     role "weights" (kimi.weights.toml) and the fake engine mapping it (kimi.toml, `[weights] holder = true`)."""
     holder_argv = [python, str(FAKE), "preload", "--model", str(tmp_path / "model"), "-tp", str(tp)]
     holder_argv += ["--load-seconds", "0.3", "--max-lifetime", "120", *(holder_args or [])]
-    common = fake_sections(tmp_path)
+    # vLLM's socket paths must fit a Unix socket (config/weights.py check_socket_path): pytest's tmp_path is too
+    # long for them, so the pair names its runtime directory (still tmp_path/run) by a short link.
+    run = short_link(Path(own_dirs(tmp_path)["runtime_directory"]))
+    common = {**fake_sections(tmp_path), "paths": {**own_dirs(tmp_path), "runtime_directory": str(run)}}
     holder = write_config(
         tmp_path / "kimi.weights.toml",
         {
@@ -374,7 +391,7 @@ def weights_pair(
             **common,
         },
     )
-    sockets = Path(own_dirs(tmp_path)["runtime_directory"]) / "kimi" / "weight-cache"
+    sockets = Path(common["paths"]["runtime_directory"]) / "kimi" / "weight-cache"
     extra = json.dumps({"socket_dir": str(sockets), "mode": "zero_copy", "fallback": False})
     engine_argv = [sys.executable, str(FAKE), "serve", str(tmp_path / "model"), "--host", "127.0.0.1"]
     engine_argv += ["--port", str(free_port()), "--tensor-parallel-size", str(tp), "--load-seconds", "0.3"]

@@ -49,6 +49,7 @@ from kimi_supervisor.config.weights import (
     READY_PATTERN,
     WeightsArgError,
     check_engine_argv,
+    check_socket_path,
     holder_argv,
     socket_dir,
     weights_key,
@@ -559,6 +560,7 @@ def _parse_weights(
             given = t.raw("health_port", None)
             port = t.integer("health_port", 0, minimum=1, maximum=65535) if given is not None else None
             argv, port, host = holder_argv(child.argv, sockets, port)
+            check_socket_path(sockets, argv)
             t.done()
             vllm = dataclasses.replace(parse_vllm_args(argv), host=host, port=port)
             child = dataclasses.replace(child, argv=argv, vllm=vllm)
@@ -577,6 +579,7 @@ def _parse_weights(
                 "holder", f"true, but deployment.role is {role.value!r}: a weight holder serves one host's engine"
             )
         check_engine_argv(child.argv, sockets)
+        check_socket_path(sockets, child.argv)
     except WeightsArgError as exc:
         raise ConfigError(f"{path}: {exc.key}: {exc}") from None
     return WeightsConfig(sockets, wait_s=wait_s, key=weights_key(child.argv)), child
@@ -589,6 +592,10 @@ def _holder_defaults(
     given_r, given_l = data.get("readiness", {}), data.get("liveness", {})
     if "started_patterns" not in given_r:
         readiness = dataclasses.replace(readiness, started_patterns=(re.compile(READY_PATTERN),))
+    if "stall_timeout_s" not in given_r:
+        # vLLM's daemon ranks never set its logging up (weight_cache/daemon.py:476-501, no configure_logging), so
+        # the holder prints nothing from its launch line to READY, a full load: only the deadline bounds it.
+        readiness = dataclasses.replace(readiness, stall_timeout_s=readiness.deadline_s)
     if "canary_interval_s" not in given_l:
         liveness = dataclasses.replace(liveness, canary_interval_s=0.0)
     if "stuck_after_s" not in given_l:

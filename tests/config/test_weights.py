@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,14 @@ from kimi_supervisor.config.load import load_config
 from kimi_supervisor.config.weights import READY_PATTERN, key_mismatch, weights_key
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.roles import Role
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """A short directory instead of pytest's: vLLM's socket paths under it must fit a Unix socket (107 bytes)."""
+    made = Path(tempfile.mkdtemp(prefix="kw-", dir="/tmp"))
+    yield made
+    shutil.rmtree(made, ignore_errors=True)
 
 
 def holder_text(tmp_path: Path, argv: list[str], extra: str = "") -> str:
@@ -170,3 +182,119 @@ def test_the_example_pair_loads_and_agrees() -> None:
     assert holder.weights is not None and engine.weights is not None
     assert holder.weights.socket_dir == engine.weights.socket_dir == Path("/run/kimi-supervisor/kimi/weight-cache")
     assert key_mismatch(dict(holder.weights.key), dict(engine.weights.key)) == []
+
+
+def sized(tmp_path: Path, role: str, name: str, argv_extra: list[str] | None = None) -> str:
+    """A holder's or engine's config whose runtime directory is /run/kimi-supervisor, as the unit's default."""
+    run = "/run/kimi-supervisor"
+    if role == "holder":
+        text = holder_text(tmp_path, [*PRELOAD, *(argv_extra or [])])
+    else:
+        argv = [*engine_argv(tmp_path), *(argv_extra or [])]
+        argv = [a.replace(f"{tmp_path}/run/kimi/", f"{run}/{name}/") for a in argv]
+        text = engine_text(tmp_path, argv)
+    return text.replace(f"{tmp_path}/run", run).replace('name = "kimi"', f'name = "{name}"')
+
+
+SPEC = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
+
+
+@pytest.mark.parametrize(
+    ("role", "extra", "longest_ok"),
+    [
+        ("holder", [], 17),
+        ("engine", [], 17),
+        ("holder", SPEC, 11),
+        ("engine", SPEC, 11),
+        ("holder", ["--spec-method", "eagle3"], 11),
+        ("holder", ["--speculative-config", '{"method": "ngram"}'], 17),  # not cached: no draft group
+    ],
+)
+def test_socket_path_longer_than_a_unix_socket_is_refused_at_load(
+    tmp_path: Path, role: str, extra: list[str], longest_ok: int
+) -> None:
+    """vLLM binds <dir>/vllm_weight_cache_<md5 of the GPU uuid>[_draft].sock only after its full load: a path over
+    107 bytes (90 + len(NAME) in the default runtime directory, 96 + len(NAME) with a draft group) must be refused
+    when the config is read, naming the key and the length."""
+    assert load(tmp_path, sized(tmp_path, role, "k" * longest_ok, extra)).weights is not None
+    message = error_of(tmp_path, sized(tmp_path, role, "k" * (longest_ok + 1), extra))
+    assert "kimi.toml: deployment.name: the weight holder's sockets would be 108 bytes long" in message, message
+    assert "over the 107 a Unix socket allows: shorten deployment.name" in message
+    assert ("_draft.sock" in message) == (longest_ok == 11)
+
+
+def test_socket_path_check_follows_vllms_sha256_fallback_on_a_fips_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where OpenSSL refuses md5 (FIPS), vLLM's safe_hash falls back to sha256: 64 hex digits, not 32."""
+    assert load(tmp_path, sized(tmp_path, "holder", "kimi")).weights is not None
+
+    def no_md5(*args: object, **kwargs: object) -> object:
+        raise ValueError("[digital envelope routines] unsupported")
+
+    monkeypatch.setattr(hashlib, "md5", no_md5)
+    message = error_of(tmp_path, sized(tmp_path, "holder", "kimi"))
+    assert "sockets would be 126 bytes long" in message, message
+
+
+def test_copy_mode_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """ "copy": vLLM credits nothing held and releases the daemon's weights after the copy, so no later start
+    could map them: refused at load (78), naming the key."""
+    message = error_of(tmp_path, engine_text(tmp_path, engine_argv(tmp_path, mode="copy")))
+    assert message.startswith(
+        '{t}/kimi.toml: child.argv: --model-loader-extra-config "mode" is "copy": expected "zero_copy"'
+    ), message
+
+
+def test_weights_key_compares_parsed_values_as_vllm_keys_them(tmp_path: Path) -> None:
+    """vLLM keys on the resolved torch dtype and integer sizes: `auto` on a bfloat16 checkpoint is bfloat16,
+    `half` is float16, `-tp 08` is 8.  Expert parallelism lays the experts out differently: a difference."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    holder = weights_key(["vllm", "preload", "--model", str(model), "-tp", "8", "--dtype", "bfloat16"])
+    assert key_mismatch(dict(holder), weights_key(["vllm", "serve", str(model), "-tp", "08"])) == []
+    assert key_mismatch(dict(holder), weights_key(["vllm", "serve", str(model), "--tensor-parallel-size=8"])) == []
+    assert key_mismatch(dict(holder), weights_key(["vllm", "serve", str(model), "-tp", "8", "-ep"])) == [
+        "expert_parallel: holder 'false', engine 'true'"
+    ]
+    assert key_mismatch(dict(holder), weights_key(["vllm", "serve", str(model), "-tp", "8", "--dtype", "half"])) == [
+        "dtype: holder 'bfloat16', engine 'float16'"
+    ]
+    assert weights_key(["vllm", "serve", "/m", "--dtype", "half"])["dtype"] == "float16"
+    (model / "config.json").write_text(json.dumps({"text_config": {"dtype": "float32"}}))
+    assert weights_key(["vllm", "serve", str(model)])["dtype"] == "bfloat16"  # float32 downcast on CUDA
+
+
+def fake_venv(root: Path, version: str) -> Path:
+    meta = root / "lib" / "python3.11" / "site-packages" / "vllm-0.dist-info"
+    meta.mkdir(parents=True, exist_ok=True)
+    (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    exe = root / "bin" / "vllm"
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def test_weights_key_has_the_venvs_vllm_version(tmp_path: Path) -> None:
+    """vLLM's key has vllm.version.__version__: a venv upgraded under a live holder is a mismatch."""
+    exe = fake_venv(tmp_path / "venv", "0.32.0+cpu")
+    holder = weights_key([str(exe), "preload", "--model", "/m"])
+    assert holder["vllm_version"] == "0.32.0"
+    fake_venv(tmp_path / "venv", "0.33.1")
+    assert key_mismatch(dict(holder), weights_key([str(exe), "serve", "/m"])) == [
+        "vllm_version: holder '0.32.0', engine '0.33.1'"
+    ]
+    # A holder recorded by a supervisor from before the field: not counted as a difference.
+    older = {k: v for k, v in holder.items() if k != "vllm_version"}
+    assert key_mismatch(older, weights_key([str(exe), "serve", "/m"])) == []
+
+
+def test_holder_stalls_only_past_its_deadline_since_its_ranks_print_nothing(tmp_path: Path) -> None:
+    """vLLM's daemon ranks never set its logging up: from the launch line to READY (a full load, ~9 min) the
+    holder prints nothing, so the default stall timeout (300 s) would kill every load: the deadline bounds it."""
+    cfg = load(tmp_path, holder_text(tmp_path, PRELOAD))
+    assert cfg.readiness.stall_timeout_s == cfg.readiness.deadline_s == 1800
+    given = load(tmp_path, holder_text(tmp_path, PRELOAD, "[readiness]\nstall_timeout_s = 60\n"))
+    assert given.readiness.stall_timeout_s == 60

@@ -153,7 +153,8 @@ def test_dry_run_and_status_show_the_holder(tmp_path: Path) -> None:
     refuses = "no GPU here: the real `vllm preload` refuses without CUDA IPC (check_ipc_platform_support)"
     assert [line for line in result.stdout.splitlines() if refuses in line] != []
     result = cli("--config", str(holder_cfg), "--dry-run")
-    assert "weight holder: sockets in " + str(tmp_path / "run" / "kimi" / "weight-cache") in result.stdout
+    sockets = load_config(holder_cfg).weights.socket_dir  # type: ignore[union-attr]
+    assert "weight holder: sockets in " + str(sockets) in result.stdout
     assert "checkpoint: not a local checkpoint (vLLM keys on the model's name)" in result.stdout
     write_model(tmp_path / "model")
     fp = fingerprint(tmp_path / "model")
@@ -210,12 +211,12 @@ def test_a_holder_with_a_child_user_starts_and_an_engine_of_another_user_is_refu
     holder = Run(holder_cfg, own(open_dir, "h"))
     try:
         made = holder.wait_event("weights.socket_dir", timeout=30)
-        sockets = open_dir / "run" / "kimi" / "weight-cache"
+        sockets = layout.of(load_config(holder_cfg)).runtime / "weight-cache"
         assert made["path"] == str(sockets) and made["uid"] == nobody and made["made"] is True
         holder.wait_event("state.ready", timeout=60)
         st = sockets.lstat()
         assert st.st_uid == nobody and stat.S_IMODE(st.st_mode) == 0o700
-        state_file = open_dir / "run" / "kimi" / "state.weights.json"
+        state_file = layout.of(load_config(holder_cfg)).state_file
         weights = json.loads(state_file.read_text())["weights"]
         assert weights["child_uid"] == nobody and weights["child_user"] == "nobody"
         engine = Run(engine_cfg, own(open_dir, "e"))  # its child runs as root
@@ -234,16 +235,17 @@ def test_a_holder_with_a_child_user_starts_and_an_engine_of_another_user_is_refu
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 def test_a_symlink_at_the_holders_socket_directory_is_refused_and_never_followed(tmp_path: Path) -> None:
-    holder_cfg, _ = weights_pair(tmp_path, holder_user="nobody")
+    holder_cfg, _ = weights_pair(tmp_path, holder_user="nobody", python="/usr/bin/python3")
     victim = tmp_path / "victim"
     victim.mkdir(mode=0o700)
-    (tmp_path / "run" / "kimi").mkdir(parents=True)
-    (tmp_path / "run" / "kimi" / "weight-cache").symlink_to(victim)
+    runtime = layout.of(load_config(holder_cfg)).runtime
+    runtime.mkdir(parents=True)
+    (runtime / "weight-cache").symlink_to(victim)
     holder = Run(holder_cfg, own(tmp_path, "h"))
     assert holder.wait(30) == ExitCode.CONFIG
     said = [line for line in holder.raw_stderr if line.startswith("kimi-supervisor: config error: ")]
     assert said == [
-        f"kimi-supervisor: config error: weight holder socket directory {tmp_path}/run/kimi/weight-cache is a "
+        f"kimi-supervisor: config error: weight holder socket directory {runtime}/weight-cache is a "
         "symbolic link; remove it (it is not ours to follow)"
     ], holder.raw_stderr
     assert victim.stat().st_uid == 0 and holder.event("state.starting") is None
@@ -252,9 +254,10 @@ def test_a_symlink_at_the_holders_socket_directory_is_refused_and_never_followed
 def test_the_holders_dry_run_says_what_it_would_create_and_creates_nothing(tmp_path: Path) -> None:
     holder_cfg, _ = weights_pair(tmp_path)
     result = cli("--config", str(holder_cfg), "--dry-run")
-    sockets = tmp_path / "run" / "kimi" / "weight-cache"
-    assert f"{sockets}: a start would create it, 0700, owned by user " in result.stdout, result.stdout
-    assert not (tmp_path / "run").exists()
+    runtime = layout.of(load_config(holder_cfg)).runtime
+    assert f"{runtime / 'weight-cache'}: a start would create it, 0700, owned by user " in result.stdout, result.stdout
+    # weights_pair made the (linked) runtime directory itself; the dry run adds nothing inside it.
+    assert not runtime.exists() and list(runtime.parent.iterdir()) == []
 
 
 def test_an_engine_of_another_account_than_the_holders_is_refused_naming_both(tmp_path: Path) -> None:

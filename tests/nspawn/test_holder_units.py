@@ -19,6 +19,7 @@ from nspawn import NspawnMachine
 from unit_setup import DROPIN_TEXT, FAKE
 
 from kimi_supervisor.systemd import unit
+from testkit.fakes.fake_vllm_preload import socket_path
 
 ENGINE = "kimi-supervisor@kimi.service"
 HOLDER = "kimi-supervisor-weights@kimi.service"
@@ -88,7 +89,7 @@ def test_the_unit_pair(m: NspawnMachine) -> None:
     assert int(holder["ActiveEnterTimestampMonotonic"]) <= int(engine["ActiveEnterTimestampMonotonic"])
     state = json.loads(m.run(["cat", "/run/kimi-supervisor/kimi/state.weights.json"]).stdout)
     assert state["phase"] == "ready" and state["supervisor"]["pid"] == int(holder["MainPID"])
-    assert m.run(["test", "-S", f"{SOCKETS}/rank-1.sock"], check=False).returncode == 0
+    assert m.run(["test", "-S", socket_path(SOCKETS, 1)], check=False).returncode == 0  # vLLM's name for GPU 1
 
     # The engine's restart never touches the holder.
     holder_tree = sorted(m.unit_pids(HOLDER))
