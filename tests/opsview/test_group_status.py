@@ -200,7 +200,7 @@ def test_excess_connections_are_closed_at_once_not_queued(monkeypatch: pytest.Mo
                 answer = extra.recv(4096)
             except ConnectionResetError:
                 answer = b""
-            assert answer == b""  # closed unanswered at once: had it queued, this recv would wait 300 s
+            assert answer == b""  # closed unanswered at once (queued, this recv would wait out the 300 s)
         # Another address still has its slots: a peer is never starved by one hostile address.
         assert request("GET", url, 30.0).status == 200
     finally:
