@@ -7,7 +7,8 @@ Each line says what a start would meet (docs/multi-node.md):
   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name (otherwise gloo or NCCL pick another and the group hangs);
 - the master port: refused is information on a follower (the leader has not reached its rendezvous), a
   timeout or no route is a failure (a firewall, a partition, a wrong address);
-- the peers' status endpoints: their state, and whether their argv (rank flags excluded) is this node's.
+- the peers' status endpoints: their state, and whether they are this group's (role, deployment, and argv with
+  rank flags excluded and secrets redacted: a start would not believe them otherwise).
 Read-only: one TCP connect and one GET per peer, each bounded; nothing is bound, killed or written.
 """
 
