@@ -11,7 +11,7 @@ controller (LeaderWorkerSet's RecreateGroupOnPodRestart, done per node):
   unreachable `failures_tolerated` times, with another run id, or no longer ready ends the leader's run with
   exit 19 (PEER_LOST), idle or busy, and systemd restarts it.
 - A follower waits for a leader run it may join (state "starting", a run id it has not joined before, the
-  master port open), then runs one `Supervisor` for it.  It is ready once its own load lines are in and the
+  master port open, a document naming its own group: role, deployment, argv digest), then runs one `Supervisor` for it.  It is ready once its own load lines are in and the
   leader is ready with that run id (`FollowerLink`'s prober).  When that leader run ends (its status says
   stopping, its run id changed, or the leader stopped answering), the run ends with `LeaderGone`: the tree
   is stopped (orphans included, as every stop does), no STOPPING=1 reaches systemd, and the follower waits
