@@ -166,6 +166,7 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
             cfg.deployment.name,
             cfg.metrics.textfile,
             lock_suffix(cfg),
+            status_port(cfg),
         )
         owner = owner or _ras_owner(cfg)
         report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
@@ -316,6 +317,7 @@ def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
                 deployment=cfg.deployment.name,
                 textfile=cfg.metrics.textfile,
                 suffix=lock_suffix(cfg),
+                status_port=status_port(cfg),
             )
         except SupervisorError as err:  # refused before the run: still failed, where the operator looks
             _record_refused_start(cfg, err, probe)
@@ -426,6 +428,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.INTERNAL
     finally:
         close_outputs()
+
+
+def status_port(cfg: Config) -> int | None:
+    """A group node's status port is locked with the rest: a second group deployment on the host refuses (16)."""
+    return cfg.cluster.status_port if cfg.cluster is not None else None
 
 
 def lock_suffix(cfg: Config) -> str:

@@ -55,6 +55,7 @@ from kimi_supervisor.config.weights import (
     weights_key,
 )
 from kimi_supervisor.exitcodes import ConfigError
+from kimi_supervisor.redact import redact_argv
 from kimi_supervisor.roles import ROLE_NAMES, Role
 
 if sys.version_info >= (3, 11):
@@ -521,7 +522,9 @@ def _apply_cluster(
         )
     env = dict(child.env)
     env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(cfg.execute_model_timeout_s))
-    digest = hashlib.sha256("\0".join(strip_rank_flags(group.argv)).encode()).hexdigest()
+    # Published on the status endpoint: over the redacted argv, so no guess at a secret (`--api-key X`) can be
+    # checked against it offline; every node redacts alike, so the digests still agree.
+    digest = hashlib.sha256("\0".join(redact_argv(strip_rank_flags(group.argv))).encode()).hexdigest()
     cfg = dataclasses.replace(cfg, local_world_size=group.local_world_size, argv_digest=digest)
     return cfg, dataclasses.replace(child, argv=group.argv, env=env)
 

@@ -135,7 +135,12 @@ def partner_suffix(suffix: str) -> str:
 
 
 def resources(
-    gpus: Sequence[int], port: int, deployment: str | None = None, textfile: Path | None = None, suffix: str = ""
+    gpus: Sequence[int],
+    port: int,
+    deployment: str | None = None,
+    textfile: Path | None = None,
+    suffix: str = "",
+    status_port: int | None = None,
 ) -> list[Resource]:
     """What one supervisor owns on the host: its GPUs and port, and (issue 28) its deployment's name, which
     names its state file and history (config/layout.py), and its metrics textfile, which node_exporter reads
@@ -149,6 +154,10 @@ def resources(
     if textfile is not None:
         digest = hashlib.sha256(os.fsencode(os.path.abspath(textfile))).hexdigest()[:16]
         found.append(Resource(f"metrics textfile {textfile}", f"textfile-{digest}.lock"))
+    if status_port is not None:
+        # A group node's status endpoint (issue 32): two group deployments on one host with the default
+        # cluster.status_port refuse here (16), before either binds it.
+        found.append(Resource(f"status port {status_port}", f"status-port-{status_port}.lock"))
     return found
 
 
@@ -251,9 +260,10 @@ def find_owner(
     deployment: str | None = None,
     textfile: Path | None = None,
     suffix: str = "",
+    status_port: int | None = None,
 ) -> Owner | None:
     """Which root kimi-supervisor holds any of these resources now, without taking a lock (the dry run)."""
-    for resource in resources(gpus, port, deployment, textfile, suffix):
+    for resource in resources(gpus, port, deployment, textfile, suffix, status_port):
         supervisors = _supervisors_holding(directory, resource)
         if supervisors:
             return _owner(directory, resource, supervisors)
@@ -449,6 +459,7 @@ def acquire(
     deployment: str | None = None,
     textfile: Path | None = None,
     suffix: str = "",
+    status_port: int | None = None,
 ) -> InstanceLock:
     """Take every lock, or none: raise AnotherInstance naming the root kimi-supervisor that holds one.
     `suffix`: WEIGHTS_SUFFIX for a weight holder, which shares its own deployment's engine's GPUs."""
@@ -459,7 +470,7 @@ def acquire(
     _ensure_directory(directory)
     taken: list[int] = []
     try:
-        for resource in resources(gpus, port, deployment, textfile, suffix):
+        for resource in resources(gpus, port, deployment, textfile, suffix, status_port):
             taken.append(_take(directory, resource, log))
         record: dict[str, object] = {"pid": os.getpid(), "gpus": sorted(set(gpus)), "port": port, "config": config}
         if deployment is not None:

@@ -11,9 +11,10 @@ controller (LeaderWorkerSet's RecreateGroupOnPodRestart, done per node):
   unreachable `failures_tolerated` times, with another run id, or no longer ready ends the leader's run with
   exit 19 (PEER_LOST), idle or busy, and systemd restarts it.
 - A follower waits for a leader run it may join (state "starting", a run id it has not joined before, the
-  master port open), then runs one `Supervisor` for it.  It is ready once its own load lines are in and the
-  leader is ready with that run id (`FollowerLink`'s prober).  When that leader run ends (its status says
-  stopping, its run id changed, or the leader stopped answering), the run ends with `LeaderGone`: the tree
+  master port open, a document naming its own group: role, deployment, argv digest), then runs one
+  `Supervisor` for it.  It is ready once its own load lines are in and the leader is ready with that run
+  id (`FollowerLink`'s prober).  When that leader run ends (its status says stopping, its run id changed,
+  or the leader stopped answering), the run ends with `LeaderGone`: the tree
   is stopped (orphans included, as every stop does), no STOPPING=1 reaches systemd, and the follower waits
   again, keeping the watchdog: no restart is consumed.  After `leader_wait_s` without a run to join: exit 20.
 """
@@ -21,14 +22,26 @@ controller (LeaderWorkerSet's RecreateGroupOnPodRestart, done per node):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 
 from kimi_supervisor.child.process import Child, PreparedSpawn
 from kimi_supervisor.clock import Clock, SystemClock
 from kimi_supervisor.config.model import ClusterConfig, Config, SpawnSpec
-from kimi_supervisor.exitcodes import EngineWedged, ExitCode, LeaderLost, PeerLost, SupervisorError
+from kimi_supervisor.exitcodes import (
+    AnotherInstance,
+    ConfigError,
+    EngineWedged,
+    ExitCode,
+    LeaderLost,
+    PeerLost,
+    ServiceUnavailable,
+    SupervisorError,
+)
 from kimi_supervisor.host.gpu import GpuProbe
+from kimi_supervisor.host.instance_lock import holder
 from kimi_supervisor.lifecycle.deps import Liveness, LivenessFactory, Spawner
 from kimi_supervisor.lifecycle.signals import STOP_SIGNALS, StopRequested
 from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
@@ -36,7 +49,9 @@ from kimi_supervisor.liveness.health_probe import HealthResult
 from kimi_supervisor.liveness.http import HttpClient
 from kimi_supervisor.liveness.peers import Observation, PeerPoller, Poller, PollerFactory, PortState
 from kimi_supervisor.logs.types import Logger
-from kimi_supervisor.opsview.group_status import GroupStatus, StatusServer, new_run_id
+from kimi_supervisor.opsview.group_status import GroupStatus, PeerAddresses, StatusServer, new_run_id
+from kimi_supervisor.preflight.checks import listener
+from kimi_supervisor.preflight.group_checks import local_addresses
 from kimi_supervisor.roles import Role
 from kimi_supervisor.systemd.notify import Notifier
 
@@ -344,10 +359,15 @@ def _poller_factory(cluster: ClusterConfig) -> PollerFactory:
 
 @dataclasses.dataclass
 class _Seen:
-    """A poller whose looks are also published: `status` on this node shows how it saw each peer."""
+    """A poller whose looks are checked and published: a document that is not the peer this node's config
+    names (another role, deployment or argv digest: say, a local user's listener on a peer's status port) is a
+    failed look, logged once per reason; `status` on this node shows how it saw each peer."""
 
     inner: Poller
     status: GroupStatus
+    expect: tuple[str, str, str]  # the peers' role, deployment and argv digest
+    log: Logger
+    refused: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def start(self) -> None:
         self.inner.start()
@@ -356,7 +376,7 @@ class _Seen:
         self.inner.stop()
 
     def drain(self) -> list[Observation]:
-        looks = self.inner.drain()
+        looks = [self._vet(obs) for obs in self.inner.drain()]
         for obs in looks:
             if obs.status is not None:
                 self.status.seen(obs.url, obs.status.state, obs.status.run_id)
@@ -364,10 +384,24 @@ class _Seen:
                 self.status.seen(obs.url, "unreachable", "")
         return looks
 
+    def _vet(self, obs: Observation) -> Observation:
+        why = obs.status.mismatch(*self.expect) if obs.status is not None else None
+        if why is None:
+            self.refused.pop(obs.url, None)
+            return obs
+        if self.refused.get(obs.url) != why:
+            self.refused[obs.url] = why
+            self.log.warning("group.peer_refused", url=obs.url, why=why, role=self.expect[0])
+        return dataclasses.replace(obs, status=None, error=f"not this group's {self.expect[0]}: {why}")
 
-def _seen_by(status: GroupStatus, make: PollerFactory) -> PollerFactory:
+
+def _seen_by(status: GroupStatus, cfg: Config, log: Logger, make: PollerFactory) -> PollerFactory:
+    assert cfg.cluster is not None
+    peer_role = Role.FOLLOWER if cfg.role is Role.LEADER else Role.LEADER
+    expect = (peer_role.value, cfg.deployment.name, cfg.cluster.argv_digest)
+
     def wrapped(urls: Sequence[str], master: tuple[str, int] | None, wake: Callable[[], None]) -> Poller:
-        return _Seen(make(urls, master, wake), status)
+        return _Seen(make(urls, master, wake), status, expect, log)
 
     return wrapped
 
@@ -376,8 +410,24 @@ ServerFactory = Callable[[GroupStatus, ClusterConfig, Logger], "StatusServer | N
 
 
 def _serve_status(status: GroupStatus, cluster: ClusterConfig, log: Logger) -> StatusServer:
-    server = StatusServer(status, cluster.status_address, cluster.status_port, log)
-    server.start()
+    """Bound before the preflight; taken, it is exit 16 naming the listener (the config's lock covers a second
+    supervisor; this, anyone else's listener), never an internal error."""
+    hosts = [urllib.parse.urlsplit(url).hostname or "" for url in (*cluster.peers, cluster.leader_status_url)]
+    peers = PeerAddresses([*hosts, cluster.master_addr], lambda: local_addresses().keys(), log)
+    server = StatusServer(status, cluster.status_address, cluster.status_port, log, peers)
+    where = f"{cluster.status_address}:{cluster.status_port} (cluster.status_port)"
+    try:
+        server.start()
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            pid, _ = listener(cluster.status_port)
+            who = holder(pid).describe() if pid is not None else "a process this host does not name"
+            raise AnotherInstance(f"the status endpoint's {where} is taken by {who}; nothing was changed") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(
+                f"cluster.status_address: {cluster.status_address} is not an address of this host"
+            ) from None
+        raise ServiceUnavailable(f"cannot serve the status endpoint on {where}: {exc.strerror}") from None
     return server
 
 
@@ -394,7 +444,7 @@ def run_group_node(
     assert cluster is not None and cfg.role.in_group
     status = GroupStatus(cfg.role.value, cluster.node_rank, cfg.deployment.name, cluster.argv_digest)
     server = serve(status, cluster, deps.log)
-    make_poller = _seen_by(status, pollers if pollers is not None else _poller_factory(cluster))
+    make_poller = _seen_by(status, cfg, deps.log, pollers if pollers is not None else _poller_factory(cluster))
     try:
         if cfg.role is Role.LEADER:
             code = _leader(cfg, deps, secrets, status, make_poller)

@@ -30,6 +30,7 @@ MAX_STATUS_BODY = 256 * 1024  # our own document: < 400 bytes plus ~80 per peer 
 # waiting for its leader, nothing of ours running).
 PEER_STATES = ("preflight", "waiting", "starting", "ready", "stopping", "stopped", "failed")
 _RUN_ID = re.compile(r"^[0-9a-f]{1,64}$")
+MAX_DEPLOYMENT = 255
 _DIGEST = re.compile(r"^[0-9a-f]{0,64}$")
 
 
@@ -42,6 +43,20 @@ class PeerStatus:
     run_id: str  # "" before its first spawn
     state: str
     argv_digest: str
+    deployment: str = ""
+
+    def mismatch(self, role: str, deployment: str, argv_digest: str) -> str | None:
+        """Why this document is not the peer our config names (another role, deployment or argv), or None.
+
+        A document is only believed about the node it claims to be: anyone who binds a node's status port
+        (while its supervisor is down) could otherwise pose as it."""
+        if self.role != role:
+            return f"role {self.role!r}, expected {role!r}"
+        if self.deployment != deployment:
+            return f"deployment {one_line(repr(self.deployment), 80)}, expected {deployment!r}"
+        if self.argv_digest != argv_digest:
+            return "another argv (its argv_digest differs: child.argv must be the same on every node)"
+        return None
 
 
 def parse_status(body: bytes) -> PeerStatus:
@@ -53,6 +68,7 @@ def parse_status(body: bytes) -> PeerStatus:
         raise ValueError("status document is not a JSON object")
     role, rank, run_id = doc.get("role"), doc.get("node_rank"), doc.get("run_id")
     state, digest = doc.get("state"), doc.get("argv_digest", "")
+    deployment = doc.get("deployment", "")
     if role not in ("leader", "follower"):
         raise ValueError(f"role: expected 'leader' or 'follower', got {one_line(repr(role), 40)}")
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < 1024:
@@ -63,7 +79,9 @@ def parse_status(body: bytes) -> PeerStatus:
         raise ValueError(f"state: expected one of {', '.join(PEER_STATES)}, got {one_line(repr(state), 40)}")
     if not isinstance(digest, str) or not _DIGEST.match(digest):
         raise ValueError(f"argv_digest: expected hex digits, got {one_line(repr(digest), 40)}")
-    return PeerStatus(role, rank, run_id, state, digest)
+    if not isinstance(deployment, str) or len(deployment) > MAX_DEPLOYMENT:
+        raise ValueError(f"deployment: expected a name, got {one_line(repr(deployment), 40)}")
+    return PeerStatus(role, rank, run_id, state, digest, deployment)
 
 
 class PortState(enum.Enum):

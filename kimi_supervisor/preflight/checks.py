@@ -143,7 +143,7 @@ def check_port(host: str, port: int) -> Check:
             sock.bind((bind_host, port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                pid, who = _listener(port)
+                pid, who = listener(port)
                 return Check(
                     "port",
                     Status.FAIL,
@@ -166,7 +166,7 @@ def check_port(host: str, port: int) -> Check:
     return Check("port", Status.OK, f"{bind_host}:{port} is free", {"host": bind_host, "port": port})
 
 
-def _listener(port: int) -> tuple[int | None, str]:
+def listener(port: int) -> tuple[int | None, str]:
     """The PID listening on `port`, when the kernel tells us (root sees all)."""
     try:
         for conn in psutil.net_connections(kind="inet"):

@@ -7,7 +7,8 @@ Each line says what a start would meet (docs/multi-node.md):
   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name (otherwise gloo or NCCL pick another and the group hangs);
 - the master port: refused is information on a follower (the leader has not reached its rendezvous), a
   timeout or no route is a failure (a firewall, a partition, a wrong address);
-- the peers' status endpoints: their state, and whether their argv (rank flags excluded) is this node's.
+- the peers' status endpoints: their state, and whether they are this group's (role, deployment, and argv with
+  rank flags excluded and secrets redacted: a start would not believe them otherwise).
 Read-only: one TCP connect and one GET per peer, each bounded; nothing is bound, killed or written.
 """
 
@@ -75,7 +76,7 @@ def group_checks(cfg: Config, environ: Mapping[str, str], net: Network | None = 
     out += _addresses(cluster, env, net, leader)
     out.append(_master_port(cluster, net, leader))
     for url in cluster.peers if leader else (cluster.leader_status_url,):
-        out.append(_peer(url, cluster, net, leader))
+        out.append(_peer(url, cfg, net, leader))
     return out
 
 
@@ -221,16 +222,15 @@ def _master_port(cluster: ClusterConfig, net: Network, leader: bool) -> Check:
     )
 
 
-def _peer(url: str, cluster: ClusterConfig, net: Network, leader: bool) -> Check:
+def _peer(url: str, cfg: Config, net: Network, leader: bool) -> Check:
+    assert cfg.cluster is not None
     who = "follower" if leader else "leader"
     status, error = net.status(url, TIMEOUT_S)
     if status is None:
         return Check(f"group.{who}", Status.WARN, f"{who} status {url}: {error} (not started yet?)")
-    if status.argv_digest and cluster.argv_digest and status.argv_digest != cluster.argv_digest:
-        return Check(
-            f"group.{who}",
-            Status.FAIL,
-            f"{who} {url} runs another argv (rank flags excluded): child.argv must be the same on every node",
-        )
+    why = status.mismatch(who, cfg.deployment.name, cfg.cluster.argv_digest)
+    if why is not None:
+        # A start would not believe it either (lifecycle/group.py): name what differs.
+        return Check(f"group.{who}", Status.FAIL, f"{who} {url} is not this group's {who}: {why}")
     run = f", run {status.run_id}" if status.run_id else ""
     return Check(f"group.{who}", Status.OK, f"{who} {url} (node {status.node_rank}) is {status.state}{run}")

@@ -7,6 +7,7 @@ publishes is its GroupStatus, read directly (`status_at` records it at every loo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from collections.abc import Callable, Mapping, Sequence
@@ -36,8 +37,13 @@ from testkit.fakes.lifecycle_world import lifecycle_config
 Peer = Callable[[float], "PeerStatus | None"]
 
 
-def peer(role: str, rank: int, state: str, run_id: str) -> PeerStatus:
-    return PeerStatus(role, rank, run_id, state, "")
+# A peer() document names this node's own deployment and argv digest unless the test says otherwise: the
+# GroupWorld fills them in from its config at each look.
+OWN = "<own>"
+
+
+def peer(role: str, rank: int, state: str, run_id: str, *, deployment: str = OWN, digest: str = OWN) -> PeerStatus:
+    return PeerStatus(role, rank, run_id, state, digest, deployment)
 
 
 class FakePoller:
@@ -137,7 +143,15 @@ class GroupWorld:
 
         def answer(url: str, t: float) -> PeerStatus | None:
             self._note_state(t)
-            return self.peers[url](t)
+            status = self.peers[url](t)
+            if status is None:
+                return None
+            assert self.cfg.cluster is not None
+            return dataclasses.replace(
+                status,
+                deployment=self.cfg.deployment.name if status.deployment == OWN else status.deployment,
+                argv_digest=self.cfg.cluster.argv_digest if status.argv_digest == OWN else status.argv_digest,
+            )
 
         p = FakePoller(self.clock, urls, master, wake, self.cfg.cluster.probe_interval_s, answer, self.master_port)
         self.pollers.append(p)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kimi_supervisor.cli.group_view import fetch, group_lines
 from kimi_supervisor.config.model import ClusterConfig
-from kimi_supervisor.opsview.group_status import GroupStatus, StatusServer
+from kimi_supervisor.opsview.group_status import GroupStatus, PeerAddresses, StatusServer
 from testkit.fakes.clock import RecordingLog
 
 PEER = "http://10.77.0.2:29599/"
@@ -12,7 +12,9 @@ PEER = "http://10.77.0.2:29599/"
 
 def test_the_leader_shows_each_follower_as_it_saw_it() -> None:
     status = GroupStatus("leader", 0, "kimi", "")
-    server = StatusServer(status, "127.0.0.1", 0, RecordingLog())
+    log = RecordingLog()
+    # Served to this host (loopback) though only 10.77.0.2 is a peer: `status` reads its own node's endpoint.
+    server = StatusServer(status, "127.0.0.1", 0, log, PeerAddresses(["10.77.0.2"], lambda: [], log))
     server.start()
     port = server.bound_port
     try:

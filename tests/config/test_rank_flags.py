@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
 
 from kimi_supervisor.config.model import ClusterConfig
 from kimi_supervisor.config.rank_flags import RankFlagError, group_argv, strip_rank_flags
+from kimi_supervisor.redact import REDACTED
 from tests.config.config_text import error_of, load
 
 CLUSTER = ClusterConfig(2, 1, "10.77.0.1", 29771)
@@ -95,6 +97,24 @@ def test_config_writes_flags_env_and_digest(tmp_path: Path) -> None:
     leader = load(tmp_path, config(rank=0))
     assert leader.cluster is not None and leader.cluster.argv_digest == cfg.cluster.argv_digest
     assert leader.liveness.canary_interval_s == 15.0  # a leader's canary default, not one node's 60 s
+
+
+def test_the_published_digest_is_over_the_redacted_argv_and_agrees_across_nodes(tmp_path: Path) -> None:
+    """Issue 32, 7: the digest on the status endpoint was over argv with `--api-key`: a guess at the key could
+    be checked offline against it.  Now it is over the argv as redact_argv shows it, on every node alike."""
+    secret_argv = (
+        '"vllm", "serve", "/m", "-tp", "2", "--api-key", "{a}", "--hf-token={b}", "--max-num-batched-tokens", "64"'
+    )
+    one = load(tmp_path, config(argv=secret_argv.format(a="sk-first-key", b="hf_first")))
+    two = load(tmp_path, config(argv=secret_argv.format(a="sk-other-key", b="hf_other"), rank=0))
+    assert one.cluster is not None and two.cluster is not None
+    assert one.cluster.argv_digest == two.cluster.argv_digest  # the secrets differ; the group still agrees
+    shown = ["vllm", "serve", "/m", "-tp", "2", "--api-key", REDACTED, f"--hf-token={REDACTED}"]
+    shown += ["--max-num-batched-tokens", "64"]
+    assert one.cluster.argv_digest == hashlib.sha256("\0".join(shown).encode()).hexdigest()
+    # Anything else still counts: another token budget is another argv.
+    three = load(tmp_path, config(argv=secret_argv.format(a="sk-first-key", b="hf_first").replace("64", "128")))
+    assert three.cluster is not None and three.cluster.argv_digest != one.cluster.argv_digest
 
 
 def test_configured_execute_model_timeout_is_kept(tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
+
 from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import EngineWedged, ExitCode
@@ -80,6 +82,38 @@ def test_follower_never_joins_a_ready_or_stale_leader_and_gives_up_after_the_bou
     assert w.spawned_at == []
     assert w.error is not None and "within 60s (cluster.leader_wait_s)" in w.error.message
     assert 60.0 < w.clock.t < 62.0
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"role": "follower"}, "role 'follower', expected 'leader'"),
+        ({"deployment": "other"}, "deployment 'other', expected 'kimi'"),
+        ({"digest": "ab" * 32}, "another argv (its argv_digest differs"),
+        ({"digest": ""}, "another argv (its argv_digest differs"),
+    ],
+)
+def test_follower_joins_no_document_but_its_own_groups_leader(tmp_path: Path, fields: dict[str, str], why: str) -> None:
+    """Issue 32, 3: a follower joined any `starting` document at leader_status_url (a local user's listener on
+    the leader's status port) while the master port was open.  Now role, deployment and argv digest must be its
+    own group's leader's: anything else is a failed look, logged once, and nothing is spawned."""
+    cfg = group_config(tmp_path, 1, cluster={"leader_wait_s": 30})
+    assert cfg.deployment.name == "kimi"
+    w = GroupWorld(cfg)
+    role = fields.pop("role", "leader")
+    w.peers[LEADER_URL] = lambda t: peer(role, 0, "starting", "aa01", **fields)  # type: ignore[assignment]
+    w.master_port = lambda t: PortState.OPEN
+    assert w.run() == ExitCode.LEADER_LOST
+    assert w.spawned_at == []
+    (refused,) = w.log.events("group.peer_refused")
+    assert refused["url"] == LEADER_URL and str(refused["why"]).startswith(why)
+    assert w.error is not None and f"not this group's leader: {why}" in w.error.message
+
+
+def test_leader_believes_no_follower_document_of_another_group(tmp_path: Path) -> None:
+    w = leader_world(tmp_path, lambda t: peer("follower", 1, "ready", "ff01", deployment="other"))
+    assert w.run() == ExitCode.PEER_LOST
+    assert w.error is not None and "not this group's follower: deployment 'other'" in w.error.message
 
 
 def test_leader_restart_kills_the_follower_tree_fast_then_it_rejoins_the_new_run(tmp_path: Path) -> None:

@@ -57,12 +57,15 @@ def test_host_ip_must_be_ours_and_the_peer_argv_the_same(tmp_path: Path) -> None
         and "not an address of this host" in checks["group.host_ip"].message
     )
     assert checks["group.route"].status is Status.WARN  # nothing names the interface
-    other = PeerStatus("leader", 0, "aa", "ready", "ff" * 32)
-    checks = follower(tmp_path, port=PortState.OPEN, status=other)
-    assert checks["group.leader"].status is Status.FAIL and "another argv" in checks["group.leader"].message
     cfg = group_config(tmp_path, 1, child={"env": ENV, "inherit_environment": False})
     assert cfg.cluster is not None
-    same = PeerStatus("leader", 0, "aa", "starting", cfg.cluster.argv_digest)
+    other = PeerStatus("leader", 0, "aa", "ready", "ff" * 32, cfg.deployment.name)
+    checks = follower(tmp_path, port=PortState.OPEN, status=other)
+    assert checks["group.leader"].status is Status.FAIL and "another argv" in checks["group.leader"].message
+    elsewhere = PeerStatus("leader", 0, "aa", "ready", cfg.cluster.argv_digest, "other-deployment")
+    checks = follower(tmp_path, port=PortState.OPEN, status=elsewhere)
+    assert checks["group.leader"].status is Status.FAIL and "'other-deployment'" in checks["group.leader"].message
+    same = PeerStatus("leader", 0, "aa", "starting", cfg.cluster.argv_digest, cfg.deployment.name)
     checks = follower(tmp_path, port=PortState.OPEN, status=same)
     assert checks["group.leader"].status is Status.OK and "is starting, run aa" in checks["group.leader"].message
     assert "the leader is at its rendezvous" in checks["group.master_port"].message
