@@ -114,7 +114,8 @@ def dry_run(config: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         cwd=REPO,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        # Keep what the caller's PYTHONPATH adds (the device machine's carried wheels: structlog).
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
     )
 
 
