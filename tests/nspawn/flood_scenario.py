@@ -59,7 +59,10 @@ class FloodResult:
 def _config(lines: int, rate: int) -> str:
     argv = [sys.executable, str(FLOOD_CHILD), str(lines), "/dev/null", "--port", "8000", "--ready"]
     argv += ["--rate", str(rate), "--hold"]
-    return config_toml(argv, health="interval_s = 0.3\ntimeout_s = 0.5")
+    # flood_child is no vLLM: it answers /health alone, so the canary (GET /v1/models when argv names no model,
+    # then a completion) could only fail, and its streak would restart the unit mid-scenario (exit 17).
+    liveness = "[liveness]\ncanary_interval_s = 0"
+    return config_toml(argv, health="interval_s = 0.3\ntimeout_s = 0.5", extra=liveness)
 
 
 def run_flood(m: NspawnMachine, lines: int = 2_000_000, rate: int = 200_000) -> FloodResult:
