@@ -25,9 +25,25 @@ import os
 import selectors
 import signal
 import time
-from typing import Any
+from typing import Any, Protocol
 
-from kimi_supervisor.lifecycle.deps import Signals
+
+class Signals(Protocol):
+    """Signal handlers that only record and wake the loop through `read_fd` (signals.SignalRecorder)."""
+
+    read_fd: int
+    stop_requested: bool
+
+    def install(self) -> None: ...
+
+    def uninstall(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def drain(self) -> None: ...
+
+    def new_signals(self) -> dict[int, int]: ...
+
 
 STOP_SIGNALS = frozenset(
     s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, getattr(signal, "SIGPWR", None)) if s is not None

@@ -18,8 +18,9 @@ import pytest
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.host.proctable import PsutilProcessTable
+from kimi_supervisor.lifecycle.deps import Deps
 from kimi_supervisor.lifecycle.drain import POLL_S, SAMPLE_AT_SIGTERM_S, Drain
-from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.lifecycle.supervisor import Supervisor
 from kimi_supervisor.logs.journal import ConsoleChildSink
 from kimi_supervisor.states import State
 from testkit.fakes.clock import RecordingLog

@@ -24,7 +24,8 @@ import pytest
 
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.host.proctable import PsutilProcessTable
-from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.lifecycle.deps import Deps
+from kimi_supervisor.lifecycle.supervisor import Supervisor
 from kimi_supervisor.states import State
 from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpuProbe

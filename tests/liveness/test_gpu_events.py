@@ -18,7 +18,8 @@ from kimi_supervisor.exitcodes import ExitCode, GpuFailed
 from kimi_supervisor.host.gpu import GpuEvent
 from kimi_supervisor.host.nvml_counters import NvmlEventWatch
 from kimi_supervisor.host.proctable import PsutilProcessTable
-from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.lifecycle.deps import Deps
+from kimi_supervisor.lifecycle.supervisor import Supervisor
 from kimi_supervisor.liveness.gpu_events import GpuEventWatcher, describe
 from kimi_supervisor.logs.journal import ConsoleChildSink
 from kimi_supervisor.states import State

@@ -5,7 +5,7 @@ vLLM's mp executor gives a group one rendezvous and a fixed world, and watches o
 restarted leader cannot use an old follower.  So the group restarts as a unit, from both ends, without a
 controller (LeaderWorkerSet's RecreateGroupOnPodRestart, done per node):
 
-- Every node serves its status (opsview/group_status.py): role, rank, the current run's id (fresh per
+- Every node serves its status (deployment/group/server.py): role, rank, the current run's id (fresh per
   spawn), and its state, "stopping" before its tree is stopped.
 - The leader runs one `Supervisor`; its liveness adds each follower's status (`LeaderLiveness`): a follower
   unreachable `failures_tolerated` times, with another run id, or no longer ready ends the leader's run with
@@ -30,6 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 from kimi_supervisor.child.process import Child, PreparedSpawn
 from kimi_supervisor.clock import Clock, SystemClock
 from kimi_supervisor.config.model import ClusterConfig, Config, SpawnSpec
+from kimi_supervisor.deployment.group.checks import local_addresses
+from kimi_supervisor.deployment.group.peers import Observation, PeerPoller, Poller, PollerFactory, PortState
+from kimi_supervisor.deployment.group.server import GroupStatus, PeerAddresses, StatusServer, new_run_id
 from kimi_supervisor.exitcodes import (
     AnotherInstance,
     ConfigError,
@@ -40,18 +43,14 @@ from kimi_supervisor.exitcodes import (
     ServiceUnavailable,
     SupervisorError,
 )
-from kimi_supervisor.host.gpu import GpuProbe
 from kimi_supervisor.host.instance_lock import holder
-from kimi_supervisor.lifecycle.deps import Liveness, LivenessFactory, Spawner
+from kimi_supervisor.lifecycle.deps import Deps, Liveness, LivenessFactory, Spawner
 from kimi_supervisor.lifecycle.signals import STOP_SIGNALS, StopRequested
-from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.lifecycle.supervisor import Supervisor
+from kimi_supervisor.liveness.engine import LivenessInputs
 from kimi_supervisor.liveness.health_probe import HealthResult
-from kimi_supervisor.liveness.http import HttpClient
-from kimi_supervisor.liveness.peers import Observation, PeerPoller, Poller, PollerFactory, PortState
 from kimi_supervisor.logs.types import Logger
-from kimi_supervisor.opsview.group_status import GroupStatus, PeerAddresses, StatusServer, new_run_id
 from kimi_supervisor.preflight.checks import listener
-from kimi_supervisor.preflight.group_checks import local_addresses
 from kimi_supervisor.roles import Role
 from kimi_supervisor.systemd.notify import Notifier
 
@@ -468,21 +467,9 @@ def _leader(
     clock = deps.clock if deps.clock is not None else SystemClock()
     inner: LivenessFactory = deps.liveness
 
-    def liveness(
-        c: Config,
-        probe: GpuProbe,
-        gpus: tuple[int, ...],
-        wake: Callable[[], None],
-        notifier: Notifier,
-        log: Logger,
-        on_canary: Callable[[bool, float], None],
-        /,
-        *,
-        environ: Mapping[str, str],
-        http: HttpClient,
-    ) -> Liveness:
-        deep = inner(c, probe, gpus, wake, notifier, log, on_canary, environ=environ, http=http)
-        return LeaderLiveness(deep, make_poller(cluster.peers, None, wake), cluster, clock, log)
+    def liveness(given: LivenessInputs) -> Liveness:
+        deep = inner(given)
+        return LeaderLiveness(deep, make_poller(cluster.peers, None, given.wake), cluster, clock, given.log)
 
     run_deps = dataclasses.replace(
         deps,
@@ -535,7 +522,7 @@ class _Follower:
             spawn=_RunSpawner(self.deps.spawn, self.status),
             notifier=self.tap,
             prober=lambda url, timeout_s, interval_s, wake: _LeaderProber(run),
-            liveness=lambda *args, **kw: _FollowerLiveness(run),
+            liveness=lambda given: _FollowerLiveness(run),
         )
         return Supervisor(self.cfg, run_deps, self.secrets).run()
 
