@@ -19,9 +19,10 @@ from kimi_supervisor.lifecycle.supervisor import Supervisor
 from kimi_supervisor.logs.journal import ConsoleChildSink
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.states import State
-from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from testkit.fakes.lifecycle import SilentNotifier
+from testkit.fakes.log import RecordingLog
 from testkit.harness import Run, fake_config, free_port
 from tests.conftest import ProcSpawner
 

@@ -23,7 +23,7 @@ from kimi_supervisor.config.load import effective_config, load_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.deployment.base import Deployment
 from kimi_supervisor.deployment.choose import for_config
-from kimi_supervisor.exitcodes import ConfigError, ExitCode, SupervisorError
+from kimi_supervisor.exitcodes import ConfigError, ExitCode, SupervisorError, exit_outcome
 from kimi_supervisor.files import dirtrust
 from kimi_supervisor.host import instance_lock
 from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, configured_gpus, pin_configured_gpus
@@ -296,30 +296,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _dry_run(cfg, args.json)
         probe = NvmlProbe()
         return _run(cfg, sink, probe)
+    # Each code is exit_outcome's (exitcodes.py): one table for the exit status and the run's record.
     except ConfigError as err:
         # Exactly one line an operator can act on; the unit does not restart on 78.
         print(f"kimi-supervisor: config error: {redact_text(err.message, secrets)}", file=sys.stderr)
+        code = int(exit_outcome(err)[0])
         if fmt == "journal":
-            log.error("supervisor.exit", error=err.message, exit_code=int(err.exit_code), kind="ConfigError")
-        return int(err.exit_code)
+            log.error("supervisor.exit", error=err.message, exit_code=code, kind="ConfigError")
+        return code
     except SupervisorError as err:
-        log.error("supervisor.exit", error=err.message, exit_code=int(err.exit_code), kind=type(err).__name__)
+        code = int(exit_outcome(err)[0])
+        log.error("supervisor.exit", error=err.message, exit_code=code, kind=type(err).__name__)
         for line in err.detail:
             log.error("supervisor.detail", line=line)
-        return int(err.exit_code)
+        return code
     except GpuUnavailable as err:  # NVML lost a GPU (or its driver) outside the preflight's checks
-        log.error("supervisor.exit", error=str(err), exit_code=int(ExitCode.PREFLIGHT_FAILED), kind="GpuUnavailable")
-        return int(ExitCode.PREFLIGHT_FAILED)
-    except BrokenPipeError:  # `kimi-supervisor --dry-run | head`: the reader left (a run stopped its tree first)
+        code = int(exit_outcome(err)[0])
+        log.error("supervisor.exit", error=str(err), exit_code=code, kind="GpuUnavailable")
+        return code
+    except BrokenPipeError as err:  # `kimi-supervisor --dry-run | head`: the reader left (a run stopped its tree first)
         # Python's docs' recipe: point stdout at /dev/null so the flush at exit does not raise again.
         with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return ExitCode.OK
-    except KeyboardInterrupt:  # Ctrl-C in a --dry-run or check-config (a run handles SIGINT itself)
-        return ExitCode.INTERRUPTED
-    except Exception:  # a bug: keep the traceback, exit with a code that says so (the tree is stopped already)
+        return int(exit_outcome(err)[0])
+    except KeyboardInterrupt as err:  # Ctrl-C in a --dry-run or check-config (a run handles SIGINT itself)
+        return int(exit_outcome(err)[0])
+    except Exception as err:  # a bug: keep the traceback, exit with a code that says so (the tree is stopped already)
         log.critical("supervisor.crash", traceback=traceback.format_exc())
-        return ExitCode.INTERNAL
+        return int(exit_outcome(err)[0])
     finally:
         close_outputs()
 

@@ -13,7 +13,7 @@ from kimi_supervisor.config.model import Config
 from kimi_supervisor.deployment.base import Deployment
 from kimi_supervisor.deployment.weights import cuda_ipc_check
 from kimi_supervisor.exitcodes import ConfigError, SupervisorError
-from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, holders
+from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, gpu_processes
 from kimi_supervisor.host.proctable import ProcessTable
 from kimi_supervisor.lifecycle.deps import Run
 from kimi_supervisor.lifecycle.holderwait import look, wait_for_holder
@@ -44,7 +44,7 @@ class HeldWeightsEngine(Engine):
         from kimi_supervisor.preflight.run import holder_memory  # a run's (see base.run)
 
         try:
-            return holder_memory(cfg, table, holders(probe, gpus))[1]
+            return holder_memory(cfg, table, gpu_processes(probe, gpus))[1]
         except GpuUnavailable:
             return {}  # confirm_gpus_free says NVML cannot tell
 

@@ -27,6 +27,8 @@ import signal
 import time
 from typing import Any, Protocol
 
+from kimi_supervisor.logs.types import Logger
+
 
 class Signals(Protocol):
     """Signal handlers that only record and wake the loop through `read_fd` (signals.SignalRecorder)."""
@@ -120,6 +122,20 @@ class SignalRecorder:
                 fresh[sig] = count - self._seen.get(sig, 0)
                 self._seen[sig] = count
         return fresh
+
+
+def stop_signalled(signals: Signals, log: Logger, state: str, *, sticky: bool = False) -> bool:
+    """Was a stop requested?  The one answer: each signal that arrived since the last look is logged (a stop
+    signal received, any other ignored), and True when one of them asks to stop.  `sticky`: also True when a
+    stop signal arrived before, whoever looked at it then (a follower between its runs)."""
+    fresh = signals.new_signals()
+    for sig, count in fresh.items():
+        if sig in STOP_SIGNALS:
+            log.info("signal.received", signal=signal_name(sig), state=state, count=count)
+        else:
+            why = "reload is not supported; restart the unit" if sig == signal.SIGHUP else "not a stop request"
+            log.warning("signal.ignored", signal=signal_name(sig), count=count, why=why)
+    return any(s in STOP_SIGNALS for s in fresh) or (sticky and signals.stop_requested)
 
 
 class InterruptibleClock:

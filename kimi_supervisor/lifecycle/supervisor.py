@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
 from pathlib import Path
 
 from kimi_supervisor.checks import Status
@@ -39,12 +38,7 @@ from kimi_supervisor.host.readahead import ReadAhead
 from kimi_supervisor.lifecycle.deps import Deps, Liveness, Prober
 from kimi_supervisor.lifecycle.drain import stopped_status
 from kimi_supervisor.lifecycle.machine import StateMachine
-from kimi_supervisor.lifecycle.signals import (
-    STOP_SIGNALS,
-    InterruptibleClock,
-    StopRequested,
-    signal_name,
-)
+from kimi_supervisor.lifecycle.signals import InterruptibleClock, StopRequested, stop_signalled
 from kimi_supervisor.lifecycle.stopping import TreeStopper, confirm_gpus_free
 from kimi_supervisor.liveness.engine import LivenessInputs
 from kimi_supervisor.liveness.health_probe import HealthResult
@@ -440,14 +434,7 @@ class Supervisor:
         return self.clock.monotonic()
 
     def stop_signalled(self) -> bool:
-        fresh = self.signals.new_signals()
-        for sig, count in fresh.items():
-            if sig in STOP_SIGNALS:
-                self.log.info("signal.received", signal=signal_name(sig), state=self.state.state.value, count=count)
-            else:
-                why = "reload is not supported; restart the unit" if sig == signal.SIGHUP else "not a stop request"
-                self.log.warning("signal.ignored", signal=signal_name(sig), count=count, why=why)
-        return any(s in STOP_SIGNALS for s in fresh)
+        return stop_signalled(self.signals, self.log, self.state.state.value)
 
     # -- helpers -----------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from kimi_supervisor.host.gpu import (
     GpuProcess,
     GpuUnavailable,
     busy_gpus,
-    holders,
+    gpu_processes,
     wait_until_free,
 )
 from kimi_supervisor.host.instance_lock import lock_owners, weights_supervisor
@@ -207,7 +207,7 @@ class Preflight:
 
     def _gpus(self, gpus: tuple[int, ...], dry_run: bool, add: Callable[[Check], None]) -> ReapPlan:
         try:
-            found = holders(self._probe, gpus)
+            found = gpu_processes(self._probe, gpus)
             self._held = self._holder_memory(found, add)
             busy = busy_gpus(self._probe, gpus, self._pf.memory_threshold_mib, self._held)
         except GpuUnavailable as exc:
@@ -361,7 +361,7 @@ class Preflight:
         waited = self._clock.monotonic() - start
         if busy:
             # Recompute the plan: it tells, per holder, why it was not killed.
-            found = holders(self._probe, tuple(m.index for m in busy))
+            found = gpu_processes(self._probe, tuple(m.index for m in busy))
             plan = self._plan(found)
             text = "; ".join(
                 f"GPU {m.index}: {m.used_mib} MiB used by "

@@ -15,10 +15,10 @@ from kimi_supervisor.exitcodes import EngineWedged, ExitCode, ThreadDied
 from kimi_supervisor.lifecycle.threadwatch import ThreadWatch
 from kimi_supervisor.liveness.engine import DeepLiveness, LivenessInputs, send_canary
 from kimi_supervisor.liveness.http import Answer
-from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpuProbe
 from testkit.fakes.lifecycle import FakeLiveness, SilentNotifier
 from testkit.fakes.lifecycle_world import serving_world
+from testkit.fakes.log import RecordingLog
 from tests.rawserver import answer, raw_server
 
 DEEP = b"[" * 100_000 + b"]" * 100_000

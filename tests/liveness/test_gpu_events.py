@@ -23,8 +23,8 @@ from kimi_supervisor.lifecycle.supervisor import Supervisor
 from kimi_supervisor.liveness.gpu_events import GpuEventWatcher, describe
 from kimi_supervisor.logs.journal import ConsoleChildSink
 from kimi_supervisor.states import State
-from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.log import RecordingLog
 from testkit.harness import fake_config, fake_tree_of
 from tests.conftest import wait_for
 

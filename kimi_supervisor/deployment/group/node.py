@@ -43,9 +43,9 @@ from kimi_supervisor.exitcodes import (
     ServiceUnavailable,
     SupervisorError,
 )
-from kimi_supervisor.host.instance_lock import holder
+from kimi_supervisor.host.instance_lock import locker
 from kimi_supervisor.lifecycle.deps import Deps, Liveness, LivenessFactory, Spawner
-from kimi_supervisor.lifecycle.signals import STOP_SIGNALS, StopRequested
+from kimi_supervisor.lifecycle.signals import StopRequested, stop_signalled
 from kimi_supervisor.lifecycle.supervisor import Supervisor
 from kimi_supervisor.liveness.engine import LivenessInputs
 from kimi_supervisor.liveness.health_probe import HealthResult
@@ -420,7 +420,7 @@ def _serve_status(status: GroupStatus, cluster: ClusterConfig, log: Logger) -> S
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             pid, _ = listener(cluster.status_port)
-            who = holder(pid).describe() if pid is not None else "a process this host does not name"
+            who = locker(pid).describe() if pid is not None else "a process this host does not name"
             raise AnotherInstance(f"the status endpoint's {where} is taken by {who}; nothing was changed") from None
         if exc.errno == errno.EADDRNOTAVAIL:
             raise ConfigError(
@@ -526,13 +526,6 @@ class _Follower:
         )
         return Supervisor(self.cfg, run_deps, self.secrets).run()
 
-    def _stop_requested(self) -> bool:
-        fresh = self.deps.signals.new_signals()
-        if any(s in STOP_SIGNALS for s in fresh):
-            self.log.info("signal.received", state="waiting")
-            return True
-        return bool(self.deps.signals.stop_requested)
-
     def _wait_for_leader(self) -> str | None:
         """A leader run to join; None on a stop request; LeaderLost after cluster.leader_wait_s."""
         c = self.cluster
@@ -547,7 +540,7 @@ class _Follower:
             run_id = self.view.joinable(self.joined)
             if run_id is not None:
                 return run_id
-            if self._stop_requested():
+            if stop_signalled(self.deps.signals, self.log, "waiting", sticky=True):
                 return None
             now = self.clock.monotonic()
             if now - start > c.leader_wait_s:

@@ -17,7 +17,7 @@ from kimi_supervisor.deployment.group.peers import NetGroupProbe, Observation, P
 from kimi_supervisor.deployment.group.server import REQUEST_DEADLINE_S, GroupStatus, PeerAddresses, StatusServer
 from kimi_supervisor.exitcodes import PeerLost
 from kimi_supervisor.liveness.http import request
-from testkit.fakes.clock import RecordingLog
+from testkit.fakes.log import RecordingLog
 from tests.conftest import wait_for
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kimi_supervisor.config.model import ClusterConfig
 from kimi_supervisor.deployment.group.server import GroupStatus, PeerAddresses, StatusServer
 from kimi_supervisor.deployment.group.view import fetch, group_lines
-from testkit.fakes.clock import RecordingLog
+from testkit.fakes.log import RecordingLog
 
 PEER = "http://10.77.0.2:29599/"
 
