@@ -43,7 +43,7 @@ class Spawner(Protocol):
 
 
 class Prober(Protocol):
-    """Probes /health in the background; the loop drains results (health.HealthProber)."""
+    """Probes /health in the background; the loop takes its new results (liveness.health_probe.HealthProber)."""
 
     def start(self) -> None: ...
 
@@ -53,7 +53,7 @@ class Prober(Protocol):
 
     def burst(self, interval_s: float, for_s: float) -> None: ...
 
-    def drain(self) -> list[HealthResult]: ...
+    def new_results(self) -> list[HealthResult]: ...
 
 
 class ProberFactory(Protocol):

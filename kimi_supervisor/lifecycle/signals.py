@@ -42,7 +42,7 @@ class Signals(Protocol):
 
     def wake(self) -> None: ...
 
-    def drain(self) -> None: ...
+    def clear_wakeups(self) -> None: ...
 
     def new_signals(self) -> dict[int, int]: ...
 
@@ -107,7 +107,7 @@ class SignalRecorder:
         with contextlib.suppress(OSError):
             os.write(self._write_fd, b"w")
 
-    def drain(self) -> None:
+    def clear_wakeups(self) -> None:
         try:
             while os.read(self.read_fd, 512):
                 pass
@@ -157,6 +157,6 @@ class InterruptibleClock:
             raise StopRequested
         if self._selector.select(max(0.0, seconds)):
             # Ignored signals and wake-ups are counted already; a full pipe must not turn waits into spins.
-            self._signals.drain()
+            self._signals.clear_wakeups()
         if self._signals.stop_requested:
             raise StopRequested

@@ -94,7 +94,7 @@ class Supervisor:
     def run(self) -> ExitCode:
         self.signals.install()
         self.deps.threads.install(self.signals.wake)
-        self.output.add_wakeup(self.signals.read_fd, self.signals.drain)
+        self.output.add_wakeup(self.signals.read_fd, self.signals.clear_wakeups)
         try:
             return self._run()
         except BaseException as exc:
@@ -215,7 +215,7 @@ class Supervisor:
             now = self._now()
             self._check_child(serving=False)
             self.deps.threads.check()
-            for result in self.prober.drain():
+            for result in self.prober.new_results():
                 self.view.on_health(result)
                 healthy = result if result.ok else None
                 if result.error != last_error and result.error is not None:
@@ -306,7 +306,7 @@ class Supervisor:
                 return
             self._check_child(serving=True)
             self.deps.threads.check()  # a dead canary or prober thread: exit 70, never a watchdog pinged blind
-            for result in self.prober.drain():
+            for result in self.prober.new_results():
                 self.view.on_health(result)
                 if result.ok:
                     if failures:

@@ -72,7 +72,7 @@ class FakePoller:
     def stop(self) -> None:
         self.running = False
 
-    def drain(self) -> list[Observation]:
+    def observations(self) -> list[Observation]:
         out, self._results = self._results, []
         return out
 

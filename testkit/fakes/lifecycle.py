@@ -235,7 +235,7 @@ class FakeProber:
         self._burst_until = self._clock.now + for_s
         self._schedule(0.0)
 
-    def drain(self) -> list[HealthResult]:
+    def new_results(self) -> list[HealthResult]:
         out, self._results = self._results, []
         return out
 

@@ -144,7 +144,7 @@ class _Run:
 
     def update(self) -> list[Observation]:
         """Take the new looks; raise LeaderGone once the leader run is over."""
-        fresh = self.poller.drain()
+        fresh = self.poller.observations()
         for obs in fresh:
             self.view.observe(obs)
         why = self.view.lost(self.run_id)
@@ -157,7 +157,7 @@ class _Run:
 class _LeaderProber:
     """The follower's readiness and health: "the leader is ready with the run we joined".
 
-    `drain` raises LeaderGone while starting too (the loop calls nothing else then), so a leader that dies
+    `new_results` raises LeaderGone while starting too (the loop calls nothing else then), so a leader that dies
     mid-rendezvous ends the follower's run within the same bound as a serving one.
     """
 
@@ -176,7 +176,7 @@ class _LeaderProber:
     def burst(self, interval_s: float, for_s: float) -> None:
         return None
 
-    def drain(self) -> list[HealthResult]:
+    def new_results(self) -> list[HealthResult]:
         out = []
         for obs in self._run.update():
             ok = self._run.view.ready_for(self._run.run_id)
@@ -249,13 +249,13 @@ class LeaderLiveness:
             # The canary's request runs on every node: a follower lost mid-step fails it (TP) or times it out
             # (PP) before failures_tolerated looks have condemned that follower. Where a follower is failing
             # too, the cause is the peer: 19 (the group restarts from this end), not 17 (this engine wedged).
-            for obs in self._poller.drain():
+            for obs in self._poller.observations():
                 self._observe(obs)
             suspect = self._failing_follower()
             if suspect is None:
                 raise
             raise PeerLost(f"{wedged.message}, while {suspect}") from wedged
-        for obs in self._poller.drain():
+        for obs in self._poller.observations():
             self._observe(obs)
         now = self._clock.monotonic()
         for url, track in self._tracks.items():
@@ -374,8 +374,8 @@ class _Seen:
     def stop(self) -> None:
         self.inner.stop()
 
-    def drain(self) -> list[Observation]:
-        looks = [self._vet(obs) for obs in self.inner.drain()]
+    def observations(self) -> list[Observation]:
+        looks = [self._vet(obs) for obs in self.inner.observations()]
         for obs in looks:
             if obs.status is not None:
                 self.status.seen(obs.url, obs.status.state, obs.status.run_id)
@@ -535,7 +535,7 @@ class _Follower:
         last_pet = -math.inf
         pet_every = self.deps.watchdog_s / 2 if self.deps.watchdog_s else None
         while True:
-            for obs in self.poller.drain():
+            for obs in self.poller.observations():
                 self.view.observe(obs)
             run_id = self.view.joinable(self.joined)
             if run_id is not None:

@@ -156,13 +156,13 @@ class NetGroupProbe:
 
 
 class Poller(Protocol):
-    """Looks at the peers in the background; the loop takes what came (`drain`)."""
+    """Looks at the peers in the background; the loop takes what came (`observations`)."""
 
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
 
-    def drain(self) -> list[Observation]: ...
+    def observations(self) -> list[Observation]: ...
 
 
 class PollerFactory(Protocol):
@@ -190,7 +190,7 @@ class PeerPoller:
         self._probe: GroupProbe = probe if probe is not None else NetGroupProbe()
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        # Bounded: a loop that stopped draining (while stopping the tree) keeps only the newest looks.
+        # Bounded: a loop that stopped taking them (while stopping the tree) keeps only the newest looks.
         self._results: collections.deque[Observation] = collections.deque(maxlen=64)
         self._thread = threading.Thread(target=self._loop, name="kimi-peers", daemon=True)
 
@@ -200,7 +200,7 @@ class PeerPoller:
     def stop(self) -> None:
         self._stop.set()
 
-    def drain(self) -> list[Observation]:
+    def observations(self) -> list[Observation]:
         with self._lock:
             out = list(self._results)
             self._results.clear()

@@ -134,14 +134,14 @@ def test_a_trickling_client_never_delays_a_peers_look_and_the_leader_does_not_ex
     cluster = ClusterConfig(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=1, peers=(url,))
     # Generous look timeouts (5 s): the old server never answered behind the trickler, whatever the timeout.
     poller = PeerPoller([url], None, lambda: None, interval_s=0.2, timeout_s=5.0)
-    drain = poller.drain
+    drain = poller.observations
 
     def recorded() -> list[Observation]:
         fresh = drain()
         looks.extend(fresh)
         return fresh
 
-    poller.drain = recorded  # type: ignore[method-assign]
+    poller.observations = recorded  # type: ignore[method-assign]
     leader = LeaderLiveness(_FakeDeep(), poller, cluster, SystemClock(), RecordingLog())
     try:
         assert trickler.holding.wait(30), "the trickler never held a connection"
