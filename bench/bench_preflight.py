@@ -14,7 +14,7 @@ from bench.common import Row, median, ms, p95
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.config.model import Config
-from kimi_supervisor.host.gpu import busy_gpus, holders, wait_until_free
+from kimi_supervisor.host.gpu import busy_gpus, gpu_processes, wait_until_free
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight import checks
 from kimi_supervisor.preflight.reaper import plan_reap
@@ -92,7 +92,9 @@ def run() -> list[Row]:
         with_shm = _times(preflight_stale_shm, RUNS)
         vllm = cfg.child.vllm
         parts: dict[str, list[float]] = {
-            "GPU memory + holders, 8 GPUs": _times(lambda: (busy_gpus(probe, gpus, 1000), holders(probe, gpus)), RUNS),
+            "GPU memory + holders, 8 GPUs": _times(
+                lambda: (busy_gpus(probe, gpus, 1000), gpu_processes(probe, gpus)), RUNS
+            ),
             "plan_reap (ancestors)": _times(lambda: plan_reap([], table, cfg.preflight.reap, os.getpid()), RUNS),
             "wait_until_free": _times(lambda: wait_until_free(probe, gpus, 1000, clock, 30, 1, _ignore, 5), RUNS),
             "plan_shm, empty dir": _times(lambda: plan_shm(cfg.preflight.shm, table), RUNS),

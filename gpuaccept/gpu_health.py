@@ -218,7 +218,8 @@ def part_d(res: dict[str, Any], do_fault: bool, stranger_uid: int = 65534) -> No
     from kimi_supervisor.config.load import load_config
     from kimi_supervisor.exitcodes import SupervisorError
     from kimi_supervisor.host.proctable import PsutilProcessTable
-    from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+    from kimi_supervisor.lifecycle.deps import Deps
+    from kimi_supervisor.lifecycle.supervisor import Supervisor
     from kimi_supervisor.logs.journal import ConsoleChildSink
     from kimi_supervisor.preflight.report import render_text
     from kimi_supervisor.preflight.run import Preflight

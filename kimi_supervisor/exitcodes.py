@@ -9,7 +9,8 @@ refuse to restart on the ones a restart cannot fix (config errors: 78).
 from __future__ import annotations
 
 import enum
-import re
+
+from kimi_supervisor.quoting import escape_controls
 
 
 class ExitCode(enum.IntEnum):
@@ -92,15 +93,12 @@ class SupervisorError(Exception):
         self.detail: list[str] = list(detail or [])
 
 
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-
 class ConfigError(SupervisorError):
     exit_code = ExitCode.CONFIG
 
     def __init__(self, message: str, *, detail: list[str] | None = None) -> None:
         # One line, always: a newline in a key, value or path (all attacker-chosen) must not fake a second one.
-        super().__init__(_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", message), detail=detail)
+        super().__init__(escape_controls(message), detail=detail)
 
 
 class NoPermission(SupervisorError):

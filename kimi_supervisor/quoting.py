@@ -19,9 +19,14 @@ def _escape(m: re.Match[str]) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
+def escape_controls(text: str) -> str:
+    """`text` on one line: every control character (C0, DEL, C1, U+2028/9) escaped (`\\x0a`, `\\u2028`)."""
+    return _CONTROL.sub(_escape, text)
+
+
 def quote(text: str, limit: int = QUOTE_LIMIT) -> str:
     """`"text"`, with `\\`, `"` and control characters escaped (`\\x1b`), cut at `limit` characters (`..."`)."""
     cut = text[:limit]
     escaped = cut.replace("\\", "\\\\").replace('"', '\\"')
-    escaped = _CONTROL.sub(_escape, escaped)
+    escaped = escape_controls(escaped)
     return f'"{escaped}{"..." if len(text) > limit else ""}"'

@@ -30,6 +30,12 @@ class Role(enum.Enum):
         return self in (Role.LEADER, Role.FOLLOWER)
 
     @property
+    def file_suffix(self) -> str:
+        """Added to its state and history file names: only the holder is a second supervisor of the same
+        deployment on one host; the others keep the names they had before it existed."""
+        return ".weights" if self is Role.WEIGHTS else ""
+
+    @property
     def serves_api(self) -> bool:
         """Its child answers the OpenAI API (and /health) on child.vllm's port."""
         return self in (Role.ENGINE, Role.LEADER)

@@ -14,13 +14,15 @@ import pytest
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ExitCode, PreflightError
 from kimi_supervisor.host.proctable import PsutilProcessTable
-from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.lifecycle.deps import Deps
+from kimi_supervisor.lifecycle.supervisor import Supervisor
 from kimi_supervisor.logs.journal import ConsoleChildSink
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.states import State
-from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from testkit.fakes.lifecycle import SilentNotifier
+from testkit.fakes.log import RecordingLog
 from testkit.harness import Run, fake_config, free_port
 from tests.conftest import ProcSpawner
 

@@ -126,3 +126,13 @@ def test_the_checks_see_a_cycle_a_hidden_one_and_a_type_checking_import(tmp_path
     assert cycles(graph(pkg)) == [["kimi_supervisor.a", "kimi_supervisor.sub", "kimi_supervisor.sub.b"]]
     assert type_checking_imports(pkg) == ["kimi_supervisor.c:2"]
     assert init_imports(pkg) == {"kimi_supervisor.sub": {"kimi_supervisor.sub.b"}}
+
+
+def test_the_role_rooms_are_a_layer_between_cli_and_lifecycle() -> None:
+    # kimi_supervisor/deployment/: one room per role, above the lifecycle it drives and below cli that picks it.
+    from kimi_supervisor.config.load import tomllib  # tomli before Python 3.11
+
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    (contract,) = pyproject["tool"]["importlinter"]["contracts"]
+    layers = contract["layers"]
+    assert layers[:3] == ["kimi_supervisor.cli", "kimi_supervisor.deployment", "kimi_supervisor.lifecycle"]

@@ -9,8 +9,9 @@ from pathlib import Path
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.redact import redact_argv, redact_env
-from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.log import RecordingLog
 from testkit.harness import FAKE, Run, fake_config, free_port
 from tests.conftest import ProcSpawner
 from tests.preflight.test_preflight import make_cfg

@@ -9,32 +9,30 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
-from pathlib import Path
 
 from kimi_supervisor import __version__
 from kimi_supervisor.checks import Check, Status
 from kimi_supervisor.child.cachedirs import CacheUntrusted
 from kimi_supervisor.child.process import prepare_spawn
-from kimi_supervisor.child.socketdir import prepare_socket_dir
-from kimi_supervisor.child.spawnplan import Unresolvable, account, resolve_identity
+from kimi_supervisor.child.spawnplan import Unresolvable
 from kimi_supervisor.cli.args import parse_args
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import layout, timeouts
 from kimi_supervisor.config.gpu_pinning import ras_port
 from kimi_supervisor.config.load import effective_config, load_config
 from kimi_supervisor.config.model import Config
-from kimi_supervisor.exitcodes import ConfigError, ExitCode, SupervisorError
+from kimi_supervisor.deployment.base import Deployment
+from kimi_supervisor.deployment.choose import for_config
+from kimi_supervisor.exitcodes import ConfigError, ExitCode, SupervisorError, exit_outcome
 from kimi_supervisor.files import dirtrust
-from kimi_supervisor.host import checkpoint, instance_lock
+from kimi_supervisor.host import instance_lock
 from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, configured_gpus, pin_configured_gpus
 from kimi_supervisor.host.nvml import NvmlProbe
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.logs.journal import ChildSink, close_outputs, configure, get_logger, resolve_format
-from kimi_supervisor.preflight.group_checks import group_checks
 from kimi_supervisor.preflight.report import render_json, render_text
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.redact import redact_argv, redact_env, redact_text, secrets_of
-from kimi_supervisor.roles import Role
 from kimi_supervisor.systemd import show, unit
 from kimi_supervisor.systemd.notify import RedactingNotifier, notifier_from_env, watchdog_interval
 
@@ -57,7 +55,7 @@ def _record_refused_start(cfg: Config, err: SupervisorError, probe: GpuProbe) ->
     from kimi_supervisor.cli.prerun import record_failed_start  # only a refused start pays for the view
 
     reason = redact_text(err.message, secret_values(cfg))
-    record_failed_start(cfg, int(err.exit_code), reason, probe, get_logger(), lock_suffix(cfg))
+    record_failed_start(cfg, int(err.exit_code), reason, probe, get_logger(), for_config(cfg).lock_suffix)
 
 
 def _unit_stop_check(cfg: Config) -> Check | None:
@@ -82,7 +80,7 @@ def _install_unit(cfg: Config, args: argparse.Namespace) -> int:
                 f"{config}: deployment.name: {cfg.deployment.name!r} is not the instance's name {instance!r} "
                 "(the unit's directories are named after the instance: remove deployment.name or make it match)"
             )
-    holder = _holder_unit(cfg, config, instance)
+    holder = for_config(cfg).holder_unit(config, instance)
     target = unit.install(
         config,
         args.unit_dir,
@@ -94,7 +92,7 @@ def _install_unit(cfg: Config, args: argparse.Namespace) -> int:
     )
     service = unit.UNIT_NAME if instance is None else f"kimi-supervisor@{instance}.service"
     if holder is not None:
-        holder_service = layout.unit_name(cfg.deployment.name, Role.WEIGHTS) + ".service"
+        holder_service = layout.holder_service(cfg.deployment.name)
         print(
             f"wrote {args.unit_dir / unit.HOLDER_TEMPLATE_NAME} and {target}; "
             f"now: systemctl enable --now {holder_service} {service}"
@@ -102,29 +100,6 @@ def _install_unit(cfg: Config, args: argparse.Namespace) -> int:
     else:
         print(f"wrote {target}; now: systemctl enable --now {service}")
     return ExitCode.OK
-
-
-def _holder_unit(cfg: Config, config: Path, instance: str | None) -> unit.HolderUnit | None:
-    """An engine that maps held weights gets its holder's unit too, from the holder's own config."""
-    if cfg.role is Role.WEIGHTS:
-        raise ConfigError(
-            f"{config}: deployment.role: 'weights': install-unit takes the engine's config "
-            f"({config.parent}/{cfg.deployment.name}.toml, [weights] holder = true) and writes both units"
-        )
-    if not cfg.maps_held_weights:
-        return None
-    if instance is None:
-        raise ConfigError(
-            f"{config}: weights.holder: true needs the unit pair: install-unit --instance {cfg.deployment.name}"
-        )
-    holder_config = config.parent / f"{instance}.weights.toml"
-    holder = load_config(holder_config)
-    if holder.role is not Role.WEIGHTS or holder.deployment.name != instance:
-        raise ConfigError(
-            f'{holder_config}: deployment: expected role = "weights" and name = {instance!r} (the holder of '
-            f"kimi-supervisor@{instance}), got role {holder.role.value!r}, name {holder.deployment.name!r}"
-        )
-    return unit.HolderUnit(timeouts.unit_timeout_stop_s(holder), unit.writable_paths(holder))
 
 
 def _check_config(cfg: Config, as_json: bool) -> int:
@@ -156,6 +131,7 @@ def _flatten(data: object, prefix: str = "") -> list[tuple[str, object]]:
 
 def _dry_run(cfg: Config, as_json: bool) -> int:
     log = get_logger()
+    role = for_config(cfg)
     probe = NvmlProbe()
     try:
         # Never takes the lock (a real start beside us must not refuse because of a dry run): only reads it.
@@ -165,10 +141,10 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
             cfg.child.vllm.port,
             cfg.deployment.name,
             cfg.metrics.textfile,
-            lock_suffix(cfg),
-            status_port(cfg),
+            role.lock_suffix,
+            role.status_port,
         )
-        owner = owner or _ras_owner(cfg)
+        owner = owner or _ras_owner(cfg, role)
         report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
         gpu_count = _gpu_count(cfg, probe)
         child = pin_configured_gpus(cfg.child, cfg.preflight.gpus, probe)
@@ -177,10 +153,7 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
     stop = _unit_stop_check(cfg)
     if stop is not None:
         report.checks.append(stop)
-    if cfg.cluster is not None:  # role, rank, addresses, route, master port, peers (preflight/group_checks.py)
-        report.checks += group_checks(cfg, os.environ)
-    if cfg.weights is not None:  # the holder, or the engine's view of it (docs/weight-holder.md)
-        report.checks[:0] = _weights_checks(cfg, gpu_count)
+    role.dry_run(report.checks, gpu_count)  # a group's checks, a weight holder's, or an engine's view of it
     try:
         prepare_spawn(cfg.child, os.environ, create=False)  # a dry run makes and chowns nothing
     except Unresolvable as exc:
@@ -201,19 +174,19 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
     return ExitCode.OK if report.proceed else ExitCode.PREFLIGHT_FAILED
 
 
-def _lock_ras_port(cfg: Config) -> instance_lock.InstanceLock | None:
+def _lock_ras_port(cfg: Config, role: Deployment) -> instance_lock.InstanceLock | None:
     """NCCL's RAS port (config/gpu_pinning.py) is host-wide like the serving port: locked the same way."""
     port = ras_port(cfg.child.env)
     if port is None:
         return None
-    return instance_lock.acquire(cfg.paths.runtime_directory, (), port, str(cfg.path), suffix=lock_suffix(cfg))
+    return instance_lock.acquire(cfg.paths.runtime_directory, (), port, str(cfg.path), suffix=role.lock_suffix)
 
 
-def _ras_owner(cfg: Config) -> instance_lock.Owner | None:
+def _ras_owner(cfg: Config, role: Deployment) -> instance_lock.Owner | None:
     port = ras_port(cfg.child.env)
     if port is None:
         return None
-    return instance_lock.find_owner(cfg.paths.runtime_directory, (), port, None, None, lock_suffix(cfg))
+    return instance_lock.find_owner(cfg.paths.runtime_directory, (), port, None, None, role.lock_suffix)
 
 
 def _gpu_count(cfg: Config, probe: GpuProbe) -> int:
@@ -225,84 +198,8 @@ def _gpu_count(cfg: Config, probe: GpuProbe) -> int:
         return 0
 
 
-def _socket_dir_check(cfg: Config) -> Check:
-    """What a start would make for the holder's child (child/socketdir.py), made and chowned here never."""
-    assert cfg.weights is not None
-    try:
-        identity = resolve_identity(cfg.child.user, cfg.child.group)
-        found = prepare_socket_dir(cfg.weights.socket_dir, identity, create=False)
-    except Unresolvable as exc:
-        return Check("weights_socket_dir", Status.SKIP, f"child.{exc.key}: {exc.message}")
-    except SupervisorError as exc:
-        return Check("weights_socket_dir", Status.FAIL, exc.message)
-    user, uid = account(identity)
-    done = "exists, owned by" if found.exists else "a start would create it, 0700, owned by"
-    data = {"path": str(found.path), "exists": found.exists, "user": user, "uid": uid}
-    return Check("weights_socket_dir", Status.OK, f"{found.path}: {done} user {user!r} (uid {uid})", data)
-
-
-def _weights_checks(cfg: Config, gpu_count: int) -> list[Check]:
-    """The weight holder as the dry run sees it: the holder's own settings, or, for its engine, whether the
-    holder is ready and of the same cache key; and, without a GPU, that vLLM's real daemon cannot run here."""
-    from kimi_supervisor.lifecycle.holderwait import look  # only a deployment with a holder needs it
-
-    assert cfg.weights is not None
-    out: list[Check] = []
-    if cfg.role is Role.WEIGHTS:
-        key = ", ".join(f"{k}={v}" for k, v in cfg.weights.key.items() if v is not None)
-        try:
-            found = checkpoint.fingerprint(cfg.weights.key.get("model"))
-            held = (
-                "not a local checkpoint (vLLM keys on the model's name)"
-                if found is None
-                else f"{len(found.shards)} shard header(s), vLLM fingerprint {found.digest[:12]}"
-            )
-        except checkpoint.CheckpointError as exc:
-            found, held = None, f"unreadable ({exc})"
-        out.append(
-            Check(
-                "weights",
-                Status.OK,
-                f"weight holder: sockets in {cfg.weights.socket_dir}, ready on vLLM's READY line and "
-                f"{cfg.readiness.health_url} 200; cache key {key}; checkpoint: {held}",
-                {
-                    "socket_dir": str(cfg.weights.socket_dir),
-                    "key": dict(cfg.weights.key),
-                    "checkpoint": None if found is None else found.digest,
-                },
-            )
-        )
-        out.append(_socket_dir_check(cfg))
-    else:
-        try:
-            seen = look(cfg)
-        except SupervisorError as exc:
-            out.append(Check("weights", Status.FAIL, exc.message))
-        else:
-            if seen.ready:
-                out.append(Check("weights", Status.OK, f"weight holder {seen.why}: a start maps its weights"))
-            else:
-                out.append(
-                    Check(
-                        "weights",
-                        Status.WAIT,
-                        f"a start would wait up to {cfg.weights.wait_s:g}s (weights.wait_s) for the weight holder, "
-                        f"then exit 21: {seen.why}",
-                    )
-                )
-    if gpu_count == 0:
-        out.append(
-            Check(
-                "weights_cuda_ipc",
-                Status.WARN,
-                "no GPU here: the real `vllm preload` refuses without CUDA IPC (check_ipc_platform_support), "
-                "and `--load-format ipc_cache` has nothing to map",
-            )
-        )
-    return out
-
-
 def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
+    role = for_config(cfg)
     try:
         try:
             # Root's files go only where no other account can steer the writes (exit 78 naming the key).
@@ -316,16 +213,16 @@ def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
                 str(cfg.path),
                 deployment=cfg.deployment.name,
                 textfile=cfg.metrics.textfile,
-                suffix=lock_suffix(cfg),
-                status_port=status_port(cfg),
+                suffix=role.lock_suffix,
+                status_port=role.status_port,
             )
         except SupervisorError as err:  # refused before the run: still failed, where the operator looks
             _record_refused_start(cfg, err, probe)
             raise
         try:
-            ras = _lock_ras_port(cfg)
+            ras = _lock_ras_port(cfg, role)
             try:
-                return _supervise(cfg, sink, probe)
+                return _supervise(role, sink, probe)
             finally:
                 if ras is not None:
                     ras.close()
@@ -335,12 +232,13 @@ def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
         probe.close()
 
 
-def _supervise(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
+def _supervise(role: Deployment, sink: ChildSink, probe: GpuProbe) -> int:
     # Imported here: a refused second instance (exit 16) should not pay for the whole lifecycle.
     from kimi_supervisor.child.process import become_subreaper
+    from kimi_supervisor.lifecycle.deps import Deps
     from kimi_supervisor.lifecycle.signals import InterruptibleClock, SignalRecorder
-    from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
 
+    cfg = role.cfg
     log = get_logger()
     if not become_subreaper():
         log.warning("subreaper.unavailable", why="orphaned workers will be reparented to PID 1")
@@ -366,11 +264,7 @@ def _supervise(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
     stop = _unit_stop_check(cfg)
     if stop is not None and stop.status is Status.WARN:
         log.warning("unit.timeout_stop_short", why=stop.message, **stop.data)
-    if cfg.role.in_group:  # a node of a multi-node group: the same lifecycle, plus the group's (docs/multi-node.md)
-        from kimi_supervisor.lifecycle.group import run_group_node
-
-        return run_group_node(cfg, deps, secret_values(cfg))
-    return Supervisor(cfg, deps, secret_values(cfg)).run()
+    return role.run(deps, secret_values(cfg))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -402,42 +296,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _dry_run(cfg, args.json)
         probe = NvmlProbe()
         return _run(cfg, sink, probe)
+    # Each code is exit_outcome's (exitcodes.py): one table for the exit status and the run's record.
     except ConfigError as err:
         # Exactly one line an operator can act on; the unit does not restart on 78.
         print(f"kimi-supervisor: config error: {redact_text(err.message, secrets)}", file=sys.stderr)
+        code = int(exit_outcome(err)[0])
         if fmt == "journal":
-            log.error("supervisor.exit", error=err.message, exit_code=int(err.exit_code), kind="ConfigError")
-        return int(err.exit_code)
+            log.error("supervisor.exit", error=err.message, exit_code=code, kind="ConfigError")
+        return code
     except SupervisorError as err:
-        log.error("supervisor.exit", error=err.message, exit_code=int(err.exit_code), kind=type(err).__name__)
+        code = int(exit_outcome(err)[0])
+        log.error("supervisor.exit", error=err.message, exit_code=code, kind=type(err).__name__)
         for line in err.detail:
             log.error("supervisor.detail", line=line)
-        return int(err.exit_code)
+        return code
     except GpuUnavailable as err:  # NVML lost a GPU (or its driver) outside the preflight's checks
-        log.error("supervisor.exit", error=str(err), exit_code=int(ExitCode.PREFLIGHT_FAILED), kind="GpuUnavailable")
-        return int(ExitCode.PREFLIGHT_FAILED)
-    except BrokenPipeError:  # `kimi-supervisor --dry-run | head`: the reader left (a run stopped its tree first)
+        code = int(exit_outcome(err)[0])
+        log.error("supervisor.exit", error=str(err), exit_code=code, kind="GpuUnavailable")
+        return code
+    except BrokenPipeError as err:  # `kimi-supervisor --dry-run | head`: the reader left (a run stopped its tree first)
         # Python's docs' recipe: point stdout at /dev/null so the flush at exit does not raise again.
         with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return ExitCode.OK
-    except KeyboardInterrupt:  # Ctrl-C in a --dry-run or check-config (a run handles SIGINT itself)
-        return ExitCode.INTERRUPTED
-    except Exception:  # a bug: keep the traceback, exit with a code that says so (the tree is stopped already)
+        return int(exit_outcome(err)[0])
+    except KeyboardInterrupt as err:  # Ctrl-C in a --dry-run or check-config (a run handles SIGINT itself)
+        return int(exit_outcome(err)[0])
+    except Exception as err:  # a bug: keep the traceback, exit with a code that says so (the tree is stopped already)
         log.critical("supervisor.crash", traceback=traceback.format_exc())
-        return ExitCode.INTERNAL
+        return int(exit_outcome(err)[0])
     finally:
         close_outputs()
-
-
-def status_port(cfg: Config) -> int | None:
-    """A group node's status port is locked with the rest: a second group deployment on the host refuses (16)."""
-    return cfg.cluster.status_port if cfg.cluster is not None else None
-
-
-def lock_suffix(cfg: Config) -> str:
-    """The weight holder takes its engine's GPUs under its own lock names (host/instance_lock.py)."""
-    return instance_lock.WEIGHTS_SUFFIX if cfg.role is Role.WEIGHTS else ""
 
 
 def secret_values(cfg: Config) -> tuple[str, ...]:

@@ -23,13 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from kimi_supervisor.cli.group_view import fetch as fetch_group
-from kimi_supervisor.cli.group_view import group_lines
 from kimi_supervisor.clock import format_duration
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.layout import DeploymentDirectories
 from kimi_supervisor.config.load import DEFAULT_PATH, load_config
 from kimi_supervisor.config.model import ClusterConfig
+from kimi_supervisor.deployment.group.view import fetch as fetch_group
+from kimi_supervisor.deployment.group.view import group_lines
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.files.untrusted import printable
 from kimi_supervisor.opsview.history import HistoryData, RunRecord, load_history
@@ -170,6 +170,7 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
 
 def holder_of(dirs: DeploymentDirectories) -> DeploymentDirectories | None:
     """The deployment's weight holder's files, when it has one (issue 26): its state file or history exists."""
+    # role branch: status reads files, not a config (no deployment/ object): only an engine's files name a holder
     if dirs.role is not Role.ENGINE:
         return None
     holder = dataclasses.replace(dirs, role=Role.WEIGHTS)
@@ -496,7 +497,7 @@ def run_status(
         out.flush()
         return ExitCode.OK if all(snap.running for snap in snaps) else ExitCode.NOT_RUNNING
     [dirs] = chosen
-    # A node of a multi-node group: its role, rank and peers as this node sees them (cli/group_view.py).
+    # A node of a multi-node group: its role, rank and peers as this node sees them (deployment/group/view.py).
     cluster = _cluster_for(config if config is not None else config_dir / f"{dirs.name}.toml")
     holder_dirs = holder_of(dirs)
     while True:

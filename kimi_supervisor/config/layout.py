@@ -48,18 +48,12 @@ class DeploymentDirectories:
         return self.state / history_file_name(self.role)
 
 
-def _suffix(role: Role) -> str:
-    # Only the holder is a second supervisor of the same deployment on one host; the others keep the names
-    # they had before it existed.
-    return ".weights" if role is Role.WEIGHTS else ""
-
-
 def state_file_name(role: Role) -> str:
-    return f"state{_suffix(role)}.json"
+    return f"state{role.file_suffix}.json"
 
 
 def history_file_name(role: Role) -> str:
-    return f"history{_suffix(role)}.json"
+    return f"history{role.file_suffix}.json"
 
 
 HOLDER_UNIT = f"{PLAIN}-weights"  # the weight holder's template: kimi-supervisor-weights@NAME.service
@@ -70,9 +64,14 @@ def unit_name(name: str, role: Role = Role.ENGINE) -> str:
     /etc/kimi-supervisor/kimi-supervisor.toml, the template `kimi-supervisor@.service` every other one, and
     `kimi-supervisor-weights@.service` a deployment's weight holder (NAME.weights.toml).
     Also its journal's SYSLOG_IDENTIFIER and the title `status` gives it."""
-    if role is Role.WEIGHTS:
+    if role is Role.WEIGHTS:  # role branch: the units are systemd's names, read here by cli and the holder's engine
         return f"{HOLDER_UNIT}@{name}"
     return PLAIN if name == PLAIN else f"{PLAIN}@{name}"
+
+
+def holder_service(name: str) -> str:
+    """The systemd unit of deployment `name`'s weight holder."""
+    return unit_name(name, Role.WEIGHTS) + ".service"
 
 
 def directories(paths: PathsConfig, name: str, role: Role = Role.ENGINE) -> DeploymentDirectories:

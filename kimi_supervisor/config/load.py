@@ -399,11 +399,13 @@ def _parse_deployment(t: Table, path: Path) -> DeploymentConfig:
 def _parse_cluster(t: Table, present: bool, role: Role, child: ChildConfig) -> ClusterConfig | None:
     """[cluster] exactly when the role is a group node; its rank agrees with the role."""
     if not present:
+        # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
         if role.in_group:
             raise t.error(
                 "nnodes", f"deployment.role = {role.value!r} needs a [cluster] table (nnodes, node_rank, master_addr)"
             )
         return None
+    # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
     if not role.in_group:
         raise t.error(
             "nnodes",
@@ -414,7 +416,9 @@ def _parse_cluster(t: Table, present: bool, role: Role, child: ChildConfig) -> C
     node_rank = t.integer("node_rank", MISSING, minimum=0, maximum=1023)  # type: ignore[arg-type]
     if node_rank >= nnodes:
         raise t.error("node_rank", f"expected 0 <= node_rank < nnodes ({nnodes}), got {node_rank}")
+    # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
     if (node_rank == 0) != (role is Role.LEADER):
+        # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
         want = "0 (the leader)" if role is Role.LEADER else "1 or more (a follower)"
         raise t.error("node_rank", f"deployment.role is {role.value!r}, so node_rank must be {want}, got {node_rank}")
     addr = t.string("master_addr", MISSING) or ""
@@ -434,6 +438,7 @@ def _parse_cluster(t: Table, present: bool, role: Role, child: ChildConfig) -> C
         raise t.error(
             "status_address", f"expected an IP address of this node, got {short_repr(status_address)}"
         ) from None
+    # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
     leader = role is Role.LEADER
     host = f"[{addr}]" if ":" in addr else addr
     leader_url = t.string("leader_status_url", "" if leader else f"http://{host}:{status_port}/") or ""
@@ -533,6 +538,7 @@ def _own_devices(child: ChildConfig, preflight: PreflightConfig, role: Role, pat
     """The child's GPUs pinned to preflight.gpus and its own NCCL RAS endpoint (config/gpu_pinning.py)."""
     try:
         env = pinned_env(child.env, preflight.gpus)
+        # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
         env = ras_env(env, preflight.gpus, holder=role is Role.WEIGHTS)
     except PinningError as exc:
         raise ConfigError(f"{path}: child.env.{exc.key}: {exc}") from None
@@ -556,6 +562,7 @@ def _parse_weights(
     sockets = socket_dir(paths.runtime_directory, deployment.name)
     role = deployment.role
     try:
+        # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
         if role is Role.WEIGHTS:
             for key in ("holder", "wait_s"):
                 if t.has(key):
@@ -577,6 +584,7 @@ def _parse_weights(
         t.done()
         if not holder:
             return None, child
+        # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
         if role is not Role.ENGINE:
             raise t.error(
                 "holder", f"true, but deployment.role is {role.value!r}: a weight holder serves one host's engine"
@@ -624,6 +632,7 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     metrics = _parse_metrics(root.table("metrics"))
     liveness = _parse_liveness(root.table("liveness"), child.vllm)
     gpu_health = _parse_gpu_health(root.table("gpu_health"))
+    # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
     if deployment.role is Role.WEIGHTS:
         readiness, liveness = _holder_defaults(data, readiness, liveness)
     cluster = _parse_cluster(root.table("cluster"), "cluster" in data, deployment.role, child)

@@ -167,7 +167,7 @@ class ClusterConfig:
     node_rank: int  # 0 is the leader
     master_addr: str  # the leader's cluster address (its VLLM_HOST_IP)
     master_port: int  # the rendezvous (TCPStore) port on the leader
-    # The supervisors' own read-only status endpoint (opsview/group_status.py): where this node serves it, where
+    # The supervisors' own read-only status endpoint (deployment/group/server.py): where this node serves it, where
     # a follower reads its leader's, where a leader reads each follower's.
     status_address: str = "127.0.0.1"
     status_port: int = 29599
@@ -234,4 +234,4 @@ class Config:
     @property
     def maps_held_weights(self) -> bool:
         """An engine that maps its deployment's holder's weights (and waits for them)."""
-        return self.weights is not None and self.role is not Role.WEIGHTS
+        return self.weights is not None and self.role is not Role.WEIGHTS  # role branch: the flag's definition

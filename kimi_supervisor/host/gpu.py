@@ -129,7 +129,7 @@ def busy_gpus(
     return [m for m in (probe.memory(i) for i in gpus) if m.used_mib - own.get(m.index, 0) > threshold_mib]
 
 
-def holders(probe: GpuProbe, gpus: tuple[int, ...]) -> list[GpuProcess]:
+def gpu_processes(probe: GpuProbe, gpus: tuple[int, ...]) -> list[GpuProcess]:
     return [p for i in gpus for p in probe.processes(i)]
 
 

@@ -29,7 +29,7 @@ takes a lock, so it cannot make a real start beside it refuse.
 
 Only a root kimi-supervisor's lock counts.  flock(2) needs nothing but a
 read-only descriptor, so any user who can open a lock file can hold it: a
-holder that is not a kimi-supervisor run by root (uid 0 in /proc/PID/status,
+locker that is not a kimi-supervisor run by root (uid 0 in /proc/PID/status,
 kimi-supervisor's argv) is named in one warning and set aside, the file
 replaced by a fresh one (rename(2) over it, under `.replace.lock`), and it
 shields nothing from the reaper.  The files are 0600 (existing ones repaired,
@@ -61,7 +61,7 @@ LOCKS = "/proc/locks"
 SUPERVISOR_ARGV = re.compile(
     r"^(\S*/)?(kimi-supervisor|python[0-9.]*( -\S+)* ((\S*/)?kimi-supervisor|-m kimi_supervisor))( |$)"
 )
-REPLACE_LOCK = ".replace.lock"  # held while a foreign holder's lock file is replaced
+REPLACE_LOCK = ".replace.lock"  # held while a foreign locker's lock file is replaced
 REPLACE_WAIT_S = 2.0
 _UNIT = re.compile(r"([A-Za-z0-9:_.\\@-]+\.service)(/|$)")
 
@@ -91,7 +91,7 @@ class Owner:
 
 
 @dataclasses.dataclass(frozen=True)
-class Holder:
+class Locker:
     """A process the kernel lists as holding a flock, as /proc shows it."""
 
     pid: int
@@ -108,7 +108,7 @@ class Holder:
         return f"PID {self.pid} ({uid}, {command!r})"
 
 
-def holder(pid: int, proc_root: str = "/proc") -> Holder:
+def locker(pid: int, proc_root: str = "/proc") -> Locker:
     uids: tuple[int, ...] = ()
     command = ""
     with contextlib.suppress(OSError, ValueError):
@@ -118,11 +118,11 @@ def holder(pid: int, proc_root: str = "/proc") -> Holder:
     with contextlib.suppress(OSError):
         raw = Path(f"{proc_root}/{pid}/cmdline").read_bytes()
         command = " ".join(a.decode(errors="replace") for a in raw.split(b"\0") if a)
-    return Holder(pid, uids, command)
+    return Locker(pid, uids, command)
 
 
 def is_root_supervisor(pid: int, proc_root: str = "/proc") -> bool:
-    return holder(pid, proc_root).is_root_supervisor
+    return locker(pid, proc_root).is_root_supervisor
 
 
 WEIGHTS_SUFFIX = ".weights"  # the weight holder's locks, beside its engine's
@@ -175,7 +175,7 @@ def unit_of(pid: int, proc_root: str = "/proc") -> str | None:
     return None
 
 
-def flock_holders(path: Path | int, locks: str = LOCKS) -> set[int]:
+def flock_lockers(path: Path | int, locks: str = LOCKS) -> set[int]:
     """PIDs the kernel lists as holding a flock on `path` (or an open descriptor's file; waiters excluded)."""
     try:
         st = os.fstat(path) if isinstance(path, int) else os.stat(path, follow_symlinks=False)
@@ -183,13 +183,13 @@ def flock_holders(path: Path | int, locks: str = LOCKS) -> set[int]:
     except OSError:
         return set()
     key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    holders = set()
+    lockers = set()
     for line in table.splitlines():
         fields = line.split()
         if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key:
             with contextlib.suppress(ValueError):
-                holders.add(int(fields[4]))
-    return holders
+                lockers.add(int(fields[4]))
+    return lockers
 
 
 def lock_owners(directory: Path) -> set[int]:
@@ -204,7 +204,7 @@ def lock_owners(directory: Path) -> set[int]:
     owners: set[int] = set()
     for name in names:
         if name.endswith(".lock") and name != REPLACE_LOCK:
-            owners |= flock_holders(directory / name)
+            owners |= flock_lockers(directory / name)
     return {pid for pid in owners - {-1, 0} if is_root_supervisor(pid)}
 
 
@@ -215,13 +215,13 @@ def weights_supervisor(directory: Path, deployment: str) -> int | None:
     return min(supervisors) if supervisors else None
 
 
-def _owner(directory: Path, resource: Resource, holders: set[int]) -> Owner:
+def _owner(directory: Path, resource: Resource, lockers: set[int]) -> Owner:
     data: dict[str, object] = {}
     with contextlib.suppress(OSError, ValueError):
         loaded = json.loads((directory / resource.filename).read_text())
         if isinstance(loaded, dict):
             data = loaded
-    pid = min(holders) if holders else None
+    pid = min(lockers) if lockers else None
     if pid is None and isinstance(data.get("pid"), int):
         pid = int(data["pid"])  # type: ignore[call-overload]
     gpus = data.get("gpus")
@@ -237,8 +237,8 @@ def _owner(directory: Path, resource: Resource, holders: set[int]) -> Owner:
 
 
 def _supervisors_holding(directory: Path, resource: Resource) -> set[int]:
-    holders = flock_holders(directory / resource.filename) - {os.getpid(), -1, 0}
-    return {pid for pid in holders if is_root_supervisor(pid)}
+    lockers = flock_lockers(directory / resource.filename) - {os.getpid(), -1, 0}
+    return {pid for pid in lockers if is_root_supervisor(pid)}
 
 
 def foreign_partner(directory: Path, gpus: Sequence[int], deployment: str | None, suffix: str) -> Owner | None:
@@ -378,15 +378,15 @@ def _replace(directory: Path, path: Path) -> int:
     return fd
 
 
-def _refuse_unless_strangers(fd: int, directory: Path, resource: Resource) -> list[Holder]:
-    """FD's lock is held: its holders when every one is a stranger, not a root kimi-supervisor; else
-    AnotherInstance, FD closed (a holder /proc/locks cannot name is refused as one)."""
-    holders = [holder(pid) for pid in sorted(flock_holders(fd) - {-1, 0})]
-    if not holders or any(h.is_root_supervisor for h in holders):
+def _refuse_unless_strangers(fd: int, directory: Path, resource: Resource) -> list[Locker]:
+    """FD's lock is held: its lockers when every one is a stranger, not a root kimi-supervisor; else
+    AnotherInstance, FD closed (a locker /proc/locks cannot name is refused as one)."""
+    lockers = [locker(pid) for pid in sorted(flock_lockers(fd) - {-1, 0})]
+    if not lockers or any(h.is_root_supervisor for h in lockers):
         os.close(fd)
-        supervisors = {h.pid for h in holders if h.is_root_supervisor}
+        supervisors = {h.pid for h in lockers if h.is_root_supervisor}
         raise AnotherInstance(refusal(_owner(directory, resource, supervisors), directory))
-    return holders
+    return lockers
 
 
 def _take(directory: Path, resource: Resource, log: Logger | None) -> int:
@@ -403,7 +403,7 @@ def _take(directory: Path, resource: Resource, log: Logger | None) -> int:
         deadline = time.monotonic() + REPLACE_WAIT_S
         while not _try_flock(guard, directory / REPLACE_LOCK):
             if time.monotonic() > deadline:
-                who = "; ".join(holder(p).describe() for p in sorted(flock_holders(guard) - {-1, 0})) or "unknown"
+                who = "; ".join(locker(p).describe() for p in sorted(flock_lockers(guard) - {-1, 0})) or "unknown"
                 raise RuntimeDirectoryError(f"{directory / REPLACE_LOCK} is held by {who}; remove the file")
             time.sleep(0.01)
         fd = _open_lock(path)

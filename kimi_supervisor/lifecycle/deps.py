@@ -1,6 +1,7 @@
 """What the lifecycle talks to, as small Protocols: `Supervisor` gets each through `Deps`.
 
-`Deps`' defaults are the real ones (a spawned `ChildProcess`, a threaded `HealthProber`, `DeepLiveness`,
+`RolePart` is what the run asks its role (kimi_supervisor/deployment/ has one per role).  `Deps`' defaults are
+the real ones (a spawned `ChildProcess`, a threaded `HealthProber`, `DeepLiveness`,
 `drain.Drain`, a `DefaultSelector`, `liveness.http.request`, `time.time`); cli passes the `SignalRecorder`
 and the `InterruptibleClock` over it.  The operator's view and the drain get the same clock, process table
 and HTTP client as the rest.  testkit/fakes/lifecycle.py passes fakes and drives the whole lifecycle, the
@@ -9,16 +10,26 @@ drain included, on a fake clock in milliseconds, without patching anything.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import selectors
+import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from kimi_supervisor.child.process import Child, PreparedSpawn
+from kimi_supervisor.child.process import Child, PreparedSpawn, ProcessSpawner
+from kimi_supervisor.clock import Clock
 from kimi_supervisor.config.model import Config, SpawnSpec
 from kimi_supervisor.host.gpu import GpuProbe
+from kimi_supervisor.host.proctable import ProcessTable
 from kimi_supervisor.lifecycle.drain import Drain
-from kimi_supervisor.liveness.health_probe import HealthResult
-from kimi_supervisor.liveness.http import HttpClient
+from kimi_supervisor.lifecycle.machine import StateMachine
+from kimi_supervisor.lifecycle.signals import SignalRecorder, Signals
+from kimi_supervisor.lifecycle.threadwatch import ThreadWatch
+from kimi_supervisor.liveness.engine import DeepLiveness, LivenessInputs
+from kimi_supervisor.liveness.health_probe import HealthProber, HealthResult
+from kimi_supervisor.liveness.http import HttpClient, request
+from kimi_supervisor.logs.journal import ChildSink
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.systemd.notify import Notifier
 
@@ -32,7 +43,7 @@ class Spawner(Protocol):
 
 
 class Prober(Protocol):
-    """Probes /health in the background; the loop drains results (health.HealthProber)."""
+    """Probes /health in the background; the loop takes its new results (liveness.health_probe.HealthProber)."""
 
     def start(self) -> None: ...
 
@@ -42,28 +53,11 @@ class Prober(Protocol):
 
     def burst(self, interval_s: float, for_s: float) -> None: ...
 
-    def drain(self) -> list[HealthResult]: ...
+    def new_results(self) -> list[HealthResult]: ...
 
 
 class ProberFactory(Protocol):
     def __call__(self, url: str, timeout_s: float, interval_s: float, wake: Callable[[], None]) -> Prober: ...
-
-
-class Signals(Protocol):
-    """Signal handlers that only record and wake the loop through `read_fd` (signals.SignalRecorder)."""
-
-    read_fd: int
-    stop_requested: bool
-
-    def install(self) -> None: ...
-
-    def uninstall(self) -> None: ...
-
-    def wake(self) -> None: ...
-
-    def drain(self) -> None: ...
-
-    def new_signals(self) -> dict[int, int]: ...
 
 
 class Liveness(Protocol):
@@ -83,25 +77,8 @@ class Liveness(Protocol):
     def close(self) -> None: ...
 
 
-class LivenessFactory(Protocol):
-    """Builds the Liveness once READY (liveness.DeepLiveness): the config, the GPU probe, the GPUs to watch, the
-    loop's wake-up, the notifier, the log, where each canary's (ok, latency_s) goes (the operator's view), the
-    environment the child got (VLLM_API_KEY) and the HTTP client."""
-
-    def __call__(
-        self,
-        cfg: Config,
-        probe: GpuProbe,
-        gpus: tuple[int, ...],
-        wake: Callable[[], None],
-        notifier: Notifier,
-        log: Logger,
-        on_canary: Callable[[bool, float], None],
-        /,
-        *,
-        environ: Mapping[str, str],
-        http: HttpClient,
-    ) -> Liveness: ...
+# Builds the Liveness once READY (liveness.engine.DeepLiveness), from one LivenessInputs.
+LivenessFactory = Callable[[LivenessInputs], Liveness]
 
 
 class DrainFactory(Protocol):
@@ -122,3 +99,64 @@ class DrainFactory(Protocol):
 
 
 SelectorFactory = Callable[[], selectors.BaseSelector]
+
+
+class Run(Protocol):
+    """One run of the lifecycle as its role's part sees it (`Supervisor`)."""
+
+    cfg: Config
+    clock: Clock
+    log: Logger
+    state: StateMachine
+
+    def notify(self, **fields: str | int) -> None: ...
+
+    def stop_signalled(self) -> bool: ...
+
+
+class RolePart:
+    """What the lifecycle asks of its deployment's role; one subclass per role in kimi_supervisor/deployment/,
+    chosen once from the config (deployment/choose.py).  These defaults are a plain engine's."""
+
+    # A requested stop of a READY child drains it (lifecycle/drain.py): its requests in flight may finish.
+    drains = True
+
+    def prepare_child(self, cfg: Config, prepared: PreparedSpawn | None, log: Logger) -> None:
+        """Before the preflight, after the child's user is resolved: what the child needs made for it."""
+
+    def before_preflight(self, run: Run) -> None:
+        """What the run waits for before the preflight touches anything; StopRequested on a stop request."""
+
+    def own_memory(self, cfg: Config, table: ProcessTable, probe: GpuProbe, gpus: tuple[int, ...]) -> dict[int, int]:
+        """MiB per GPU that is this deployment's own though no process of its tree holds it (a stop does not wait
+        for it to be freed)."""
+        return {}
+
+
+@dataclasses.dataclass
+class Deps:
+    """Everything the lifecycle talks to; the defaults are the real ones (the Protocols above)."""
+
+    probe: GpuProbe
+    table: ProcessTable
+    notifier: Notifier
+    log: Logger
+    sink: ChildSink
+    watchdog_s: float | None = None
+    environ: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(os.environ))
+    signals: Signals = dataclasses.field(default_factory=SignalRecorder)
+    clock: Clock | None = None  # None: an InterruptibleClock over `signals`
+    spawn: Spawner = dataclasses.field(default_factory=ProcessSpawner)
+    prober: ProberFactory = HealthProber
+    liveness: LivenessFactory = DeepLiveness
+    selector: SelectorFactory = selectors.DefaultSelector
+    # The graceful stop of a serving vLLM (its /metrics, a SIGTERM to its main alone); None: the tree at once.
+    drain: DrainFactory = Drain
+    # vLLM's /metrics for the drain, the canary and the liveness thread's /metrics: one HTTP client.
+    http: HttpClient = request
+    # Wall-clock time for the operator's view (the state file's timestamps); the loop's time is `clock`.
+    wall: Callable[[], float] = time.time
+    # Notices when one of our check threads dies (threading.excepthook for the run): exit 70, not a silent gap.
+    threads: ThreadWatch = dataclasses.field(default_factory=ThreadWatch)
+    # What this run's role adds (kimi_supervisor/deployment/ chooses it from the config); a plain engine's.
+    role: RolePart = dataclasses.field(default_factory=RolePart)

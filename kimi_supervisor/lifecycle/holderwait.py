@@ -35,7 +35,6 @@ from kimi_supervisor.liveness.health_probe import probe
 from kimi_supervisor.liveness.http import HttpClient, request
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.opsview.statefile import read_state, writer_alive
-from kimi_supervisor.roles import Role
 
 PROBE_TIMEOUT_S = 2.0
 
@@ -86,7 +85,7 @@ def look(
     that does not match the engine's, or a checkpoint on disk that is not the one the holder loaded.
     `model_now`: the engine's fingerprint (read once per wait, not at every look)."""
     path = layout.holder_of(cfg).state_file
-    unit = layout.unit_name(cfg.deployment.name, Role.WEIGHTS) + ".service"
+    unit = layout.holder_service(cfg.deployment.name)
     try:
         doc = read_state(path)
     except (OSError, ValueError) as exc:

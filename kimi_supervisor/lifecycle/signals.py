@@ -25,9 +25,27 @@ import os
 import selectors
 import signal
 import time
-from typing import Any
+from typing import Any, Protocol
 
-from kimi_supervisor.lifecycle.deps import Signals
+from kimi_supervisor.logs.types import Logger
+
+
+class Signals(Protocol):
+    """Signal handlers that only record and wake the loop through `read_fd` (signals.SignalRecorder)."""
+
+    read_fd: int
+    stop_requested: bool
+
+    def install(self) -> None: ...
+
+    def uninstall(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def clear_wakeups(self) -> None: ...
+
+    def new_signals(self) -> dict[int, int]: ...
+
 
 STOP_SIGNALS = frozenset(
     s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, getattr(signal, "SIGPWR", None)) if s is not None
@@ -89,7 +107,7 @@ class SignalRecorder:
         with contextlib.suppress(OSError):
             os.write(self._write_fd, b"w")
 
-    def drain(self) -> None:
+    def clear_wakeups(self) -> None:
         try:
             while os.read(self.read_fd, 512):
                 pass
@@ -104,6 +122,20 @@ class SignalRecorder:
                 fresh[sig] = count - self._seen.get(sig, 0)
                 self._seen[sig] = count
         return fresh
+
+
+def stop_signalled(signals: Signals, log: Logger, state: str, *, sticky: bool = False) -> bool:
+    """Was a stop requested?  The one answer: each signal that arrived since the last look is logged (a stop
+    signal received, any other ignored), and True when one of them asks to stop.  `sticky`: also True when a
+    stop signal arrived before, whoever looked at it then (a follower between its runs)."""
+    fresh = signals.new_signals()
+    for sig, count in fresh.items():
+        if sig in STOP_SIGNALS:
+            log.info("signal.received", signal=signal_name(sig), state=state, count=count)
+        else:
+            why = "reload is not supported; restart the unit" if sig == signal.SIGHUP else "not a stop request"
+            log.warning("signal.ignored", signal=signal_name(sig), count=count, why=why)
+    return any(s in STOP_SIGNALS for s in fresh) or (sticky and signals.stop_requested)
 
 
 class InterruptibleClock:
@@ -125,6 +157,6 @@ class InterruptibleClock:
             raise StopRequested
         if self._selector.select(max(0.0, seconds)):
             # Ignored signals and wake-ups are counted already; a full pipe must not turn waits into spins.
-            self._signals.drain()
+            self._signals.clear_wakeups()
         if self._signals.stop_requested:
             raise StopRequested

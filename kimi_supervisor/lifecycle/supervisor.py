@@ -13,20 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import selectors
-import signal
-import time
-from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from kimi_supervisor.checks import Status
 from kimi_supervisor.child.cachedirs import CacheUntrusted
 from kimi_supervisor.child.output import ChildOutput
-from kimi_supervisor.child.process import Child, PreparedSpawn, ProcessSpawner
+from kimi_supervisor.child.process import Child, PreparedSpawn
 from kimi_supervisor.child.readiness import LineEvent, ReadinessTracker
-from kimi_supervisor.child.socketdir import prepare_socket_dir
-from kimi_supervisor.child.spawnplan import Unresolvable, account
+from kimi_supervisor.child.spawnplan import Unresolvable
 from kimi_supervisor.clock import Clock, format_duration
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import (
@@ -39,42 +33,20 @@ from kimi_supervisor.exitcodes import (
     SupervisorError,
     exit_outcome,
 )
-from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, configured_gpus, holders, pin_configured_gpus
-from kimi_supervisor.host.proctable import ProcessTable
+from kimi_supervisor.host.gpu import configured_gpus, pin_configured_gpus
 from kimi_supervisor.host.readahead import ReadAhead
-from kimi_supervisor.lifecycle.deps import (
-    DrainFactory,
-    Liveness,
-    LivenessFactory,
-    Prober,
-    ProberFactory,
-    SelectorFactory,
-    Signals,
-    Spawner,
-)
-from kimi_supervisor.lifecycle.drain import Drain, stopped_status
-from kimi_supervisor.lifecycle.holderwait import wait_for_holder
+from kimi_supervisor.lifecycle.deps import Deps, Liveness, Prober
+from kimi_supervisor.lifecycle.drain import stopped_status
 from kimi_supervisor.lifecycle.machine import StateMachine
-from kimi_supervisor.lifecycle.signals import (
-    STOP_SIGNALS,
-    InterruptibleClock,
-    SignalRecorder,
-    StopRequested,
-    signal_name,
-)
+from kimi_supervisor.lifecycle.signals import InterruptibleClock, StopRequested, stop_signalled
 from kimi_supervisor.lifecycle.stopping import TreeStopper, confirm_gpus_free
-from kimi_supervisor.lifecycle.threadwatch import ThreadWatch
-from kimi_supervisor.liveness.engine import DeepLiveness
-from kimi_supervisor.liveness.health_probe import HealthProber, HealthResult
-from kimi_supervisor.liveness.http import HttpClient, request
-from kimi_supervisor.logs.journal import ChildSink
-from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.liveness.engine import LivenessInputs
+from kimi_supervisor.liveness.health_probe import HealthResult
 from kimi_supervisor.opsview.view import OperatorView
-from kimi_supervisor.preflight.run import Preflight, holder_memory
+from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.quoting import quote
-from kimi_supervisor.roles import Role
 from kimi_supervisor.states import State
-from kimi_supervisor.systemd.notify import Notifier, Watchdog
+from kimi_supervisor.systemd.notify import Watchdog
 
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC at most this often while output flows
 EXTEND_MARGIN_S = 15.0
@@ -82,33 +54,6 @@ EXTEND_MARGIN_S = 15.0
 # READY_BURST_S) so READY=1 follows the first 200 by tens of ms, not a whole poll interval.
 READY_PROBE_S = 0.02
 READY_BURST_S = 10.0
-
-
-@dataclasses.dataclass
-class Deps:
-    """Everything the lifecycle talks to; the defaults are the real ones (deps.py has the Protocols)."""
-
-    probe: GpuProbe
-    table: ProcessTable
-    notifier: Notifier
-    log: Logger
-    sink: ChildSink
-    watchdog_s: float | None = None
-    environ: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(os.environ))
-    signals: Signals = dataclasses.field(default_factory=SignalRecorder)
-    clock: Clock | None = None  # None: an InterruptibleClock over `signals`
-    spawn: Spawner = dataclasses.field(default_factory=ProcessSpawner)
-    prober: ProberFactory = HealthProber
-    liveness: LivenessFactory = DeepLiveness
-    selector: SelectorFactory = selectors.DefaultSelector
-    # The graceful stop of a serving vLLM (its /metrics, a SIGTERM to its main alone); None: the tree at once.
-    drain: DrainFactory = Drain
-    # vLLM's /metrics for the drain, the canary and the liveness thread's /metrics: one HTTP client.
-    http: HttpClient = request
-    # Wall-clock time for the operator's view (the state file's timestamps); the loop's time is `clock`.
-    wall: Callable[[], float] = time.time
-    # Notices when one of our check threads dies (threading.excepthook for the run): exit 70, not a silent gap.
-    threads: ThreadWatch = dataclasses.field(default_factory=ThreadWatch)
 
 
 class Supervisor:
@@ -149,7 +94,7 @@ class Supervisor:
     def run(self) -> ExitCode:
         self.signals.install()
         self.deps.threads.install(self.signals.wake)
-        self.output.add_wakeup(self.signals.read_fd, self.signals.drain)
+        self.output.add_wakeup(self.signals.read_fd, self.signals.clear_wakeups)
         try:
             return self._run()
         except BaseException as exc:
@@ -170,7 +115,7 @@ class Supervisor:
         try:
             try:
                 self._prepare_child()  # a start that cannot happen kills nothing
-                self._wait_for_holder()  # before the preflight touches anything (holderwait.py)
+                self.deps.role.before_preflight(self)  # before the preflight touches anything
                 self._start_readahead()  # while the preflight waits for GPUs and vLLM imports
                 self._preflight()
                 self._spawn()
@@ -199,21 +144,7 @@ class Supervisor:
         note = self._prepared.cache_note if self._prepared is not None else None
         if note is not None:
             self.log.warning("cache.defaults", why=note, effect="vLLM's compile cache follows HOME (cachedirs.py)")
-        if self.cfg.role is Role.WEIGHTS and self.cfg.weights is not None:
-            # Before the spawn: vLLM's daemon could not make it in root's directory, after its whole load.
-            identity = self._prepared.identity if self._prepared is not None else None
-            made = prepare_socket_dir(self.cfg.weights.socket_dir, identity)
-            user, uid = account(identity)
-            self.log.info("weights.socket_dir", path=str(made.path), user=user, uid=uid, made=made.made)
-
-    def _wait_for_holder(self) -> None:
-        if not self.cfg.maps_held_weights:
-            return
-        assert self.cfg.weights is not None
-        self.state.enter_initial("waiting for the deployment's weight holder")
-        self.deps.notifier.send(EXTEND_TIMEOUT_USEC=_usec(self.cfg.weights.wait_s + EXTEND_MARGIN_S))
-        if wait_for_holder(self.cfg, self.clock, self.log, self._stop_signalled, self.state.status) is None:
-            raise StopRequested
+        self.deps.role.prepare_child(self.cfg, self._prepared, self.log)
 
     def _start_readahead(self) -> None:
         model = self.cfg.child.vllm.model
@@ -243,19 +174,19 @@ class Supervisor:
         pf = self.cfg.preflight
         self.state.enter_initial("preflight: checking GPUs, stale processes and shared memory")
         # Waiting for GPUs may take longer than TimeoutStartSec's default.
-        self.deps.notifier.send(EXTEND_TIMEOUT_USEC=_usec(pf.deadline_s + pf.reap.grace_s + EXTEND_MARGIN_S))
+        self.deps.notifier.send(EXTEND_TIMEOUT_USEC=usec(pf.deadline_s + pf.reap.grace_s + EXTEND_MARGIN_S))
         report = Preflight(self.cfg, self.deps.probe, self.deps.table, self.clock, self.log).run(dry_run=False)
         self.log.info("preflight.passed", checks=len(report.checks))
         done = [c.name for c in report.checks if c.status is Status.DONE]
         self.view.on_preflight(kills=done.count("reap"), shm_removed=done.count("shm"))
 
     def _spawn(self) -> None:
-        if self._stop_signalled():
+        if self.stop_signalled():
             raise StopRequested
         self.view.before_spawn()  # how much of the model the page cache holds as vLLM starts
         self.child = self.deps.spawn.spawn(self.cfg.child, self.deps.environ, self._prepared)
         self.stopper = TreeStopper(
-            self.child, self._pump, self.output.finish, self._stop_signalled, self.clock, self.log
+            self.child, self._pump, self.output.finish, self.stop_signalled, self.clock, self.log
         )
         self._started_at = self._now()
         self.output.attach(self.child)
@@ -279,12 +210,12 @@ class Supervisor:
         last_error: str | None = None
         while True:
             self._pump(0.25)
-            if self._stop_signalled():
+            if self.stop_signalled():
                 return False
             now = self._now()
             self._check_child(serving=False)
             self.deps.threads.check()
-            for result in self.prober.drain():
+            for result in self.prober.new_results():
                 self.view.on_health(result)
                 healthy = result if result.ok else None
                 if result.error != last_error and result.error is not None:
@@ -348,15 +279,17 @@ class Supervisor:
         self.child.refresh_members()
         gpus = configured_gpus(self.deps.probe, self.cfg.preflight.gpus)
         self.deep = self.deps.liveness(
-            self.cfg,
-            self.deps.probe,
-            gpus,
-            self.signals.wake,
-            self.deps.notifier,
-            self.log,
-            self.view.on_canary,
-            environ=self.deps.environ,
-            http=self.deps.http,
+            LivenessInputs(
+                self.cfg,
+                self.deps.probe,
+                gpus,
+                self.signals.wake,
+                self.deps.notifier,
+                self.log,
+                self.deps.environ,
+                on_canary=self.view.on_canary,
+                http=self.deps.http,
+            )
         )
         self.deep.start()
         wd = self.deps.watchdog_s
@@ -369,11 +302,11 @@ class Supervisor:
         watchdog = Watchdog(wd, self.deps.notifier, last_ok=self._now())  # the probe that made us ready
         while True:
             self._pump(watchdog.wait_s(self._now(), healthy=failures == 0 and self.deep.healthy))
-            if self._stop_signalled():
+            if self.stop_signalled():
                 return
             self._check_child(serving=True)
             self.deps.threads.check()  # a dead canary or prober thread: exit 70, never a watchdog pinged blind
-            for result in self.prober.drain():
+            for result in self.prober.new_results():
                 self.view.on_health(result)
                 if result.ok:
                     if failures:
@@ -401,8 +334,8 @@ class Supervisor:
         if self.deep is not None:
             self.deep.stop()  # no canary or GPU verdict about a tree being stopped
         drain = None
-        # A serving vLLM may have requests in flight; a weight holder serves none (and has no /metrics).
-        if requested and self.state.state is State.READY and self.cfg.role is not Role.WEIGHTS:
+        # A serving vLLM may have requests in flight; a role whose child serves none does not drain.
+        if requested and self.state.state is State.READY and self.deps.role.drains:
             drain = self.deps.drain(
                 self.cfg.readiness.health_url,
                 self.cfg.child.vllm.shutdown_timeout,
@@ -423,19 +356,11 @@ class Supervisor:
         if gpus and scfg.gpu_release_timeout_s > 0:
             threshold = self.cfg.preflight.memory_threshold_mib
             # The weight holder outlives its engine by design: what it holds is not the engine's to wait for.
-            own = self._held_memory(gpus)
+            own = self.deps.role.own_memory(self.cfg, self.deps.table, self.deps.probe, gpus)
             gpus_free = confirm_gpus_free(
                 self.deps.probe, gpus, threshold, scfg.gpu_release_timeout_s, self.clock, self.log, own
             )
         self.state.status(stopped_status(tree_gone, gpus_free, drain.outcome if drain is not None else None))
-
-    def _held_memory(self, gpus: tuple[int, ...]) -> dict[int, int]:
-        if not self.cfg.maps_held_weights:
-            return {}
-        try:
-            return holder_memory(self.cfg, self.deps.table, holders(self.deps.probe, gpus))[1]
-        except GpuUnavailable:
-            return {}  # confirm_gpus_free says NVML cannot tell
 
     def _emergency_stop(self, exc: BaseException, stopper: TreeStopper) -> None:
         """Something other than a SupervisorError is ending the run: stop the tree before it propagates."""
@@ -500,20 +425,16 @@ class Supervisor:
         self._last_extend = now
         rcfg = self.cfg.readiness
         left = max(0.0, rcfg.deadline_s - (now - self._started_at))
-        self.deps.notifier.send(EXTEND_TIMEOUT_USEC=_usec(min(rcfg.stall_timeout_s, left) + EXTEND_MARGIN_S))
+        self.deps.notifier.send(EXTEND_TIMEOUT_USEC=usec(min(rcfg.stall_timeout_s, left) + EXTEND_MARGIN_S))
+
+    def notify(self, **fields: str | int) -> None:
+        self.deps.notifier.send(**fields)
 
     def _now(self) -> float:
         return self.clock.monotonic()
 
-    def _stop_signalled(self) -> bool:
-        fresh = self.signals.new_signals()
-        for sig, count in fresh.items():
-            if sig in STOP_SIGNALS:
-                self.log.info("signal.received", signal=signal_name(sig), state=self.state.state.value, count=count)
-            else:
-                why = "reload is not supported; restart the unit" if sig == signal.SIGHUP else "not a stop request"
-                self.log.warning("signal.ignored", signal=signal_name(sig), count=count, why=why)
-        return any(s in STOP_SIGNALS for s in fresh)
+    def stop_signalled(self) -> bool:
+        return stop_signalled(self.signals, self.log, self.state.state.value)
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -528,5 +449,5 @@ class Supervisor:
         return [line[:500] for line in list(self.tracker.tail)[-lines:]]
 
 
-def _usec(seconds: float) -> int:
+def usec(seconds: float) -> int:
     return int(seconds * 1_000_000)

@@ -125,22 +125,34 @@ class ProgressTracker:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class LivenessInputs:
+    """What a liveness is built from once READY (lifecycle.deps.LivenessFactory takes one)."""
+
+    cfg: Config
+    probe: GpuProbe
+    gpus: tuple[int, ...]  # the GPUs to watch
+    wake: Callable[[], None]  # the loop's wake-up
+    notifier: Notifier
+    log: Logger
+    environ: Mapping[str, str]  # the environment the child got (its VLLM_API_KEY)
+    on_canary: Callable[[bool, float], None] | None = None  # each canary's (ok, latency_s): the operator's view
+    http: HttpClient = request
+
+
 class DeepLiveness:
     """Canary, token progress and GPU events while serving; the supervisor's loop calls `check()`."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        probe: GpuProbe,
-        gpus: tuple[int, ...],
-        wake: Callable[[], None],
-        notifier: Notifier,
-        log: Logger,
-        on_canary: Callable[[bool, float], None] | None = None,
-        http: HttpClient = request,
-        *,
-        environ: Mapping[str, str],
-    ) -> None:
+    def __init__(self, given: LivenessInputs) -> None:
+        cfg, probe, gpus, wake, notifier, log = (
+            given.cfg,
+            given.probe,
+            given.gpus,
+            given.wake,
+            given.notifier,
+            given.log,
+        )
+        on_canary, http, environ = given.on_canary, given.http, given.environ
         self.cfg = cfg.liveness
         self._http = http
         self._on_canary = on_canary  # the operator's view: the state file and metrics show each result

@@ -79,7 +79,7 @@ class HealthProber:
             bursting = time.monotonic() < self._burst_until
             self._changed.wait(self._burst_interval if bursting else self._interval)
 
-    def drain(self) -> list[HealthResult]:
+    def new_results(self) -> list[HealthResult]:
         out = []
         while True:
             try:

@@ -64,13 +64,13 @@ class FdWriter:
             del self._buf[:n]
 
     def take_dropped(self, final: bool = False) -> int:
-        """Lines dropped during a stall, once the stall is over (the buffer drained) or at exit; else 0."""
+        """Lines dropped during a stall, once the stall is over (the buffer emptied) or at exit; else 0."""
         if not self.dropped or (self._buf and not final):
             return 0
         n, self.dropped = self.dropped, 0
         return n
 
-    def drain(self, timeout_s: float) -> None:
+    def finish(self, timeout_s: float) -> None:
         """At exit: give a slow reader up to `timeout_s` to take the rest, then leave it."""
         deadline = time.monotonic() + timeout_s
         self.flush()
@@ -83,7 +83,7 @@ class FdWriter:
             self.flush()
 
     def abandon(self) -> int:
-        """At exit, after `drain`: give up the lines the reader never took, and count them as dropped (a line
+        """At exit, after `finish`: give up the lines the reader never took, and count them as dropped (a line
         the reader got only part of counts too).  Left in the buffer, they would end with the process uncounted."""
         n = self._buf.count(b"\n") + (1 if self._buf and not self._buf.endswith(b"\n") else 0)
         self._buf.clear()
@@ -123,7 +123,7 @@ class StreamWriter:
     def take_dropped(self, final: bool = False) -> int:
         return 0
 
-    def drain(self, timeout_s: float) -> None:
+    def finish(self, timeout_s: float) -> None:
         return None
 
     def abandon(self) -> int:

@@ -239,7 +239,7 @@ class ConsoleChildSink:
 
     def close(self, timeout_s: float) -> None:
         self.flush()
-        self._writer.drain(timeout_s)
+        self._writer.finish(timeout_s)
         self._writer.abandon()  # what the reader did not take in time: dropped and counted (take_dropped)
         self._writer.close()
 
@@ -391,7 +391,7 @@ def _records_writer(stream: TextIO) -> Writer:
 def close_outputs(timeout_s: float = 1.0) -> None:
     """At exit: let readers take what is buffered (bounded), then give blocking fds back as they were."""
     for writer in _RECORD_WRITERS.values():
-        writer.drain(timeout_s)
+        writer.finish(timeout_s)
         writer.close()
 
 

@@ -84,7 +84,7 @@ def weights_doc(cfg: Config) -> dict[str, Any]:
     """The holder's cache key and /health (its engine checks both before it starts), or an engine's holder."""
     assert cfg.weights is not None
     w = cfg.weights
-    if cfg.role is Role.WEIGHTS:
+    if cfg.role is Role.WEIGHTS:  # role branch: the state file's document says which side of the pair wrote it
         doc: dict[str, Any] = {
             "role": "holder",
             "key": dict(w.key),
@@ -229,6 +229,7 @@ class OperatorView:
         """A holder records the checkpoint it is about to load, as vLLM fingerprints it (host/checkpoint.py): its
         engines compare theirs before they start.  Unreadable: recorded as unknown, and the daemon's own key check
         is the one left."""
+        # role branch: the view sits below deployment/; only the holder's document carries the checkpoint
         if self._cfg.role is not Role.WEIGHTS or self._cfg.weights is None:
             return
         model = self._cfg.weights.key.get("model")

@@ -178,3 +178,20 @@ def listener(port: int) -> tuple[int | None, str]:
     except (psutil.AccessDenied, OSError):
         pass
     return None, ""
+
+
+def check_local_gpus(visible: int, selected: tuple[int, ...], local_world_size: int, nnodes: int) -> Check:
+    """A group node needs its share of the world, not the whole TP size (TP=16 over two hosts: 8 each)."""
+    data = {"visible": visible, "selected": list(selected), "local_world_size": local_world_size}
+    missing = [i for i in selected if i >= visible]
+    if missing:
+        return Check("gpus", Status.FAIL, f"configured GPU(s) {missing} do not exist: NVML sees {visible}", data)
+    if len(selected) < local_world_size:
+        return Check(
+            "gpus",
+            Status.FAIL,
+            f"this node's share of the group needs {local_world_size} GPUs (world / {nnodes} nodes), "
+            f"only {len(selected)} are available",
+            data,
+        )
+    return Check("gpus", Status.OK, f"{len(selected)} GPU(s) for this node's share of {local_world_size}", data)

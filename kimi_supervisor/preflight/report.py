@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 
 from kimi_supervisor.checks import Status
 from kimi_supervisor.preflight.run import PreflightReport
+from kimi_supervisor.quoting import escape_controls
 
 # A file or process name may hold a newline: it must not fake a report line (e.g. a verdict).
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-
-def printable(text: str) -> str:
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+printable = escape_controls
 
 
 _MARK = {

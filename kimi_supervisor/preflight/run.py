@@ -34,13 +34,13 @@ from kimi_supervisor.host.gpu import (
     GpuProcess,
     GpuUnavailable,
     busy_gpus,
-    holders,
+    gpu_processes,
     wait_until_free,
 )
 from kimi_supervisor.host.instance_lock import lock_owners, weights_supervisor
 from kimi_supervisor.host.proctable import ProcessTable, ancestors
 from kimi_supervisor.logs.types import Logger
-from kimi_supervisor.preflight import checks, gpu_health, group_checks
+from kimi_supervisor.preflight import checks, gpu_health
 from kimi_supervisor.preflight.reaper import ReapPlan, Victim, execute_reap, plan_reap
 from kimi_supervisor.preflight.shm import plan_shm, remove_stale
 from kimi_supervisor.roles import Role
@@ -82,8 +82,6 @@ def holder_memory(cfg: Config, table: ProcessTable, found: list[GpuProcess]) -> 
     """What the deployment's live weight holder holds on each GPU: the processes of its supervisor's tree (the
     root kimi-supervisor holding `deployment-NAME.weights.lock`), the engine's own memory (docs/kill-safety.md).
     (its supervisor's PID or None, MiB per GPU, per NVML)."""
-    if not cfg.maps_held_weights:
-        return None, {}
     supervisor = weights_supervisor(cfg.paths.runtime_directory, cfg.deployment.name)
     if supervisor is None:
         return None, {}
@@ -148,6 +146,7 @@ class Preflight:
         # A follower (--headless) opens no API port.  The holder's /health port is checked as an API port: taken,
         # vLLM's health thread dies while its READY line still comes, and a squatter answering 200 would pass
         # for the holder (preload.py:81-100 runs uvicorn in a daemon thread and never looks back).
+        # role branch: the preflight sits below deployment/ (a dry run and gpuaccept run it without a role object)
         if self._pf.check_port and (self._cfg.role.serves_api or self._cfg.role is Role.WEIGHTS):
             add(self._port(plan, dry_run))
         if gpus:
@@ -194,8 +193,8 @@ class Preflight:
             return ()
         selected = self._pf.gpus if self._pf.gpus is not None else tuple(range(visible))
         cluster = self._cfg.cluster
-        if cluster is not None:  # a group node holds its share of the world (preflight/group_checks.py)
-            check = group_checks.check_local_gpus(visible, selected, cluster.local_world_size, cluster.nnodes)
+        if cluster is not None:  # a group node holds its share of the world (deployment/group/checks.py)
+            check = checks.check_local_gpus(visible, selected, cluster.local_world_size, cluster.nnodes)
         else:
             vllm = self._cfg.child.vllm
             check = checks.check_gpu_count(
@@ -208,7 +207,7 @@ class Preflight:
 
     def _gpus(self, gpus: tuple[int, ...], dry_run: bool, add: Callable[[Check], None]) -> ReapPlan:
         try:
-            found = holders(self._probe, gpus)
+            found = gpu_processes(self._probe, gpus)
             self._held = self._holder_memory(found, add)
             busy = busy_gpus(self._probe, gpus, self._pf.memory_threshold_mib, self._held)
         except GpuUnavailable as exc:
@@ -226,7 +225,7 @@ class Preflight:
         return plan
 
     def _holder_memory(self, found: list[GpuProcess], add: Callable[[Check], None]) -> dict[int, int]:
-        if not self._cfg.maps_held_weights:
+        if not self._cfg.maps_held_weights:  # role branch: below deployment/, as the port check above
             return {}
         name = self._cfg.deployment.name
         supervisor, held = holder_memory(self._cfg, self._table, found)
@@ -362,7 +361,7 @@ class Preflight:
         waited = self._clock.monotonic() - start
         if busy:
             # Recompute the plan: it tells, per holder, why it was not killed.
-            found = holders(self._probe, tuple(m.index for m in busy))
+            found = gpu_processes(self._probe, tuple(m.index for m in busy))
             plan = self._plan(found)
             text = "; ".join(
                 f"GPU {m.index}: {m.used_mib} MiB used by "

@@ -1,4 +1,4 @@
-"""A Clock that advances only when slept on, with hooks that fire at given times."""
+"""The fake clock: a Clock that advances only when slept on, with hooks that fire at given times."""
 
 from __future__ import annotations
 
@@ -21,24 +21,3 @@ class FakeClock:
         self.now += max(seconds, 0.0)
         while self._hooks and self._hooks[0][0] <= self.now:
             self._hooks.pop(0)[1]()
-
-
-class RecordingLog:
-    """Stands in for a structlog logger: records (level, event, fields)."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple[str, str, dict[str, object]]] = []
-
-    def _log(self, level: str) -> Callable[..., None]:
-        def emit(event: str, **fields: object) -> None:
-            self.records.append((level, event, fields))
-
-        return emit
-
-    def __getattr__(self, level: str) -> Callable[..., None]:
-        if level in ("debug", "info", "warning", "error", "critical", "exception"):
-            return self._log(level)
-        raise AttributeError(level)
-
-    def events(self, name: str) -> list[dict[str, object]]:
-        return [f for _, e, f in self.records if e == name]

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from kimi_supervisor.config.model import Config, SpawnSpec
+from kimi_supervisor.deployment.group.node import run_group_node
+from kimi_supervisor.deployment.group.peers import Observation, PeerStatus, PortState
+from kimi_supervisor.deployment.group.server import GroupStatus
 from kimi_supervisor.exitcodes import EngineWedged, SupervisorError
 from kimi_supervisor.host.proctable import PsutilProcessTable
-from kimi_supervisor.lifecycle.group import run_group_node
-from kimi_supervisor.lifecycle.supervisor import Deps
-from kimi_supervisor.liveness.peers import Observation, PeerStatus, PortState
-from kimi_supervisor.opsview.group_status import GroupStatus
+from kimi_supervisor.lifecycle.deps import Deps
 from testkit.fakes.gpu import FakeGpuProbe
 from testkit.fakes.lifecycle import (
     EventClock,
@@ -72,7 +72,7 @@ class FakePoller:
     def stop(self) -> None:
         self.running = False
 
-    def drain(self) -> list[Observation]:
+    def observations(self) -> list[Observation]:
         out, self._results = self._results, []
         return out
 
@@ -186,7 +186,7 @@ class GroupWorld:
             clock=self.clock,
             spawn=self,
             prober=lambda url, timeout_s, interval_s, wake: FakeProber(self.clock, self.health, interval_s, wake),
-            liveness=lambda *args, **kw: _FakeDeepLiveness(self.clock, self.canary_wedged_at),
+            liveness=lambda given: _FakeDeepLiveness(self.clock, self.canary_wedged_at),
             selector=lambda: FakeSelector(self.clock),
             drain=lambda *args, **kw: None,  # the drain is tested in test_drain.py
             wall=self.clock.time,

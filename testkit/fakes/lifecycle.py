@@ -25,7 +25,7 @@ from kimi_supervisor.lifecycle.drain import POLL_S, Reading
 from kimi_supervisor.lifecycle.signals import SignalRecorder
 from kimi_supervisor.liveness.health_probe import HealthResult
 from kimi_supervisor.liveness.http import MAX_BODY, Answer
-from testkit.fakes.clock import RecordingLog
+from testkit.fakes.log import RecordingLog
 
 T0 = 1000.0
 WALL_T0 = 1_700_000_000.0  # the wall clock at the fake start: the state file's timestamps follow the fake clock
@@ -235,7 +235,7 @@ class FakeProber:
         self._burst_until = self._clock.now + for_s
         self._schedule(0.0)
 
-    def drain(self) -> list[HealthResult]:
+    def new_results(self) -> list[HealthResult]:
         out, self._results = self._results, []
         return out
 

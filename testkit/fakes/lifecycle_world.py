@@ -17,8 +17,9 @@ from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.config.model import Config, SpawnSpec
 from kimi_supervisor.exitcodes import SupervisorError
 from kimi_supervisor.host.proctable import ProcInfo
+from kimi_supervisor.lifecycle.deps import Deps
 from kimi_supervisor.lifecycle.drain import Drain, Reading
-from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.lifecycle.supervisor import Supervisor
 from kimi_supervisor.liveness.http import HttpClient
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.systemd.notify import Notifier
@@ -120,7 +121,7 @@ class World:
                 clock=self.clock,
                 spawn=self,
                 prober=self._prober,
-                liveness=lambda *args, **kw: self.liveness,
+                liveness=lambda given: self.liveness,
                 selector=lambda: FakeSelector(self.clock),
                 drain=self._drain,
                 http=self.http,

@@ -20,9 +20,9 @@ from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.logs.fdwriter import FdWriter
 from kimi_supervisor.logs.journal import ConsoleChildSink, JournalChildSink, JournalWriter
-from testkit.fakes.clock import RecordingLog
 from testkit.fakes.journal_socket import JournalSocket
 from testkit.fakes.lifecycle import ListSink
+from testkit.fakes.log import RecordingLog
 from testkit.fatal_flood import LINES, fatal_after_flood
 from testkit.flood_child import vllm_lines as flood_lines
 from testkit.harness import FAKE

@@ -17,11 +17,12 @@ from kimi_supervisor.child.spawnplan import Unresolvable, resolve_identity
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.host.proctable import PsutilProcessTable
-from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.lifecycle.deps import Deps
+from kimi_supervisor.lifecycle.supervisor import Supervisor
 from kimi_supervisor.logs.journal import ConsoleChildSink
 from kimi_supervisor.states import State
-from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.log import RecordingLog
 from testkit.harness import REPO, free_port, own_dirs, write_config
 from tests.conftest import ProcSpawner, close_pipes
 

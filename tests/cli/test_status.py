@@ -320,7 +320,7 @@ def test_watch_refreshes_every_second_until_ready(tmp_path: Path, final: str) ->
 def test_a_non_root_user_can_read_what_the_daemon_wrote(tmp_path: Path) -> None:
     from kimi_supervisor.opsview.history import History
     from kimi_supervisor.opsview.statefile import StateFile
-    from testkit.fakes.clock import RecordingLog
+    from testkit.fakes.log import RecordingLog
 
     base = Path(tempfile.mkdtemp(prefix="kimi-status-"))  # tmp_path's parents are 0700: nobody could reach it
     try:

@@ -23,7 +23,7 @@ from kimi_supervisor.files import atomic as atomicfile
 from kimi_supervisor.files import dirtrust
 from kimi_supervisor.files.atomic import UnsafeDirectory, write_atomic
 from kimi_supervisor.opsview.statefile import StateFile
-from testkit.fakes.clock import RecordingLog
+from testkit.fakes.log import RecordingLog
 from testkit.harness import REPO, fake_config
 
 NOBODY = 65534

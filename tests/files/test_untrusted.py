@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from kimi_supervisor.cli.status import gather, render_text, run_status
 from kimi_supervisor.opsview.history import History, HistoryData, RunRecord, dump_history, load_history
-from testkit.fakes.clock import RecordingLog
+from testkit.fakes.log import RecordingLog
 from testkit.harness import REPO, Run, fake_config
 from tests.cli.test_status import NOW, history, history_path, paths, setup, state_doc, state_path
 

@@ -19,7 +19,7 @@ from kimi_supervisor.config.load import load_config
 from kimi_supervisor.exitcodes import AnotherInstance, ExitCode, RuntimeDirectoryError
 from kimi_supervisor.files.atomic import write_atomic
 from kimi_supervisor.host import instance_lock
-from testkit.fakes.clock import RecordingLog
+from testkit.fakes.log import RecordingLog
 from testkit.harness import Run, fake_config, fake_tree_of
 from tests.conftest import REPO, ProcSpawner, wait_for
 
@@ -248,7 +248,7 @@ def test_a_lock_held_by_nobody_never_blocks_the_start(open_dir: Path, spawner: P
     lock.write_text("{}")
     lock.chmod(0o644)  # what earlier versions created: readable by every user
     nobody = flock_as_nobody(spawner, lock)
-    assert instance_lock.flock_holders(lock) == {nobody.pid}
+    assert instance_lock.flock_lockers(lock) == {nobody.pid}
     assert instance_lock.lock_owners(open_dir) == set()  # no supervisor: nothing to shield in the reaper
     assert instance_lock.find_owner(open_dir, [0], 8200) is None  # the dry run does not refuse either
     log = RecordingLog()
@@ -260,7 +260,7 @@ def test_a_lock_held_by_nobody_never_blocks_the_start(open_dir: Path, spawner: P
         assert warning["why"] == "not a kimi-supervisor run by root: not counted, the lock file was replaced"
         st = lock.stat()
         assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o600, 0, 0)
-        assert instance_lock.flock_holders(lock) == {os.getpid()}
+        assert instance_lock.flock_lockers(lock) == {os.getpid()}
         assert json.loads(lock.read_text())["pid"] == os.getpid()
         assert nobody.poll() is None  # the stranger is left alone; its lock is on a file nobody sees now
         # nobody can no longer open the file at all.
@@ -338,7 +338,7 @@ def test_one_holder_and_one_engine_of_one_deployment_share_gpus_and_nothing_else
             f"GPUs [0, 1], port 8099 (lock {run_dir / 'gpu-1.weights.lock'}); only a weight holder and the engine "
             "of one deployment share GPUs; nothing was changed"
         )
-        assert instance_lock.flock_holders(run_dir / "gpu-2.lock") == set()
+        assert instance_lock.flock_lockers(run_dir / "gpu-2.lock") == set()
         found = instance_lock.find_owner(run_dir, [1, 2], 8001, "other")  # the dry run says so too
         assert found is not None and found.pid == holder.pid
         instance_lock.acquire(run_dir, [2], 8001, "other.toml", RecordingLog(), deployment="other").close()
@@ -354,7 +354,7 @@ def test_a_holder_on_another_deployments_engine_gpus_is_refused(tmp_path: Path) 
         weights = instance_lock.WEIGHTS_SUFFIX
         with pytest.raises(AnotherInstance, match=r"of deployment 'kimi-a' owns GPU 3, serving GPUs \[3\]"):
             instance_lock.acquire(run_dir, [3], 8099, "b.toml", RecordingLog(), deployment="kimi-b", suffix=weights)
-        assert instance_lock.flock_holders(run_dir / "gpu-3.weights.lock") == set()
+        assert instance_lock.flock_lockers(run_dir / "gpu-3.weights.lock") == set()
         instance_lock.acquire(run_dir, [3], 8099, "a.toml", RecordingLog(), deployment="kimi-a", suffix=weights).close()
     finally:
         engine.send_signal(signal.SIGKILL)

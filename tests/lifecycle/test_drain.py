@@ -18,14 +18,15 @@ import pytest
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.host.proctable import PsutilProcessTable
+from kimi_supervisor.lifecycle.deps import Deps
 from kimi_supervisor.lifecycle.drain import POLL_S, SAMPLE_AT_SIGTERM_S, Drain
-from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.lifecycle.supervisor import Supervisor
 from kimi_supervisor.logs.journal import ConsoleChildSink
 from kimi_supervisor.states import State
-from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from testkit.fakes.lifecycle import SilentNotifier
 from testkit.fakes.lifecycle_world import TICK, World, serving_world
+from testkit.fakes.log import RecordingLog
 from testkit.harness import REPO, Run, fake_config, fake_tree_of, free_port, write_config
 from testkit.sse_client import stream_completion
 from tests.rawserver import answer, raw_server

@@ -24,11 +24,12 @@ import pytest
 
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.host.proctable import PsutilProcessTable
-from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.lifecycle.deps import Deps
+from kimi_supervisor.lifecycle.supervisor import Supervisor
 from kimi_supervisor.states import State
-from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpuProbe
 from testkit.fakes.lifecycle import RaisingSink, SilentNotifier
+from testkit.fakes.log import RecordingLog
 from testkit.harness import REPO, Run, fake_config, fake_tree_of
 from tests.conftest import wait_for
 

@@ -9,7 +9,7 @@ import pytest
 
 from kimi_supervisor.lifecycle.machine import InvalidTransition, StateMachine
 from kimi_supervisor.states import ALLOWED, State
-from testkit.fakes.clock import RecordingLog
+from testkit.fakes.log import RecordingLog
 
 
 class Recorder:

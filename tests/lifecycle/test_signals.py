@@ -54,7 +54,7 @@ def test_recorder_does_not_grow_per_wake_up_or_signal(rec: SignalRecorder) -> No
     """The prober wakes the loop once per probe (~17k a day): memory and each check stay O(1)."""
     for _ in range(20_000):
         rec.wake()
-        rec.drain()
+        rec.clear_wakeups()
     for _ in range(50):
         os.kill(os.getpid(), signal.SIGUSR1)
     assert rec.new_signals() == {signal.SIGUSR1: 50}

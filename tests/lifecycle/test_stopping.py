@@ -9,9 +9,10 @@ from kimi_supervisor.host.gpu import GpuMemory, GpuUnavailable
 from kimi_supervisor.lifecycle.drain import Drain, stopped_status
 from kimi_supervisor.lifecycle.stopping import TERM_POLL_S, TreeStopper, confirm_gpus_free
 from kimi_supervisor.liveness.http import Answer, HttpClient
-from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from testkit.fakes.lifecycle import EventClock, FakeChild
+from testkit.fakes.log import RecordingLog
 
 
 class Scene:

@@ -13,12 +13,12 @@ from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import EngineWedged, ExitCode, ThreadDied
 from kimi_supervisor.lifecycle.threadwatch import ThreadWatch
-from kimi_supervisor.liveness.engine import DeepLiveness, send_canary
+from kimi_supervisor.liveness.engine import DeepLiveness, LivenessInputs, send_canary
 from kimi_supervisor.liveness.http import Answer
-from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpuProbe
 from testkit.fakes.lifecycle import FakeLiveness, SilentNotifier
 from testkit.fakes.lifecycle_world import serving_world
+from testkit.fakes.log import RecordingLog
 from tests.rawserver import answer, raw_server
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
@@ -70,10 +70,11 @@ class _Client:
 def test_the_canary_thread_counts_deep_replies_until_the_streak_ends_the_run(tmp_path: Path) -> None:
     client = _Client(Answer(200, DEEP, None, 0.0, 0.0))
     woken = threading.Semaphore(0)
-    deep = DeepLiveness(
-        _liveness_config(tmp_path), FakeGpuProbe([]), (), woken.release, SilentNotifier(), RecordingLog(),
-        http=client, environ={},
+    given = LivenessInputs(
+        _liveness_config(tmp_path), FakeGpuProbe([]), (), woken.release, SilentNotifier(), RecordingLog(), {},
+        http=client,
     )  # fmt: skip
+    deep = DeepLiveness(given)
     deep.start()
     try:
         with pytest.raises(EngineWedged) as info:
@@ -93,10 +94,11 @@ def test_a_dead_canary_thread_is_recorded_for_the_loop(tmp_path: Path) -> None:
     watch = ThreadWatch()
     died = threading.Event()
     watch.install(died.set)
-    deep = DeepLiveness(
-        _liveness_config(tmp_path), FakeGpuProbe([]), (), lambda: None, SilentNotifier(), RecordingLog(),
-        http=_Client(RuntimeError("a bug")), environ={},
+    given = LivenessInputs(
+        _liveness_config(tmp_path), FakeGpuProbe([]), (), lambda: None, SilentNotifier(), RecordingLog(), {},
+        http=_Client(RuntimeError("a bug")),
     )  # fmt: skip
+    deep = DeepLiveness(given)
     try:
         deep.start()
         assert died.wait(10), "the canary thread's death was not recorded within 10 s"

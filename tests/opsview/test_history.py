@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kimi_supervisor.opsview.history import KEEP, UNRECORDED, History, load_history
-from testkit.fakes.clock import RecordingLog
+from testkit.fakes.log import RecordingLog
 
 
 def test_rotation_keeps_the_last_20_runs_and_counts_every_start(tmp_path: Path) -> None:

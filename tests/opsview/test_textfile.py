@@ -13,8 +13,8 @@ from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.opsview.textfile import MetricsSnapshot, MetricsWriter, render
 from kimi_supervisor.opsview.view import OperatorView
-from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpuProbe
+from testkit.fakes.log import RecordingLog
 from testkit.harness import weights_pair
 from tests.promtool import check_metrics
 

@@ -24,10 +24,10 @@ from kimi_supervisor.opsview.history import load_history
 from kimi_supervisor.opsview.tree import classify
 from kimi_supervisor.opsview.view import OBSERVE_EVERY_S, WRITE_EVERY_S, OperatorView
 from kimi_supervisor.states import State
-from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from testkit.fakes.lifecycle import WALL_T0
 from testkit.fakes.lifecycle_world import TICK, ready_times, serving_world
+from testkit.fakes.log import RecordingLog
 from tests.conftest import ProcSpawner, wait_for
 
 TREE = """

@@ -20,8 +20,9 @@ from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import PreflightError
 from kimi_supervisor.host.proctable import ProcInfo
 from kimi_supervisor.preflight.run import Preflight
-from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.log import RecordingLog
 
 SELF = 5_000_000  # the supervisor running the preflight
 SUPERVISOR = 5_000_001  # another, live kimi-supervisor (its tree is not stale)

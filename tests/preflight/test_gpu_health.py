@@ -19,8 +19,9 @@ from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight.gpu_health import evaluate
 from kimi_supervisor.preflight.report import render_text
 from kimi_supervisor.preflight.run import Preflight
-from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import HEALTHY, FakeGpu, FakeGpuProbe
+from testkit.fakes.log import RecordingLog
 from tests.conftest import ProcSpawner
 
 DEFAULT = GpuHealthConfig(True, (63, 92), "fail", "fail", "fail", "warn", "warn", "warn")

@@ -18,8 +18,9 @@ from kimi_supervisor.host.gpu import MIB
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight.reaper import plan_reap
 from kimi_supervisor.preflight.run import Preflight
-from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.log import RecordingLog
 from testkit.harness import short_link
 from testkit.procutil import free_port
 from tests.conftest import REPO, ProcSpawner, wait_for

@@ -14,8 +14,9 @@ from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ExitCode, PreflightError
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight.run import Preflight
-from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import FakeGpuProbe
+from testkit.fakes.log import RecordingLog
 from testkit.harness import short_link
 from testkit.procutil import free_port
 

@@ -16,8 +16,8 @@ from kimi_supervisor.host.gpu import GpuProcess
 from kimi_supervisor.host.instance_lock import lock_owners
 from kimi_supervisor.host.proctable import ProcInfo, PsutilProcessTable
 from kimi_supervisor.preflight.reaper import KillRules, execute_reap, plan_reap
-from testkit.fakes.clock import RecordingLog
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.log import RecordingLog
 from tests.conftest import REPO, ProcSpawner, wait_for
 from tests.preflight.test_preflight import make_cfg, run
 

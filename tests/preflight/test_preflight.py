@@ -20,8 +20,9 @@ from kimi_supervisor.host.gpu import GpuProbe
 from kimi_supervisor.host.nvml import NvmlProbe
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight.run import Preflight
-from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import INVISIBLE_PID, FakeGpu, FakeGpuProbe
+from testkit.fakes.log import RecordingLog
 from testkit.procutil import free_port
 from tests.conftest import ProcSpawner
 

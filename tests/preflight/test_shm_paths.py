@@ -16,8 +16,9 @@ from kimi_supervisor.preflight.report import render_text
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.preflight.shm import plan_shm, remove_stale, write_lease_granted
 from kimi_supervisor.systemd import unit
-from testkit.fakes.clock import FakeClock, RecordingLog
+from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import FakeGpuProbe
+from testkit.fakes.log import RecordingLog
 from tests.conftest import ProcSpawner
 from tests.preflight.test_preflight import make_cfg
 

@@ -88,7 +88,7 @@ def test_abstract_namespace_socket() -> None:
 
 
 def test_failure_is_logged_once_then_recovery_counts_the_lost(tmp_path: Path) -> None:
-    from testkit.fakes.clock import RecordingLog
+    from testkit.fakes.log import RecordingLog
 
     log = RecordingLog()
     path = tmp_path / "late.sock"

@@ -1,7 +1,7 @@
 """This node's status for the other supervisors of its multi-node group: one small read-only JSON document.
 
 `GET /` answers `{"role", "node_rank", "deployment", "run_id", "state", "argv_digest", "peers"}` and nothing
-else: what a peer needs to decide about *this* node (liveness/peers.py reads it), and how this node last saw
+else: what a peer needs to decide about *this* node (deployment/group/peers.py reads it), and how this node last saw
 its peers (for `kimi-supervisor status`).  GET only (anything else is 405, and no request body is read), a
 fixed document (under 400 bytes, plus ~80 per peer), no query or path does anything, nothing a client sends
 reaches the lifecycle, and nothing in it is derived from a secret (the argv digest is over the redacted argv).

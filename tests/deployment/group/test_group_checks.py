@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from kimi_supervisor.checks import Check, Status
-from kimi_supervisor.liveness.peers import PeerStatus, PortState
-from kimi_supervisor.preflight.group_checks import Network, check_local_gpus, group_checks
+from kimi_supervisor.deployment.group.checks import Network, group_checks
+from kimi_supervisor.deployment.group.peers import PeerStatus, PortState
+from kimi_supervisor.preflight.checks import check_local_gpus
 from testkit.fakes.group import group_config
 
 ENV = {"VLLM_HOST_IP": "10.77.0.2", "GLOO_SOCKET_IFNAME": "kf0"}

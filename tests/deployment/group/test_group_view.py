@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kimi_supervisor.cli.group_view import fetch, group_lines
 from kimi_supervisor.config.model import ClusterConfig
-from kimi_supervisor.opsview.group_status import GroupStatus, PeerAddresses, StatusServer
-from testkit.fakes.clock import RecordingLog
+from kimi_supervisor.deployment.group.server import GroupStatus, PeerAddresses, StatusServer
+from kimi_supervisor.deployment.group.view import fetch, group_lines
+from testkit.fakes.log import RecordingLog
 
 PEER = "http://10.77.0.2:29599/"
 

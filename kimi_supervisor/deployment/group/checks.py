@@ -24,7 +24,7 @@ import psutil
 
 from kimi_supervisor.checks import Check, Status
 from kimi_supervisor.config.model import ClusterConfig, Config
-from kimi_supervisor.liveness.peers import NetGroupProbe, PeerStatus, PortState, probe_port
+from kimi_supervisor.deployment.group.peers import NetGroupProbe, PeerStatus, PortState, probe_port
 
 TIMEOUT_S = 2.0
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -107,23 +107,6 @@ _RANK_FLAGS = (
     "--distributed-executor-backend",
     "--headless",
 )
-
-
-def check_local_gpus(visible: int, selected: tuple[int, ...], local_world_size: int, nnodes: int) -> Check:
-    """A group node needs its share of the world, not the whole TP size (TP=16 over two hosts: 8 each)."""
-    data = {"visible": visible, "selected": list(selected), "local_world_size": local_world_size}
-    missing = [i for i in selected if i >= visible]
-    if missing:
-        return Check("gpus", Status.FAIL, f"configured GPU(s) {missing} do not exist: NVML sees {visible}", data)
-    if len(selected) < local_world_size:
-        return Check(
-            "gpus",
-            Status.FAIL,
-            f"this node's share of the group needs {local_world_size} GPUs (world / {nnodes} nodes), "
-            f"only {len(selected)} are available",
-            data,
-        )
-    return Check("gpus", Status.OK, f"{len(selected)} GPU(s) for this node's share of {local_world_size}", data)
 
 
 def _addresses(cluster: ClusterConfig, env: Mapping[str, str], net: Network, leader: bool) -> list[Check]:
@@ -230,7 +213,7 @@ def _peer(url: str, cfg: Config, net: Network, leader: bool) -> Check:
         return Check(f"group.{who}", Status.WARN, f"{who} status {url}: {error} (not started yet?)")
     why = status.mismatch(who, cfg.deployment.name, cfg.cluster.argv_digest)
     if why is not None:
-        # A start would not believe it either (lifecycle/group.py): name what differs.
+        # A start would not believe it either (deployment/group/node.py): name what differs.
         return Check(f"group.{who}", Status.FAIL, f"{who} {url} is not this group's {who}: {why}")
     run = f", run {status.run_id}" if status.run_id else ""
     return Check(f"group.{who}", Status.OK, f"{who} {url} (node {status.node_rank}) is {status.state}{run}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from kimi_supervisor.liveness.peers import PortState, parse_status, probe_port
+from kimi_supervisor.deployment.group.peers import PortState, parse_status, probe_port
 
 
 def test_a_peer_document_is_checked_field_by_field() -> None:

@@ -2,13 +2,13 @@
 
 vLLM's mp executor watches only a node's own workers: an idle leader never notices a dead follower (its
 /health stays 200), and an idle follower never notices a dead leader (it waits on a ZMQ socket forever).
-So each supervisor reads its peers' status endpoints (opsview/group_status.py serves ours), and a follower
+So each supervisor reads its peers' status endpoints (deployment/group/server.py serves ours), and a follower
 also connects to the leader's master port (the TCPStore lives in the leader's rank-0 worker for the whole
 life of the group; a connect and close is harmless, research 3.2).  What a peer sends is untrusted: a
 bounded body, parsed into a fixed shape, and it only ever informs a verdict about that peer.
 
 A `PeerPoller` thread does the I/O every `probe_interval_s` and keeps the observations for the loop; the
-verdicts are lifecycle/group.py's, in fake time.
+verdicts are deployment/group/node.py's, in fake time.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Protocol
 from kimi_supervisor.liveness.http import HttpClient, one_line, parse_json, request
 
 MAX_STATUS_BODY = 256 * 1024  # our own document: < 400 bytes plus ~80 per peer (a leader of 1023 followers)
-# States a supervisor publishes (opsview/group_status.py): the lifecycle's, plus "waiting" (a follower
+# States a supervisor publishes (deployment/group/server.py): the lifecycle's, plus "waiting" (a follower
 # waiting for its leader, nothing of ours running).
 PEER_STATES = ("preflight", "waiting", "starting", "ready", "stopping", "stopped", "failed")
 _RUN_ID = re.compile(r"^[0-9a-f]{1,64}$")
@@ -156,13 +156,13 @@ class NetGroupProbe:
 
 
 class Poller(Protocol):
-    """Looks at the peers in the background; the loop takes what came (`drain`)."""
+    """Looks at the peers in the background; the loop takes what came (`observations`)."""
 
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
 
-    def drain(self) -> list[Observation]: ...
+    def observations(self) -> list[Observation]: ...
 
 
 class PollerFactory(Protocol):
@@ -190,7 +190,7 @@ class PeerPoller:
         self._probe: GroupProbe = probe if probe is not None else NetGroupProbe()
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        # Bounded: a loop that stopped draining (while stopping the tree) keeps only the newest looks.
+        # Bounded: a loop that stopped taking them (while stopping the tree) keeps only the newest looks.
         self._results: collections.deque[Observation] = collections.deque(maxlen=64)
         self._thread = threading.Thread(target=self._loop, name="kimi-peers", daemon=True)
 
@@ -200,7 +200,7 @@ class PeerPoller:
     def stop(self) -> None:
         self._stop.set()
 
-    def drain(self) -> list[Observation]:
+    def observations(self) -> list[Observation]:
         with self._lock:
             out = list(self._results)
             self._results.clear()

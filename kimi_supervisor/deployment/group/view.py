@@ -1,6 +1,6 @@
 """`kimi-supervisor status` on a node of a multi-node group: this node's role and rank, and the group as it sees it.
 
-Read from this node's own status endpoint (opsview/group_status.py), one bounded GET: the leader's state as a
+Read from this node's own status endpoint (deployment/group/server.py), one bounded GET: the leader's state as a
 follower last saw it, or each follower's state on the leader.  Nothing is asked of the peers themselves.
 """
 

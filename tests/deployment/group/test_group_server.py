@@ -11,13 +11,13 @@ import pytest
 
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config.model import ClusterConfig
+from kimi_supervisor.deployment.group import server as status_server
+from kimi_supervisor.deployment.group.node import LeaderLiveness
+from kimi_supervisor.deployment.group.peers import NetGroupProbe, Observation, PeerPoller
+from kimi_supervisor.deployment.group.server import REQUEST_DEADLINE_S, GroupStatus, PeerAddresses, StatusServer
 from kimi_supervisor.exitcodes import PeerLost
-from kimi_supervisor.lifecycle.group import LeaderLiveness
 from kimi_supervisor.liveness.http import request
-from kimi_supervisor.liveness.peers import NetGroupProbe, Observation, PeerPoller
-from kimi_supervisor.opsview import group_status
-from kimi_supervisor.opsview.group_status import REQUEST_DEADLINE_S, GroupStatus, PeerAddresses, StatusServer
-from testkit.fakes.clock import RecordingLog
+from testkit.fakes.log import RecordingLog
 from tests.conftest import wait_for
 
 
@@ -134,14 +134,14 @@ def test_a_trickling_client_never_delays_a_peers_look_and_the_leader_does_not_ex
     cluster = ClusterConfig(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=1, peers=(url,))
     # Generous look timeouts (5 s): the old server never answered behind the trickler, whatever the timeout.
     poller = PeerPoller([url], None, lambda: None, interval_s=0.2, timeout_s=5.0)
-    drain = poller.drain
+    drain = poller.observations
 
     def recorded() -> list[Observation]:
         fresh = drain()
         looks.extend(fresh)
         return fresh
 
-    poller.drain = recorded  # type: ignore[method-assign]
+    poller.observations = recorded  # type: ignore[method-assign]
     leader = LeaderLiveness(_FakeDeep(), poller, cluster, SystemClock(), RecordingLog())
     try:
         assert trickler.holding.wait(30), "the trickler never held a connection"
@@ -186,11 +186,11 @@ def test_only_configured_peers_and_this_host_are_served() -> None:
 
 def test_excess_connections_are_closed_at_once_not_queued(monkeypatch: pytest.MonkeyPatch) -> None:
     # A long deadline: the held connections stay held for the whole test, whatever this machine's speed.
-    monkeypatch.setattr(group_status, "REQUEST_DEADLINE_S", 300.0)
+    monkeypatch.setattr(status_server, "REQUEST_DEADLINE_S", 300.0)
     _, server, url = serving(hosts=("127.0.0.2",))
     held = []
     try:
-        for _ in range(group_status.MAX_PER_ADDRESS):
+        for _ in range(status_server.MAX_PER_ADDRESS):
             held.append(socket.create_connection(("127.0.0.1", server.bound_port), source_address=("127.0.0.2", 0)))
         with socket.create_connection(
             ("127.0.0.1", server.bound_port), timeout=60, source_address=("127.0.0.2", 0)

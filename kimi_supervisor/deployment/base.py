@@ -1,0 +1,42 @@
+"""What every role answers: the lifecycle's part (lifecycle.deps.RolePart) and cli's (locks, dry run, units).
+
+The defaults are a plain engine's: one host, `vllm serve`, the API on its port.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from kimi_supervisor.checks import Check
+from kimi_supervisor.config.model import Config
+from kimi_supervisor.exitcodes import ExitCode
+from kimi_supervisor.lifecycle.deps import Deps, RolePart
+from kimi_supervisor.systemd import unit
+
+
+class Deployment(RolePart):
+    # Added to the names of its instance locks (host/instance_lock.py): "" takes the deployment's own.
+    lock_suffix = ""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    @property
+    def status_port(self) -> int | None:
+        """A port of its own, locked with the rest (16 for a second supervisor that wants it)."""
+        return None
+
+    def run(self, deps: Deps, secrets: tuple[str, ...]) -> ExitCode:
+        """Supervise until a stop request (0) or a failure (its SupervisorError)."""
+        # Imported here: a refused second instance (exit 16) should not pay for the whole lifecycle.
+        from kimi_supervisor.lifecycle.supervisor import Supervisor
+
+        return Supervisor(self.cfg, dataclasses.replace(deps, role=self), secrets).run()
+
+    def dry_run(self, checks: list[Check], gpu_count: int) -> None:
+        """Add what the dry run shows of this role to its report's checks."""
+
+    def holder_unit(self, config: Path, instance: str | None) -> unit.HolderUnit | None:
+        """The weight holder's unit that install-unit writes beside this deployment's; None: no holder."""
+        return None

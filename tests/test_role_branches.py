@@ -1,0 +1,74 @@
+"""Role branches outside the role rooms: a role is one object (kimi_supervisor/deployment/), so the rest of the
+package asks it and seldom names a role.  Counts, per module, every comparison that names `Role.X` or a `.role`,
+and every test of a role flag (`in_group`, `maps_held_weights`, `serves_api`); the count outside
+kimi_supervisor/deployment/ and the roles.py leaf must stay under a ceiling, and each branch left there says why
+in a comment on its line or the line above.
+
+Run `python3 tests/test_role_branches.py` for the table (module, count); `--all` counts the role rooms too.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kimi_supervisor"
+FLAGS = {"in_group", "maps_held_weights", "serves_api"}
+# The role rooms and the leaf that defines the roles: branching on a role is their job.
+ROLE_ROOMS = ("deployment/", "roles.py")
+CEILING = 17  # 33 on dffe087; config/load.py holds 9: the parse-time checks of each role's tables
+
+
+def _names_role(node: ast.expr) -> bool:
+    if isinstance(node, ast.Attribute):
+        if isinstance(node.value, ast.Name) and node.value.id == "Role":
+            return True
+        return node.attr == "role"
+    if isinstance(node, ast.Tuple):
+        return any(_names_role(e) for e in node.elts)
+    return False
+
+
+def _branches_on_role(node: ast.AST) -> bool:
+    if isinstance(node, ast.Compare):
+        return any(_names_role(e) for e in [node.left, *node.comparators])
+    return isinstance(node, ast.Attribute) and node.attr in FLAGS and isinstance(node.ctx, ast.Load)
+
+
+def branches(path: Path) -> list[int]:
+    """The lines of `path` that branch on a role."""
+    tree = ast.parse(path.read_text(), str(path))
+    return sorted(node.lineno for node in ast.walk(tree) if _branches_on_role(node))  # type: ignore[attr-defined]
+
+
+def counts(include_rooms: bool = False) -> dict[str, list[int]]:
+    found: dict[str, list[int]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if not include_rooms and rel.startswith(ROLE_ROOMS):
+            continue
+        if hits := branches(path):
+            found[rel] = hits
+    return found
+
+
+def test_role_branches_outside_the_role_rooms_stay_few() -> None:
+    found = counts()
+    total = sum(len(v) for v in found.values())
+    assert total <= CEILING, f"{total} role branches outside deployment/ (ceiling {CEILING}): {found}"
+
+
+def test_each_role_branch_left_says_why() -> None:
+    for rel, hits in counts().items():
+        text = (PACKAGE / rel).read_text().splitlines()
+        for line in hits:
+            said = "#" in text[line - 1] or text[line - 2].lstrip().startswith("#")
+            assert said, f"kimi_supervisor/{rel}:{line}: a role branch outside deployment/ says why in a comment"
+
+
+if __name__ == "__main__":
+    table = counts(include_rooms="--all" in sys.argv)
+    for rel, hits in table.items():
+        print(f"{len(hits):3d}  kimi_supervisor/{rel}  (lines {', '.join(map(str, hits))})")
+    print(f"{sum(len(v) for v in table.values()):3d}  in {len(table)} modules")
