@@ -32,8 +32,8 @@ from pathlib import Path
 
 # Run as a script: the repository is the import root (for the shared process helpers).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-# Importing gpu_tier_common sets its SAFE_ENV (NVLink multicast off, mandatory on the multi-GPU machines).
-from gpuaccept.gpu_tier_common import SAFE_ENV, hold_gpu_memory, nccl_all_reduce, write_json
+# Importing gpu_tier/common.py sets its SAFE_ENV (NVLink multicast off, mandatory on the multi-GPU machines).
+from gpuaccept.gpu_tier.common import SAFE_ENV, hold_gpu_memory, nccl_all_reduce, write_json
 from testkit.procutil import free_port, set_comm
 
 

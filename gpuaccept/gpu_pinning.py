@@ -30,7 +30,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaccept.gpu_tier_common import gpu_child_section, scene_start, write_gpu_config  # noqa: E402
+from gpuaccept.gpu_tier.common import gpu_child_section, scene_start, write_gpu_config  # noqa: E402
 from gpuaccept.gpu_two_supervisors import CHECKS, Supervisor, expect  # noqa: E402
 from testkit.procutil import free_port  # noqa: E402
 

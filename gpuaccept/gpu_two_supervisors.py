@@ -33,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaccept.gpu_tier_common import gpu_child_section, scene_start, write_gpu_config  # noqa: E402 - needs the repo on sys.path
+from gpuaccept.gpu_tier.common import gpu_child_section, scene_start, write_gpu_config  # noqa: E402 - needs the repo on sys.path
 
 CHECKS: list[tuple[str, bool, str]] = []
 
