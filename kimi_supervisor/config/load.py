@@ -1,8 +1,8 @@
-"""Configuration: one TOML file parsed by pure functions into frozen dataclasses (configtypes.py).
+"""Configuration: one TOML file parsed by pure functions into frozen dataclasses (config/model.py).
 
 Validation happens here, once, when the config is built: every later module
 can trust its values.  Every problem becomes a one-line `ConfigError` naming
-the file, the dotted key and what was expected (configtable.py reads each
+the file, the dotted key and what was expected (config/table.py reads each
 table); nothing here exits.
 """
 
@@ -658,7 +658,7 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
 
 
 def load_config(path: Path) -> Config:
-    """Read (configfile.py: regular file, size cap, StrictModes as root) and validate the TOML file."""
+    """Read (config/file.py: regular file, size cap, StrictModes as root) and validate the TOML file."""
     raw = read_config_bytes(path)
     try:
         text = raw.decode("utf-8")
