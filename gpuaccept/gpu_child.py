@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def cuda_view() -> dict[str, object]:
-    """What CUDA shows this worker (issue 33): its pinning variables, torch's device count, and device 0's PCI
+    """What CUDA shows this worker (docs/configuration.md): its pinning variables, torch's device count, device 0's PCI
     bus id from torch and from the driver API (cuDeviceGetPCIBusId, which honours CUDA_DEVICE_ORDER)."""
     import ctypes
 

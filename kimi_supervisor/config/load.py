@@ -76,7 +76,7 @@ _PYTHON = r"^(\S*/)?python[0-9.]*( -[WX] \S+| -[^ cm]\S*)*"
 DEFAULT_REAP_CMDLINE = (
     r"^(\S*/)?vllm serve( |$)",
     _PYTHON + r" (\S*/)?vllm serve( |$)",
-    # The weight holder (issue 26): stale like any vLLM tree once its supervisor is gone; a live one's tree is
+    # The holder (docs/weight-holder.md): stale like any vLLM tree once its supervisor is gone; a live one's tree is
     # spared as every live supervisor's is (reaper.LiveTrees).  Its per-GPU daemons are its spawn children.
     r"^(\S*/)?vllm preload( |$)",
     _PYTHON + r" (\S*/)?vllm preload( |$)",

@@ -1,4 +1,4 @@
-"""The directories root writes its files in, checked before the run acts (issue 22, item 2).
+"""The directories root writes its files in, checked before the run acts (docs/hardening.md).
 
 `paths.runtime_directory` (instance locks) with the deployment's own directory below it (state.json),
 `paths.state_directory` with the deployment's own below it (history.json; config/layout.py) and the

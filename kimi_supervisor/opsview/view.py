@@ -159,7 +159,7 @@ class OperatorView:
             "watchdog": {"enabled": watchdog_s is not None, "interval_s": watchdog_s, "last_ping_at": None, "pings": 0},
             "last_failure": None,
         }
-        if cfg.weights is not None:  # issue 26: the holder's key and health, where its engine reads them
+        if cfg.weights is not None:  # docs/weight-holder.md: the holder's key and health, where its engine reads them
             self.doc["weights"] = weights_doc(cfg)
 
     # -- hooks --------------------------------------------------------------------
