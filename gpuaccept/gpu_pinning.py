@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 33 on real GPUs: `preflight.gpus = [N]` gives a child that sees exactly that one device.
+"""GPU pinning (docs/configuration.md) on real GPUs: `preflight.gpus = [N]` gives a child that sees that one device.
 
     python3 gpuaccept/gpu_pinning.py --out DIR [--mib 1024]
 

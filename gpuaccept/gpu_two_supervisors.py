@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 11 on real GPUs: a second kimi-supervisor beside a serving one changes nothing.
+"""Instance locks (docs/kill-safety.md) on real GPUs: a second kimi-supervisor beside a serving one changes nothing.
 
     python3 gpuaccept/gpu_two_supervisors.py --out DIR [--mib 4096]
 

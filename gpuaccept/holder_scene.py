@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 38 on the GPU machine, in one command: the weight holder and its engine run as a child user (not root),
+"""docs/weight-holder.md on the GPUs, in one command: the weight holder and its engine run as a child user (not root),
 under the longest deployment name whose sockets still fit a Unix socket, and the engine's preflight is tried at a
 --gpu-memory-utilization near the limit, against vLLM's own rule, with the stand-ins of gpuaccept/
 (holder_standin.py, engine_standin.py: vLLM's shape, real GPU memory; vLLM's CUDA build is not on that machine).
