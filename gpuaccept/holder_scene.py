@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 38 on the GPU machine, in one command: the weight holder and its engine run as a child user (not root),
+"""docs/weight-holder.md on the GPUs, in one command: the weight holder and its engine run as a child user (not root),
 under the longest deployment name whose sockets still fit a Unix socket, and the engine's preflight is tried at a
 --gpu-memory-utilization near the limit, against vLLM's own rule, with the stand-ins of gpuaccept/
 (holder_standin.py, engine_standin.py: vLLM's shape, real GPU memory; vLLM's CUDA build is not on that machine).
@@ -11,7 +11,7 @@ Steps, each a PASS/FAIL line, all in DIR/holder_scene.json and DIR/holder_scene.
    length against 107); the longest that fits (17 characters under a 20-character runtime directory, as under
    /run/kimi-supervisor) is the one used below;
 2. users: the holder's supervisor (root) runs `vllm preload` as USER; it must reach READY (the socket directory
-   made for USER before the load, issue 38 item 1);
+   made for USER before the load, docs/weight-holder.md);
 3. memory rule: per GPU, NVML's free F, the holder's NVML use U and its daemons' own get_memory answer A (what
    vLLM subtracts).  At a utilisation between (F + A) / total and (F + U) / total the engine's preflight must
    refuse (exit 10, gpu_memory_fraction) and vLLM's rule (the engine stand-in, as USER, outside any supervisor)

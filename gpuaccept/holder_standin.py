@@ -1,5 +1,5 @@
-"""A stand-in for vLLM 0.32's weight-cache daemon (`vllm preload`, issue 26) as the supervisor sees it from
-outside, holding real GPU memory, with the real daemon's shape (issue 38; the vLLM source line of each behaviour
+"""A stand-in for vLLM 0.32's weight-cache daemon (`vllm preload`, docs/weight-holder.md) as the supervisor sees it from
+outside, with real GPU memory, the real daemon's shape (docs/weight-holder.md; the vLLM source line of each behaviour
 beside it):
 
     python3 gpuaccept/weights_bin/vllm preload --model DIR -tp N --weight-cache-socket-dir D

@@ -1,4 +1,4 @@
-"""What the weight-holder stand-ins (issue 26) share: the weights directory, the handle messages on the Unix
+"""What the weight-holder stand-ins (docs/weight-holder.md) share: the weights folder, the handle messages on the Unix
 socket, the checksum, the disk reader, and the restart-time arithmetic of the bench.
 
 Pure Python here; torch is imported only inside the functions that touch the GPU, so the CPU tests import this

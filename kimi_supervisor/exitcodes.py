@@ -61,7 +61,7 @@ DESCRIPTIONS: dict[ExitCode, str] = {
 
 
 def exit_outcome(exc: BaseException) -> tuple[ExitCode | int, str]:
-    """The exit code `cli.main` gives for `exc`, and the reason the run's record states (issue 22, item 11).
+    """The exit code `cli.main` gives for `exc`, and the reason the run's record states (docs/operators-view.md).
 
     One table for both, so the state file and the history never disagree with the exit status.
     """

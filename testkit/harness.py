@@ -370,7 +370,7 @@ def weights_pair(
     holder_user: str | None = None,
     python: str = sys.executable,
 ) -> tuple[Path, Path]:
-    """Configs of one deployment ("kimi") with a weight holder (issue 26): the fake `vllm preload` under
+    """Configs of one deployment ("kimi") with a weight holder (docs/weight-holder.md): the fake `vllm preload` under
     role "weights" (kimi.weights.toml) and the fake engine mapping it (kimi.toml, `[weights] holder = true`)."""
     holder_argv = [python, str(FAKE), "preload", "--model", str(tmp_path / "model"), "-tp", str(tp)]
     holder_argv += ["--load-seconds", "0.3", "--max-lifetime", "120", *(holder_args or [])]

@@ -129,7 +129,7 @@ class ProcSpawner:
 
 @pytest.fixture(autouse=True)
 def _textfiles_pass_promtool(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every metrics textfile a test leaves in its tmp_path passes `promtool check metrics` (issue 28):
+    """Every metrics textfile a test leaves in its tmp_path passes `promtool check metrics` (docs/operators-view.md):
     the supervisor's files, whichever test made them.  Without promtool this does nothing: the dedicated
     test in tests/opsview/test_textfile.py skips with the reason (and fails when CI=true)."""
     if "tmp_path" not in request.fixturenames or shutil.which("promtool") is None:

@@ -1,6 +1,6 @@
-"""gpuaccept/gpu_tier.py on CPU: it imports, its report renders the recorded device run byte for byte, its
+"""gpuaccept/gpu_tier/ on CPU: it imports, its report renders the recorded device run byte for byte, its
 fake GPU counts what live processes registered, and its pure helpers work. The tier itself needs the
-GPUs (docs/gpu-tier.md); `python3 gpuaccept/gpu_tier.py --fake --out DIR` runs its orchestration on CPU."""
+GPUs (docs/gpu-tier.md); `python3 gpuaccept/gpu_tier --fake --out DIR` runs its orchestration on CPU."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuaccept.gpu_tier_common import pct, summary
-from gpuaccept.gpu_tier_gpus import FakeProbe, Gpus
-from gpuaccept.gpu_tier_report import render_md
+from gpuaccept.gpu_tier.common import pct, summary
+from gpuaccept.gpu_tier.gpus import FakeProbe, Gpus
+from gpuaccept.gpu_tier.report import render_md
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "gpuaccept" / "results"
@@ -54,6 +54,9 @@ def test_the_fake_gpus_count_memory_of_live_registered_processes(tmp_path: Path)
 
 
 def test_the_command_line_still_parses() -> None:
-    script = REPO / "gpuaccept" / "gpu_tier.py"
+    script = REPO / "gpuaccept" / "gpu_tier"
     out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, check=True)
     assert "--fake" in out.stdout and "--only" in out.stdout
+    as_module = [sys.executable, "-m", "gpuaccept.gpu_tier", "--help"]
+    out = subprocess.run(as_module, capture_output=True, text=True, check=True, cwd=REPO)
+    assert "--fake" in out.stdout

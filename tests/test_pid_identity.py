@@ -1,4 +1,4 @@
-"""A process across time is (PID, start time), never its PID alone (issue 39).
+"""A process across time is (PID, start time), never its PID alone (docs/fault-matrix.md).
 
 The multi-node systemd tier compares the vLLM processes of a machine before a fault with those after it
 (`assert not old & new`): inside a container's small PID namespace a new process can get an old one's PID,

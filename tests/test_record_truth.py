@@ -1,4 +1,4 @@
-"""The record tells the truth (issue 22, item 11): every way out leaves its exit code and a reason behind.
+"""The record tells the truth (docs/operators-view.md): every way out leaves its exit code and a reason behind.
 
 A run ended by something other than a SupervisorError (a GPU lost during the preflight, psutil.AccessDenied,
 a bug) used to leave the state file in "stopping"/"preflight" and the history's run unfinished, so `status`

@@ -1,4 +1,4 @@
-"""gpuaccept/weights_common.py, holder_standin.py and engine_standin.py (issue 26's GPU stand-ins) on CPU: the
+"""gpuaccept/weights_common.py, holder_standin.py and engine_standin.py (docs/weight-holder.md) on CPU: the
 checksum, the restart-time split, the handle messages, and both stand-ins end to end with WEIGHTS_FAKE=1 (the
 "tensor" is the file's bytes).  The CUDA IPC path needs torch and a GPU: its test skips, saying why, without them;
 bench/results/weights_holder_h200.md records it on the H200."""

@@ -3,7 +3,7 @@
 The tracker turns lines into: the current phase (only ever moving forward,
 since vLLM's processes interleave), weight-loading progress, "the server says
 it started", and fatal lines.  Ready needs that *and* GET /health == 200; the
-second half lives in health.py.
+second half lives in liveness/health_probe.py.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from kimi_supervisor.systemd.notify import RedactingNotifier, notifier_from_env,
 
 
 def _load(args: argparse.Namespace) -> Config:
-    # Ownership, mode, file type and size are checked on the open file (configfile.py).
+    # Ownership, mode, file type and size are checked on the open file (config/file.py).
     cfg = load_config(args.config)
     grace = timeouts.check_grace(cfg)
     if grace.blocking and not args.dry_run:  # the dry run shows it as a FAILED check instead

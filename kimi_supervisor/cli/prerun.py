@@ -1,4 +1,4 @@
-"""A start refused before its run begins still leaves its mark where the operator looks (issue 32, item 5).
+"""A start refused before its run begins still leaves its mark where the operator looks (docs/operators-view.md).
 
 The directory check (78), the instance lock (16, 77) come before `Supervisor` and its operator's view exist,
 so such a start wrote nothing: after a stop the textfile went on saying `stopped` (which silences

@@ -169,7 +169,7 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
 
 
 def holder_of(dirs: DeploymentDirectories) -> DeploymentDirectories | None:
-    """The deployment's weight holder's files, when it has one (issue 26): its state file or history exists."""
+    """The weight holder's files, when the deployment has one (docs/weight-holder.md): its state file or history."""
     # role branch: status reads files, not a config (no deployment/ object): only an engine's files name a holder
     if dirs.role is not Role.ENGINE:
         return None
@@ -513,7 +513,7 @@ def run_status(
             if watch and tty:
                 out.write("\x1b[H\x1b[2J")  # home and clear: redraw in place, like watch(1)
             out.write(render_text(snap, now(), color))
-            if holder_dirs is not None:  # the deployment's weight holder, its own unit (issue 26)
+            if holder_dirs is not None:  # the deployment's weight holder, its own unit (docs/weight-holder.md)
                 out.write(render_holder(gather(holder_dirs), snap, now(), color))
             if cluster is not None:
                 out.write("\n".join(group_lines(cluster, *group)) + "\n")

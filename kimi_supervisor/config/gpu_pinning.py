@@ -1,7 +1,7 @@
 """Which GPUs the child sees: `CUDA_VISIBLE_DEVICES` from `preflight.gpus`, numbered as NVML numbers them.
 
 The supervisor frees, locks and watches the GPUs `preflight.gpus` names by NVML index; without this the child's
-vLLM would take CUDA's devices 0..N-1, whichever deployment owns them (issue 33).  CUDA numbers devices
+vLLM would take CUDA's devices 0..N-1, whichever deployment owns them (docs/configuration.md).  CUDA numbers devices
 fastest-first unless `CUDA_DEVICE_ORDER=PCI_BUS_ID`; NVML numbers them by PCI bus id, so with that order an
 index means the same device to both.
 

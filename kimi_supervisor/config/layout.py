@@ -1,4 +1,4 @@
-"""Where one deployment's files live on a host that may run several (issue 28).
+"""Where one deployment's files live on a host that may run several (docs/configuration.md, several deployments).
 
 GPUs and ports are host-wide, so every deployment's instance locks sit in one directory, the configured
 `paths.runtime_directory` itself.  What is a deployment's own goes in a directory named after it
@@ -8,7 +8,7 @@ the default `[paths]` never share a file:
     /run/kimi-supervisor/gpu-0.lock, port-8000.lock, deployment-NAME.lock    the host's locks
     /run/kimi-supervisor/NAME/state.json                                     NAME's live state
     /var/lib/kimi-supervisor/NAME/history.json                               NAME's run history
-    /run/kimi-supervisor/NAME/state.weights.json, weight-cache/               NAME's weight holder (issue 26)
+    /run/kimi-supervisor/NAME/state.weights.json, weight-cache/               NAME's holder (docs/weight-holder.md)
     /var/lib/kimi-supervisor/NAME/history.weights.json
 
 A deployment's weight holder (role "weights", `vllm preload`) is a second supervisor of the same deployment:

@@ -1,8 +1,8 @@
-"""Configuration: one TOML file parsed by pure functions into frozen dataclasses (configtypes.py).
+"""Configuration: one TOML file parsed by pure functions into frozen dataclasses (config/model.py).
 
 Validation happens here, once, when the config is built: every later module
 can trust its values.  Every problem becomes a one-line `ConfigError` naming
-the file, the dotted key and what was expected (configtable.py reads each
+the file, the dotted key and what was expected (config/table.py reads each
 table); nothing here exits.
 """
 
@@ -76,7 +76,7 @@ _PYTHON = r"^(\S*/)?python[0-9.]*( -[WX] \S+| -[^ cm]\S*)*"
 DEFAULT_REAP_CMDLINE = (
     r"^(\S*/)?vllm serve( |$)",
     _PYTHON + r" (\S*/)?vllm serve( |$)",
-    # The weight holder (issue 26): stale like any vLLM tree once its supervisor is gone; a live one's tree is
+    # The holder (docs/weight-holder.md): stale like any vLLM tree once its supervisor is gone; a live one's tree is
     # spared as every live supervisor's is (reaper.LiveTrees).  Its per-GPU daemons are its spawn children.
     r"^(\S*/)?vllm preload( |$)",
     _PYTHON + r" (\S*/)?vllm preload( |$)",
@@ -667,7 +667,7 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
 
 
 def load_config(path: Path) -> Config:
-    """Read (configfile.py: regular file, size cap, StrictModes as root) and validate the TOML file."""
+    """Read (config/file.py: regular file, size cap, StrictModes as root) and validate the TOML file."""
     raw = read_config_bytes(path)
     try:
         text = raw.decode("utf-8")

@@ -1,6 +1,6 @@
-"""What a configuration is: one frozen dataclass per TOML section, built and validated by config.py.
+"""What a configuration is: one frozen dataclass per TOML section, built and validated by config/load.py.
 
-Every later module takes these and trusts their values (config.py's parsers checked each one); the defaults
+Every later module takes these and trusts their values (config/load.py's parsers checked each one); the defaults
 live with the parsers, next to the checks.
 """
 
@@ -24,7 +24,7 @@ class SpawnSpec:
     inherit_environment: bool
     working_directory: str | None
     user: str | None
-    # Resolved to a gid, with the user's supplementary groups, when the child is spawned (spawnuser.py).
+    # Resolved to a gid, with the user's supplementary groups, when the child is spawned (child/spawnplan.py).
     group: str | None = None
     # paths.cache_directory, where the child's compile caches go (child/cachedirs.py); None: vLLM's defaults.
     cache_directory: Path | None = None
@@ -125,7 +125,7 @@ class MetricsConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LivenessConfig:
-    # Deep liveness (liveness.py): /health stays 200 while an engine is wedged.
+    # Deep liveness (liveness/engine.py): /health stays 200 while an engine is wedged.
     canary_interval_s: float  # 0: no canary
     canary_timeout_s: float
     failures_tolerated: int

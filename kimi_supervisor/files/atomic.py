@@ -1,4 +1,4 @@
-"""Replace a file atomically, as root, in a directory someone else might be able to touch (issue 22, item 2).
+"""Replace a file atomically, as root, in a directory someone else might be able to touch (docs/hardening.md).
 
 The state file, the run history and the metrics textfile are all read by other
 processes (the `status` command, node_exporter) while the supervisor rewrites

@@ -1,8 +1,8 @@
-"""The directories root writes its files in, checked before the run acts (issue 22, item 2).
+"""The directories root writes its files in, checked before the run acts (docs/hardening.md).
 
 `paths.runtime_directory` (instance locks) with the deployment's own directory below it (state.json),
 `paths.state_directory` with the deployment's own below it (history.json; config/layout.py) and the
-directory of `metrics.textfile` are checked like the config file's directories (configfile.py, sshd's
+directory of `metrics.textfile` are checked like the config file's directories (config/file.py, sshd's
 StrictModes), on the path as written *and* on the path it resolves to: every directory on the way is owned
 by root (or the account the supervisor runs as) and not writable by group or others; a sticky directory
 such as /tmp is allowed above ours but never as the one holding our files.  A symlink on the way is fine

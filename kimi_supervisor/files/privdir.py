@@ -1,4 +1,4 @@
-"""A directory root makes for one account, through descriptors that follow no link (issues 32 and 38).
+"""A directory root makes for one account, through descriptors that follow no link (docs/weight-holder.md).
 
 Root makes directories that a child's account then uses alone: its cache home (child/cachedirs.py) and the
 weight holder's socket directory (child/socketdir.py).  Each is made in a directory only root may write, with

@@ -1,4 +1,4 @@
-"""Reading files another account may have placed: the state file and the history (issue 22, item 9).
+"""Reading files another account may have placed: the state file and the history (docs/fault-matrix.md).
 
 Both live in directories the daemon checks (dirtrust.py), but `status` runs as anyone, against any
 `--config`, and a directory can be loosened after the daemon started.  So what is read is treated as input:

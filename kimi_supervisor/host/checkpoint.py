@@ -1,4 +1,4 @@
-"""The checkpoint's share of vLLM's weight-cache key, computed as vLLM 0.32 computes it (issue 26).
+"""The checkpoint's share of vLLM's weight-cache key, computed as vLLM 0.32 computes it (docs/weight-holder.md).
 
 `vllm/model_executor/model_loader/weight_cache/protocol.py` `hash_checkpoint`: each `*.safetensors` of the model
 directory (those the index names, when there is one: weight_utils.py `filter_duplicate_safetensors_files`),

@@ -15,7 +15,7 @@ owner's last descriptor closes, so a SIGKILLed supervisor never leaves a lock
 that blocks (its file stays, empty of meaning); the descriptors are O_CLOEXEC
 so vLLM's tree never inherits them and cannot keep a dead supervisor's lock.
 
-One deployment's weight holder (role "weights", `vllm preload`: issue 26) shares its engine's GPUs by design: it
+A deployment's holder (role "weights", `vllm preload`: docs/weight-holder.md) shares its engine's GPUs by design: it
 takes the same resources under its own suffix (`gpu-0.weights.lock`, `deployment-NAME.weights.lock`), so a
 second holder refuses as a second engine does, and each of the two, once its own locks are held and its record
 written, looks at the other suffix's GPU locks: one held by a supervisor of another deployment (or of one its
@@ -79,7 +79,7 @@ class Owner:
     resource: Resource
     gpus: tuple[int, ...] | None  # what the owner wrote it serves
     port: int | None
-    deployment: str | None = None  # what the owner wrote it is (None: not written yet, or before issue 28)
+    deployment: str | None = None  # what the owner wrote it is (None: not written yet, or by an older supervisor)
 
     def who(self) -> str:
         who = f"PID {self.pid}" if self.pid is not None else "PID unknown"
@@ -142,7 +142,7 @@ def resources(
     suffix: str = "",
     status_port: int | None = None,
 ) -> list[Resource]:
-    """What one supervisor owns on the host: its GPUs and port, and (issue 28) its deployment's name, which
+    """What one supervisor owns on the host: its GPUs and port, and (docs/configuration.md) its deployment's name, which
     names its state file and history (config/layout.py), and its metrics textfile, which node_exporter reads
     whoever writes it.  A second deployment of the same name, or one writing the same textfile, would share
     those files: it is refused like one on the same GPU."""
@@ -155,7 +155,7 @@ def resources(
         digest = hashlib.sha256(os.fsencode(os.path.abspath(textfile))).hexdigest()[:16]
         found.append(Resource(f"metrics textfile {textfile}", f"textfile-{digest}.lock"))
     if status_port is not None:
-        # A group node's status endpoint (issue 32): two group deployments on one host with the default
+        # A group node's status endpoint (docs/multi-node.md): two group deployments on one host with the default
         # cluster.status_port refuse here (16), before either binds it.
         found.append(Resource(f"status port {status_port}", f"status-port-{status_port}.lock"))
     return found
@@ -243,7 +243,7 @@ def _supervisors_holding(directory: Path, resource: Resource) -> set[int]:
 
 def foreign_partner(directory: Path, gpus: Sequence[int], deployment: str | None, suffix: str) -> Owner | None:
     """A supervisor holding one of these GPUs under the partner suffix that is not of `deployment`: the one
-    sharing that issue 26 allows is a holder and an engine of the same deployment."""
+    sharing that docs/weight-holder.md allows is a holder and an engine of the same deployment."""
     for resource in resources(gpus, 0, None, None, partner_suffix(suffix))[:-1]:  # the GPUs, not the port
         supervisors = _supervisors_holding(directory, resource)
         if supervisors:

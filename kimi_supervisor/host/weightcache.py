@@ -1,4 +1,4 @@
-"""What vLLM's weight-cache daemons hold, asked the way vLLM asks (issue 38).
+"""What vLLM's weight-cache daemons hold, asked the way vLLM asks (docs/weight-holder.md).
 
 An engine that maps held weights subtracts from `total x --gpu-memory-utilization` only what the daemon's
 PyTorch allocator holds (v1/worker/utils.py:716-768 request_memory), which it learns by sending

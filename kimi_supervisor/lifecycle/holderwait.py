@@ -1,4 +1,4 @@
-"""An engine that maps its deployment's held weights waits for the holder before anything else (issue 26).
+"""An engine that maps its deployment's held weights waits for the holder before anything else (docs/weight-holder.md).
 
 Started before the holder is ready, vLLM with `"fallback": false` fails its load; with a fallback it would read
 the model from disk beside the held copy and run out of GPU memory.  So the engine's supervisor waits, before

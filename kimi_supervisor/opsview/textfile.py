@@ -11,10 +11,10 @@ and does not fsync; `atomicfile.write_atomic` does both around the same
 Counters come from the run history's cumulative counters, so they do not
 reset when systemd restarts the service (a reset would read as a rate spike).
 
-Every series carries `deployment` (issue 28): node_exporter serves every
+Every series carries `deployment` (docs/operators-view.md): node_exporter serves every
 deployment's textfile of a host at once, and the alerts
 (packaging/prometheus/kimi-supervisor.rules.yml) name the one to look at.
-And `role` (issue 32): a weight holder and its engine share the deployment's
+And `role` (docs/operators-view.md): a weight holder and its engine share the deployment's
 name, so without it their two textfiles held the same series and node_exporter
 refused the scrape ("collected before with the same name and label values").
 Label values come from bounded sets only (state, GPU index, exit code and its

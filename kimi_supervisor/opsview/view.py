@@ -155,11 +155,11 @@ class OperatorView:
             "gpus": [],
             "gpu_error": None,
             "health": {"ok": None, "latency_s": None, "at": None, "error": None, "consecutive_failures": 0},
-            "canary": {"ok": None, "latency_s": None, "at": None},  # null until the first canary (liveness.py)
+            "canary": {"ok": None, "latency_s": None, "at": None},  # null until the first canary (liveness/engine.py)
             "watchdog": {"enabled": watchdog_s is not None, "interval_s": watchdog_s, "last_ping_at": None, "pings": 0},
             "last_failure": None,
         }
-        if cfg.weights is not None:  # issue 26: the holder's key and health, where its engine reads them
+        if cfg.weights is not None:  # docs/weight-holder.md: the holder's key and health, where its engine reads them
             self.doc["weights"] = weights_doc(cfg)
 
     # -- hooks --------------------------------------------------------------------

@@ -79,7 +79,7 @@ def check_model(model: str | None) -> Check:
     if not os.access(path, os.R_OK | os.X_OK):
         return Check("model", Status.FAIL, f"model directory {model} is not readable by uid {os.geteuid()}")
     # The shards must resolve inside the model (pagecache.boundary): a link to any other file is refused
-    # unread, and a bad index is this failed check, never an exception (issue 32).
+    # unread, and a bad index is this failed check, never an exception (docs/fault-matrix.md).
     bound = pagecache.boundary(path)
     index = path / pagecache.INDEX
     try:

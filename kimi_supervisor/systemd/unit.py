@@ -9,7 +9,7 @@ installation and reloads systemd.  An instance's own settings from its config (T
 directories it writes) go in a drop-in of that instance, `kimi-supervisor@NAME.service.d/`, so one template
 serves every deployment.
 
-A deployment with a weight holder (issue 26, docs/weight-holder.md) is a pair of units: the holder's template
+A deployment with a weight holder (docs/weight-holder.md) is a pair of units: the holder's template
 `kimi-supervisor-weights@.service` (instance NAME runs NAME.weights.toml, `vllm preload`) and the engine's
 `kimi-supervisor@NAME.service`, whose drop-in binds it to the holder (`BindsTo=` + `After=`: started once the
 holder is ready, stopped first whenever the holder stops; its own restarts never touch the holder), while the
@@ -33,7 +33,7 @@ from kimi_supervisor.exitcodes import ExitCode, NoPermission, ServiceUnavailable
 
 UNIT_NAME = "kimi-supervisor.service"
 TEMPLATE_NAME = "kimi-supervisor@.service"
-HOLDER_TEMPLATE_NAME = "kimi-supervisor-weights@.service"  # a deployment's weight holder (issue 26)
+HOLDER_TEMPLATE_NAME = "kimi-supervisor-weights@.service"  # a deployment's weight holder (docs/weight-holder.md)
 TEMPLATE_RESTART_SEC = 15  # after a crash that reloads 540 GB: the GPUs freed, nothing hurried
 HOLDER_ENGINE_RESTART_SEC = 2  # an engine beside its weight holder (instance_dropin)
 DROPIN_NAME = "50-kimi-supervisor.conf"  # install-unit --instance NAME: that instance's own settings

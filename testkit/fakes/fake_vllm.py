@@ -12,7 +12,7 @@ Run it as a script, as the supervisor runs vLLM: ``python3 testkit/fakes/fake_vl
 * fake_vllm_http.py: /health, /ping, /version, /metrics, /v1/models, POST /v1/completions.
 * fake_vllm_output.py: the output: excerpts of real vLLM 0.32 logs (tests/fixtures/vllm_cpu_0.32)
   replayed as the process's own, the progress bar, and the stress shapes (floods, long lines, bad UTF-8).
-* fake_vllm_preload.py: ``fake_vllm.py preload ...``, the weight holder (`vllm preload`, issue 26).
+* fake_vllm_preload.py: ``fake_vllm.py preload ...``, the weight holder (`vllm preload`, docs/weight-holder.md).
 * fake_vllm_proc.py: process identity, signals, sleeping that notices SIGTERM and parent death.
 
 Adding a mode: a flag and a Config field in fake_vllm_options.py; the behaviour where it acts (a row in

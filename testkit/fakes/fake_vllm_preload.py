@@ -1,4 +1,4 @@
-"""A fake `vllm preload` (the weight holder of issue 26) that behaves as vLLM 0.32's does from outside (issue 38),
+"""A fake `vllm preload` (the weight holder of docs/weight-holder.md) that behaves as vLLM 0.32's does from outside,
 stdlib only.
 
 `fake_vllm.py preload --model M -tp N --weight-cache-socket-dir D --weight-cache-health-port P

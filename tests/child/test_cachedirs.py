@@ -77,7 +77,7 @@ def test_another_user_gets_a_directory_of_its_own(tmp_path: Path) -> None:
 def test_a_child_user_named_vllm_never_gets_roots_vllm_cache_root(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 32 item 2: root's VLLM_CACHE_ROOT was <cache>/vllm, and a child user named `vllm` got <cache>/vllm
+    """Was (docs/operators-view.md): root's VLLM_CACHE_ROOT was <cache>/vllm, so a user `vllm` got <cache>/vllm
     as its home, made and chowned to it: root then loaded compiled code that account could write."""
     vllm = _user_named_vllm(monkeypatch)
     as_vllm = prepare_spawn(spec(tmp_path, user=vllm), {"PATH": "/usr/bin:/bin"})
@@ -96,7 +96,7 @@ def test_a_child_user_named_vllm_never_gets_roots_vllm_cache_root(
 def test_moving_a_deployment_from_user_vllm_to_root_never_hands_root_the_vllm_tree(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 32 item 2: `CacheDirectory=` does not chown subdirectories, so the tree `user = "vllm"` filled
+    """Was (docs/operators-view.md): `CacheDirectory=` does not chown subdirectories, so the tree `user = "vllm"` filled
     stayed vllm's when the deployment moved to root, and root's child loaded it."""
     vllm = _user_named_vllm(monkeypatch)
     vllm_uid = NOBODY
@@ -150,7 +150,7 @@ def test_a_home_owned_by_someone_else_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_dry_run_creates_and_chowns_nothing(tmp_path: Path) -> None:
-    """Issue 32 item 10: `--dry-run` made and chowned <cache>/<child.user>; it must change nothing."""
+    """Was (docs/operators-view.md): `--dry-run` made and chowned <cache>/<child.user>; it must change nothing."""
     (tmp_path / "cache").mkdir()  # the unit's CacheDirectory=, as systemd makes it
     child: dict[str, object] = {"argv": ["/bin/true"]}
     if os.geteuid() == 0:

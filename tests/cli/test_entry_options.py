@@ -1,4 +1,4 @@
-"""Options mean what they say (issue 22, item 10): each command takes only its own options.
+"""Options mean what they say (docs/configuration.md): each command takes only its own options.
 
 `install-unit --dry-run` used to install the unit and daemon-reload: every option was accepted by every
 command and silently ignored where it did not apply.  Now a misplaced option is a usage error, exit 2, one

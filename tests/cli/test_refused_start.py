@@ -1,4 +1,4 @@
-"""A start refused before its run (exit 16, 78) still says `failed` where the operator looks (issue 32, item 5),
+"""A start refused before its run (exit 16, 78) still says `failed` where the operator looks (docs/operators-view.md),
 and a start refused because this very deployment runs leaves the running one's state alone."""
 
 from __future__ import annotations

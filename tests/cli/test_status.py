@@ -356,7 +356,7 @@ def test_a_non_root_user_can_read_what_the_daemon_wrote(tmp_path: Path) -> None:
         shutil.rmtree(base)
 
 
-# -- several deployments on one host (issue 28) ----------------------------------------------------------
+# -- several deployments on one host (docs/configuration.md) -------------------------------------------
 
 
 def deployment(tmp_path: Path, name: str, doc: dict[str, Any] | None, hist: HistoryData | None = None) -> Path:
@@ -412,7 +412,7 @@ def test_one_deployment_on_the_host_shows_in_full_without_config(tmp_path: Path)
 
 
 def test_deployments_without_a_config_here_are_found_by_their_state_files(tmp_path: Path) -> None:
-    """Issue 33: one started from a config elsewhere (kimi-b, its config in /srv) and one whose config is gone
+    """docs/configuration.md: one started from a config elsewhere (kimi-b, config in /srv) and one whose config is gone
     (kimi-c) show beside the configured kimi-a, running or not, instead of "not running", exit 3."""
     me = os.getpid()
     deployment(tmp_path, "kimi-a", state_doc("ready", status="ready: serving on http://127.0.0.1:18555"))

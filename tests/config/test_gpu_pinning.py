@@ -1,4 +1,4 @@
-"""Several deployments on one host, truly apart (issue 33): the child is pinned to preflight.gpus in PCI bus
+"""Several deployments on a host, truly apart (docs/configuration.md): the child is pinned to preflight.gpus in PCI bus
 order, gets its own NCCL RAS endpoint, and a single node's GPUs must cover TP x PP x DP."""
 
 from __future__ import annotations

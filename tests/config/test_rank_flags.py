@@ -100,7 +100,7 @@ def test_config_writes_flags_env_and_digest(tmp_path: Path) -> None:
 
 
 def test_the_published_digest_is_over_the_redacted_argv_and_agrees_across_nodes(tmp_path: Path) -> None:
-    """Issue 32, 7: the digest on the status endpoint was over argv with `--api-key`: a guess at the key could
+    """Was (docs/multi-node.md): the status endpoint's digest was of argv with `--api-key`: a guess at the key could
     be checked offline against it.  Now it is over the argv as redact_argv shows it, on every node alike."""
     secret_argv = (
         '"vllm", "serve", "/m", "-tp", "2", "--api-key", "{a}", "--hf-token={b}", "--max-num-batched-tokens", "64"'

@@ -1,4 +1,4 @@
-"""A real two-node vLLM group under the real systemd: tier C of the multi-node tests (issue 25).
+"""A real two-node vLLM group under the real systemd: tier C of the multi-node tests (docs/multi-node.md).
 
 Two nspawn machines (systemd 252 booted over an overlay of /, tests/nspawn/nspawn.py), each in a network
 namespace this test creates, joined by a veth pair it creates (10.78.0.1 leader, 10.78.0.2 follower; nothing on

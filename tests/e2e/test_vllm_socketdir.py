@@ -1,4 +1,4 @@
-"""The weight holder's socket directory against vLLM 0.32's own code (issue 38 item 1, issue 32 item 4).
+"""The weight holder's socket directory against vLLM 0.32's own code (docs/weight-holder.md).
 
 vLLM's daemon, run as `child.user`, makes and checks its socket directory itself
 (weight_cache/protocol.py ensure_private_socket_dir, verify_private_dir): in root's 0755 `<runtime>/<name>`

@@ -1,4 +1,4 @@
-"""The weight holder's config checks against vLLM 0.32's own code (issue 38): its socket path, as the daemon
+"""The weight holder's config checks against vLLM 0.32's code (docs/weight-holder.md): its socket path, as the daemon
 binds it (weight_cache/protocol.py get_socket_path), is the one config/weights.py measures."""
 
 from __future__ import annotations

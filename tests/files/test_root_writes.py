@@ -1,4 +1,4 @@
-"""Files written as root never follow links and never trust a directory they don't own (issue 22, item 2).
+"""Files written as root never follow links and never trust a directory they don't own (docs/hardening.md).
 
 state.json, history.json and the metrics textfile used to be written through `.<name>.<pid>.tmp`, opened
 without O_EXCL/O_NOFOLLOW, in directories nobody checked: whoever could write the directory planted a

@@ -1,4 +1,4 @@
-"""Files read are untrusted (issue 22, items 8 and 9): the state file and the history as hostile input.
+"""Files read are untrusted (docs/fault-matrix.md): the state file and the history as hostile input.
 
 A FIFO (or a link to /dev/zero) at history.json hung the daemon before the spawn (deaf to SIGTERM) and hung
 `status`; deep nesting, 1e300 timestamps or wrong field types made `status` exit 70; vLLM's output (root

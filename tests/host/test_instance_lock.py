@@ -76,7 +76,7 @@ def test_a_sigkilled_owners_lock_never_blocks(tmp_path: Path) -> None:
 
 def test_a_second_deployment_of_the_same_name_or_textfile_is_refused(tmp_path: Path) -> None:
     """Its state file, history (named after the deployment) or metrics textfile would be the first one's:
-    refused like an overlapping GPU, on disjoint GPUs and ports too (issue 28)."""
+    refused like an overlapping GPU, on disjoint GPUs and ports too (docs/configuration.md)."""
     run_dir = tmp_path / "run"
     prom = tmp_path / "textfile" / "kimi.prom"
     owner = hold_lock(run_dir, [0], 8130, f", deployment='kimi-a', textfile=Path({str(prom)!r})")
@@ -124,7 +124,7 @@ def gpu_file(path: Path, holders: dict[int, int], count: int = 1) -> Path:
         gpus[i % count]["holders"][str(pid)] = mib
     # Replaced whole (a new file renamed over the old), never rewritten in place: the running supervisor's fake
     # probe re-reads it on every call, and a read between write_text's truncate and its write saw an empty file
-    # (JSONDecodeError inside the operator view: `operator_view.error` on a loaded machine, issue 39).
+    # (JSONDecodeError inside the operator view: `operator_view.error` on a loaded machine).
     write_atomic(path, json.dumps(gpus).encode())
     return path
 
@@ -315,7 +315,7 @@ def test_a_link_or_a_fifo_at_a_lock_path_is_refused_and_left_alone(open_dir: Pat
 
 
 def test_one_holder_and_one_engine_of_one_deployment_share_gpus_and_nothing_else(tmp_path: Path) -> None:
-    """Issue 26: the weight holder takes its engine's GPUs under `.weights`; a second holder, a second engine,
+    """docs/weight-holder.md: the holder takes its engine's GPUs under `.weights`; a second holder, a second engine,
     or either role of another deployment on those GPUs still refuses with 16."""
     run_dir = tmp_path / "run"
     weights = instance_lock.WEIGHTS_SUFFIX

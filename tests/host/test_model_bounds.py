@@ -1,4 +1,4 @@
-"""Bad input is a failed check, never a crash or a read outside the model (issue 32, items 6 and 11).
+"""Bad input is a failed check, never a crash or a read outside the model (docs/fault-matrix.md).
 
 The three readers of a model directory (the preflight's model check, the read-ahead and its load order, the
 checkpoint fingerprint) share one index parser and one boundary (host/pagecache.py `index_names`, `boundary`):

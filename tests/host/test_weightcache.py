@@ -1,4 +1,4 @@
-"""The daemons' own answer to vLLM's get_memory, asked as their user (issue 38 item 4)."""
+"""The daemons' own answer to vLLM's get_memory, asked as their user (docs/weight-holder.md)."""
 
 from __future__ import annotations
 

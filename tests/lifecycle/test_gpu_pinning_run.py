@@ -1,4 +1,4 @@
-"""The child's real environment (issue 33): a supervisor on fake GPUs starts the fake vLLM, which prints the
+"""The child's real environment (docs/configuration.md): a supervisor, fake GPUs, starts the fake vLLM, which prints the
 CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER and NCCL_RAS_ADDR it got; /proc/PID/environ says the same."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 38 item 7: the fake `vllm preload` has the real daemon's shape (testkit/fakes/fake_vllm_preload.py, each
+"""docs/weight-holder.md: the fake `vllm preload` has the real daemon's shape (testkit/fakes/fake_vllm_preload.py, each
 behaviour with its vLLM source line), and the supervisor copes with it: silent spawn-child ranks, exit 241 on
 SIGTERM, ranks that outlive a SIGKILLed parent."""
 

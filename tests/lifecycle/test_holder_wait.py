@@ -1,4 +1,4 @@
-"""Issue 26: the engine waits for its deployment's weight holder, is refused on another cache key, and gives up
+"""docs/weight-holder.md: the engine waits for its deployment's holder, is refused on another cache key, and gives up
 with exit 21 (nothing killed) when the holder is not ready in time.  Real supervisors around the fake vLLM."""
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def test_the_holders_stop_drains_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
 def test_a_holder_with_a_child_user_starts_and_an_engine_of_another_user_is_refused(open_dir: Path) -> None:
-    """Issue 38 item 1 / issue 32 item 4: `vllm preload` as `child.user` could not make its socket directory in
+    """Was (docs/weight-holder.md): `vllm preload` as `child.user` could not make its socket directory in
     root's 0755 <runtime>/<name> (EACCES, exit 11 on every start).  The supervisor makes it for that user before
     the spawn and records the uid; an engine whose child runs as another account is refused (exit 10)."""
     nobody = pwd.getpwnam("nobody").pw_uid

@@ -123,7 +123,7 @@ def test_gpu_release_confirmed_refused_or_unknown() -> None:
 
 
 def test_gpu_release_leaves_out_the_weight_holders_memory() -> None:
-    """Issue 26: the deployment's weight holder keeps its weights when the engine stops; the stop does not
+    """docs/weight-holder.md: the deployment's weight holder keeps its weights when the engine stops; the stop does not
     wait `gpu_release_timeout_s` for memory that stays by design, and still waits for anything else."""
     log = RecordingLog()
     held = FakeGpuProbe([FakeGpu(base_used_mib=72500), FakeGpu(base_used_mib=72500)])

@@ -1,4 +1,4 @@
-"""Item 6 of issue 22: a canary reply cannot kill the canary thread or outlast its deadline, and a check
+"""docs/fault-matrix.md: a canary reply cannot kill the canary thread or outlast its deadline, and a check
 thread that dies anyway ends the run (exit 70) instead of leaving its check off while the watchdog is pinged."""
 
 from __future__ import annotations

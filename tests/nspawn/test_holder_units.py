@@ -1,4 +1,4 @@
-"""A deployment's weight holder and its engine under a real systemd (issue 26): the unit pair install-unit writes.
+"""A weight holder and its engine under a real systemd (docs/weight-holder.md): the unit pair install-unit writes.
 
 kimi-supervisor-weights@kimi runs the fake `vllm preload` (kimi.weights.toml), kimi-supervisor@kimi the fake
 engine mapping it (kimi.toml, `[weights] holder = true`), each with the drop-in install-unit renders.  Starting

@@ -1,9 +1,9 @@
-"""Two deployments side by side under a real systemd: two instances of the template unit (issue 28).
+"""Two deployments side by side under a real systemd: two instances of the template unit (docs/configuration.md).
 
 kimi-supervisor@kimi-a and kimi-supervisor@kimi-b run /etc/kimi-supervisor/kimi-a.toml and kimi-b.toml, on
 disjoint fake GPUs (testkit.fakes.gpu_cli: NVML replaced by a GPU file) and ports, with the default [paths].
 Both become READY, each child sees only its own GPUs in PCI bus order and has its own NCCL RAS port
-(issue 33: /proc/PID/environ), each has its own state file and history, `status` tells them apart, restarting one leaves
+(/proc/PID/environ), each has its own state file and history, `status` tells them apart, restarting one leaves
 the other's MainPID, NRestarts and processes alone, and the host-wide lock still refuses a third config that
 overlaps one of them (exit 16).
 """
@@ -86,7 +86,7 @@ def test_two_instances_side_by_side(m: NspawnMachine) -> None:
         assert state["supervisor"]["pid"] == int(p["MainPID"]) and state["phase"] == "ready"
         history = json.loads(m.run(["cat", f"/var/lib/kimi-supervisor/{name}/history.json"]).stdout)
         assert [r["pid"] for r in history["runs"]] == [int(p["MainPID"])]  # its own runs only
-    # Issue 33: each child runs on its own GPUs only, numbered as NVML numbers them, with its own NCCL RAS
+    # docs/configuration.md: each child runs on its own GPUs only, numbered as NVML numbers them, with its own NCCL RAS
     # endpoint: read from the kernel's copy of the vLLM process's environment, not from what we configured.
     for name, p in (("kimi-a", a), ("kimi-b", b)):
         [child] = m.run(["pgrep", "-P", p["MainPID"]]).stdout.split()

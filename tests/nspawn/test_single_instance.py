@@ -1,4 +1,4 @@
-"""Issue 11 under a real systemd: a second kimi-supervisor from a shell leaves the serving unit alone.
+"""Instance locks (docs/kill-safety.md), real systemd: a second kimi-supervisor by hand leaves the serving unit be.
 
 The unit and the shell both run this checkout (tests/nspawn/checkout.py's launcher).
 """

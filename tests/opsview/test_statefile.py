@@ -1,4 +1,4 @@
-"""The state file's checks on what an engine reads from its holder's file (issue 26): the checkpoint record."""
+"""The state file's checks on what an engine reads from its holder's (docs/weight-holder.md): the checkpoint record."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 26: the deployment's weight holder is its own, not stale; an orphaned one is stale like any other."""
+"""docs/weight-holder.md: the deployment's holder is its own, not stale; an orphaned one is stale like any other."""
 
 from __future__ import annotations
 

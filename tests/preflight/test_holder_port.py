@@ -1,4 +1,4 @@
-"""The weight holder's /health port is checked before the spawn, as an engine's API port is (issue 38 item 5)."""
+"""The weight holder's /health port is checked before the spawn, as an engine's API port is (docs/weight-holder.md)."""
 
 from __future__ import annotations
 

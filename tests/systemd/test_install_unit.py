@@ -232,7 +232,7 @@ def test_writable_paths_of_a_config(tmp_path: Path) -> None:
 
 
 def test_install_unit_writes_the_holder_and_engine_pair(tmp_path: Path) -> None:
-    """Issue 26: an engine with `[weights] holder = true` gets its weight holder's unit beside it; the engine's
+    """docs/weight-holder.md: an engine with `[weights] holder = true` gets its holder's unit beside it; the engine's
     drop-in binds it to the holder (BindsTo= + After=), the holder Wants= its engine."""
     etc = tmp_path / "etc"
     etc.mkdir()

@@ -6,7 +6,7 @@ its peers (for `kimi-supervisor status`).  GET only (anything else is 405, and n
 fixed document (under 400 bytes, plus ~80 per peer), no query or path does anything, nothing a client sends
 reaches the lifecycle, and nothing in it is derived from a secret (the argv digest is over the redacted argv).
 
-A peer protocol, not a page (issue 32): the peers' looks decide whether the group restarts, so no client may
+A peer protocol, not a page (docs/multi-node.md): the peers' looks decide whether the group restarts, so no client may
 delay them.  Only the configured peers' addresses and this host's own are served (`PeerAddresses`); any other
 is closed at once.  Every connection gets a thread of its own, at most MAX_CONNECTIONS in all and
 MAX_PER_ADDRESS from one address (more are closed at once, never queued), and one deadline for the whole

@@ -94,7 +94,7 @@ def test_follower_never_joins_a_ready_or_stale_leader_and_gives_up_after_the_bou
     ],
 )
 def test_follower_joins_no_document_but_its_own_groups_leader(tmp_path: Path, fields: dict[str, str], why: str) -> None:
-    """Issue 32, 3: a follower joined any `starting` document at leader_status_url (a local user's listener on
+    """Was (docs/multi-node.md): a follower joined any `starting` doc at leader_status_url (a local user's listener on
     the leader's status port) while the master port was open.  Now role, deployment and argv digest must be its
     own group's leader's: anything else is a failed look, logged once, and nothing is spawned."""
     cfg = group_config(tmp_path, 1, cluster={"leader_wait_s": 30})

@@ -124,7 +124,7 @@ class _Trickler:
 
 
 def test_a_trickling_client_never_delays_a_peers_look_and_the_leader_does_not_exit_19() -> None:
-    """Issue 32, 1: one byte every 0.5 s held the single-threaded endpoint forever (each recv got its byte
+    """Was (docs/multi-node.md): one byte every 0.5 s held the single-threaded endpoint forever (each recv got its byte
     within the 1 s socket timeout); every peer look timed out and after 3 the leader exited 19."""
     status, server, url = serving()
     status.set("ready", "aa01")

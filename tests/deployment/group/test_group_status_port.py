@@ -1,4 +1,4 @@
-"""A group node's status port is its own before the preflight (issue 32, 3): taken by another user's listener or
+"""A group node's status port is its own before the preflight (docs/multi-node.md): taken by another user's listener or
 by a second group deployment on the host, the start is exit 16 naming the holder, never 70 (a crash loop)."""
 
 from __future__ import annotations

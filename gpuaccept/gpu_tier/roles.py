@@ -1,4 +1,4 @@
-"""The processes the GPU tier starts through `gpu_tier.py _<role>`: TP workers, their stale parent, decoys, a holder.
+"""The processes the GPU tier starts through `gpuaccept/gpu_tier _<role>`: TP workers, their stale parent, decoys, a holder.
 
 Stdlib (and torch on the device) only: they start fast and import nothing of the supervisor.
 """
@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from gpuaccept.gpu_tier_common import ENTRY, child_env, hold_gpu_memory, nccl_all_reduce, shm_listing, write_json
+from gpuaccept.gpu_tier.common import ENTRY, child_env, hold_gpu_memory, nccl_all_reduce, shm_listing, write_json
 from testkit.procutil import free_port, set_comm
 
 

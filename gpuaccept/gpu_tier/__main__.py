@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The real-GPU tier of kimi-supervisor: NVML facts, orphan reaping, stop, benchmark.
 
-    python3 gpuaccept/gpu_tier.py --out DIR [--mib 4096] [--reps 20] [--fake]
+    python3 gpuaccept/gpu_tier --out DIR [--mib 4096] [--reps 20] [--fake]
 
 Writes DIR/gpu_tier.json and DIR/gpu_tier.md and prints a readable report.
 
@@ -17,9 +17,9 @@ Writes DIR/gpu_tier.json and DIR/gpu_tier.md and prints a readable report.
   d. Preflight wall time on clean GPUs vs the seeds' nvidia-smi bash loop;
      NVML and nvidia-smi call latency.
 
-Modules: gpu_tier_roles (the processes started as `gpu_tier.py _<role>`), gpu_tier_gpus (NVML or the
-fake GPUs, the monitor), gpu_tier_ctx (the run's context and teardown), gpu_tier_preflight (a, b),
-gpu_tier_supervise (c), gpu_tier_bench (d), gpu_tier_report (the JSON and Markdown).
+(also `python3 -m gpuaccept.gpu_tier ...`). Modules of this package: roles.py (the processes started as
+`gpuaccept/gpu_tier _<role>`), gpus.py (NVML or the fake GPUs, the monitor), ctx.py (the run's context and
+teardown), preflight.py (a, b), supervise.py (c), bench.py (d), report.py (the JSON and Markdown).
 
 --fake runs the same orchestration with no GPU (a probe that counts live
 worker PIDs as memory) to test this script's logic on a CPU machine.
@@ -43,21 +43,23 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-# Run as a script (here, and as every subprocess role): the repository is the import root.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Run as `python3 gpuaccept/gpu_tier` (here, and as every subprocess role): the repository is the import root, in
+# place of this folder, whose modules (bench.py, common.py, ...) must not shadow top-level names.
+if not __package__:
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from gpuaccept.gpu_tier_common import SAFE_ENV, child_env
-from gpuaccept.gpu_tier_roles import sub_decoy_ctl, sub_holder, sub_parent, sub_worker
+from gpuaccept.gpu_tier.common import SAFE_ENV, child_env
+from gpuaccept.gpu_tier.roles import sub_decoy_ctl, sub_holder, sub_parent, sub_worker
 
 
 def main_bench(a: argparse.Namespace) -> int:
     # Imported here: the subprocess roles need none of this (nor the supervisor).
-    from gpuaccept.gpu_tier_bench import step_bench
-    from gpuaccept.gpu_tier_ctx import Ctx, Tee, cleanup, end_decoys
-    from gpuaccept.gpu_tier_gpus import FakeProbe, Gpus
-    from gpuaccept.gpu_tier_preflight import step_facts_idle, step_holder, step_orphans
-    from gpuaccept.gpu_tier_report import write_outputs
-    from gpuaccept.gpu_tier_supervise import step_supervisor
+    from gpuaccept.gpu_tier.bench import step_bench
+    from gpuaccept.gpu_tier.ctx import Ctx, Tee, cleanup, end_decoys
+    from gpuaccept.gpu_tier.gpus import FakeProbe, Gpus
+    from gpuaccept.gpu_tier.preflight import step_facts_idle, step_holder, step_orphans
+    from gpuaccept.gpu_tier.report import write_outputs
+    from gpuaccept.gpu_tier.supervise import step_supervisor
     from kimi_supervisor.logs.journal import configure
 
     t0 = time.monotonic()

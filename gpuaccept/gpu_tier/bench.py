@@ -10,8 +10,8 @@ import sys
 import time
 from typing import Any
 
-from gpuaccept.gpu_tier_common import REPO, child_env, summary
-from gpuaccept.gpu_tier_ctx import Ctx, make_config
+from gpuaccept.gpu_tier.common import REPO, child_env, summary
+from gpuaccept.gpu_tier.ctx import Ctx, make_config
 from testkit.procutil import free_port
 
 # -- d: benchmark ------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuaccept.gpu_tier_common import MIB, shm_listing
+from gpuaccept.gpu_tier.common import MIB, shm_listing
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from testkit.procutil import live, proc_state
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gpuaccept.gpu_tier_ctx import Ctx
+from gpuaccept.gpu_tier.ctx import Ctx
 
 
 def write_outputs(ctx: Ctx) -> None:

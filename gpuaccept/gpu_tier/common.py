@@ -16,8 +16,8 @@ from typing import Any
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(SAFE_ENV)
 
-REPO = Path(__file__).resolve().parent.parent
-ENTRY = Path(__file__).with_name("gpu_tier.py")  # the subprocess roles run through it
+REPO = Path(__file__).resolve().parents[2]
+ENTRY = Path(__file__).resolve().parent  # the subprocess roles run through it (`python3 gpuaccept/gpu_tier _<role>`)
 MIB = 1024 * 1024
 THRESHOLD_MIB = 1000  # the supervisor's default preflight.memory_threshold_mib
 

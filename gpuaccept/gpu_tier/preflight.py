@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuaccept.gpu_tier_common import ENTRY, THRESHOLD_MIB, child_env, shm_listing
-from gpuaccept.gpu_tier_ctx import Ctx, TimingTable, log_tail, make_config, wait_file
-from gpuaccept.gpu_tier_gpus import Monitor, _s, comm
-from gpuaccept.gpu_tier_roles import DECOY_VLLM_CODE
+from gpuaccept.gpu_tier.common import ENTRY, THRESHOLD_MIB, child_env, shm_listing
+from gpuaccept.gpu_tier.ctx import Ctx, TimingTable, log_tail, make_config, wait_file
+from gpuaccept.gpu_tier.gpus import Monitor, _s, comm
+from gpuaccept.gpu_tier.roles import DECOY_VLLM_CODE
 from testkit.procutil import live, proc_ppid, proc_state
 
 

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpuaccept.gpu_tier_common import REPO, THRESHOLD_MIB, child_env, gpu_child_section, shm_listing, write_gpu_config
-from gpuaccept.gpu_tier_ctx import Ctx
-from gpuaccept.gpu_tier_gpus import Monitor, comm
+from gpuaccept.gpu_tier.common import REPO, THRESHOLD_MIB, child_env, gpu_child_section, shm_listing, write_gpu_config
+from gpuaccept.gpu_tier.ctx import Ctx
+from gpuaccept.gpu_tier.gpus import Monitor, comm
 from testkit.procutil import free_port
 
 

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuaccept.gpu_tier_common import REPO, child_env, shm_listing
-from gpuaccept.gpu_tier_gpus import Gpus, comm
+from gpuaccept.gpu_tier.common import REPO, child_env, shm_listing
+from gpuaccept.gpu_tier.gpus import Gpus, comm
 from testkit.procutil import free_port, live
 
 
