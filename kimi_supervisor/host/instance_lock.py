@@ -7,8 +7,9 @@ instead of reaping the serving tree's workers as stale.
 
 Per GPU, not per host: one file per NVML index (`gpu-<index>.lock`), plus one
 for the serving port (`port-<port>.lock`, which is all a CPU deployment with
-`preflight.gpus = []` locks; its child's NCCL RAS port takes a file of the same kind), one for the deployment's name and one for its metrics textfile (the files
-named after them are its own: `resources`).  All in one host-wide directory, since GPUs and ports are
+`preflight.gpus = []` locks; its child's NCCL RAS port takes a file of the same kind), one for the
+deployment's name and one for its metrics textfile (the files named after them are its own: `resources`).
+All in one host-wide directory, since GPUs and ports are
 host-wide, whatever deployment's own files sit below it.  Two deployments on disjoint GPUs and ports run
 side by side; any overlap refuses.  flock is released by the kernel when the
 owner's last descriptor closes, so a SIGKILLed supervisor never leaves a lock
