@@ -122,7 +122,7 @@ def test_a_refused_start_is_failed_in_textfile_and_history_never_over_a_running_
     assert [json.loads(line)["event"] for line in twin.stderr.splitlines()] == ["supervisor.exit"]  # one line
 
 
-def test_a_start_refused_for_its_nccl_ras_port_is_recorded_failed_naming_the_holder(tmp_path: Path) -> None:
+def test_a_start_refused_for_its_nccl_ras_port_is_recorded_failed_naming_the_owner(tmp_path: Path) -> None:
     """The child's NCCL RAS port is one of the supervisor's locked resources (host/instance_lock.py): another
     supervisor holding it refuses the start (16) like a taken GPU or serving port does, and the refusal is
     recorded where the operator looks (was: a second lock taken after the recording, so 16 with no trace)."""
@@ -139,13 +139,13 @@ def test_a_start_refused_for_its_nccl_ras_port_is_recorded_failed_naming_the_hol
         owner.send_signal(signal.SIGKILL)
         owner.wait()
     assert refused.returncode == ExitCode.ANOTHER_INSTANCE, refused.stderr[-2000:]
-    holder = f"another kimi-supervisor (PID {owner.pid}) owns port {ras}"
-    assert holder in refused.stderr
+    named = f"another kimi-supervisor (PID {owner.pid}) owns port {ras}"
+    assert named in refused.stderr
     assert state_of(prom) == "failed"
     [(labels, _)] = metrics(prom)["kimi_supervisor_last_failure_info"]
     assert (labels["exit_code"], labels["reason"], labels["deployment"]) == ("16", "another_instance", "kimi")
     [only] = runs(config)
-    assert only["exit_code"] == ExitCode.ANOTHER_INSTANCE and holder in only["root_cause"]
+    assert only["exit_code"] == ExitCode.ANOTHER_INSTANCE and named in only["root_cause"]
     state = json.loads(layout.of(load_config(config)).state_file.read_text())
-    assert state["phase"] == "failed" and holder in json.dumps(state)
+    assert state["phase"] == "failed" and named in json.dumps(state)
     assert fake_tree_of(str(tmp_path)) == []
