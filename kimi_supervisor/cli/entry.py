@@ -18,7 +18,6 @@ from kimi_supervisor.child.spawnplan import Unresolvable
 from kimi_supervisor.cli.args import parse_args
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import layout, timeouts
-from kimi_supervisor.config.gpu_pinning import ras_port
 from kimi_supervisor.config.load import effective_config, load_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.deployment.base import Deployment
@@ -143,8 +142,8 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
             cfg.metrics.textfile,
             role.lock_suffix,
             role.status_port,
+            role.ras_port,
         )
-        owner = owner or _ras_owner(cfg, role)
         report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
         gpu_count = _gpu_count(cfg, probe)
         child = pin_configured_gpus(cfg.child, cfg.preflight.gpus, probe)
@@ -174,21 +173,6 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
     return ExitCode.OK if report.proceed else ExitCode.PREFLIGHT_FAILED
 
 
-def _lock_ras_port(cfg: Config, role: Deployment) -> instance_lock.InstanceLock | None:
-    """NCCL's RAS port (config/gpu_pinning.py) is host-wide like the serving port: locked the same way."""
-    port = ras_port(cfg.child.env)
-    if port is None:
-        return None
-    return instance_lock.acquire(cfg.paths.runtime_directory, (), port, str(cfg.path), suffix=role.lock_suffix)
-
-
-def _ras_owner(cfg: Config, role: Deployment) -> instance_lock.Owner | None:
-    port = ras_port(cfg.child.env)
-    if port is None:
-        return None
-    return instance_lock.find_owner(cfg.paths.runtime_directory, (), port, None, None, role.lock_suffix)
-
-
 def _gpu_count(cfg: Config, probe: GpuProbe) -> int:
     if cfg.preflight.gpus == ():
         return 0
@@ -215,17 +199,13 @@ def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
                 textfile=cfg.metrics.textfile,
                 suffix=role.lock_suffix,
                 status_port=role.status_port,
+                ras_port=role.ras_port,
             )
         except SupervisorError as err:  # refused before the run: still failed, where the operator looks
             _record_refused_start(cfg, err, probe)
             raise
         try:
-            ras = _lock_ras_port(cfg, role)
-            try:
-                return _supervise(role, sink, probe)
-            finally:
-                if ras is not None:
-                    ras.close()
+            return _supervise(role, sink, probe)
         finally:
             lock.close()
     finally:

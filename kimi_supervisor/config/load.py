@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kimi_supervisor.config import role_spec
 from kimi_supervisor.config.file import read_config_bytes
 from kimi_supervisor.config.gpu_pinning import PinningError, pinned_env, ras_env
 from kimi_supervisor.config.model import (
@@ -44,16 +45,7 @@ from kimi_supervisor.config.model import (
 from kimi_supervisor.config.rank_flags import RankFlagError, group_argv, strip_rank_flags
 from kimi_supervisor.config.table import MISSING, Table, describe, short_repr
 from kimi_supervisor.config.vllm_args import VllmArgs, parse_vllm_args
-from kimi_supervisor.config.weights import (
-    DEFAULT_WAIT_S,
-    READY_PATTERN,
-    WeightsArgError,
-    check_engine_argv,
-    check_socket_path,
-    holder_argv,
-    socket_dir,
-    weights_key,
-)
+from kimi_supervisor.config.weights import WeightsArgError, socket_dir
 from kimi_supervisor.exitcodes import ConfigError
 from kimi_supervisor.redact import redact_argv
 from kimi_supervisor.roles import ROLE_NAMES, Role
@@ -397,16 +389,15 @@ def _parse_deployment(t: Table, path: Path) -> DeploymentConfig:
 
 
 def _parse_cluster(t: Table, present: bool, role: Role, child: ChildConfig) -> ClusterConfig | None:
-    """[cluster] exactly when the role is a group node; its rank agrees with the role."""
+    """[cluster] exactly when the role is a group node; its rank agrees with the role (config/role_spec.py)."""
+    ranks = role_spec.of(role).node_ranks
     if not present:
-        # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
-        if role.in_group:
+        if ranks is not None:
             raise t.error(
                 "nnodes", f"deployment.role = {role.value!r} needs a [cluster] table (nnodes, node_rank, master_addr)"
             )
         return None
-    # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
-    if not role.in_group:
+    if ranks is None:
         raise t.error(
             "nnodes",
             f"[cluster] is for a multi-node group, but deployment.role is {role.value!r}: "
@@ -416,10 +407,8 @@ def _parse_cluster(t: Table, present: bool, role: Role, child: ChildConfig) -> C
     node_rank = t.integer("node_rank", MISSING, minimum=0, maximum=1023)  # type: ignore[arg-type]
     if node_rank >= nnodes:
         raise t.error("node_rank", f"expected 0 <= node_rank < nnodes ({nnodes}), got {node_rank}")
-    # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
-    if (node_rank == 0) != (role is Role.LEADER):
-        # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
-        want = "0 (the leader)" if role is Role.LEADER else "1 or more (a follower)"
+    if not ranks[0] <= node_rank <= ranks[1]:
+        want = role_spec.of(role).node_ranks_text
         raise t.error("node_rank", f"deployment.role is {role.value!r}, so node_rank must be {want}, got {node_rank}")
     addr = t.string("master_addr", MISSING) or ""
     try:
@@ -438,8 +427,8 @@ def _parse_cluster(t: Table, present: bool, role: Role, child: ChildConfig) -> C
         raise t.error(
             "status_address", f"expected an IP address of this node, got {short_repr(status_address)}"
         ) from None
-    # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
-    leader = role is Role.LEADER
+    # Node 0 is the group's leader (vLLM's --node-rank), and the role agrees with the rank (checked above).
+    leader = node_rank == 0
     host = f"[{addr}]" if ":" in addr else addr
     leader_url = t.string("leader_status_url", "" if leader else f"http://{host}:{status_port}/") or ""
     if leader and leader_url:
@@ -538,8 +527,7 @@ def _own_devices(child: ChildConfig, preflight: PreflightConfig, role: Role, pat
     """The child's GPUs pinned to preflight.gpus and its own NCCL RAS endpoint (config/gpu_pinning.py)."""
     try:
         env = pinned_env(child.env, preflight.gpus)
-        # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
-        env = ras_env(env, preflight.gpus, holder=role is Role.WEIGHTS)
+        env = ras_env(env, preflight.gpus, holder=role_spec.of(role).second_ras_port)
     except PinningError as exc:
         raise ConfigError(f"{path}: child.env.{exc.key}: {exc}") from None
     return dataclasses.replace(child, env=env)
@@ -558,59 +546,26 @@ def _check_world_size(child: ChildConfig, preflight: PreflightConfig, path: Path
 def _parse_weights(
     t: Table, present: bool, deployment: DeploymentConfig, child: ChildConfig, paths: PathsConfig, path: Path
 ) -> tuple[WeightsConfig | None, ChildConfig]:
-    """The holder's argv completed (socket dir, /health), or the engine's checked against the holder's."""
+    """The holder's argv completed (socket dir, /health), or the engine's checked against the holder's: as the
+    role reads [weights] (config/role_spec.py, config/weights_table.py)."""
     sockets = socket_dir(paths.runtime_directory, deployment.name)
-    role = deployment.role
+    read = role_spec.of(deployment.role).read_weights
     try:
-        # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
-        if role is Role.WEIGHTS:
-            for key in ("holder", "wait_s"):
-                if t.has(key):
-                    raise t.error(key, 'is for the engine that maps the weights, not the holder (role = "weights")')
-            given = t.raw("health_port", None)
-            port = t.integer("health_port", 0, minimum=1, maximum=65535) if given is not None else None
-            argv, port, host = holder_argv(child.argv, sockets, port)
-            check_socket_path(sockets, argv)
-            t.done()
-            vllm = dataclasses.replace(parse_vllm_args(argv), host=host, port=port)
-            child = dataclasses.replace(child, argv=argv, vllm=vllm)
-            return WeightsConfig(sockets, health_port=port, health_host=host, key=weights_key(argv)), child
-        if not present:
-            return None, child
-        holder = t.boolean("holder", False)
-        wait_s = t.number("wait_s", DEFAULT_WAIT_S, maximum=7 * 86400)
-        if t.has("health_port"):
-            raise t.error("health_port", 'is the holder\'s (its config, role = "weights"); the engine reads it there')
-        t.done()
-        if not holder:
-            return None, child
-        # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
-        if role is not Role.ENGINE:
-            raise t.error(
-                "holder", f"true, but deployment.role is {role.value!r}: a weight holder serves one host's engine"
-            )
-        check_engine_argv(child.argv, sockets)
-        check_socket_path(sockets, child.argv)
+        return read(t, present, deployment.role, child, sockets)
     except WeightsArgError as exc:
         raise ConfigError(f"{path}: {exc.key}: {exc}") from None
-    return WeightsConfig(sockets, wait_s=wait_s, key=weights_key(child.argv)), child
 
 
-# The holder has no OpenAI API: no canary, no token progress to watch; ready on vLLM's READY line and /health.
-def _holder_defaults(
-    data: Mapping[str, Any], readiness: ReadinessConfig, liveness: LivenessConfig
+def _role_defaults(
+    data: Mapping[str, Any], role: Role, readiness: ReadinessConfig, liveness: LivenessConfig
 ) -> tuple[ReadinessConfig, LivenessConfig]:
+    """The role's own defaults (config/role_spec.py) for the keys the file leaves out."""
+    spec = role_spec.of(role)
     given_r, given_l = data.get("readiness", {}), data.get("liveness", {})
-    if "started_patterns" not in given_r:
-        readiness = dataclasses.replace(readiness, started_patterns=(re.compile(READY_PATTERN),))
-    if "stall_timeout_s" not in given_r:
-        # vLLM's daemon ranks never set its logging up (weight_cache/daemon.py:476-501, no configure_logging), so
-        # the holder prints nothing from its launch line to READY, a full load: only the deadline bounds it.
-        readiness = dataclasses.replace(readiness, stall_timeout_s=readiness.deadline_s)
-    if "canary_interval_s" not in given_l:
-        liveness = dataclasses.replace(liveness, canary_interval_s=0.0)
-    if "stuck_after_s" not in given_l:
-        liveness = dataclasses.replace(liveness, stuck_after_s=0.0)
+    readiness = dataclasses.replace(
+        readiness, **{k: value(readiness) for k, value in spec.readiness_defaults.items() if k not in given_r}
+    )
+    liveness = dataclasses.replace(liveness, **{k: v for k, v in spec.liveness_defaults.items() if k not in given_l})
     return readiness, liveness
 
 
@@ -632,9 +587,7 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     metrics = _parse_metrics(root.table("metrics"))
     liveness = _parse_liveness(root.table("liveness"), child.vllm)
     gpu_health = _parse_gpu_health(root.table("gpu_health"))
-    # role branch: parse-time, a role's tables checked where they are read (config sits below deployment/)
-    if deployment.role is Role.WEIGHTS:
-        readiness, liveness = _holder_defaults(data, readiness, liveness)
+    readiness, liveness = _role_defaults(data, deployment.role, readiness, liveness)
     cluster = _parse_cluster(root.table("cluster"), "cluster" in data, deployment.role, child)
     readahead = _parse_readahead(root.table("readahead"))
     if cluster is not None:

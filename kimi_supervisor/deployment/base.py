@@ -9,6 +9,7 @@ import dataclasses
 from pathlib import Path
 
 from kimi_supervisor.checks import Check
+from kimi_supervisor.config.gpu_pinning import ras_port
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.lifecycle.deps import Deps, RolePart
@@ -26,6 +27,12 @@ class Deployment(RolePart):
     def status_port(self) -> int | None:
         """A port of its own, locked with the rest (16 for a second supervisor that wants it)."""
         return None
+
+    @property
+    def ras_port(self) -> int | None:
+        """Its child's NCCL RAS port (config/gpu_pinning.py): host-wide like its serving port, locked with the
+        rest.  None: the config gives the child none (a deployment without GPUs)."""
+        return ras_port(self.cfg.child.env)
 
     def run(self, deps: Deps, secrets: tuple[str, ...]) -> ExitCode:
         """Supervise until a stop request (0) or a failure (its SupervisorError)."""

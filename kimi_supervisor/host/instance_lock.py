@@ -7,8 +7,9 @@ instead of reaping the serving tree's workers as stale.
 
 Per GPU, not per host: one file per NVML index (`gpu-<index>.lock`), plus one
 for the serving port (`port-<port>.lock`, which is all a CPU deployment with
-`preflight.gpus = []` locks), one for the deployment's name and one for its metrics textfile (the files
-named after them are its own: `resources`).  All in one host-wide directory, since GPUs and ports are
+`preflight.gpus = []` locks; its child's NCCL RAS port takes a file of the same kind), one for the
+deployment's name and one for its metrics textfile (the files named after them are its own: `resources`).
+All in one host-wide directory, since GPUs and ports are
 host-wide, whatever deployment's own files sit below it.  Two deployments on disjoint GPUs and ports run
 side by side; any overlap refuses.  flock is released by the kernel when the
 owner's last descriptor closes, so a SIGKILLed supervisor never leaves a lock
@@ -141,6 +142,7 @@ def resources(
     textfile: Path | None = None,
     suffix: str = "",
     status_port: int | None = None,
+    ras_port: int | None = None,
 ) -> list[Resource]:
     """What one supervisor owns on the host: its GPUs and port, and (docs/configuration.md) its deployment's name, which
     names its state file and history (config/layout.py), and its metrics textfile, which node_exporter reads
@@ -158,6 +160,10 @@ def resources(
         # A group node's status endpoint (docs/multi-node.md): two group deployments on one host with the default
         # cluster.status_port refuse here (16), before either binds it.
         found.append(Resource(f"status port {status_port}", f"status-port-{status_port}.lock"))
+    if ras_port is not None:
+        # NCCL's RAS endpoint (config/gpu_pinning.py) is a host-wide TCP port like the serving port: the same
+        # file, so it collides with another supervisor's serving port as well as with its RAS port.
+        found.append(Resource(f"port {ras_port}", f"port-{ras_port}.lock"))
     return found
 
 
@@ -261,9 +267,10 @@ def find_owner(
     textfile: Path | None = None,
     suffix: str = "",
     status_port: int | None = None,
+    ras_port: int | None = None,
 ) -> Owner | None:
     """Which root kimi-supervisor holds any of these resources now, without taking a lock (the dry run)."""
-    for resource in resources(gpus, port, deployment, textfile, suffix, status_port):
+    for resource in resources(gpus, port, deployment, textfile, suffix, status_port, ras_port):
         supervisors = _supervisors_holding(directory, resource)
         if supervisors:
             return _owner(directory, resource, supervisors)
@@ -460,6 +467,7 @@ def acquire(
     textfile: Path | None = None,
     suffix: str = "",
     status_port: int | None = None,
+    ras_port: int | None = None,
 ) -> InstanceLock:
     """Take every lock, or none: raise AnotherInstance naming the root kimi-supervisor that holds one.
     `suffix`: WEIGHTS_SUFFIX for a weight holder, which shares its own deployment's engine's GPUs."""
@@ -470,7 +478,7 @@ def acquire(
     _ensure_directory(directory)
     taken: list[int] = []
     try:
-        for resource in resources(gpus, port, deployment, textfile, suffix, status_port):
+        for resource in resources(gpus, port, deployment, textfile, suffix, status_port, ras_port):
             taken.append(_take(directory, resource, log))
         record: dict[str, object] = {"pid": os.getpid(), "gpus": sorted(set(gpus)), "port": port, "config": config}
         if deployment is not None:

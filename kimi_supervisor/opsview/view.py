@@ -25,8 +25,8 @@ from typing import Any, TypeVar, cast
 from kimi_supervisor import __version__
 from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.child.spawnplan import Unresolvable, account, resolve_identity
-from kimi_supervisor.config import layout
-from kimi_supervisor.config.model import Config
+from kimi_supervisor.config import layout, role_spec
+from kimi_supervisor.config.model import Config, WeightsConfig
 from kimi_supervisor.host import checkpoint
 from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable
 from kimi_supervisor.host.proctable import ProcessTable, PsutilProcessTable
@@ -39,7 +39,6 @@ from kimi_supervisor.opsview.loadwatch import LoadWatch
 from kimi_supervisor.opsview.statefile import SCHEMA, StateFile, process_start_time
 from kimi_supervisor.opsview.textfile import MetricsSnapshot, MetricsWriter
 from kimi_supervisor.opsview.tree import describe_tree, with_gpu_memory
-from kimi_supervisor.roles import Role
 from kimi_supervisor.states import State
 from kimi_supervisor.systemd.notify import Notifier
 
@@ -80,22 +79,34 @@ class _Tap:
         self._view.on_notify(fields)
 
 
+def _holder_doc(cfg: Config, w: WeightsConfig) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "role": "holder",
+        "key": dict(w.key),
+        "health_url": cfg.readiness.health_url,
+        "socket_dir": str(w.socket_dir),
+    }
+    # Its engine must run as the same account: vLLM checks the sockets' owner (lifecycle/holderwait.py).
+    with contextlib.suppress(Unresolvable):  # the start itself fails on it, exit 78, before the spawn
+        doc["child_user"], doc["child_uid"] = account(resolve_identity(cfg.child.user, cfg.child.group))
+    return doc
+
+
+def _engine_doc(cfg: Config, w: WeightsConfig) -> dict[str, Any]:
+    return {"role": "engine", "holder_state": str(layout.holder_of(cfg).state_file), "socket_dir": str(w.socket_dir)}
+
+
+# The state file's document says which side of the pair wrote it: the side is the role's (config/role_spec.py).
+_WEIGHTS_DOCS: dict[str, Callable[[Config, WeightsConfig], dict[str, Any]]] = {
+    "holder": _holder_doc,
+    "engine": _engine_doc,
+}
+
+
 def weights_doc(cfg: Config) -> dict[str, Any]:
     """The holder's cache key and /health (its engine checks both before it starts), or an engine's holder."""
     assert cfg.weights is not None
-    w = cfg.weights
-    if cfg.role is Role.WEIGHTS:  # role branch: the state file's document says which side of the pair wrote it
-        doc: dict[str, Any] = {
-            "role": "holder",
-            "key": dict(w.key),
-            "health_url": cfg.readiness.health_url,
-            "socket_dir": str(w.socket_dir),
-        }
-        # Its engine must run as the same account: vLLM checks the sockets' owner (lifecycle/holderwait.py).
-        with contextlib.suppress(Unresolvable):  # the start itself fails on it, exit 78, before the spawn
-            doc["child_user"], doc["child_uid"] = account(resolve_identity(cfg.child.user, cfg.child.group))
-        return doc
-    return {"role": "engine", "holder_state": str(layout.holder_of(cfg).state_file), "socket_dir": str(w.socket_dir)}
+    return _WEIGHTS_DOCS[role_spec.of(cfg.role).weights_side](cfg, cfg.weights)
 
 
 class OperatorView:
@@ -229,8 +240,7 @@ class OperatorView:
         """A holder records the checkpoint it is about to load, as vLLM fingerprints it (host/checkpoint.py): its
         engines compare theirs before they start.  Unreadable: recorded as unknown, and the daemon's own key check
         is the one left."""
-        # role branch: the view sits below deployment/; only the holder's document carries the checkpoint
-        if self._cfg.role is not Role.WEIGHTS or self._cfg.weights is None:
+        if not role_spec.of(self._cfg.role).records_checkpoint or self._cfg.weights is None:
             return
         model = self._cfg.weights.key.get("model")
         try:

@@ -23,7 +23,7 @@ from kimi_supervisor.child.cachedirs import check_cache
 from kimi_supervisor.child.process import child_environment
 from kimi_supervisor.child.spawnplan import Unresolvable, resolve_identity
 from kimi_supervisor.clock import Clock
-from kimi_supervisor.config import timeouts
+from kimi_supervisor.config import role_spec, timeouts
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import PreflightError
 from kimi_supervisor.host import weightcache
@@ -43,7 +43,6 @@ from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.preflight import checks, gpu_health
 from kimi_supervisor.preflight.reaper import ReapPlan, Victim, execute_reap, plan_reap
 from kimi_supervisor.preflight.shm import plan_shm, remove_stale
-from kimi_supervisor.roles import Role
 
 
 @dataclasses.dataclass
@@ -143,11 +142,11 @@ class Preflight:
                 self._raise_if_failed(report)
         if self._pf.shm.enabled:
             self._shm(dry_run, add)
-        # A follower (--headless) opens no API port.  The holder's /health port is checked as an API port: taken,
-        # vLLM's health thread dies while its READY line still comes, and a squatter answering 200 would pass
-        # for the holder (preload.py:81-100 runs uvicorn in a daemon thread and never looks back).
-        # role branch: the preflight sits below deployment/ (a dry run and gpuaccept run it without a role object)
-        if self._pf.check_port and (self._cfg.role.serves_api or self._cfg.role is Role.WEIGHTS):
+        # Whether the child listens on a port is its role's (config/role_spec.py): a follower (--headless) opens
+        # none.  The holder's /health port is checked as an API port: taken, vLLM's health thread dies while its
+        # READY line still comes, and a squatter answering 200 would pass for the holder (preload.py:81-100 runs
+        # uvicorn in a daemon thread and never looks back).
+        if self._pf.check_port and role_spec.of(self._cfg.role).opens_port:
             add(self._port(plan, dry_run))
         if gpus:
             # A dry run killed nothing: count what the victims hold as free, as a real start would see it.
@@ -225,7 +224,9 @@ class Preflight:
         return plan
 
     def _holder_memory(self, found: list[GpuProcess], add: Callable[[Check], None]) -> dict[int, int]:
-        if not self._cfg.maps_held_weights:  # role branch: below deployment/, as the port check above
+        # role branch: the preflight runs with a config alone (a dry run, gpuaccept): an engine mapping its holder's
+        # weights credits them (deployment/engine.py's own_memory asks the same holder_memory for the stop)
+        if not self._cfg.maps_held_weights:
             return {}
         name = self._cfg.deployment.name
         supervisor, held = holder_memory(self._cfg, self._table, found)

@@ -14,8 +14,9 @@ from typing import Any
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.exitcodes import ExitCode
-from testkit.harness import REPO, Run, fake_config, fake_tree_of, write_config
+from testkit.harness import REPO, Run, fake_config, fake_tree_of, free_port, write_config
 from tests.cli.test_status_lifecycle import metrics
+from tests.host.test_instance_lock import hold_lock
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -119,3 +120,32 @@ def test_a_refused_start_is_failed_in_textfile_and_history_never_over_a_running_
     assert [r["exit_code"] for r in runs(broken)] == [0, ExitCode.CONFIG]
     assert fake_tree_of(str(tmp_path)) == []
     assert [json.loads(line)["event"] for line in twin.stderr.splitlines()] == ["supervisor.exit"]  # one line
+
+
+def test_a_start_refused_for_its_nccl_ras_port_is_recorded_failed_naming_the_owner(tmp_path: Path) -> None:
+    """The child's NCCL RAS port is one of the supervisor's locked resources (host/instance_lock.py): another
+    supervisor holding it refuses the start (16) like a taken GPU or serving port does, and the refusal is
+    recorded where the operator looks (was: a second lock taken after the recording, so 16 with no trace)."""
+    prom_dir = tmp_path / "textfiles"
+    prom_dir.mkdir(mode=0o755)
+    prom = prom_dir / "kimi.prom"
+    ras = free_port()
+    env = {"KIMI_TEST_MARKER": str(tmp_path), "NCCL_RAS_ADDR": f"127.0.0.1:{ras}"}
+    config = fake_config(tmp_path, deployment={"name": "kimi"}, metrics={"textfile": str(prom)}, child={"env": env})
+    owner = hold_lock(tmp_path / "run", [], ras)
+    try:
+        refused = start(config)
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    assert refused.returncode == ExitCode.ANOTHER_INSTANCE, refused.stderr[-2000:]
+    named = f"another kimi-supervisor (PID {owner.pid}) owns port {ras}"
+    assert named in refused.stderr
+    assert state_of(prom) == "failed"
+    [(labels, _)] = metrics(prom)["kimi_supervisor_last_failure_info"]
+    assert (labels["exit_code"], labels["reason"], labels["deployment"]) == ("16", "another_instance", "kimi")
+    [only] = runs(config)
+    assert only["exit_code"] == ExitCode.ANOTHER_INSTANCE and named in only["root_cause"]
+    state = json.loads(layout.of(load_config(config)).state_file.read_text())
+    assert state["phase"] == "failed" and named in json.dumps(state)
+    assert fake_tree_of(str(tmp_path)) == []

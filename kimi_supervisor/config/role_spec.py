@@ -1,0 +1,88 @@
+"""Each role's rules, as data: what its config must, may and must not say, the defaults it gets, and the few
+facts about its child that the layers below deployment/ need.
+
+A role is one object (kimi_supervisor/deployment/), but that object is chosen from a parsed config, and the
+config, the preflight and the operator's view run without one (a dry run, check-config, gpuaccept, a refused
+start's record).  So the rules they apply are written here, once per role, as plain values and readers, and
+config/load.py, preflight/run.py and opsview/view.py look them up (`of`) and apply them without naming a role.
+The table lives in the config layer, not in the roles.py leaf, because its values are config's own (tables,
+keys, readiness and liveness defaults, the `[weights]` readers).  It holds this table and nothing else, with no
+branch of its own (tests/test_role_branches.py checks both that and the role branches left elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kimi_supervisor.config.model import ReadinessConfig
+from kimi_supervisor.config.weights import READY_PATTERN
+from kimi_supervisor.config.weights_table import (
+    WeightsReader,
+    engine_table,
+    holder_table,
+    refusing_holder_table,
+)
+from kimi_supervisor.roles import Role
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSpec:
+    # [cluster]: the node ranks it may take (the table required), and how its error says so; None: one host, the
+    # table refused (docs/multi-node.md).
+    node_ranks: tuple[int, int] | None
+    node_ranks_text: str
+    # How its [weights] table is read (config/weights_table.py).
+    read_weights: WeightsReader
+    # Its child's NCCL RAS port is the second of its first GPU's pair (config/gpu_pinning.py): the holder's, beside
+    # its engine's on the same GPUs.
+    second_ras_port: bool = False
+    # Set when the file leaves the key out: readiness's from the parsed [readiness], liveness's as they are.
+    readiness_defaults: Mapping[str, Callable[[ReadinessConfig], Any]] = dataclasses.field(default_factory=dict)
+    liveness_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Its child listens on child.vllm's port, which the preflight checks is free: the API, or the holder's /health
+    # (taken, vLLM's health thread dies while its READY line still comes, preflight/run.py).  A headless
+    # follower opens none.
+    opens_port: bool = True
+    # Which side of the holder/engine pair its state file's `weights` document is (docs/weight-holder.md); the
+    # holder's also records the checkpoint it loads, which its engines compare before they start.
+    weights_side: str = "engine"
+    records_checkpoint: bool = False
+
+
+# The holder has no OpenAI API: no canary, no token progress to watch; ready on vLLM's READY line and /health.
+# vLLM's daemon ranks never set its logging up (weight_cache/daemon.py:476-501, no configure_logging), so the
+# holder prints nothing from its launch line to READY, a full load: only the deadline bounds it.
+_HOLDER = RoleSpec(
+    node_ranks=None,
+    node_ranks_text="",
+    read_weights=holder_table,
+    second_ras_port=True,
+    readiness_defaults={
+        "started_patterns": lambda _: (re.compile(READY_PATTERN),),
+        "stall_timeout_s": lambda readiness: readiness.deadline_s,
+    },
+    liveness_defaults={"canary_interval_s": 0.0, "stuck_after_s": 0.0},
+    weights_side="holder",
+    records_checkpoint=True,
+)
+
+SPECS: Mapping[Role, RoleSpec] = {
+    Role.ENGINE: RoleSpec(node_ranks=None, node_ranks_text="", read_weights=engine_table),
+    # Node 0 is the leader by vLLM's --node-rank; the follower's readiness and shutdown defaults follow from its
+    # rank too (config/load.py), since they need its leader's status URL.
+    Role.LEADER: RoleSpec(node_ranks=(0, 0), node_ranks_text="0 (the leader)", read_weights=refusing_holder_table),
+    Role.FOLLOWER: RoleSpec(
+        node_ranks=(1, 1023),
+        node_ranks_text="1 or more (a follower)",
+        read_weights=refusing_holder_table,
+        opens_port=False,
+    ),
+    Role.WEIGHTS: _HOLDER,
+}
+
+
+def of(role: Role) -> RoleSpec:
+    return SPECS[role]
