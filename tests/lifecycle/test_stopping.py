@@ -11,7 +11,7 @@ from kimi_supervisor.lifecycle.stopping import TERM_POLL_S, TreeStopper, confirm
 from kimi_supervisor.liveness.http import Answer, HttpClient
 from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
-from testkit.fakes.lifecycle import EventClock, FakeChild
+from testkit.fakes.lifecycle import FakeChild
 from testkit.fakes.log import RecordingLog
 
 
@@ -19,7 +19,7 @@ class Scene:
     """A stopper over a FakeChild; `signal_at(t)` is a second stop signal arriving t seconds in."""
 
     def __init__(self, term_exit_after: float | None, child: type[FakeChild] = FakeChild) -> None:
-        self.clock = EventClock()
+        self.clock = FakeClock()
         self.child = child(self.clock, term_exit_after)
         self.log = RecordingLog()
         self.finished = 0
