@@ -107,7 +107,7 @@ def test_another_users_processes_survive_every_path(tmp_path: Path, spawner: Pro
     evaluation = spawner.sleeper(extra_args=["eval.py", "--output-dir", "/data/vllm-eval"], uid=65534)
     lookalike = spawner.sleeper(title="VLLM::Worker_TP0", uid=65534)
     vllm_named = spawner.sleeper(title="VLLM::Worker_TP1")  # matches the rules but holds no GPU
-    probe = FakeGpuProbe([FakeGpu(holders={evaluation.pid: 20_000, lookalike.pid: 10_000})])
+    probe = FakeGpuProbe([FakeGpu(occupants={evaluation.pid: 20_000, lookalike.pid: 10_000})])
     cfg = parse_config(
         {
             "child": {"argv": ["vllm", "serve", "/m", "--port", str(free_port())]},

@@ -3,7 +3,7 @@
 Order matters and is chosen so nothing is killed for a start that cannot
 happen anyway:
   1. static checks (NVML, GPU count vs --tensor-parallel-size, model files);
-  2. stale GPU holders: plan, then (real run) TERM/KILL them and wait for memory;
+  2. stale GPU occupants: plan, then (real run) TERM/KILL them and wait for memory;
   3. stale shared-memory files (after the reap released them);
   4. the serving port and the --gpu-memory-utilization fraction.
 A dry run takes the same path with every side effect replaced by a report line.
@@ -203,7 +203,7 @@ class Preflight:
         add(check)
         return selected if check.status is Status.OK else ()
 
-    # -- GPU holders ---------------------------------------------------------
+    # -- GPU occupants -------------------------------------------------------
 
     def _gpus(self, gpus: tuple[int, ...], dry_run: bool, add: Callable[[Check], None]) -> ReapPlan:
         try:
@@ -277,7 +277,7 @@ class Preflight:
             if left <= threshold:
                 continue
             still.append(
-                f"GPU {m.index}: {m.used_mib} MiB used > {threshold} MiB by {self._holders_text(others, plan)}"
+                f"GPU {m.index}: {m.used_mib} MiB used > {threshold} MiB by {self._occupants_text(others, plan)}"
             )
         if still:
             add(
@@ -292,7 +292,7 @@ class Preflight:
         else:
             add(Check("gpu_wait", Status.OK, f"all GPUs at or below {threshold} MiB used"))
 
-    def _holders_text(self, procs: list[GpuProcess], plan: ReapPlan) -> str:
+    def _occupants_text(self, procs: list[GpuProcess], plan: ReapPlan) -> str:
         spared = {s.pid: s for s in plan.spared}
         if not procs:
             return "no process NVML lists (another PID namespace or driver-internal use)"
@@ -340,7 +340,7 @@ class Preflight:
                     gpu=m.index,
                     used_mib=m.used_mib,
                     waited_s=round(elapsed, 1),
-                    holders=self._holders_text(self._probe.processes(m.index), ReapPlan((), ())),
+                    holders=self._occupants_text(self._probe.processes(m.index), ReapPlan((), ())),
                 )
 
         try:
@@ -360,12 +360,12 @@ class Preflight:
             return
         waited = self._clock.monotonic() - start
         if busy:
-            # Recompute the plan: it tells, per holder, why it was not killed.
+            # Recompute the plan: it tells, per occupant, why it was not killed.
             found = gpu_processes(self._probe, tuple(m.index for m in busy))
             plan = self._plan(found)
             text = "; ".join(
                 f"GPU {m.index}: {m.used_mib} MiB used by "
-                f"{self._holders_text([p for p in found if p.gpu == m.index], plan)}"
+                f"{self._occupants_text([p for p in found if p.gpu == m.index], plan)}"
                 for m in busy
             )
             add(
@@ -436,12 +436,12 @@ class Preflight:
     def _port(self, plan: ReapPlan, dry_run: bool) -> Check:
         vllm = self._cfg.child.vllm
         check = checks.check_port(vllm.host, vllm.port)
-        holder = check.data.get("pid")
-        if dry_run and check.status is Status.FAIL and holder in {v.proc.pid for v in plan.victims}:
+        listener = check.data.get("pid")
+        if dry_run and check.status is Status.FAIL and listener in {v.proc.pid for v in plan.victims}:
             return Check(
                 "port",
                 Status.OK,
-                f"port {vllm.port} is held by PID {holder}, which reaping would kill",
+                f"port {vllm.port} is held by PID {listener}, which reaping would kill",
                 dict(check.data),
             )
         return check

@@ -123,7 +123,7 @@ def build(scene: Scene) -> tuple[SceneTable, FakeGpuProbe]:
             stubborn.add(pid)
         for gpu, held in zip(gpus, mib, strict=True):
             if held:
-                gpu.holders[pid] = held
+                gpu.occupants[pid] = held
     table = SceneTable(procs, stubborn)
     return table, FakeGpuProbe(gpus, alive=table.is_alive)
 

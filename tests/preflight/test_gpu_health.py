@@ -197,7 +197,7 @@ def _cfg(tmp_path: Path, **gpu_health: object) -> Any:
 def test_a_pending_row_remap_fails_the_start_before_anything_is_killed(tmp_path: Path, spawner: ProcSpawner) -> None:
     victim = spawner.sleeper(title="VLLM::Worker_TP0")
     sick = dataclasses.replace(HEALTHY, remapped_rows_uncorrectable=1, remapped_rows_pending=True)
-    probe = FakeGpuProbe([FakeGpu(holders={victim.pid: 5000}), FakeGpu(health=sick)])
+    probe = FakeGpuProbe([FakeGpu(occupants={victim.pid: 5000}), FakeGpu(health=sick)])
     pf = Preflight(_cfg(tmp_path), probe, PsutilProcessTable(), FakeClock(), RecordingLog())
     dry = pf.run(dry_run=True)
     text = render_text(dry, "k.toml")

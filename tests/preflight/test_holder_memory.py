@@ -119,7 +119,7 @@ def test_live_holders_memory_is_the_engines_own_and_its_tree_is_spared(tmp_path:
     supervisor, child = holder_supervisor(tmp_path, allocated_mib=2 * HELD_MIB)
     try:
         cfg = engine_cfg(tmp_path)
-        probe = FakeGpuProbe([FakeGpu(holders={child: HELD_MIB}), FakeGpu(holders={child: HELD_MIB})])
+        probe = FakeGpuProbe([FakeGpu(occupants={child: HELD_MIB}), FakeGpu(occupants={child: HELD_MIB})])
         log = RecordingLog()
         report = Preflight(cfg, probe, PsutilProcessTable(), FakeClock(), log).run(dry_run=False)
         assert report.proceed
@@ -147,7 +147,7 @@ def test_an_orphaned_holder_is_stale_like_any_other(tmp_path: Path, spawner: Pro
     supervisor, live_child = holder_supervisor(tmp_path)
     try:
         cfg = engine_cfg(tmp_path)
-        probe = FakeGpuProbe([FakeGpu(holders={orphan.pid: HELD_MIB, live_child: HELD_MIB})])
+        probe = FakeGpuProbe([FakeGpu(occupants={orphan.pid: HELD_MIB, live_child: HELD_MIB})])
         plan = plan_reap(probe.processes(0), PsutilProcessTable(), cfg.preflight.reap, os.getpid(), {supervisor.pid})
         assert [v.proc.pid for v in plan.victims] == [orphan.pid]
         assert [(s.pid, s.reason) for s in plan.spared] == [
@@ -175,7 +175,7 @@ def test_only_what_vllm_subtracts_is_credited_at_the_limit(tmp_path: Path, free_
     try:
         others = 97887 - NVML_MIB - free_mib  # held by others below the (raised) threshold: not waited for
         cfg = engine_cfg(tmp_path, tp=1, threshold=others)
-        probe = FakeGpuProbe([FakeGpu(base_used_mib=others, holders={child: NVML_MIB})])
+        probe = FakeGpuProbe([FakeGpu(base_used_mib=others, occupants={child: NVML_MIB})])
         report = Preflight(cfg, probe, PsutilProcessTable(), FakeClock(), RecordingLog()).run(dry_run=True)
         by_name = {c.name: c for c in report.checks}
         assert (by_name["gpu_memory_fraction"].status.value == "ok") is proceeds, by_name["gpu_memory_fraction"]

@@ -87,7 +87,7 @@ def test_stale_workers_are_reaped_and_memory_returns(tmp_path: Path, spawner: Pr
     w0 = spawner.sleeper(title="VLLM::Worker_TP0")
     w1 = spawner.sleeper(title="VLLM::Worker_TP1")
     decoy = spawner.sleeper(title="VLLM::Worker_TP9")  # vLLM-looking, holds no GPU
-    probe = FakeGpuProbe([FakeGpu(holders={w0.pid: 90000}), FakeGpu(holders={w1.pid: 90000})])
+    probe = FakeGpuProbe([FakeGpu(occupants={w0.pid: 90000}), FakeGpu(occupants={w1.pid: 90000})])
     (tmp_path / "shm").mkdir()
     (tmp_path / "shm" / "psm_old").write_bytes(b"")
     log = RecordingLog()
@@ -106,7 +106,7 @@ def test_stale_workers_are_reaped_and_memory_returns(tmp_path: Path, spawner: Pr
 
 def test_non_matching_holder_waits_then_fails_naming_it(tmp_path: Path, spawner: ProcSpawner) -> None:
     trainer = spawner.sleeper(title="trainer")
-    probe = FakeGpuProbe([FakeGpu(), FakeGpu(holders={trainer.pid: 12000})])
+    probe = FakeGpuProbe([FakeGpu(), FakeGpu(occupants={trainer.pid: 12000})])
     log = RecordingLog()
     clock = FakeClock()
     with pytest.raises(PreflightError) as info:
@@ -135,7 +135,11 @@ def test_dry_run_kills_and_removes_nothing(tmp_path: Path, spawner: ProcSpawner)
     w0 = spawner.sleeper(title="VLLM::Worker_TP0")
     trainer = spawner.sleeper(title="trainer")
     probe = FakeGpuProbe(
-        [FakeGpu(holders={w0.pid: 80000}), FakeGpu(holders={trainer.pid: 3000}), FakeGpu(holders={INVISIBLE_PID: 2000})]
+        [
+            FakeGpu(occupants={w0.pid: 80000}),
+            FakeGpu(occupants={trainer.pid: 3000}),
+            FakeGpu(occupants={INVISIBLE_PID: 2000}),
+        ]
     )
     (tmp_path / "shm").mkdir()
     (tmp_path / "shm" / "nccl-x").write_bytes(b"")
@@ -213,7 +217,7 @@ def test_model_shards_checked(tmp_path: Path) -> None:
 
 def test_failed_static_check_kills_nothing(tmp_path: Path, spawner: ProcSpawner) -> None:
     w0 = spawner.sleeper(title="VLLM::Worker_TP0")
-    probe = FakeGpuProbe([FakeGpu(holders={w0.pid: 80000})])
+    probe = FakeGpuProbe([FakeGpu(occupants={w0.pid: 80000})])
     with pytest.raises(PreflightError, match=r"model directory .* does not exist"):
         run(make_cfg(tmp_path, tp=1, model=tmp_path / "absent"), probe, dry=False)
     assert w0.poll() is None
