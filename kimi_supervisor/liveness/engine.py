@@ -26,10 +26,11 @@ from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import EngineWedged
 from kimi_supervisor.host.gpu import GpuProbe
 from kimi_supervisor.liveness.gpu_events import GpuEventWatcher
-from kimi_supervisor.liveness.http import HttpClient, one_line, parse_json, request
+from kimi_supervisor.liveness.http import HttpClient, one_line, request
 from kimi_supervisor.liveness.vllm_metrics import EngineMetrics, MetricsError, fetch_metrics
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.systemd.notify import Notifier
+from kimi_supervisor.untrusted_json import parse_json
 
 RETRY_S = 1.0  # after a failed canary, the next one follows this soon (not a whole interval later)
 CANARY_PROMPT = "Hi"

@@ -3,7 +3,7 @@
 Each request has one monotonic deadline for all of it: connect, TLS, the request, the status line, the
 headers and the body.  Every recv gets only what is left of it as its socket timeout, so a server that
 trickles one byte every 0.9 s cannot hold a thread past the deadline the way a per-read timeout lets it.
-The body is capped.  Nothing a server sends raises out of `request` or `parse_json`: a refused connection,
+The body is capped.  Nothing a server sends raises out of `request` or untrusted_json.parse_json: a refused connection,
 a timeout, a bad status line, a bad chunk, a huge or 100k-deep JSON document are all an `Answer` with a
 one-line `error`, so the thread that asked counts a failure and goes on.
 
@@ -14,7 +14,6 @@ or read-to-close bodies.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import socket
 import ssl
@@ -22,6 +21,8 @@ import time
 import urllib.parse
 from collections.abc import Mapping
 from typing import Protocol
+
+from kimi_supervisor.quoting import escape_unprintable
 
 MAX_HEAD = 64 * 1024  # a status line and headers longer than this are not an answer
 MAX_BODY = 4 << 20  # a /metrics page is tens of KiB, a canary answer < 1 KiB: never buffer an unbounded one
@@ -116,25 +117,8 @@ def request(
 
 
 def one_line(text: str, limit: int = 300) -> str:
-    """A reason fit for one log field and one STATUS= line: control characters escaped, length capped."""
-    out = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text[: limit * 2])
-    return out[:limit]
-
-
-def parse_json(data: bytes) -> object:
-    """The document, or ValueError with a one-line reason: bad UTF-8 or JSON, NaN/Infinity, or too deep.
-
-    json.loads recurses once per nesting level: 100k `[` raise RecursionError, which is no ValueError and
-    would end the thread that asked.
-    """
-    try:
-        return json.loads(data.decode("utf-8"), parse_constant=_no_constant)
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"not UTF-8: {exc.reason} at byte {exc.start}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    """A reason fit for one log field and one STATUS= line: unprintable characters escaped, length capped."""
+    return escape_unprintable(text[: limit * 2])[:limit]
 
 
 def finite_count(name: str, value: float) -> float:
@@ -142,10 +126,6 @@ def finite_count(name: str, value: float) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} is {value!r}: not a count")
     return value
-
-
-def _no_constant(name: str) -> object:
-    raise ValueError(f"not JSON: {name}")
 
 
 def _failed(start: float, status: int | None, reason: str) -> Answer:
