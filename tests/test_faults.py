@@ -119,7 +119,7 @@ def test_another_users_processes_survive_every_path(tmp_path: Path, spawner: Pro
     for dry in (True, False):
         if dry:
             report = Preflight(cfg, probe, PsutilProcessTable(), FakeClock(), log).run(dry_run=True)
-            assert not report.proceed and not [c for c in report.checks if c.status.value == "would kill"]
+            assert not report.proceed and not [c for c in report.checks if c.verdict.value == "would kill"]
             continue
         with pytest.raises(PreflightError) as info:
             Preflight(cfg, probe, PsutilProcessTable(), FakeClock(), log).run(dry_run=False)

@@ -33,7 +33,7 @@ RECV = 65536
 class Answer:
     """What one request got: `error` None means a complete answer (whatever its status)."""
 
-    status: int | None  # None: no status line arrived
+    http_status: int | None  # None: no status line arrived
     body: bytes
     error: str | None  # one line
     at: float  # monotonic time the request ended
@@ -63,11 +63,11 @@ class HttpClient(Protocol):
 
 
 class _Failed(Exception):
-    """A reason the request cannot give a complete answer; `status` once the status line was read."""
+    """A reason the request cannot give a complete answer; `http_status` once the status line was read."""
 
-    def __init__(self, reason: str, status: int | None = None) -> None:
+    def __init__(self, reason: str, http_status: int | None = None) -> None:
         super().__init__(reason)
-        self.status = status
+        self.http_status = http_status
 
 
 def request(
@@ -82,7 +82,7 @@ def request(
     """`method url` within `timeout_s` in all; never raises for anything the network or the server does."""
     start = time.monotonic()
     deadline = start + timeout_s
-    status: int | None = None
+    http_status: int | None = None
     sock: socket.socket | None = None
     try:
         parts = urllib.parse.urlsplit(url)
@@ -96,21 +96,21 @@ def request(
         sock.sendall(_request_bytes(method, parts, body, headers))
         reader = _Reader(sock, deadline)
         head = reader.head()
-        status, fields = _parse_head(head)
+        http_status, fields = _parse_head(head)
         try:
-            data = reader.body(fields, max_body, no_body=method == "HEAD" or status in (204, 304))
+            data = reader.body(fields, max_body, no_body=method == "HEAD" or http_status in (204, 304))
         except TimeoutError:
-            raise _Failed(f"no complete answer within {timeout_s:g}s", status) from None
+            raise _Failed(f"no complete answer within {timeout_s:g}s", http_status) from None
         end = time.monotonic()
-        return Answer(status, data, None, end, end - start)
+        return Answer(http_status, data, None, end, end - start)
     except _Failed as exc:
-        return _failed(start, exc.status if exc.status is not None else status, str(exc))
+        return _failed(start, exc.http_status if exc.http_status is not None else http_status, str(exc))
     except ConnectionRefusedError:
         return _failed(start, None, "connection refused")
     except TimeoutError:
-        return _failed(start, status, f"no answer within {timeout_s:g}s")
+        return _failed(start, http_status, f"no answer within {timeout_s:g}s")
     except (OSError, ValueError, UnicodeError) as exc:
-        return _failed(start, status, one_line(f"{type(exc).__name__}: {exc}"))
+        return _failed(start, http_status, one_line(f"{type(exc).__name__}: {exc}"))
     finally:
         if sock is not None:
             sock.close()
@@ -128,9 +128,9 @@ def finite_count(name: str, value: float) -> float:
     return value
 
 
-def _failed(start: float, status: int | None, reason: str) -> Answer:
+def _failed(start: float, http_status: int | None, reason: str) -> Answer:
     end = time.monotonic()
-    return Answer(status, b"", reason, end, end - start)
+    return Answer(http_status, b"", reason, end, end - start)
 
 
 def _left(deadline: float) -> float:

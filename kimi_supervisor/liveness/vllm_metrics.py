@@ -74,6 +74,6 @@ def fetch_metrics(url: str, timeout_s: float, http: HttpClient = request) -> Eng
     a = http("GET", url, timeout_s, max_body=MAX_BYTES)
     if a.error is not None:
         raise MetricsError(f"GET {path}: {a.error}")
-    if a.status != 200:
-        raise MetricsError(f"GET {path}: HTTP {a.status}")
+    if a.http_status != 200:
+        raise MetricsError(f"GET {path}: HTTP {a.http_status}")
     return parse_metrics(a.body.decode("utf-8", "replace"))

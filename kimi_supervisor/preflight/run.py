@@ -18,7 +18,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.child.cachedirs import check_cache
 from kimi_supervisor.child.process import child_environment
 from kimi_supervisor.child.spawnplan import Unresolvable, resolve_identity
@@ -64,7 +64,7 @@ class PreflightReport:
             "verdict": "start would proceed" if self.proceed else "start would not proceed",
             "proceed": self.proceed,
             "checks": [
-                {"name": c.name, "status": c.status.value, "message": c.message, **dict(c.data)} for c in self.checks
+                {"name": c.name, "status": c.verdict.value, "message": c.message, **dict(c.data)} for c in self.checks
             ],
         }
 
@@ -171,7 +171,7 @@ class Preflight:
         try:
             identity = resolve_identity(spec.user, spec.group)
         except Unresolvable as exc:
-            return Check("cache", Status.SKIP, f"child.{exc.key}: {exc.message}")
+            return Check("cache", Verdict.SKIP, f"child.{exc.key}: {exc.message}")
         return check_cache(spec.cache_directory, identity, child_environment(spec, os.environ, identity))
 
     def _raise_if_failed(self, report: PreflightReport) -> None:
@@ -184,12 +184,12 @@ class Preflight:
 
     def _static_checks(self, add: Callable[[Check], None]) -> tuple[int, ...]:
         if self._pf.gpus == ():
-            add(Check("gpus", Status.SKIP, "preflight.gpus = []: no GPU checks (CPU deployment)"))
+            add(Check("gpus", Verdict.SKIP, "preflight.gpus = []: no GPU checks (CPU deployment)"))
             return ()
         try:
             visible = self._probe.device_count()
         except GpuUnavailable as exc:
-            add(Check("nvml", Status.FAIL, str(exc)))
+            add(Check("nvml", Verdict.FAIL, str(exc)))
             return ()
         selected = self._pf.gpus if self._pf.gpus is not None else tuple(range(visible))
         cluster = self._cfg.cluster
@@ -201,7 +201,7 @@ class Preflight:
                 visible, selected, vllm.tensor_parallel_size, vllm.world_size, vllm.parallel_flags
             )
         add(check)
-        return selected if check.status is Status.OK else ()
+        return selected if check.verdict is Verdict.OK else ()
 
     # -- GPU occupants -------------------------------------------------------
 
@@ -211,12 +211,12 @@ class Preflight:
             self._held = self._holder_memory(found, add)
             busy = busy_gpus(self._probe, gpus, self._pf.memory_threshold_mib, self._held)
         except GpuUnavailable as exc:
-            add(Check("nvml", Status.FAIL, str(exc)))
+            add(Check("nvml", Verdict.FAIL, str(exc)))
             return ReapPlan((), ())
         plan = self._plan(found)
         if dry_run:
             for v in plan.victims:
-                add(Check("reap", Status.KILL, describe_victim(v), {"pid": v.proc.pid, "gpus": list(v.gpus)}))
+                add(Check("reap", Verdict.KILL, describe_victim(v), {"pid": v.proc.pid, "gpus": list(v.gpus)}))
             self._dry_wait(busy, found, plan, add)
             return plan
         if plan.victims:
@@ -230,7 +230,7 @@ class Preflight:
         name = self._cfg.deployment.name
         supervisor, held = holder_memory(self._cfg, self._table, found)
         if supervisor is None:
-            add(Check("weights_memory", Status.SKIP, f"no live weight holder of deployment {name}: nothing to count"))
+            add(Check("weights_memory", Verdict.SKIP, f"no live weight holder of deployment {name}: nothing to count"))
             return {}
         assert self._cfg.weights is not None
         daemons, unanswered = self._daemons(self._cfg.weights.socket_dir)
@@ -241,7 +241,7 @@ class Preflight:
         add(
             Check(
                 "weights_memory",
-                Status.OK,
+                Verdict.OK,
                 f"the weight holder of deployment {name} (supervisor PID {supervisor}) holds {text}: "
                 "counted as this deployment's own (not busy); of it, its daemons' PyTorch allocations, "
                 f"{credit}{silent}, are free for --gpu-memory-utilization (vLLM subtracts only those)",
@@ -283,14 +283,14 @@ class Preflight:
             add(
                 Check(
                     "gpu_wait",
-                    Status.WAIT,
+                    Verdict.WAIT,
                     f"a start would wait up to {self._pf.deadline_s:g}s, then fail: " + "; ".join(still),
                 )
             )
         elif busy:
-            add(Check("gpu_wait", Status.OK, f"{len(busy)} busy GPU(s) would be freed by reaping"))
+            add(Check("gpu_wait", Verdict.OK, f"{len(busy)} busy GPU(s) would be freed by reaping"))
         else:
-            add(Check("gpu_wait", Status.OK, f"all GPUs at or below {threshold} MiB used"))
+            add(Check("gpu_wait", Verdict.OK, f"all GPUs at or below {threshold} MiB used"))
 
     def _occupants_text(self, procs: list[GpuProcess], plan: ReapPlan) -> str:
         spared = {s.pid: s for s in plan.spared}
@@ -326,9 +326,9 @@ class Preflight:
             seconds=round(outcome.seconds, 3),
         )
         for v in plan.victims:
-            status = Status.FAIL if v.proc in outcome.survivors else Status.DONE
-            verb = "survived SIGKILL" if status is Status.FAIL else "killed"
-            add(Check("reap", status, f"{verb} {describe_victim(v)}", {"pid": v.proc.pid, "gpus": list(v.gpus)}))
+            verdict = Verdict.FAIL if v.proc in outcome.survivors else Verdict.DONE
+            verb = "survived SIGKILL" if verdict is Verdict.FAIL else "killed"
+            add(Check("reap", verdict, f"{verb} {describe_victim(v)}", {"pid": v.proc.pid, "gpus": list(v.gpus)}))
 
     def _wait(self, gpus: tuple[int, ...], add: Callable[[Check], None]) -> None:
         start = self._clock.monotonic()
@@ -356,7 +356,7 @@ class Preflight:
                 self._held,
             )
         except GpuUnavailable as exc:
-            add(Check("nvml", Status.FAIL, str(exc)))
+            add(Check("nvml", Verdict.FAIL, str(exc)))
             return
         waited = self._clock.monotonic() - start
         if busy:
@@ -371,7 +371,7 @@ class Preflight:
             add(
                 Check(
                     "gpu_wait",
-                    Status.FAIL,
+                    Verdict.FAIL,
                     f"GPUs still busy after {waited:.1f}s (preflight.deadline_s = {self._pf.deadline_s:g}): {text}",
                 )
             )
@@ -379,7 +379,7 @@ class Preflight:
             add(
                 Check(
                     "gpu_wait",
-                    Status.OK,
+                    Verdict.OK,
                     f"all {len(gpus)} GPU(s) at or below "
                     f"{self._pf.memory_threshold_mib} MiB used (waited {waited:.2f}s)",
                 )
@@ -394,7 +394,7 @@ class Preflight:
             add(
                 Check(
                     "shm",
-                    Status.FAIL,
+                    Verdict.FAIL,
                     f"{directory} is not writable (read-only or no permission): "
                     "NCCL and torch need it for their shared-memory segments",
                 )
@@ -403,12 +403,12 @@ class Preflight:
         try:
             decisions = plan_shm(self._pf.shm, self._table)
         except OSError as exc:
-            add(Check("shm", Status.FAIL, str(exc)))
+            add(Check("shm", Verdict.FAIL, str(exc)))
             return
         if not decisions:
             add(
                 Check(
-                    "shm", Status.OK, f"no stale files matching {list(self._pf.shm.globs)} in {self._pf.shm.directory}"
+                    "shm", Verdict.OK, f"no stale files matching {list(self._pf.shm.globs)} in {self._pf.shm.directory}"
                 )
             )
             return
@@ -417,7 +417,7 @@ class Preflight:
                 add(
                     Check(
                         "shm",
-                        Status.REMOVE if d.remove else Status.KEEP,
+                        Verdict.REMOVE if d.remove else Verdict.KEEP,
                         f"{d.path}: {d.reason}",
                         {"path": str(d.path)},
                     )
@@ -426,21 +426,21 @@ class Preflight:
         outcome = remove_stale(decisions)
         for path in outcome.removed:
             self._log.info("preflight.shm_removed", path=str(path))
-            add(Check("shm", Status.DONE, f"removed {path}", {"path": str(path)}))
+            add(Check("shm", Verdict.DONE, f"removed {path}", {"path": str(path)}))
         for d in outcome.kept:
             self._log.info("preflight.shm_kept", path=str(d.path), reason=d.reason)
-            add(Check("shm", Status.KEEP, f"{d.path}: {d.reason}", {"path": str(d.path)}))
+            add(Check("shm", Verdict.KEEP, f"{d.path}: {d.reason}", {"path": str(d.path)}))
         for err in outcome.errors:
-            add(Check("shm", Status.FAIL, f"cannot remove {err}"))
+            add(Check("shm", Verdict.FAIL, f"cannot remove {err}"))
 
     def _port(self, plan: ReapPlan, dry_run: bool) -> Check:
         vllm = self._cfg.child.vllm
         check = checks.check_port(vllm.host, vllm.port)
         listener = check.data.get("pid")
-        if dry_run and check.status is Status.FAIL and listener in {v.proc.pid for v in plan.victims}:
+        if dry_run and check.verdict is Verdict.FAIL and listener in {v.proc.pid for v in plan.victims}:
             return Check(
                 "port",
-                Status.OK,
+                Verdict.OK,
                 f"port {vllm.port} is held by PID {listener}, which reaping would kill",
                 dict(check.data),
             )

@@ -199,11 +199,13 @@ class FakeProber:
     def _probe(self, generation: int) -> None:
         if self._stopped or generation != self._generation:
             return
-        status = self._respond(self._clock.t)
+        http_status = self._respond(self._clock.t)
         self.probes.append(self._clock.t)
-        ok = status == 200
-        error = None if ok else (f"HTTP {status}" if status is not None else "connection refused")
-        self._results.append(HealthResult(ok=ok, status=status, error=error, at=self._clock.now, latency_s=0.0))
+        ok = http_status == 200
+        error = None if ok else (f"HTTP {http_status}" if http_status is not None else "connection refused")
+        self._results.append(
+            HealthResult(ok=ok, http_status=http_status, error=error, at=self._clock.now, latency_s=0.0)
+        )
         self._wake()
         bursting = self._clock.now < self._burst_until
         self._schedule(self._burst_interval if bursting else self._interval)

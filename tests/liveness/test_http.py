@@ -17,7 +17,7 @@ HEAD_200 = b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\ncontent-length: 0\r\n\r\n"
 def test_a_complete_answer() -> None:
     with raw_server(*answer("200 OK", b'{"choices": [1]}')) as srv:
         a = request("POST", srv.url("/v1/completions"), 2.0, body=b"{}", headers={"Content-Type": "application/json"})
-    assert (a.ok, a.status, a.body, a.error) == (True, 200, b'{"choices": [1]}', None)
+    assert (a.ok, a.http_status, a.body, a.error) == (True, 200, b'{"choices": [1]}', None)
 
 
 def test_a_status_line_trickled_one_byte_per_0_9s_ends_at_the_deadline() -> None:
@@ -26,7 +26,7 @@ def test_a_status_line_trickled_one_byte_per_0_9s_ends_at_the_deadline() -> None
         start = time.monotonic()
         a = request("GET", srv.url("/metrics"), 1.0)
         took = time.monotonic() - start
-    assert (a.ok, a.status, a.error) == (False, None, "no answer within 1s")
+    assert (a.ok, a.http_status, a.error) == (False, None, "no answer within 1s")
     # Ended by the deadline, not by the answer: the whole status line needs 0.9 s a byte (~50 s).  An upper bound
     # of that size is decided by cause; one near 1 s was this loaded machine's speed.
     assert 0.95 <= took < len(HEAD_200) * 0.9, took
@@ -38,7 +38,7 @@ def test_a_body_trickled_after_headers_sent_at_once_ends_at_the_deadline() -> No
         start = time.monotonic()
         a = request("POST", srv.url("/v1/completions"), 1.0, body=b"{}")
         took = time.monotonic() - start
-    assert (a.ok, a.status, a.error) == (False, 200, "no complete answer within 1s")
+    assert (a.ok, a.http_status, a.error) == (False, 200, "no complete answer within 1s")
     assert 0.95 <= took < len(body) * 0.3, took  # the deadline ended it, not the body (~26 s at 0.3 s a byte)
 
 
@@ -78,7 +78,7 @@ def test_every_bad_answer_is_a_one_line_failure(head: bytes, body: bytes, error:
 
 def test_refused_is_said_plainly() -> None:
     a = request("GET", f"http://127.0.0.1:{free_port()}/health", 1.0)
-    assert (a.ok, a.status, a.error) == (False, None, "connection refused")
+    assert (a.ok, a.http_status, a.error) == (False, None, "connection refused")
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), -1.0])

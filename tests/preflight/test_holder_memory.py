@@ -124,8 +124,8 @@ def test_live_holders_memory_is_the_engines_own_and_its_tree_is_spared(tmp_path:
         report = Preflight(cfg, probe, PsutilProcessTable(), FakeClock(), log).run(dry_run=False)
         assert report.proceed
         by_name = {c.name: c for c in report.checks}
-        assert by_name["gpu_wait"].status.value == "ok"
-        assert by_name["gpu_memory_fraction"].status.value == "ok"
+        assert by_name["gpu_wait"].verdict.value == "ok"
+        assert by_name["gpu_memory_fraction"].verdict.value == "ok"
         held = by_name["weights_memory"]
         assert held.message.startswith(
             f"the weight holder of deployment kimi (supervisor PID {supervisor.pid}) holds GPU 0: {HELD_MIB} MiB, "
@@ -178,7 +178,7 @@ def test_only_what_vllm_subtracts_is_credited_at_the_limit(tmp_path: Path, free_
         probe = FakeGpuProbe([FakeGpu(base_used_mib=others, occupants={child: NVML_MIB})])
         report = Preflight(cfg, probe, PsutilProcessTable(), FakeClock(), RecordingLog()).run(dry_run=True)
         by_name = {c.name: c for c in report.checks}
-        assert (by_name["gpu_memory_fraction"].status.value == "ok") is proceeds, by_name["gpu_memory_fraction"]
+        assert (by_name["gpu_memory_fraction"].verdict.value == "ok") is proceeds, by_name["gpu_memory_fraction"]
         assert by_name["weights_memory"].data["credited_mib_by_gpu"] == {"0": ALLOCATED_MIB}
         if not proceeds:
             assert f"GPU 0: {NEED_MIB - 1} MiB free < {NEED_MIB} MiB" in by_name["gpu_memory_fraction"].message

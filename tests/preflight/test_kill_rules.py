@@ -144,7 +144,7 @@ def test_a_wrapper_is_never_planned_as_parent(tmp_path: Path, spawner: ProcSpawn
     probe = FakeGpuProbe([FakeGpu(occupants={worker_pid: 30_000})])
     log = RecordingLog()
     dry = run(make_cfg(tmp_path, tp=1), probe, dry=True)
-    killed = [c.data["pid"] for c in dry.checks if c.status.value == "would kill"]
+    killed = [c.data["pid"] for c in dry.checks if c.verdict.value == "would kill"]
     assert killed == [worker_pid]
     report = run(make_cfg(tmp_path, tp=1), probe, dry=False, log=log, clock=SystemClock())
     assert report.proceed
@@ -158,7 +158,7 @@ def test_small_holder_outside_the_rules_does_not_fail_the_dry_run(tmp_path: Path
     probe = FakeGpuProbe([FakeGpu(occupants={worker.pid: 40_000, agent.pid: 300})])
     dry = run(make_cfg(tmp_path, tp=1), probe, dry=True)
     wait = next(c for c in dry.checks if c.name == "gpu_wait")
-    assert (wait.status.value, wait.message) == ("ok", "1 busy GPU(s) would be freed by reaping")
+    assert (wait.verdict.value, wait.message) == ("ok", "1 busy GPU(s) would be freed by reaping")
     assert dry.proceed
     real = run(make_cfg(tmp_path, tp=1), probe, dry=False, clock=SystemClock())
     assert real.proceed and agent.poll() is None and worker.wait(5) < 0

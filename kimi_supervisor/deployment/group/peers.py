@@ -145,8 +145,8 @@ class NetGroupProbe:
         answer = self.http("GET", url, timeout_s, max_body=MAX_STATUS_BODY)
         if answer.error is not None:
             return None, answer.error
-        if answer.status != 200:
-            return None, f"HTTP {answer.status}"
+        if answer.http_status != 200:
+            return None, f"HTTP {answer.http_status}"
         try:
             return parse_status(answer.body), None
         except ValueError as exc:

@@ -23,8 +23,8 @@ def own_status_url(cluster: ClusterConfig) -> str:
 
 def fetch(cluster: ClusterConfig) -> tuple[dict[str, Any] | None, str | None]:
     answer = request("GET", own_status_url(cluster), TIMEOUT_S, max_body=256 * 1024)
-    if answer.error is not None or answer.status != 200:
-        return None, answer.error or f"HTTP {answer.status}"
+    if answer.error is not None or answer.http_status != 200:
+        return None, answer.error or f"HTTP {answer.http_status}"
     try:
         doc = parse_json(answer.body)
     except ValueError as exc:
