@@ -25,7 +25,7 @@ class HealthResult:
 
 
 def probe(url: str, timeout_s: float, http: HttpClient = request) -> HealthResult:
-    """GET `url`; ok when the status is 200.  `timeout_s` bounds the whole probe (httpget: connect to last byte)."""
+    """GET `url`; ok on HTTP 200.  `timeout_s` bounds the whole probe (httpget: connect to last byte)."""
     a = http("GET", url, timeout_s, max_body=MAX_HEALTH_BODY)
     if a.error is not None:
         return HealthResult(False, a.http_status, a.error, a.at, a.latency_s)

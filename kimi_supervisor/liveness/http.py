@@ -31,7 +31,7 @@ RECV = 65536
 
 @dataclasses.dataclass(frozen=True)
 class Answer:
-    """What one request got: `error` None means a complete answer (whatever its status)."""
+    """What one request got: `error` None means a complete answer (whatever its http_status)."""
 
     http_status: int | None  # None: no status line arrived
     body: bytes

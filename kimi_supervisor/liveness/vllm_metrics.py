@@ -1,6 +1,6 @@
 """vLLM's Prometheus `/metrics`, read with prometheus_client's own parser.
 
-The liveness check (is the engine producing tokens?) and the drain status
+The liveness check (is the engine producing tokens?) and the drain's progress
 (how many requests are still in flight?) both need the same three numbers.
 vLLM labels every sample by model and engine; the numbers are summed over
 them.  A metric vLLM does not expose stays None, so callers can tell

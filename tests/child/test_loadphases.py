@@ -79,7 +79,7 @@ def test_only_the_file_that_logs_a_line_counts() -> None:
     assert phases.breakdown.phases() == {} and phases.breakdown.compile_cache is None
 
 
-def test_status_text_shows_the_read_rate_only_while_loading_weights() -> None:
+def test_the_headline_shows_the_read_rate_only_while_loading_weights() -> None:
     tracker = ReadinessTracker(CFG)
     tracker.feed("Loading safetensors checkpoint shards:  57% Completed | 68/119 [04:52<03:40,  4.31s/it]")
     assert tracker.headline(252, "~3m10s left", "1.02 GB/s") == (

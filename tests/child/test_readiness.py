@@ -17,7 +17,7 @@ def feed_all(lines: list[str]) -> ReadinessTracker:
     return t
 
 
-def test_progress_and_status_text() -> None:
+def test_progress_and_headline() -> None:
     t = ReadinessTracker(CFG)
     ev = t.feed("(Worker_TP0 pid=5) Loading safetensors checkpoint shards:  57% Completed | 68/119 [04:12<03:10]")
     assert ev.phase_changed and ev.progress_changed

@@ -57,7 +57,7 @@ def test_text(seconds: float, text: str) -> None:
     assert Estimate(seconds, "shard rate").text() == text
 
 
-def test_status_text_carries_the_eta() -> None:
+def test_the_headline_carries_the_eta() -> None:
     cfg = parse_config({"child": {"argv": ["vllm"]}}, __import__("pathlib").Path("k.toml"))
     tracker = ReadinessTracker(cfg.readiness)
     tracker.feed("Loading safetensors checkpoint shards:  57% Completed | 68/119 [04:12<03:10,  3.73s/it]")
