@@ -91,7 +91,7 @@ class FakeSignals(SignalRecorder):
 
 
 class FakeChild:
-    """vLLM as a script: lines written to real pipes, an exit status, and how it answers signals."""
+    """vLLM as a script: lines written to real pipes, a return code, and how it answers signals."""
 
     def __init__(self, clock: FakeClock, term_exit_after: float | None) -> None:
         self._clock = clock
@@ -111,9 +111,9 @@ class FakeChild:
         if stream in self._writers:
             os.write(self._writers[stream], (line + "\n").encode())
 
-    def exit(self, status: int) -> None:
+    def exit(self, returncode: int) -> None:
         if self.returncode is None:
-            self.returncode = status
+            self.returncode = returncode
             for fd in self._writers.values():
                 os.close(fd)
             self._writers.clear()
@@ -154,7 +154,7 @@ class FakeChild:
 
 
 class FakeProber:
-    """/health answers `respond(t)` (a status, None: refused), probed on the real prober's schedule."""
+    """/health answers `respond(t)` (an HTTP status code, None: refused), probed on the real prober's schedule."""
 
     def __init__(
         self, clock: FakeClock, respond: Callable[[float], int | None], interval_s: float, wake: Callable[[], None]
