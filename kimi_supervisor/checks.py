@@ -1,4 +1,4 @@
-"""One check's verdict (`Check`, `Status`): what the preflight, check-config and the stop timeouts report.
+"""One check's verdict (`Check`, `Verdict`): what the preflight, check-config and the stop timeouts report.
 
 A leaf, so the config level (timeouts.py) can report a check without importing the preflight.
 """
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 
-class Status(str, enum.Enum):
+class Verdict(str, enum.Enum):
     OK = "ok"
     WAIT = "would wait"  # dry run: a real start would wait (and may fail at the deadline)
     KILL = "would kill"
@@ -27,10 +27,10 @@ class Status(str, enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Check:
     name: str
-    status: Status
+    verdict: Verdict
     message: str
     data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def blocking(self) -> bool:
-        return self.status in (Status.FAIL, Status.WAIT)
+        return self.verdict in (Verdict.FAIL, Verdict.WAIT)

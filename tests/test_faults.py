@@ -107,7 +107,7 @@ def test_another_users_processes_survive_every_path(tmp_path: Path, spawner: Pro
     evaluation = spawner.sleeper(extra_args=["eval.py", "--output-dir", "/data/vllm-eval"], uid=65534)
     lookalike = spawner.sleeper(title="VLLM::Worker_TP0", uid=65534)
     vllm_named = spawner.sleeper(title="VLLM::Worker_TP1")  # matches the rules but holds no GPU
-    probe = FakeGpuProbe([FakeGpu(holders={evaluation.pid: 20_000, lookalike.pid: 10_000})])
+    probe = FakeGpuProbe([FakeGpu(occupants={evaluation.pid: 20_000, lookalike.pid: 10_000})])
     cfg = parse_config(
         {
             "child": {"argv": ["vllm", "serve", "/m", "--port", str(free_port())]},
@@ -119,7 +119,7 @@ def test_another_users_processes_survive_every_path(tmp_path: Path, spawner: Pro
     for dry in (True, False):
         if dry:
             report = Preflight(cfg, probe, PsutilProcessTable(), FakeClock(), log).run(dry_run=True)
-            assert not report.proceed and not [c for c in report.checks if c.status.value == "would kill"]
+            assert not report.proceed and not [c for c in report.checks if c.verdict.value == "would kill"]
             continue
         with pytest.raises(PreflightError) as info:
             Preflight(cfg, probe, PsutilProcessTable(), FakeClock(), log).run(dry_run=False)

@@ -110,7 +110,7 @@ def test_parsers_never_crash(batch: list[str]) -> None:
         tracker.feed(line)
         priority, fields = classifier.classify(line)
         assert 0 <= priority <= 7 and all(isinstance(v, str) for v in fields.values())
-    assert "\n" not in tracker.status_text(12.5)
+    assert "\n" not in tracker.headline(12.5)
     assert isinstance(tracker.root_cause(), str)
 
 

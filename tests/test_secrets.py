@@ -38,7 +38,7 @@ def test_redaction_rules() -> None:
 
 def test_stale_servers_api_key_not_in_dry_run_report(tmp_path: Path, spawner: ProcSpawner) -> None:
     stale = spawner.module("vllm.entrypoints.openai.api_server", ["--api-key", SECRET])
-    probe = FakeGpuProbe([FakeGpu(holders={stale.pid: 4000})])
+    probe = FakeGpuProbe([FakeGpu(occupants={stale.pid: 4000})])
     report = Preflight(make_cfg(tmp_path, tp=1), probe, PsutilProcessTable(), FakeClock(), RecordingLog()).run(
         dry_run=True
     )

@@ -23,7 +23,7 @@ def replay(name: str) -> tuple[ReadinessTracker, list[str]]:
     for line in lines_of(name):
         event = tracker.feed(line)
         if event.phase_changed or event.progress_changed:
-            statuses.append(tracker.status_text(0).removesuffix(", 0s"))
+            statuses.append(tracker.headline(0).removesuffix(", 0s"))
     return tracker, statuses
 
 

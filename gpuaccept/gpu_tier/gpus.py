@@ -17,7 +17,7 @@ from testkit.procutil import live, proc_state
 
 
 class FakeProbe(FakeGpuProbe):
-    """The tests' FakeGpuProbe, its holders registered by other processes: a file FAKE_DIR/gpu<i>/<pid>
+    """The tests' FakeGpuProbe, its occupants registered by other processes: a file FAKE_DIR/gpu<i>/<pid>
     holds the MiB a (fake) worker took; each counts 500 MiB more (its CUDA context) while the PID lives."""
 
     def __init__(self, fake_dir: str, count: int) -> None:
@@ -28,7 +28,7 @@ class FakeProbe(FakeGpuProbe):
     def _check(self) -> None:
         super()._check()
         for index, gpu in enumerate(self.gpus):
-            gpu.holders = dict(self._registered(index))
+            gpu.occupants = dict(self._registered(index))
 
     def _registered(self, index: int) -> dict[int, int]:
         d = os.path.join(self.dir, f"gpu{index}")

@@ -210,7 +210,7 @@ def _dry_run(ctx: Ctx, sc: Scene, cfg: Any, log: Any) -> None:
     res["dry_run_report"] = text.splitlines()
     res["dry_run"] = dry.to_dict()
     print(text, flush=True)
-    would_kill = sorted(c.data["pid"] for c in dry.checks if c.name == "reap" and c.status.value == "would kill")
+    would_kill = sorted(c.data["pid"] for c in dry.checks if c.name == "reap" and c.verdict.value == "would kill")
     ctx.expect("dry run: 'would kill' lists exactly the orphans", would_kill == sorted(workers), f"{would_kill}")
     ctx.expect("dry run signalled nothing", not table.sent)
     ctx.expect("dry run verdict: start would proceed", dry.proceed)
@@ -311,7 +311,7 @@ def _ms(v: float | None) -> float | None:
 def _shm_status(report: Any, path: Path) -> str | None:
     for c in report.checks:
         if c.name == "shm" and c.data.get("path") == str(path):
-            return str(c.status.value)
+            return str(c.verdict.value)
     return None
 
 

@@ -37,7 +37,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.child.spawnplan import Identity, uid_gid
 from kimi_supervisor.exitcodes import ConfigError
 from kimi_supervisor.files import privdir
@@ -155,7 +155,7 @@ def report(directory: Path | None, identity: Identity | None) -> CacheReport:
 def check_cache(directory: Path | None, identity: Identity | None, env: Mapping[str, str]) -> Check:
     """The preflight's line about the caches (a warning never blocks a start)."""
     if directory is None:
-        return Check("cache", Status.SKIP, 'paths.cache_directory = "": vLLM\'s caches follow HOME/XDG_CACHE_HOME')
+        return Check("cache", Verdict.SKIP, 'paths.cache_directory = "": vLLM\'s caches follow HOME/XDG_CACHE_HOME')
     r = report(directory, identity)
     data = {
         "directory": str(r.home),
@@ -169,12 +169,12 @@ def check_cache(directory: Path | None, identity: Identity | None, env: Mapping[
     if not r.exists:
         return Check(
             "cache",
-            Status.WARN,
+            Verdict.WARN,
             f"{directory} does not exist (the unit's CacheDirectory= creates it): vLLM's compile cache follows HOME",
             data,
         )
     if not r.writable:
-        return Check("cache", Status.WARN, f"{r.home} is not writable by {who}: every start would recompile", data)
+        return Check("cache", Verdict.WARN, f"{r.home} is not writable by {who}: every start would recompile", data)
     held = (
         f"holds {r.compile_caches} compile cache(s)"
         if r.compile_caches
@@ -182,4 +182,4 @@ def check_cache(directory: Path | None, identity: Identity | None, env: Mapping[
         if r.home is not None and r.home.is_dir()
         else "a start would create it (0700) and compile"
     )
-    return Check("cache", Status.OK, f"{r.home} ({r.size_bytes / 1e6:.0f} MB) writable by {who}, {held}", data)
+    return Check("cache", Verdict.OK, f"{r.home} ({r.size_bytes / 1e6:.0f} MB) writable by {who}, {held}", data)

@@ -267,7 +267,7 @@ class ReadinessTracker:
     def weights_loaded(self) -> bool:
         return self.phase_index > LOADING_WEIGHTS
 
-    def status_text(self, elapsed_s: float, eta: str | None = None, read_rate: str | None = None) -> str:
+    def headline(self, elapsed_s: float, eta: str | None = None, read_rate: str | None = None) -> str:
         """`loading weights 68/119 (57%), 4m12s, 1.02 GB/s, ~3m10s left` (the storage read rate while loading
         weights and the ETA only when known)."""
         text = self.phase

@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Sequence
 
 from kimi_supervisor import __version__
-from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.child.cachedirs import CacheUntrusted
 from kimi_supervisor.child.process import prepare_spawn
 from kimi_supervisor.child.spawnplan import Unresolvable
@@ -106,7 +106,7 @@ def _check_config(cfg: Config, as_json: bool) -> int:
     data["child"]["argv"] = redact_argv(cfg.child.argv)
     data["child"]["env"] = redact_env(cfg.child.env)
     stop = _unit_stop_check(cfg)
-    if stop is not None and stop.status is Status.WARN:
+    if stop is not None and stop.verdict is Verdict.WARN:
         print(f"kimi-supervisor: warning: {stop.message}", file=sys.stderr)
     if as_json:
         text = json.dumps(data, indent=2)
@@ -157,15 +157,15 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
         prepare_spawn(cfg.child, os.environ, create=False)  # a dry run makes and chowns nothing
     except Unresolvable as exc:
         # A real start stops here (exit 78) before the preflight acts; the report says so first.
-        report.checks.insert(0, Check("child", Status.FAIL, f"child.{exc.key}: {exc.message}"))
+        report.checks.insert(0, Check("child", Verdict.FAIL, f"child.{exc.key}: {exc.message}"))
     except CacheUntrusted as exc:  # so does a cache home another account could write (cachedirs.py)
-        report.checks.insert(0, Check("cache", Status.FAIL, exc.message))
+        report.checks.insert(0, Check("cache", Verdict.FAIL, exc.message))
     try:
         dirtrust.prepare_directories(cfg, create=False)
     except ConfigError as exc:  # a real start exits 78 here, before the preflight acts
-        report.checks.insert(0, Check("paths", Status.FAIL, exc.message))
+        report.checks.insert(0, Check("paths", Verdict.FAIL, exc.message))
     if owner is not None:
-        report.checks.insert(0, Check("instance", Status.FAIL, instance_lock.dry_run_text(owner), {"pid": owner.pid}))
+        report.checks.insert(0, Check("instance", Verdict.FAIL, instance_lock.dry_run_text(owner), {"pid": owner.pid}))
     env = redact_env(child.env)
     print(render_json(report, str(cfg.path), env) if as_json else render_text(report, str(cfg.path)))
     if owner is not None:
@@ -242,7 +242,7 @@ def _supervise(role: Deployment, sink: ChildSink, probe: GpuProbe) -> int:
         watchdog_s=deps.watchdog_s,
     )
     stop = _unit_stop_check(cfg)
-    if stop is not None and stop.status is Status.WARN:
+    if stop is not None and stop.verdict is Verdict.WARN:
         log.warning("unit.timeout_stop_short", why=stop.message, **stop.data)
     return role.run(deps, secret_values(cfg))
 

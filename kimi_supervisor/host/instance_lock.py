@@ -56,6 +56,7 @@ from pathlib import Path
 
 from kimi_supervisor.exitcodes import AnotherInstance, RuntimeDirectoryError
 from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.untrusted_json import parse_json
 
 LOCKS = "/proc/locks"
 # How a running kimi-supervisor looks in the process table: the console script, or python running it.
@@ -224,7 +225,7 @@ def weights_supervisor(directory: Path, deployment: str) -> int | None:
 def _owner(directory: Path, resource: Resource, lockers: set[int]) -> Owner:
     data: dict[str, object] = {}
     with contextlib.suppress(OSError, ValueError):
-        loaded = json.loads((directory / resource.filename).read_text())
+        loaded = parse_json((directory / resource.filename).read_bytes())
         if isinstance(loaded, dict):
             data = loaded
     pid = min(lockers) if lockers else None

@@ -7,7 +7,7 @@ over it (64 x 256 pages = 64 MiB of a 4.5 GB shard, a 16 KiB answer), so the cos
 whatever its size: ~2 M page lookups for the whole model, tens of milliseconds.  The fraction is the sampled
 pages' (each shard weighted by its size); a small shard is checked whole.
 
-Since Linux 5.2 mincore reports page-cache residency of a file only to its owner, to a holder of write
+Since Linux 5.2 mincore reports page-cache residency of a file only to its owner, to a process with write
 permission, or to root (CAP_FOWNER); anyone else is told only about pages they mapped themselves, i.e.
 nothing.  Such a file is reported as unknown, never as 0% cached.
 

@@ -15,12 +15,13 @@ connection (SO_PEERCRED of the listening socket), which is how a reply is matche
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import subprocess
 import sys
 from pathlib import Path
+
+from kimi_supervisor.untrusted_json import parse_json
 
 # protocol.py:42 SOCKET_NAME_TEMPLATE "vllm_weight_cache_{gpu_uuid}{role}.sock", the target and draft groups.
 SOCKET_GLOB = "vllm_weight_cache_*.sock"
@@ -77,7 +78,7 @@ def _ask_as(uid: int, gid: int, paths: list[str]) -> dict[str, dict[str, object]
             env={},
             **as_owner,  # type: ignore[call-overload]
         )
-        parsed = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else None
+        parsed = parse_json(done.stdout.strip().splitlines()[-1].encode()) if done.stdout.strip() else None
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
         return {p: {"error": f"the query did not run: {exc}"} for p in paths}
     if not isinstance(parsed, dict):

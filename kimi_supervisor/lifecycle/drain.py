@@ -47,7 +47,7 @@ from kimi_supervisor.systemd.notify import Notifier
 SAMPLE_AT_SIGTERM_S = 0.25
 POLL_S = 1.0
 FETCH_TIMEOUT_S = 2.0
-STATUS_EVERY_S = 1.0
+SAY_EVERY_S = 1.0
 LOG_EVERY_S = 5.0
 
 
@@ -133,7 +133,7 @@ class Drain:
         self._child: Child | None = None
         self._killed_at: float | None = None
         self._in_flight_at_kill: float | None = None
-        self._last_status = 0.0
+        self._last_said = 0.0
         self._last_log = 0.0
 
     def sigterm(self, child: Child) -> int:
@@ -229,7 +229,7 @@ class Drain:
         ended = self._drained_at if self._drained_at is not None else self._main_exited_at
         return (ended if ended is not None else self._clock()) - self._t0
 
-    def status_text(self, now: float) -> str:
+    def headline(self, now: float) -> str:
         elapsed = now - self._t0
         if self._drained_at is not None:
             return (
@@ -247,10 +247,10 @@ class Drain:
     def _say(self, now: float, force: bool = False) -> None:
         if self._killed_at is not None:
             return  # the SIGKILL's STATUS= stands
-        if not force and now - self._last_status < STATUS_EVERY_S:
+        if not force and now - self._last_said < SAY_EVERY_S:
             return
-        self._last_status = now
-        text = self.status_text(now)
+        self._last_said = now
+        text = self.headline(now)
         self._notifier.send(STATUS=text)
         if force or now - self._last_log >= LOG_EVERY_S:
             self._last_log = now
@@ -302,7 +302,7 @@ def _foreign_signal(returncode: int | None) -> str | None:
         return f"signal {-returncode}"
 
 
-def stopped_status(tree_gone: bool, gpus_free: bool | None, drain_outcome: str | None = None) -> str:
+def stopped_headline(tree_gone: bool, gpus_free: bool | None, drain_outcome: str | None = None) -> str:
     """The last STATUS= of a stop: what an operator needs before starting again."""
     tree = "tree gone" if tree_gone else "processes left behind (see stop.survivors)"
     if drain_outcome == "killed":

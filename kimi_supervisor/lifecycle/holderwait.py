@@ -134,7 +134,7 @@ def wait_for_holder(
     clock: Clock,
     log: Logger,
     stopped: Callable[[], bool],
-    on_status: Callable[[str], None],
+    say: Callable[[str], None],
     http: HttpClient = request,
 ) -> HolderSeen | None:
     """Until the holder is ready (its HolderSeen), a stop is asked for (None), or `weights.wait_s` passes
@@ -152,7 +152,7 @@ def wait_for_holder(
             return seen
         if seen.why != last_why:
             log.info("weights.waiting", why=seen.why, waited_s=round(waited, 1), wait_s=wait_s)
-            on_status(f"waiting for the weight holder: {seen.why}"[:400])
+            say(f"waiting for the weight holder: {seen.why}"[:400])
             last_why = seen.why
         if waited >= wait_s:
             raise WeightsUnavailable(

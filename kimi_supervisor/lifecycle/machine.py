@@ -22,7 +22,7 @@ class InvalidTransition(RuntimeError):
 
 
 class StateObserver(Protocol):
-    def on_state(self, state: State, status: str, fields: Mapping[str, Any]) -> None: ...
+    def on_state(self, state: State, headline: str, fields: Mapping[str, Any]) -> None: ...
 
 
 class StateMachine:
@@ -33,24 +33,24 @@ class StateMachine:
         self._observer = observer
         self.history: list[State] = [State.PREFLIGHT]
 
-    def enter_initial(self, status: str) -> None:
-        self._log.info("state.preflight", status=status)
-        self._notifier.send(STATUS=status)
+    def enter_initial(self, headline: str) -> None:
+        self._log.info("state.preflight", status=headline)
+        self._notifier.send(STATUS=headline)
         if self._observer is not None:
-            self._observer.on_state(State.PREFLIGHT, status, {})
+            self._observer.on_state(State.PREFLIGHT, headline, {})
 
-    def to(self, new: State, status: str, notify: Mapping[str, str | int] | None = None, **fields: Any) -> None:
+    def to(self, new: State, headline: str, notify: Mapping[str, str | int] | None = None, **fields: Any) -> None:
         """Move to `new`: one event, one datagram (STATUS= plus e.g. READY=1 together)."""
         if new not in ALLOWED[self.state]:
             raise InvalidTransition(f"{self.state.value} -> {new.value} is not an allowed transition")
         previous, self.state = self.state, new
         self.history.append(new)
         level = self._log.error if new is State.FAILED else self._log.info
-        level(f"state.{new.value}", previous=previous.value, status=status, **fields)
-        self._notifier.send(**(dict(notify) if notify else {}), STATUS=status)
+        level(f"state.{new.value}", previous=previous.value, status=headline, **fields)
+        self._notifier.send(**(dict(notify) if notify else {}), STATUS=headline)
         if self._observer is not None:
-            self._observer.on_state(new, status, fields)
+            self._observer.on_state(new, headline, fields)
 
-    def status(self, text: str) -> None:
+    def say(self, text: str) -> None:
         """A progress update inside a state: STATUS= only, no transition."""
         self._notifier.send(STATUS=text)

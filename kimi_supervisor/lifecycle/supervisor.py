@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 from pathlib import Path
 
-from kimi_supervisor.checks import Status
+from kimi_supervisor.checks import Verdict
 from kimi_supervisor.child.cachedirs import CacheUntrusted
 from kimi_supervisor.child.output import ChildOutput
 from kimi_supervisor.child.process import Child, PreparedSpawn
@@ -36,7 +36,7 @@ from kimi_supervisor.exitcodes import (
 from kimi_supervisor.host.gpu import configured_gpus, pin_configured_gpus
 from kimi_supervisor.host.readahead import ReadAhead
 from kimi_supervisor.lifecycle.deps import Deps, Liveness, Prober
-from kimi_supervisor.lifecycle.drain import stopped_status
+from kimi_supervisor.lifecycle.drain import stopped_headline
 from kimi_supervisor.lifecycle.machine import StateMachine
 from kimi_supervisor.lifecycle.signals import InterruptibleClock, StopRequested, stop_signalled
 from kimi_supervisor.lifecycle.stopping import TreeStopper, confirm_gpus_free
@@ -86,7 +86,7 @@ class Supervisor:
             deps.sink, self.tracker, deps.log, secrets, clock=self.clock, selector=deps.selector()
         )
         self._last_extend = 0.0
-        self._last_status = 0.0
+        self._last_said = 0.0
         self._started_at = 0.0
 
     # -- the lifecycle ------------------------------------------------------------
@@ -177,7 +177,7 @@ class Supervisor:
         self.deps.notifier.send(EXTEND_TIMEOUT_USEC=usec(pf.deadline_s + pf.reap.grace_s + EXTEND_MARGIN_S))
         report = Preflight(self.cfg, self.deps.probe, self.deps.table, self.clock, self.log).run(dry_run=False)
         self.log.info("preflight.passed", checks=len(report.checks))
-        done = [c.name for c in report.checks if c.status is Status.DONE]
+        done = [c.name for c in report.checks if c.verdict is Verdict.DONE]
         self.view.on_preflight(kills=done.count("reap"), shm_removed=done.count("shm"))
 
     def _spawn(self) -> None:
@@ -237,8 +237,8 @@ class Supervisor:
                     + (f" (last /health: {last_error})" if last_error else ""),
                     detail=self._tail(),
                 )
-            if now - self._last_status >= 5.0:
-                self._status(now)
+            if now - self._last_said >= 5.0:
+                self._say_progress(now)
 
     def _check_child(self, serving: bool) -> None:
         """Raise when vLLM logged a fatal line or exited: the same two checks while starting and serving."""
@@ -311,7 +311,7 @@ class Supervisor:
                 if result.ok:
                     if failures:
                         self.log.info("health.recovered", after_failures=failures)
-                        self.state.status(self._serving_status())
+                        self.state.say(self._serving_headline())
                     failures, watchdog.last_ok = 0, result.at
                     continue
                 failures += 1
@@ -360,7 +360,7 @@ class Supervisor:
             gpus_free = confirm_gpus_free(
                 self.deps.probe, gpus, threshold, scfg.gpu_release_timeout_s, self.clock, self.log, own
             )
-        self.state.status(stopped_status(tree_gone, gpus_free, drain.outcome if drain is not None else None))
+        self.state.say(stopped_headline(tree_gone, gpus_free, drain.outcome if drain is not None else None))
 
     def _emergency_stop(self, exc: BaseException, stopper: TreeStopper) -> None:
         """Something other than a SupervisorError is ending the run: stop the tree before it propagates."""
@@ -399,25 +399,25 @@ class Supervisor:
     def _on_output(self, now: float) -> None:
         if self.state.state is State.STARTING:
             self._extend_timeout(now)
-            if now - self._last_status >= 1.0:
-                self._status(now)
+            if now - self._last_said >= 1.0:
+                self._say_progress(now)
 
     def _on_line(self, now: float, event: LineEvent) -> None:
         if event.started and self.prober is not None and self.state.state is State.STARTING:
             self.prober.burst(READY_PROBE_S, READY_BURST_S)
         if event.phase_changed and self.state.state is State.STARTING:
-            self._last_status = 0.0  # a new phase shows at once
+            self._last_said = 0.0  # a new phase shows at once
         if self.readahead is not None:
             if event.progress_changed and self.tracker.progress is not None:
                 self.readahead.progress(self.tracker.progress.done)
             if self.tracker.weights_loaded:
                 self._end_readahead("vLLM's weights are loaded")
 
-    def _status(self, now: float) -> None:
-        self._last_status = now
+    def _say_progress(self, now: float) -> None:
+        self._last_said = now
         elapsed = now - self._started_at
         rate = self.view.read_rate_text()
-        self.state.status(f"starting: {self.tracker.status_text(elapsed, self.view.eta_text(elapsed), rate)}")
+        self.state.say(f"starting: {self.tracker.headline(elapsed, self.view.eta_text(elapsed), rate)}")
 
     def _extend_timeout(self, now: float) -> None:
         if now - self._last_extend < EXTEND_EVERY_S:
@@ -438,7 +438,7 @@ class Supervisor:
 
     # -- helpers -----------------------------------------------------------------------
 
-    def _serving_status(self) -> str:
+    def _serving_headline(self) -> str:
         return f"ready: serving on {self.cfg.readiness.health_url.rsplit('/health', 1)[0]}"
 
     def _root_cause(self) -> str:

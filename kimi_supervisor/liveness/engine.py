@@ -26,10 +26,11 @@ from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import EngineWedged
 from kimi_supervisor.host.gpu import GpuProbe
 from kimi_supervisor.liveness.gpu_events import GpuEventWatcher
-from kimi_supervisor.liveness.http import HttpClient, one_line, parse_json, request
+from kimi_supervisor.liveness.http import HttpClient, one_line, request
 from kimi_supervisor.liveness.vllm_metrics import EngineMetrics, MetricsError, fetch_metrics
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.systemd.notify import Notifier
+from kimi_supervisor.untrusted_json import parse_json
 
 RETRY_S = 1.0  # after a failed canary, the next one follows this soon (not a whole interval later)
 CANARY_PROMPT = "Hi"
@@ -64,8 +65,10 @@ def send_canary(
     a = http("POST", url, timeout_s, body=body, headers=headers, max_body=MAX_CANARY_BODY)
     if a.error is not None:
         return CanaryResult(False, a.error, a.latency_s)
-    if a.status != 200:
-        return CanaryResult(False, one_line(f"HTTP {a.status}: {a.body[:200].decode('utf-8', 'replace')}"), a.latency_s)
+    if a.http_status != 200:
+        return CanaryResult(
+            False, one_line(f"HTTP {a.http_status}: {a.body[:200].decode('utf-8', 'replace')}"), a.latency_s
+        )
     try:
         doc = parse_json(a.body)
     except ValueError as exc:
@@ -87,8 +90,8 @@ def served_model(
     a = http("GET", url, timeout_s, headers=headers, max_body=MAX_CANARY_BODY)
     if a.error is not None:
         return None, f"GET /v1/models: {a.error}"
-    if a.status != 200:
-        return None, one_line(f"GET /v1/models: HTTP {a.status}: {a.body[:200].decode('utf-8', 'replace')}")
+    if a.http_status != 200:
+        return None, one_line(f"GET /v1/models: HTTP {a.http_status}: {a.body[:200].decode('utf-8', 'replace')}")
     try:
         doc = parse_json(a.body)
     except ValueError as exc:

@@ -18,18 +18,24 @@ from kimi_supervisor.liveness.http import HttpClient, request
 @dataclasses.dataclass(frozen=True)
 class HealthResult:
     ok: bool
-    status: int | None  # HTTP status, None when no answer
+    http_status: int | None  # None when no answer
     error: str | None
     at: float  # monotonic time the probe finished
     latency_s: float
 
 
 def probe(url: str, timeout_s: float, http: HttpClient = request) -> HealthResult:
-    """GET `url`; ok when the status is 200.  `timeout_s` bounds the whole probe (httpget: connect to last byte)."""
+    """GET `url`; ok on HTTP 200.  `timeout_s` bounds the whole probe (httpget: connect to last byte)."""
     a = http("GET", url, timeout_s, max_body=MAX_HEALTH_BODY)
     if a.error is not None:
-        return HealthResult(False, a.status, a.error, a.at, a.latency_s)
-    return HealthResult(a.status == 200, a.status, None if a.status == 200 else f"HTTP {a.status}", a.at, a.latency_s)
+        return HealthResult(False, a.http_status, a.error, a.at, a.latency_s)
+    return HealthResult(
+        a.http_status == 200,
+        a.http_status,
+        None if a.http_status == 200 else f"HTTP {a.http_status}",
+        a.at,
+        a.latency_s,
+    )
 
 
 MAX_HEALTH_BODY = 64 * 1024  # vLLM's /health has an empty body

@@ -3,7 +3,7 @@
 Each request has one monotonic deadline for all of it: connect, TLS, the request, the status line, the
 headers and the body.  Every recv gets only what is left of it as its socket timeout, so a server that
 trickles one byte every 0.9 s cannot hold a thread past the deadline the way a per-read timeout lets it.
-The body is capped.  Nothing a server sends raises out of `request` or `parse_json`: a refused connection,
+The body is capped.  Nothing a server sends raises out of `request` or untrusted_json.parse_json: a refused connection,
 a timeout, a bad status line, a bad chunk, a huge or 100k-deep JSON document are all an `Answer` with a
 one-line `error`, so the thread that asked counts a failure and goes on.
 
@@ -14,7 +14,6 @@ or read-to-close bodies.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import socket
 import ssl
@@ -23,6 +22,8 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Protocol
 
+from kimi_supervisor.quoting import escape_unprintable
+
 MAX_HEAD = 64 * 1024  # a status line and headers longer than this are not an answer
 MAX_BODY = 4 << 20  # a /metrics page is tens of KiB, a canary answer < 1 KiB: never buffer an unbounded one
 RECV = 65536
@@ -30,9 +31,9 @@ RECV = 65536
 
 @dataclasses.dataclass(frozen=True)
 class Answer:
-    """What one request got: `error` None means a complete answer (whatever its status)."""
+    """What one request got: `error` None means a complete answer (whatever its http_status)."""
 
-    status: int | None  # None: no status line arrived
+    http_status: int | None  # None: no status line arrived
     body: bytes
     error: str | None  # one line
     at: float  # monotonic time the request ended
@@ -62,11 +63,11 @@ class HttpClient(Protocol):
 
 
 class _Failed(Exception):
-    """A reason the request cannot give a complete answer; `status` once the status line was read."""
+    """A reason the request cannot give a complete answer; `http_status` once the status line was read."""
 
-    def __init__(self, reason: str, status: int | None = None) -> None:
+    def __init__(self, reason: str, http_status: int | None = None) -> None:
         super().__init__(reason)
-        self.status = status
+        self.http_status = http_status
 
 
 def request(
@@ -81,7 +82,7 @@ def request(
     """`method url` within `timeout_s` in all; never raises for anything the network or the server does."""
     start = time.monotonic()
     deadline = start + timeout_s
-    status: int | None = None
+    http_status: int | None = None
     sock: socket.socket | None = None
     try:
         parts = urllib.parse.urlsplit(url)
@@ -95,46 +96,29 @@ def request(
         sock.sendall(_request_bytes(method, parts, body, headers))
         reader = _Reader(sock, deadline)
         head = reader.head()
-        status, fields = _parse_head(head)
+        http_status, fields = _parse_head(head)
         try:
-            data = reader.body(fields, max_body, no_body=method == "HEAD" or status in (204, 304))
+            data = reader.body(fields, max_body, no_body=method == "HEAD" or http_status in (204, 304))
         except TimeoutError:
-            raise _Failed(f"no complete answer within {timeout_s:g}s", status) from None
+            raise _Failed(f"no complete answer within {timeout_s:g}s", http_status) from None
         end = time.monotonic()
-        return Answer(status, data, None, end, end - start)
+        return Answer(http_status, data, None, end, end - start)
     except _Failed as exc:
-        return _failed(start, exc.status if exc.status is not None else status, str(exc))
+        return _failed(start, exc.http_status if exc.http_status is not None else http_status, str(exc))
     except ConnectionRefusedError:
         return _failed(start, None, "connection refused")
     except TimeoutError:
-        return _failed(start, status, f"no answer within {timeout_s:g}s")
+        return _failed(start, http_status, f"no answer within {timeout_s:g}s")
     except (OSError, ValueError, UnicodeError) as exc:
-        return _failed(start, status, one_line(f"{type(exc).__name__}: {exc}"))
+        return _failed(start, http_status, one_line(f"{type(exc).__name__}: {exc}"))
     finally:
         if sock is not None:
             sock.close()
 
 
 def one_line(text: str, limit: int = 300) -> str:
-    """A reason fit for one log field and one STATUS= line: control characters escaped, length capped."""
-    out = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text[: limit * 2])
-    return out[:limit]
-
-
-def parse_json(data: bytes) -> object:
-    """The document, or ValueError with a one-line reason: bad UTF-8 or JSON, NaN/Infinity, or too deep.
-
-    json.loads recurses once per nesting level: 100k `[` raise RecursionError, which is no ValueError and
-    would end the thread that asked.
-    """
-    try:
-        return json.loads(data.decode("utf-8"), parse_constant=_no_constant)
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"not UTF-8: {exc.reason} at byte {exc.start}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    """A reason fit for one log field and one STATUS= line: unprintable characters escaped, length capped."""
+    return escape_unprintable(text[: limit * 2])[:limit]
 
 
 def finite_count(name: str, value: float) -> float:
@@ -144,13 +128,9 @@ def finite_count(name: str, value: float) -> float:
     return value
 
 
-def _no_constant(name: str) -> object:
-    raise ValueError(f"not JSON: {name}")
-
-
-def _failed(start: float, status: int | None, reason: str) -> Answer:
+def _failed(start: float, http_status: int | None, reason: str) -> Answer:
     end = time.monotonic()
-    return Answer(status, b"", reason, end, end - start)
+    return Answer(http_status, b"", reason, end, end - start)
 
 
 def _left(deadline: float) -> float:

@@ -1,6 +1,6 @@
 """vLLM's Prometheus `/metrics`, read with prometheus_client's own parser.
 
-The liveness check (is the engine producing tokens?) and the drain status
+The liveness check (is the engine producing tokens?) and the drain's progress
 (how many requests are still in flight?) both need the same three numbers.
 vLLM labels every sample by model and engine; the numbers are summed over
 them.  A metric vLLM does not expose stays None, so callers can tell
@@ -74,6 +74,6 @@ def fetch_metrics(url: str, timeout_s: float, http: HttpClient = request) -> Eng
     a = http("GET", url, timeout_s, max_body=MAX_BYTES)
     if a.error is not None:
         raise MetricsError(f"GET {path}: {a.error}")
-    if a.status != 200:
-        raise MetricsError(f"GET {path}: HTTP {a.status}")
+    if a.http_status != 200:
+        raise MetricsError(f"GET {path}: HTTP {a.http_status}")
     return parse_metrics(a.body.decode("utf-8", "replace"))

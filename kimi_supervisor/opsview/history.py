@@ -28,9 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from kimi_supervisor.files.atomic import ensure_directory, write_atomic
-from kimi_supervisor.files.untrusted import integer, number, parse_json, printable, read_capped, string
+from kimi_supervisor.files.untrusted import integer, number, read_capped, string
 from kimi_supervisor.logs.types import Logger, Warns
 from kimi_supervisor.opsview.statefile import PID_MAX
+from kimi_supervisor.quoting import escape_unprintable
+from kimi_supervisor.untrusted_json import parse_json
 
 FILE_NAME = "history.json"
 KEEP = 20
@@ -129,7 +131,7 @@ def parse_history(raw: bytes) -> HistoryData:
     counters = dict.fromkeys(COUNTERS, 0)
     for name, value in counters_raw.items():
         if name not in counters:
-            raise ValueError(f"unknown counter {printable(name)[:40]!r}")
+            raise ValueError(f"unknown counter {escape_unprintable(name)[:40]!r}")
         integer(value, f"counter {name!r}", optional=False)
         counters[name] = value
     return HistoryData([RunRecord.from_dict(r) for r in runs_raw][-KEEP:], counters)

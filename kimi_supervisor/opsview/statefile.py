@@ -21,17 +21,17 @@ import psutil
 
 from kimi_supervisor.files.atomic import ensure_directory, write_atomic
 from kimi_supervisor.files.untrusted import (
-    Untrusted,
     boolean,
     integer,
     items,
     mapping,
     number,
-    printable,
     read_json,
     string,
 )
 from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.quoting import escape_unprintable
+from kimi_supervisor.untrusted_json import Untrusted
 
 SCHEMA = 1
 FILE_NAME = "state.json"
@@ -121,7 +121,7 @@ def validate_state(doc: dict[str, Any]) -> None:
     string(sup.get("config"), "supervisor.config")
     phase = doc.get("phase")
     if phase is not None and phase not in PHASES:
-        raise Untrusted(f"phase: {printable(phase)[:40]!r} is not one of {', '.join(PHASES)}")
+        raise Untrusted(f"phase: {escape_unprintable(phase)[:40]!r} is not one of {', '.join(PHASES)}")
     string(doc.get("status"), "status")
     for name in TIMES:
         number(doc.get(name), name)
@@ -177,11 +177,11 @@ def validate_state(doc: dict[str, Any]) -> None:
     integer(weights.get("child_uid"), "weights.child_uid", hi=2**32 - 1)  # the engine compares it (holderwait.py)
     string(weights.get("child_user"), "weights.child_user", longest=256)
     for name, value in mapping(weights.get("key"), "weights.key").items():
-        string(value, f"weights.key.{printable(name)[:40]}")
+        string(value, f"weights.key.{escape_unprintable(name)[:40]}")
     held = mapping(weights.get("checkpoint"), "weights.checkpoint")
     string(held.get("digest"), "weights.checkpoint.digest", optional=not held, longest=128)
     for name, value in mapping(held.get("shards"), "weights.checkpoint.shards").items():
-        string(value, f"weights.checkpoint.shards.{printable(name)[:40]}", optional=False, longest=128)
+        string(value, f"weights.checkpoint.shards.{escape_unprintable(name)[:40]}", optional=False, longest=128)
     failure = mapping(doc.get("last_failure"), "last_failure")
     number(failure.get("at"), "last_failure.at")
     integer(failure.get("exit_code"), "last_failure.exit_code", lo=-255, hi=255)

@@ -189,9 +189,9 @@ class OperatorView:
             self._dirty = True
 
     @_never_fatal
-    def on_state(self, state: State, status: str, fields: Mapping[str, Any]) -> None:
+    def on_state(self, state: State, headline: str, fields: Mapping[str, Any]) -> None:
         now = self._wall()
-        self.doc.update(phase=state.value, status=status, since=now)
+        self.doc.update(phase=state.value, status=headline, since=now)
         if state is State.PREFLIGHT:
             self.history.begin(now)
             self.eta = LoadEta(self.history.data.last_successful_load())
@@ -212,7 +212,7 @@ class OperatorView:
             self._refresh()
         elif state in (State.STOPPED, State.FAILED):
             code = int(fields.get("exit_code", 0))
-            cause = status.removeprefix("failed: ") if state is State.FAILED else fields.get("root_cause")
+            cause = headline.removeprefix("failed: ") if state is State.FAILED else fields.get("root_cause")
             self.doc.update(ended_at=now, exit_code=code, loading=None, processes=[])
             if state is State.FAILED:
                 self.doc["last_failure"] = {"at": now, "exit_code": code, "root_cause": cause}

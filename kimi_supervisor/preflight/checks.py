@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.host import pagecache
 from kimi_supervisor.host.gpu import GpuMemory
 
@@ -28,20 +28,22 @@ def check_gpu_count(visible: int, selected: tuple[int, ...], tp: int, world: int
     if missing:
         return Check(
             "gpus",
-            Status.FAIL,
+            Verdict.FAIL,
             f"configured GPU(s) {missing} do not exist: NVML sees {visible} GPU(s)",
             {"visible": visible, "selected": list(selected)},
         )
     if len(selected) < world:
         return Check(
             "gpus",
-            Status.FAIL,
+            Verdict.FAIL,
             f"{flags} needs {world} GPUs but only {len(selected)} are available "
             f"(NVML sees {visible}, preflight.gpus selects {list(selected)})",
             data | {"world_size": world},
         )
     what = f"tensor-parallel size {tp}" if world == tp else f"world size {world} ({flags})"
-    return Check("gpus", Status.OK, f"{len(selected)} GPU(s) {list(selected)} for {what}", data | {"world_size": world})
+    return Check(
+        "gpus", Verdict.OK, f"{len(selected)} GPU(s) {list(selected)} for {what}", data | {"world_size": world}
+    )
 
 
 def check_free_memory(memory: list[GpuMemory], utilization: float, releasable_mib: Mapping[int, int]) -> Check:
@@ -57,27 +59,27 @@ def check_free_memory(memory: list[GpuMemory], utilization: float, releasable_mi
     if short:
         return Check(
             "gpu_memory_fraction",
-            Status.FAIL,
+            Verdict.FAIL,
             "--gpu-memory-utilization cannot be met (vLLM would fail with 'Free memory on device "
             "... is less than desired GPU memory utilization'): " + "; ".join(short),
             {"gpus": rows},
         )
     projected = " after reaping" if any(releasable_mib.values()) else ""
     return Check(
-        "gpu_memory_fraction", Status.OK, f"every GPU has >= {utilization:g} x total free{projected}", {"gpus": rows}
+        "gpu_memory_fraction", Verdict.OK, f"every GPU has >= {utilization:g} x total free{projected}", {"gpus": rows}
     )
 
 
 def check_model(model: str | None) -> Check:
     if model is None:
-        return Check("model", Status.FAIL, "no model in child.argv (expected `vllm serve MODEL` or --model MODEL)")
+        return Check("model", Verdict.FAIL, "no model in child.argv (expected `vllm serve MODEL` or --model MODEL)")
     path = Path(model)
     if not path.is_absolute() and not model.startswith(".") and not path.exists():
-        return Check("model", Status.SKIP, f"{model!r} is not a local path (a hub id?): not checked offline")
+        return Check("model", Verdict.SKIP, f"{model!r} is not a local path (a hub id?): not checked offline")
     if not path.is_dir():
-        return Check("model", Status.FAIL, f"model directory {model} does not exist or is not a directory")
+        return Check("model", Verdict.FAIL, f"model directory {model} does not exist or is not a directory")
     if not os.access(path, os.R_OK | os.X_OK):
-        return Check("model", Status.FAIL, f"model directory {model} is not readable by uid {os.geteuid()}")
+        return Check("model", Verdict.FAIL, f"model directory {model} is not readable by uid {os.geteuid()}")
     # The shards must resolve inside the model (pagecache.boundary): a link to any other file is refused
     # unread, and a bad index is this failed check, never an exception (docs/fault-matrix.md).
     bound = pagecache.boundary(path)
@@ -85,15 +87,15 @@ def check_model(model: str | None) -> Check:
     try:
         names = pagecache.index_names(path)
     except pagecache.ModelFileError as exc:
-        return Check("model", Status.FAIL, f"{index}: unreadable shard index ({exc.what})")
+        return Check("model", Verdict.FAIL, f"{index}: unreadable shard index ({exc.what})")
     if names is None:
         shards = sorted(path.glob("*.safetensors"))
         if not shards:
-            return Check("model", Status.FAIL, f"{model} holds no *.safetensors file and no index")
+            return Check("model", Verdict.FAIL, f"{model} holds no *.safetensors file and no index")
         outside = [p.name for p in shards if not pagecache.inside(p, bound)]
         if outside:
             return _outside(outside, len(shards), f"of the *.safetensors in {model}", bound)
-        return Check("model", Status.OK, f"{len(shards)} safetensors file(s) in {model}", {"shards": len(shards)})
+        return Check("model", Verdict.OK, f"{len(shards)} safetensors file(s) in {model}", {"shards": len(shards)})
     shard_names = sorted(names)
     outside = [n for n in shard_names if not pagecache.inside(path / n, bound)]
     if outside:
@@ -108,13 +110,13 @@ def check_model(model: str | None) -> Check:
     if missing:
         return Check(
             "model",
-            Status.FAIL,
+            Verdict.FAIL,
             f"{len(missing)} of {len(shard_names)} shards named in {index.name} are missing: {_some(missing)}",
             {"shards": len(shard_names), "missing": missing},
         )
     return Check(
         "model",
-        Status.OK,
+        Verdict.OK,
         f"all {len(shard_names)} shards present ({size / 1e9:.1f} GB) in {model}",
         {"shards": len(shard_names), "bytes": size},
     )
@@ -127,7 +129,7 @@ def _some(names: list[str], most: int = 5) -> str:
 def _outside(names: list[str], total: int, which: str, bound: Path) -> Check:
     return Check(
         "model",
-        Status.FAIL,
+        Verdict.FAIL,
         f"{len(names)} of {total} shards {which} resolve outside the model ({bound}): {_some(names)}",
         {"shards": total, "outside": names},
     )
@@ -146,24 +148,24 @@ def check_port(host: str, port: int) -> Check:
                 pid, who = listener(port)
                 return Check(
                     "port",
-                    Status.FAIL,
+                    Verdict.FAIL,
                     f"port {port} on {bind_host} is already in use{who}",
                     {"host": bind_host, "port": port, "pid": pid},
                 )
             if exc.errno == errno.EADDRNOTAVAIL:
                 return Check(
                     "port",
-                    Status.FAIL,
+                    Verdict.FAIL,
                     f"--host {bind_host} is not an address of this machine",
                     {"host": bind_host, "port": port},
                 )
             return Check(
                 "port",
-                Status.FAIL,
+                Verdict.FAIL,
                 f"cannot bind {bind_host}:{port}: {exc.strerror}",
                 {"host": bind_host, "port": port},
             )
-    return Check("port", Status.OK, f"{bind_host}:{port} is free", {"host": bind_host, "port": port})
+    return Check("port", Verdict.OK, f"{bind_host}:{port} is free", {"host": bind_host, "port": port})
 
 
 def listener(port: int) -> tuple[int | None, str]:
@@ -185,13 +187,13 @@ def check_local_gpus(visible: int, selected: tuple[int, ...], local_world_size: 
     data = {"visible": visible, "selected": list(selected), "local_world_size": local_world_size}
     missing = [i for i in selected if i >= visible]
     if missing:
-        return Check("gpus", Status.FAIL, f"configured GPU(s) {missing} do not exist: NVML sees {visible}", data)
+        return Check("gpus", Verdict.FAIL, f"configured GPU(s) {missing} do not exist: NVML sees {visible}", data)
     if len(selected) < local_world_size:
         return Check(
             "gpus",
-            Status.FAIL,
+            Verdict.FAIL,
             f"this node's share of the group needs {local_world_size} GPUs (world / {nnodes} nodes), "
             f"only {len(selected)} are available",
             data,
         )
-    return Check("gpus", Status.OK, f"{len(selected)} GPU(s) for this node's share of {local_world_size}", data)
+    return Check("gpus", Verdict.OK, f"{len(selected)} GPU(s) for this node's share of {local_world_size}", data)

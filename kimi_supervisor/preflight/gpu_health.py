@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.config.model import GpuHealthConfig
 from kimi_supervisor.host.gpu import GpuHealth, GpuProbe, GpuUnavailable
 from kimi_supervisor.logs.types import Logger
@@ -28,15 +28,15 @@ CLOCK_REASONS = {
 GPU_IDLE = 0x1
 
 # (verdict, text) for one GPU: "ok", "bad" (policy decides), "na" (not supported), "error" (query failed).
-Verdict = tuple[str, str]
+GpuVerdict = tuple[str, str]
 
 
-def _errors(h: GpuHealth, *fields: str) -> Verdict | None:
+def _errors(h: GpuHealth, *fields: str) -> GpuVerdict | None:
     found = [f"{f}: {h.errors[f]}" for f in fields if f in h.errors]
     return ("error", "could not read " + ", ".join(found)) if found else None
 
 
-def _retired_pages(h: GpuHealth) -> Verdict:
+def _retired_pages(h: GpuHealth) -> GpuVerdict:
     if h.retired_pages_pending is None and h.retired_pages is None:
         return _errors(h, "retired_pages_pending", "retired_pages") or ("na", "page retirement not supported")
     count = "an unknown number of" if h.retired_pages is None else str(h.retired_pages)
@@ -44,7 +44,7 @@ def _retired_pages(h: GpuHealth) -> Verdict:
     return ("bad" if h.retired_pages_pending else "ok"), f"{count} retired page(s), {pending}"
 
 
-def _remapped_rows(h: GpuHealth) -> Verdict:
+def _remapped_rows(h: GpuHealth) -> GpuVerdict:
     if h.remapped_rows_pending is None:
         return _errors(h, "remapped_rows") or ("na", "row remapping not supported")
     counts = f"{h.remapped_rows_correctable} correctable, {h.remapped_rows_uncorrectable} uncorrectable remapped row(s)"
@@ -55,7 +55,7 @@ def _remapped_rows(h: GpuHealth) -> Verdict:
     return "ok", f"{counts}, none pending"
 
 
-def _ecc(h: GpuHealth) -> Verdict:
+def _ecc(h: GpuHealth) -> GpuVerdict:
     if h.ecc_uncorrected_volatile is None:
         return _errors(h, "ecc_uncorrected_volatile") or ("na", "ECC not supported or off")
     n = h.ecc_uncorrected_volatile
@@ -63,7 +63,7 @@ def _ecc(h: GpuHealth) -> Verdict:
     return ("bad" if n > 0 else "ok"), text
 
 
-def _pcie(h: GpuHealth) -> Verdict:
+def _pcie(h: GpuHealth) -> GpuVerdict:
     if None in (h.pcie_width, h.pcie_max_width, h.pcie_gen, h.pcie_max_gen):
         return _errors(h, "pcie_width", "pcie_max_width", "pcie_gen", "pcie_max_gen") or (
             "na",
@@ -83,7 +83,7 @@ def _pcie(h: GpuHealth) -> Verdict:
     return "ok", text
 
 
-def _persistence(h: GpuHealth) -> Verdict:
+def _persistence(h: GpuHealth) -> GpuVerdict:
     if h.persistence_mode is None:
         return _errors(h, "persistence_mode") or ("na", "persistence mode not reported")
     if not h.persistence_mode:
@@ -91,7 +91,7 @@ def _persistence(h: GpuHealth) -> Verdict:
     return "ok", "persistence mode on"
 
 
-def _clocks(h: GpuHealth) -> Verdict:
+def _clocks(h: GpuHealth) -> GpuVerdict:
     if h.clock_event_reasons is None:
         return _errors(h, "clock_event_reasons") or ("na", "clock event reasons not reported")
     active = [name for bit, name in CLOCK_REASONS.items() if h.clock_event_reasons & bit]
@@ -101,7 +101,7 @@ def _clocks(h: GpuHealth) -> Verdict:
 
 
 # (report name, config policy field, per-GPU verdict)
-CHECKS: tuple[tuple[str, str, Callable[[GpuHealth], Verdict]], ...] = (
+CHECKS: tuple[tuple[str, str, Callable[[GpuHealth], GpuVerdict]], ...] = (
     ("gpu_retired_pages", "retired_pages", _retired_pages),
     ("gpu_remapped_rows", "remapped_rows", _remapped_rows),
     ("gpu_ecc", "ecc_uncorrected", _ecc),
@@ -130,15 +130,15 @@ def evaluate(health: list[GpuHealth], cfg: GpuHealthConfig) -> list[Check]:
         errors = [(gpu, text) for gpu, v, text in verdicts if v == "error"]
         data: dict[str, Any] = {"policy": policy, "gpus": [{"gpu": g, "verdict": v, "text": t} for g, v, t in verdicts]}
         if bad:
-            status = Status.FAIL if policy == "fail" else Status.WARN
+            verdict = Verdict.FAIL if policy == "fail" else Verdict.WARN
             message = _grouped(bad + errors)
         elif errors:
-            status, message = Status.WARN, _grouped(errors)
+            verdict, message = Verdict.WARN, _grouped(errors)
         elif all(v == "na" for _, v, _ in verdicts):
-            status, message = Status.NA, _grouped([(g, t) for g, _, t in verdicts])
+            verdict, message = Verdict.NA, _grouped([(g, t) for g, _, t in verdicts])
         else:
-            status, message = Status.OK, _grouped([(g, t) for g, _, t in verdicts])
-        out.append(Check(name, status, message, data))
+            verdict, message = Verdict.OK, _grouped([(g, t) for g, _, t in verdicts])
+        out.append(Check(name, verdict, message, data))
     return out
 
 
@@ -149,11 +149,11 @@ def health_checks(
     try:
         health = [probe.health(i) for i in gpus]
     except GpuUnavailable as exc:
-        checks = [Check("gpu_health", Status.WARN, f"could not read GPU health: {exc}")]
+        checks = [Check("gpu_health", Verdict.WARN, f"could not read GPU health: {exc}")]
     else:
         checks = evaluate(health, cfg)
     if log is not None:
         for c in checks:
-            if c.status is Status.WARN:
+            if c.verdict is Verdict.WARN:
                 log.warning("preflight.gpu_health", check=c.name, message=c.message)
     return checks

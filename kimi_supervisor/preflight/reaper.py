@@ -143,7 +143,7 @@ class LiveTrees:
     A live supervisor is a root process holding an instance lock (`lock_owners`, from the
     kernel's lock table, already only root kimi-supervisors) or one whose command line is
     kimi-supervisor's: root's only, since any user can run a process with that argv (or flock
-    a lock file it can read) to shield its own GPU holders.  Its tree is every
+    a lock file it can read) to shield its own GPU occupants.  Its tree is every
     descendant, and, when it runs as a kimi-supervisor unit, every process in that
     unit's cgroup (workers that double-forked away from it stay there).
     """
@@ -194,7 +194,7 @@ def _name_matches(name: str, pattern: str) -> bool:
 
 
 class _Judge:
-    """Why a process may not be killed (None: it may), shared by holders, parents and companions."""
+    """Why a process may not be killed (None: it may), shared by occupants, parents and companions."""
 
     def __init__(self, table: ProcessTable, cfg: ReapConfig, self_pid: int, lock_owners: Iterable[int]) -> None:
         self.rules = KillRules(cfg)
@@ -219,18 +219,18 @@ class _Judge:
 
 
 def plan_reap(
-    holders: Iterable[GpuProcess],
+    occupants: Iterable[GpuProcess],
     table: ProcessTable,
     cfg: ReapConfig,
     self_pid: int,
     lock_owners: Iterable[int] = (),
 ) -> ReapPlan:
-    """Decide, without side effects, which GPU holders (and their companions) would be killed.
+    """Decide, without side effects, which GPU occupants (and their companions) would be killed.
 
     `lock_owners`: PIDs holding kimi-supervisor instance locks (live supervisors).
     """
     by_pid: dict[int, list[GpuProcess]] = {}
-    for h in holders:
+    for h in occupants:
         by_pid.setdefault(h.pid, []).append(h)
     if not by_pid:
         return ReapPlan((), ())
@@ -270,12 +270,12 @@ def plan_reap(
 
 def _add_tree_members(victims: dict[int, Victim], judge: _Judge) -> None:
     table, rules = judge.table, judge.rules
-    holders = list(victims.values())
-    # Ancestors of a holder that match the kill rules are the stale tree's root
+    occupants = list(victims.values())
+    # Ancestors of an occupant that match the kill rules are the stale tree's root
     # (the API server); killing only the workers would leave it half-alive.
     # The rules are anchored at argv[0]: a wrapper (runuser, sudo, tmux, bash -c)
     # whose arguments spell a vLLM command line does not match, and the walk stops there.
-    for v in holders:
+    for v in occupants:
         parent = table.get(v.proc.ppid)
         while parent is not None and parent.pid not in victims:
             if judge.guard(parent) is not None or not rules.matches(parent):

@@ -5,36 +5,33 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from kimi_supervisor.checks import Status
+from kimi_supervisor.checks import Verdict
 from kimi_supervisor.preflight.run import PreflightReport
 from kimi_supervisor.quoting import escape_controls
 
-# A file or process name may hold a newline: it must not fake a report line (e.g. a verdict).
-printable = escape_controls
-
-
 _MARK = {
-    Status.OK: "ok",
-    Status.DONE: "done",
-    Status.SKIP: "skip",
-    Status.KEEP: "keep",
-    Status.KILL: "would kill",
-    Status.REMOVE: "would remove",
-    Status.WAIT: "would wait",
-    Status.WARN: "warn",
-    Status.NA: "n/a",
-    Status.FAIL: "FAILED",
+    Verdict.OK: "ok",
+    Verdict.DONE: "done",
+    Verdict.SKIP: "skip",
+    Verdict.KEEP: "keep",
+    Verdict.KILL: "would kill",
+    Verdict.REMOVE: "would remove",
+    Verdict.WAIT: "would wait",
+    Verdict.WARN: "warn",
+    Verdict.NA: "n/a",
+    Verdict.FAIL: "FAILED",
 }
 
 
 def render_text(report: PreflightReport, config_path: str) -> str:
     width = max(len(m) for m in _MARK.values())
+    # A file or process name may hold a newline: it must not fake a report line (e.g. a verdict).
     lines = [
         f"kimi-supervisor preflight ({'dry run: nothing was killed or removed' if report.dry_run else 'real'})",
-        f"config: {printable(config_path)}",
+        f"config: {escape_controls(config_path)}",
     ]
     for c in report.checks:
-        lines.append(f"  [{_MARK[c.status]:>{width}}] {c.name:<19} {printable(c.message)}")
+        lines.append(f"  [{_MARK[c.verdict]:>{width}}] {c.name:<19} {escape_controls(c.message)}")
     failures = report.failures()
     if report.proceed:
         lines.append("verdict: a start would proceed")

@@ -3,7 +3,7 @@
 Order matters and is chosen so nothing is killed for a start that cannot
 happen anyway:
   1. static checks (NVML, GPU count vs --tensor-parallel-size, model files);
-  2. stale GPU holders: plan, then (real run) TERM/KILL them and wait for memory;
+  2. stale GPU occupants: plan, then (real run) TERM/KILL them and wait for memory;
   3. stale shared-memory files (after the reap released them);
   4. the serving port and the --gpu-memory-utilization fraction.
 A dry run takes the same path with every side effect replaced by a report line.
@@ -18,7 +18,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.child.cachedirs import check_cache
 from kimi_supervisor.child.process import child_environment
 from kimi_supervisor.child.spawnplan import Unresolvable, resolve_identity
@@ -63,7 +63,7 @@ class PreflightReport:
             "verdict": "start would proceed" if self.proceed else "start would not proceed",
             "proceed": self.proceed,
             "checks": [
-                {"name": c.name, "status": c.status.value, "message": c.message, **dict(c.data)} for c in self.checks
+                {"name": c.name, "status": c.verdict.value, "message": c.message, **dict(c.data)} for c in self.checks
             ],
         }
 
@@ -170,7 +170,7 @@ class Preflight:
         try:
             identity = resolve_identity(spec.user, spec.group)
         except Unresolvable as exc:
-            return Check("cache", Status.SKIP, f"child.{exc.key}: {exc.message}")
+            return Check("cache", Verdict.SKIP, f"child.{exc.key}: {exc.message}")
         return check_cache(spec.cache_directory, identity, child_environment(spec, os.environ, identity))
 
     def _raise_if_failed(self, report: PreflightReport) -> None:
@@ -183,12 +183,12 @@ class Preflight:
 
     def _static_checks(self, add: Callable[[Check], None]) -> tuple[int, ...]:
         if self._pf.gpus == ():
-            add(Check("gpus", Status.SKIP, "preflight.gpus = []: no GPU checks (CPU deployment)"))
+            add(Check("gpus", Verdict.SKIP, "preflight.gpus = []: no GPU checks (CPU deployment)"))
             return ()
         try:
             visible = self._probe.device_count()
         except GpuUnavailable as exc:
-            add(Check("nvml", Status.FAIL, str(exc)))
+            add(Check("nvml", Verdict.FAIL, str(exc)))
             return ()
         selected = self._pf.gpus if self._pf.gpus is not None else tuple(range(visible))
         cluster = self._cfg.cluster
@@ -200,9 +200,9 @@ class Preflight:
                 visible, selected, vllm.tensor_parallel_size, vllm.world_size, vllm.parallel_flags
             )
         add(check)
-        return selected if check.status is Status.OK else ()
+        return selected if check.verdict is Verdict.OK else ()
 
-    # -- GPU holders ---------------------------------------------------------
+    # -- GPU occupants -------------------------------------------------------
 
     def _gpus(self, gpus: tuple[int, ...], dry_run: bool, add: Callable[[Check], None]) -> ReapPlan:
         try:
@@ -210,12 +210,12 @@ class Preflight:
             self._held = self._holder_memory(found, add)
             busy = busy_gpus(self._probe, gpus, self._pf.memory_threshold_mib, self._held)
         except GpuUnavailable as exc:
-            add(Check("nvml", Status.FAIL, str(exc)))
+            add(Check("nvml", Verdict.FAIL, str(exc)))
             return ReapPlan((), ())
         plan = self._plan(found)
         if dry_run:
             for v in plan.victims:
-                add(Check("reap", Status.KILL, describe_victim(v), {"pid": v.proc.pid, "gpus": list(v.gpus)}))
+                add(Check("reap", Verdict.KILL, describe_victim(v), {"pid": v.proc.pid, "gpus": list(v.gpus)}))
             self._dry_wait(busy, found, plan, add)
             return plan
         if plan.victims:
@@ -231,7 +231,7 @@ class Preflight:
         name = self._cfg.deployment.name
         supervisor, held = holder_memory(self._cfg, self._table, found)
         if supervisor is None:
-            add(Check("weights_memory", Status.SKIP, f"no live weight holder of deployment {name}: nothing to count"))
+            add(Check("weights_memory", Verdict.SKIP, f"no live weight holder of deployment {name}: nothing to count"))
             return {}
         assert self._cfg.weights is not None
         daemons, unanswered = self._daemons(self._cfg.weights.socket_dir)
@@ -242,7 +242,7 @@ class Preflight:
         add(
             Check(
                 "weights_memory",
-                Status.OK,
+                Verdict.OK,
                 f"the weight holder of deployment {name} (supervisor PID {supervisor}) holds {text}: "
                 "counted as this deployment's own (not busy); of it, its daemons' PyTorch allocations, "
                 f"{credit}{silent}, are free for --gpu-memory-utilization (vLLM subtracts only those)",
@@ -278,22 +278,22 @@ class Preflight:
             if left <= threshold:
                 continue
             still.append(
-                f"GPU {m.index}: {m.used_mib} MiB used > {threshold} MiB by {self._holders_text(others, plan)}"
+                f"GPU {m.index}: {m.used_mib} MiB used > {threshold} MiB by {self._occupants_text(others, plan)}"
             )
         if still:
             add(
                 Check(
                     "gpu_wait",
-                    Status.WAIT,
+                    Verdict.WAIT,
                     f"a start would wait up to {self._pf.deadline_s:g}s, then fail: " + "; ".join(still),
                 )
             )
         elif busy:
-            add(Check("gpu_wait", Status.OK, f"{len(busy)} busy GPU(s) would be freed by reaping"))
+            add(Check("gpu_wait", Verdict.OK, f"{len(busy)} busy GPU(s) would be freed by reaping"))
         else:
-            add(Check("gpu_wait", Status.OK, f"all GPUs at or below {threshold} MiB used"))
+            add(Check("gpu_wait", Verdict.OK, f"all GPUs at or below {threshold} MiB used"))
 
-    def _holders_text(self, procs: list[GpuProcess], plan: ReapPlan) -> str:
+    def _occupants_text(self, procs: list[GpuProcess], plan: ReapPlan) -> str:
         spared = {s.pid: s for s in plan.spared}
         if not procs:
             return "no process NVML lists (another PID namespace or driver-internal use)"
@@ -327,9 +327,9 @@ class Preflight:
             seconds=round(outcome.seconds, 3),
         )
         for v in plan.victims:
-            status = Status.FAIL if v.proc in outcome.survivors else Status.DONE
-            verb = "survived SIGKILL" if status is Status.FAIL else "killed"
-            add(Check("reap", status, f"{verb} {describe_victim(v)}", {"pid": v.proc.pid, "gpus": list(v.gpus)}))
+            verdict = Verdict.FAIL if v.proc in outcome.survivors else Verdict.DONE
+            verb = "survived SIGKILL" if verdict is Verdict.FAIL else "killed"
+            add(Check("reap", verdict, f"{verb} {describe_victim(v)}", {"pid": v.proc.pid, "gpus": list(v.gpus)}))
 
     def _wait(self, gpus: tuple[int, ...], add: Callable[[Check], None]) -> None:
         start = self._clock.monotonic()
@@ -341,7 +341,7 @@ class Preflight:
                     gpu=m.index,
                     used_mib=m.used_mib,
                     waited_s=round(elapsed, 1),
-                    holders=self._holders_text(self._probe.processes(m.index), ReapPlan((), ())),
+                    holders=self._occupants_text(self._probe.processes(m.index), ReapPlan((), ())),
                 )
 
         try:
@@ -357,22 +357,22 @@ class Preflight:
                 self._held,
             )
         except GpuUnavailable as exc:
-            add(Check("nvml", Status.FAIL, str(exc)))
+            add(Check("nvml", Verdict.FAIL, str(exc)))
             return
         waited = self._clock.monotonic() - start
         if busy:
-            # Recompute the plan: it tells, per holder, why it was not killed.
+            # Recompute the plan: it tells, per occupant, why it was not killed.
             found = gpu_processes(self._probe, tuple(m.index for m in busy))
             plan = self._plan(found)
             text = "; ".join(
                 f"GPU {m.index}: {m.used_mib} MiB used by "
-                f"{self._holders_text([p for p in found if p.gpu == m.index], plan)}"
+                f"{self._occupants_text([p for p in found if p.gpu == m.index], plan)}"
                 for m in busy
             )
             add(
                 Check(
                     "gpu_wait",
-                    Status.FAIL,
+                    Verdict.FAIL,
                     f"GPUs still busy after {waited:.1f}s (preflight.deadline_s = {self._pf.deadline_s:g}): {text}",
                 )
             )
@@ -380,7 +380,7 @@ class Preflight:
             add(
                 Check(
                     "gpu_wait",
-                    Status.OK,
+                    Verdict.OK,
                     f"all {len(gpus)} GPU(s) at or below "
                     f"{self._pf.memory_threshold_mib} MiB used (waited {waited:.2f}s)",
                 )
@@ -395,7 +395,7 @@ class Preflight:
             add(
                 Check(
                     "shm",
-                    Status.FAIL,
+                    Verdict.FAIL,
                     f"{directory} is not writable (read-only or no permission): "
                     "NCCL and torch need it for their shared-memory segments",
                 )
@@ -404,12 +404,12 @@ class Preflight:
         try:
             decisions = plan_shm(self._pf.shm, self._table)
         except OSError as exc:
-            add(Check("shm", Status.FAIL, str(exc)))
+            add(Check("shm", Verdict.FAIL, str(exc)))
             return
         if not decisions:
             add(
                 Check(
-                    "shm", Status.OK, f"no stale files matching {list(self._pf.shm.globs)} in {self._pf.shm.directory}"
+                    "shm", Verdict.OK, f"no stale files matching {list(self._pf.shm.globs)} in {self._pf.shm.directory}"
                 )
             )
             return
@@ -418,7 +418,7 @@ class Preflight:
                 add(
                     Check(
                         "shm",
-                        Status.REMOVE if d.remove else Status.KEEP,
+                        Verdict.REMOVE if d.remove else Verdict.KEEP,
                         f"{d.path}: {d.reason}",
                         {"path": str(d.path)},
                     )
@@ -427,22 +427,22 @@ class Preflight:
         outcome = remove_stale(decisions)
         for path in outcome.removed:
             self._log.info("preflight.shm_removed", path=str(path))
-            add(Check("shm", Status.DONE, f"removed {path}", {"path": str(path)}))
+            add(Check("shm", Verdict.DONE, f"removed {path}", {"path": str(path)}))
         for d in outcome.kept:
             self._log.info("preflight.shm_kept", path=str(d.path), reason=d.reason)
-            add(Check("shm", Status.KEEP, f"{d.path}: {d.reason}", {"path": str(d.path)}))
+            add(Check("shm", Verdict.KEEP, f"{d.path}: {d.reason}", {"path": str(d.path)}))
         for err in outcome.errors:
-            add(Check("shm", Status.FAIL, f"cannot remove {err}"))
+            add(Check("shm", Verdict.FAIL, f"cannot remove {err}"))
 
     def _port(self, plan: ReapPlan, dry_run: bool) -> Check:
         vllm = self._cfg.child.vllm
         check = checks.check_port(vllm.host, vllm.port)
-        holder = check.data.get("pid")
-        if dry_run and check.status is Status.FAIL and holder in {v.proc.pid for v in plan.victims}:
+        listener = check.data.get("pid")
+        if dry_run and check.verdict is Verdict.FAIL and listener in {v.proc.pid for v in plan.victims}:
             return Check(
                 "port",
-                Status.OK,
-                f"port {vllm.port} is held by PID {holder}, which reaping would kill",
+                Verdict.OK,
+                f"port {vllm.port} is held by PID {listener}, which reaping would kill",
                 dict(check.data),
             )
         return check

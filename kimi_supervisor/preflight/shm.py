@@ -39,7 +39,7 @@ class ShmOutcome:
 def plan_shm(cfg: ShmConfig, table: ProcessTable) -> list[ShmDecision]:
     """Which matching files would be removed, and why the others are kept."""
     # /proc shows canonical paths: a directory given through a symlink or `..` (or /dev/shm being a
-    # symlink to /run/shm) must be compared in that form, or no holder is ever found.
+    # symlink to /run/shm) must be compared in that form, or no opener is ever found.
     directory = Path(os.path.realpath(cfg.directory))
     try:
         names = sorted(os.listdir(directory))
@@ -63,13 +63,13 @@ def plan_shm(cfg: ShmConfig, table: ProcessTable) -> list[ShmDecision]:
         if not stat.S_ISREG(st.st_mode):
             decisions.append(ShmDecision(path, False, "not a regular file", 0))
             continue
-        holders = sorted(users.get(str(path), set()))
-        if holders:
-            who = ", ".join(_describe_pid(table, pid) for pid in holders[:5])
-            more = f" and {len(holders) - 5} more" if len(holders) > 5 else ""
+        openers = sorted(users.get(str(path), set()))
+        if openers:
+            who = ", ".join(_describe_pid(table, pid) for pid in openers[:5])
+            more = f" and {len(openers) - 5} more" if len(openers) > 5 else ""
             decisions.append(ShmDecision(path, False, f"in use by {who}{more}", st.st_size))
         else:
-            decisions.append(_unseen_holders(path, st.st_size, blind))
+            decisions.append(_unseen_openers(path, st.st_size, blind))
     return decisions
 
 
@@ -89,8 +89,8 @@ def remove_stale(decisions: list[ShmDecision]) -> ShmOutcome:
     return ShmOutcome(tuple(removed), tuple(d for d in decisions if not d.remove), tuple(errors))
 
 
-def _unseen_holders(path: Path, size: int, blind: str) -> ShmDecision:
-    """No holder in /proc: ask the kernel too, since /proc may hide some (unreadable, hidepid, other PID ns).
+def _unseen_openers(path: Path, size: int, blind: str) -> ShmDecision:
+    """No opener in /proc: ask the kernel too, since /proc may hide some (unreadable, hidepid, other PID ns).
 
     The kernel grants a write lease only when no other open file description of the file exists, an
     fd or a mapping alike (exact since Linux 5.3), so its answer overrides an incomplete /proc scan;

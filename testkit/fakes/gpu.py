@@ -36,7 +36,7 @@ HEALTHY = GpuHealth(
 class FakeGpu:
     total_mib: int = 97887  # an RTX PRO 6000: 96 GB
     base_used_mib: int = 0
-    holders: dict[int, int | None] = dataclasses.field(default_factory=dict)  # pid -> MiB
+    occupants: dict[int, int | None] = dataclasses.field(default_factory=dict)  # pid -> MiB
     hidden_used_mib: int = 0  # memory used by processes NVML does not list
     health: GpuHealth = HEALTHY  # its index is replaced by the GPU's
 
@@ -79,13 +79,13 @@ class FakeGpuProbe:
         self._check()
         gpu = self.gpus[index]
         used = gpu.base_used_mib + gpu.hidden_used_mib
-        used += sum(mib or 0 for pid, mib in gpu.holders.items() if self._alive(pid))
+        used += sum(mib or 0 for pid, mib in gpu.occupants.items() if self._alive(pid))
         return GpuMemory(index, gpu.total_mib, used, gpu.total_mib - used)
 
     def processes(self, index: int) -> list[GpuProcess]:
         self._check()
         return [
-            GpuProcess(pid, index, mib) for pid, mib in sorted(self.gpus[index].holders.items()) if self._alive(pid)
+            GpuProcess(pid, index, mib) for pid, mib in sorted(self.gpus[index].occupants.items()) if self._alive(pid)
         ]
 
     def health(self, index: int) -> GpuHealth:

@@ -2,9 +2,9 @@
 
     python -m testkit.fakes.gpu_cli GPU_FILE [kimi-supervisor arguments...]
 
-GPU_FILE holds `[{"total_mib": 97887, "holders": {"PID": MiB, ...}}, ...]` and is
+GPU_FILE holds `[{"total_mib": 97887, "occupants": {"PID": MiB, ...}}, ...]` and is
 re-read on every probe call, so a test can hand a running supervisor's workers
-a GPU context after it started: the file's holders count only while alive,
+a GPU context after it started: the file's occupants count only while alive,
 as with the real driver.
 """
 
@@ -29,7 +29,7 @@ class FileGpuProbe(FakeGpuProbe):
         self.gpus = [
             FakeGpu(
                 total_mib=int(g.get("total_mib", 97887)),
-                holders={int(pid): mib for pid, mib in g.get("holders", {}).items()},
+                occupants={int(pid): mib for pid, mib in g.get("occupants", {}).items()},
             )
             for g in data
         ]

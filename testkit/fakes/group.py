@@ -21,9 +21,9 @@ from kimi_supervisor.deployment.group.server import GroupStatus
 from kimi_supervisor.exitcodes import EngineWedged, SupervisorError
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.lifecycle.deps import Deps
+from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import FakeGpuProbe
 from testkit.fakes.lifecycle import (
-    EventClock,
     FakeChild,
     FakeProber,
     FakeSelector,
@@ -51,7 +51,7 @@ class FakePoller:
 
     def __init__(
         self,
-        clock: EventClock,
+        clock: FakeClock,
         urls: Sequence[str],
         master: tuple[str, int] | None,
         wake: Callable[[], None],
@@ -96,7 +96,7 @@ class GroupWorld:
 
     def __init__(self, cfg: Config, *, watchdog_s: float | None = None, term_exit_after: float | None = 0.2) -> None:
         self.cfg = cfg
-        self.clock = EventClock()
+        self.clock = FakeClock()
         self.signals = FakeSignals()
         self.log = TimedLog(self.clock)
         self.notes = RecordingNotifier(self.clock)
@@ -212,7 +212,7 @@ class _FakeDeepLiveness:
 
     healthy = True
 
-    def __init__(self, clock: EventClock, wedged_at: float | None) -> None:
+    def __init__(self, clock: FakeClock, wedged_at: float | None) -> None:
         self._clock = clock
         self._wedged_at = wedged_at
 

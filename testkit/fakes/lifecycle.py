@@ -10,8 +10,6 @@ wake-ups, so `ChildOutput`, the readiness tracker and the lifecycle run unpatche
 from __future__ import annotations
 
 import contextlib
-import heapq
-import itertools
 import os
 import selectors
 import signal
@@ -25,61 +23,14 @@ from kimi_supervisor.lifecycle.drain import POLL_S, Reading
 from kimi_supervisor.lifecycle.signals import SignalRecorder
 from kimi_supervisor.liveness.health_probe import HealthResult
 from kimi_supervisor.liveness.http import MAX_BODY, Answer
+from testkit.fakes.clock import FakeClock
 from testkit.fakes.log import RecordingLog
-
-T0 = 1000.0
-WALL_T0 = 1_700_000_000.0  # the wall clock at the fake start: the state file's timestamps follow the fake clock
-HORIZON_S = 100_000.0  # a loop that never ends fails the test instead of spinning forever
-
-
-class EventClock:
-    """Fake monotonic time; actions scheduled at times since the start run when the clock reaches them."""
-
-    def __init__(self) -> None:
-        self.now = T0
-        self._events: list[tuple[float, int, Callable[[], None]]] = []
-        self._seq = itertools.count()
-
-    @property
-    def t(self) -> float:
-        """Seconds since the start."""
-        return self.now - T0
-
-    def at(self, t: float, action: Callable[[], None]) -> None:
-        heapq.heappush(self._events, (T0 + t, next(self._seq), action))
-
-    def after(self, seconds: float, action: Callable[[], None]) -> None:
-        self.at(self.t + seconds, action)
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def time(self) -> float:
-        """Wall-clock time (`Deps.wall`), advancing with the fake clock."""
-        return WALL_T0 + self.t
-
-    def sleep(self, seconds: float) -> None:
-        end = self.now + max(0.0, seconds)
-        while self._events and self._events[0][0] <= end:
-            self.wait(end - self.now)
-        self.now = end
-
-    def wait(self, timeout: float) -> None:
-        """Advance to the next event (running every action due then) or by `timeout`, whichever is first."""
-        end = self.now + max(0.0, timeout)
-        if self._events and self._events[0][0] <= end:
-            end = max(self.now, self._events[0][0])
-        self.now = end
-        if self.now - T0 > HORIZON_S:
-            raise AssertionError(f"the fake clock ran past {HORIZON_S:g}s: the loop never ended")
-        while self._events and self._events[0][0] <= self.now:
-            heapq.heappop(self._events)[2]()
 
 
 class TimedLog(RecordingLog):
     """RecordingLog that also notes when (seconds since the start) each record was made."""
 
-    def __init__(self, clock: EventClock) -> None:
+    def __init__(self, clock: FakeClock) -> None:
         super().__init__()
         self._clock = clock
         self.times: list[float] = []
@@ -100,7 +51,7 @@ class TimedLog(RecordingLog):
 class FakeSelector(selectors.BaseSelector):
     """A real selector over real fds, whose waiting is done by the fake clock."""
 
-    def __init__(self, clock: EventClock) -> None:
+    def __init__(self, clock: FakeClock) -> None:
         self._inner = selectors.DefaultSelector()
         self._clock = clock
 
@@ -140,9 +91,9 @@ class FakeSignals(SignalRecorder):
 
 
 class FakeChild:
-    """vLLM as a script: lines written to real pipes, an exit status, and how it answers signals."""
+    """vLLM as a script: lines written to real pipes, a return code, and how it answers signals."""
 
-    def __init__(self, clock: EventClock, term_exit_after: float | None) -> None:
+    def __init__(self, clock: FakeClock, term_exit_after: float | None) -> None:
         self._clock = clock
         self.pid = 4242
         self.returncode: int | None = None
@@ -160,9 +111,9 @@ class FakeChild:
         if stream in self._writers:
             os.write(self._writers[stream], (line + "\n").encode())
 
-    def exit(self, status: int) -> None:
+    def exit(self, returncode: int) -> None:
         if self.returncode is None:
-            self.returncode = status
+            self.returncode = returncode
             for fd in self._writers.values():
                 os.close(fd)
             self._writers.clear()
@@ -203,10 +154,10 @@ class FakeChild:
 
 
 class FakeProber:
-    """/health answers `respond(t)` (a status, None: refused), probed on the real prober's schedule."""
+    """/health answers `respond(t)` (an HTTP status code, None: refused), probed on the real prober's schedule."""
 
     def __init__(
-        self, clock: EventClock, respond: Callable[[float], int | None], interval_s: float, wake: Callable[[], None]
+        self, clock: FakeClock, respond: Callable[[float], int | None], interval_s: float, wake: Callable[[], None]
     ) -> None:
         self._clock = clock
         self._respond = respond
@@ -248,11 +199,13 @@ class FakeProber:
     def _probe(self, generation: int) -> None:
         if self._stopped or generation != self._generation:
             return
-        status = self._respond(self._clock.t)
+        http_status = self._respond(self._clock.t)
         self.probes.append(self._clock.t)
-        ok = status == 200
-        error = None if ok else (f"HTTP {status}" if status is not None else "connection refused")
-        self._results.append(HealthResult(ok=ok, status=status, error=error, at=self._clock.now, latency_s=0.0))
+        ok = http_status == 200
+        error = None if ok else (f"HTTP {http_status}" if http_status is not None else "connection refused")
+        self._results.append(
+            HealthResult(ok=ok, http_status=http_status, error=error, at=self._clock.now, latency_s=0.0)
+        )
         self._wake()
         bursting = self._clock.now < self._burst_until
         self._schedule(self._burst_interval if bursting else self._interval)
@@ -261,7 +214,7 @@ class FakeProber:
 class FakeDrainSampler:
     """The drain's sampler on the fake clock: the real reading (`Drain._read`) every POLL_S, from `start`."""
 
-    def __init__(self, clock: EventClock, read: Callable[[], Reading]) -> None:
+    def __init__(self, clock: FakeClock, read: Callable[[], Reading]) -> None:
         self._clock = clock
         self._read = read
         self._stopped = False
@@ -322,7 +275,7 @@ class FakeProcessTable:
 class FakeMetricsHttp:
     """vLLM's /metrics as an HttpClient: `in_flight(t)` requests running (None: connection refused)."""
 
-    def __init__(self, clock: EventClock, in_flight: Callable[[float], float | None]) -> None:
+    def __init__(self, clock: FakeClock, in_flight: Callable[[float], float | None]) -> None:
         self._clock = clock
         self._in_flight = in_flight
         self.requests: list[tuple[float, str, float]] = []  # (t, url, timeout_s)
@@ -378,7 +331,7 @@ class SilentNotifier:
 
 
 class RecordingNotifier:
-    def __init__(self, clock: EventClock) -> None:
+    def __init__(self, clock: FakeClock) -> None:
         self._clock = clock
         self.sent: list[tuple[float, dict[str, str | int]]] = []
 

@@ -23,10 +23,9 @@ from kimi_supervisor.lifecycle.supervisor import Supervisor
 from kimi_supervisor.liveness.http import HttpClient
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.systemd.notify import Notifier
+from testkit.fakes.clock import T0, FakeClock
 from testkit.fakes.gpu import FakeGpuProbe
 from testkit.fakes.lifecycle import (
-    T0,
-    EventClock,
     FakeChild,
     FakeDrainSampler,
     FakeLiveness,
@@ -89,7 +88,7 @@ class World:
         probe: FakeGpuProbe | None = None,
     ) -> None:
         self.cfg = cfg
-        self.clock = EventClock()
+        self.clock = FakeClock()
         self.signals = FakeSignals()
         self.log = TimedLog(self.clock)
         self.notes = RecordingNotifier(self.clock)

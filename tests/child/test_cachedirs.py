@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.checks import Status
+from kimi_supervisor.checks import Verdict
 from kimi_supervisor.child import process
 from kimi_supervisor.child.cachedirs import CacheUntrusted, cache_environment, check_cache
 from kimi_supervisor.child.process import prepare_spawn
@@ -172,12 +172,12 @@ def test_a_dry_run_creates_and_chowns_nothing(tmp_path: Path) -> None:
 
 def test_the_dry_run_line_reports_size_writability_and_compile_caches(tmp_path: Path) -> None:
     missing = check_cache(tmp_path / "absent", None, {})
-    assert missing.status is Status.WARN and "CacheDirectory=" in missing.message
+    assert missing.verdict is Verdict.WARN and "CacheDirectory=" in missing.message
     aot = tmp_path / f"uid-{os.geteuid()}" / "vllm" / "torch_compile_cache" / "torch_aot_compile" / "b514c290"
     aot.mkdir(parents=True)
     (aot / "model").write_bytes(b"x" * 2_000_000)
     ok = check_cache(tmp_path, None, {})
-    assert ok.status is Status.OK and ok.data["compile_caches"] == 1 and ok.data["bytes"] == 2_000_000
+    assert ok.verdict is Verdict.OK and ok.data["compile_caches"] == 1 and ok.data["bytes"] == 2_000_000
     assert "holds 1 compile cache(s)" in ok.message and ok.data["writable"]
 
 
@@ -186,7 +186,7 @@ def test_the_dry_run_says_when_the_childs_user_cannot_write(tmp_path: Path) -> N
     (tmp_path / f"uid-{NOBODY}").mkdir(mode=0o755)  # root's: nobody cannot write it
     identity = resolve_identity("nobody", None)
     check = check_cache(tmp_path, identity, {})
-    assert check.status is Status.WARN and "not writable by user 'nobody'" in check.message
+    assert check.verdict is Verdict.WARN and "not writable by user 'nobody'" in check.message
 
 
 @ROOT_ONLY

@@ -79,11 +79,11 @@ def test_only_the_file_that_logs_a_line_counts() -> None:
     assert phases.breakdown.phases() == {} and phases.breakdown.compile_cache is None
 
 
-def test_status_text_shows_the_read_rate_only_while_loading_weights() -> None:
+def test_the_headline_shows_the_read_rate_only_while_loading_weights() -> None:
     tracker = ReadinessTracker(CFG)
     tracker.feed("Loading safetensors checkpoint shards:  57% Completed | 68/119 [04:52<03:40,  4.31s/it]")
-    assert tracker.status_text(252, "~3m10s left", "1.02 GB/s") == (
+    assert tracker.headline(252, "~3m10s left", "1.02 GB/s") == (
         "loading weights 68/119 (57%), 4m12s, 1.02 GB/s, ~3m10s left"
     )
     tracker.feed("(Worker pid=1) INFO 12-01 22:24:31 [default_loader.py:501] Loading weights took 514.22 seconds")
-    assert tracker.status_text(600, None, "1.02 GB/s") == "weights loaded, 10m00s"
+    assert tracker.headline(600, None, "1.02 GB/s") == "weights loaded, 10m00s"

@@ -20,6 +20,7 @@ from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.logs.fdwriter import FdWriter
 from kimi_supervisor.logs.journal import ConsoleChildSink, JournalChildSink, JournalWriter
+from testkit.fakes.clock import FakeClock
 from testkit.fakes.journal_socket import JournalSocket
 from testkit.fakes.lifecycle import ListSink
 from testkit.fakes.log import RecordingLog
@@ -30,17 +31,9 @@ from testkit.harness import FAKE
 CFG = parse_config({"child": {"argv": ["vllm"]}}, Path("t.toml")).readiness
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_meter_budget_per_second_and_pool() -> None:
-    clock = Clock()
-    meter = LineMeter(per_s=3, clock=clock)
+    clock = FakeClock()
+    meter = LineMeter(per_s=3, clock=clock.monotonic)
     assert [meter.admit(6) for _ in range(5)] == [True, True, True, False, False]
     assert meter.admit(5) is False  # NOTICE shares INFO's journald pool
     assert meter.admit(3) and meter.admit(4)  # ERR and WARNING pools have their own budget
@@ -159,21 +152,15 @@ class PipeChild:
         return read_pipe(fd)
 
 
-class FrozenClock:
-    """One metering second for the whole test: the budget is spent once, whatever the machine's speed."""
-
-    def monotonic(self) -> float:
-        return 100.5
-
-
 def _through(data: bytes, metered: bool, serving: bool, cuts: list[int], secrets: tuple[str, ...] = ()) -> Any:
     """`data` written into a pipe in pieces cut at `cuts`, read by ChildOutput: (tracker, lines, suppressed)."""
     tracker = ReadinessTracker(CFG)
     tracker.serving = serving
     sink = ListSink()
-    meter = LineMeter(per_s=7, clock=FrozenClock().monotonic) if metered else None
+    # Fake clocks nobody sleeps on: one metering second for the whole test, whatever the machine's speed.
+    meter = LineMeter(per_s=7, clock=FakeClock().monotonic) if metered else None
     log = RecordingLog()
-    out = ChildOutput(sink, tracker, log, secrets=secrets, meter=meter, clock=FrozenClock())  # type: ignore[arg-type]
+    out = ChildOutput(sink, tracker, log, secrets=secrets, meter=meter, clock=FakeClock())  # type: ignore[arg-type]
     child = PipeChild()
     out.attach(child)  # type: ignore[arg-type]
     bounds = [0, *sorted(cuts), len(data)]
@@ -268,8 +255,8 @@ def test_plain_lines_over_the_budget_are_counted_and_never_classified(monkeypatc
     tracker.serving = True
     log = RecordingLog()
     sink = ListSink()
-    meter = LineMeter(per_s=1000, clock=FrozenClock().monotonic)
-    out = ChildOutput(sink, tracker, log, meter=meter, clock=FrozenClock())  # type: ignore[arg-type]
+    meter = LineMeter(per_s=1000, clock=FakeClock().monotonic)
+    out = ChildOutput(sink, tracker, log, meter=meter, clock=FakeClock())  # type: ignore[arg-type]
     lines = 200_000
     spec = SpawnSpec((sys.executable, str(FLOOD_CHILD), str(lines), "/dev/null"), {}, True, None, None)
     child = ChildProcess.spawn(spec, os.environ)

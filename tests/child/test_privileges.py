@@ -190,7 +190,7 @@ def test_a_start_that_cannot_happen_kills_nothing_and_removes_nothing(
     sup = Supervisor(
         cfg,
         Deps(
-            probe=FakeGpuProbe([FakeGpu(holders={stale.pid: 40_000})]),
+            probe=FakeGpuProbe([FakeGpu(occupants={stale.pid: 40_000})]),
             table=PsutilProcessTable(),
             notifier=type("N", (), {"send": lambda self, **f: None})(),
             log=log,

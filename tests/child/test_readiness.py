@@ -17,11 +17,11 @@ def feed_all(lines: list[str]) -> ReadinessTracker:
     return t
 
 
-def test_progress_and_status_text() -> None:
+def test_progress_and_headline() -> None:
     t = ReadinessTracker(CFG)
     ev = t.feed("(Worker_TP0 pid=5) Loading safetensors checkpoint shards:  57% Completed | 68/119 [04:12<03:10]")
     assert ev.phase_changed and ev.progress_changed
-    assert t.status_text(252) == "loading weights 68/119 (57%), 4m12s"
+    assert t.headline(252) == "loading weights 68/119 (57%), 4m12s"
     assert not t.feed("Loading safetensors checkpoint shards:  57% Completed | 68/119 [04:13<03:09]").progress_changed
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.checks import Status
+from kimi_supervisor.checks import Verdict
 from kimi_supervisor.config.gpu_pinning import pin_every_gpu
 from kimi_supervisor.preflight.checks import check_gpu_count
 from tests.config.config_text import error_of, load
@@ -131,7 +131,7 @@ def test_a_world_that_fits_is_accepted(tmp_path: Path) -> None:
 
 def test_all_gpus_too_few_for_the_world_fails_the_preflight_naming_the_flags() -> None:
     check = check_gpu_count(4, (0, 1, 2, 3), 4, 8, "--tensor-parallel-size 4 x --pipeline-parallel-size 2")
-    assert check.status is Status.FAIL
+    assert check.verdict is Verdict.FAIL
     assert check.message == (
         "--tensor-parallel-size 4 x --pipeline-parallel-size 2 needs 8 GPUs but only 4 are available "
         "(NVML sees 4, preflight.gpus selects [0, 1, 2, 3])"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.checks import Status
+from kimi_supervisor.checks import Verdict
 from kimi_supervisor.cli import entry as cli
 from kimi_supervisor.config import timeouts
 from kimi_supervisor.config.load import load_config
@@ -29,17 +29,17 @@ def drain_cfg(tmp_path: Path, drain: str | None, grace: float, **shutdown: float
 @pytest.mark.parametrize(
     ("drain", "grace", "status"),
     [
-        (None, 3, Status.OK),  # no drain: vLLM aborts in 0.3-0.5 s, any grace does
-        ("--shutdown-timeout 30", 44, Status.FAIL),
-        ("--shutdown-timeout=30", 44.9, Status.FAIL),
-        ("--shutdown-timeout 30", 45, Status.OK),  # exactly 30 + the 15 s margin
-        ("--shutdown-timeout=0", 1, Status.OK),
+        (None, 3, Verdict.OK),  # no drain: vLLM aborts in 0.3-0.5 s, any grace does
+        ("--shutdown-timeout 30", 44, Verdict.FAIL),
+        ("--shutdown-timeout=30", 44.9, Verdict.FAIL),
+        ("--shutdown-timeout 30", 45, Verdict.OK),  # exactly 30 + the 15 s margin
+        ("--shutdown-timeout=0", 1, Verdict.OK),
     ],
 )
-def test_grace_must_cover_the_drain(tmp_path: Path, drain: str | None, grace: float, status: Status) -> None:
+def test_grace_must_cover_the_drain(tmp_path: Path, drain: str | None, grace: float, status: Verdict) -> None:
     check = timeouts.check_grace(load_config(drain_cfg(tmp_path, drain, grace)))
-    assert check.status is status
-    if status is Status.FAIL:
+    assert check.verdict is status
+    if status is Verdict.FAIL:
         assert check.message.startswith(f"{tmp_path / 'kimi.toml'}: shutdown.grace_s: ")
         assert "--shutdown-timeout 30s" in check.message and "set grace_s >= 45" in check.message
 
@@ -106,11 +106,11 @@ def test_installed_timeout_read_from_systemctl(tmp_path: Path, monkeypatch: pyte
 def test_unit_stop_shorter_than_grace_warns(tmp_path: Path) -> None:
     cfg = load_config(drain_cfg(tmp_path, "--shutdown-timeout 300", 315, gpu_release_timeout_s=30))
     short = timeouts.check_unit_stop(cfg, 90.0, "kimi-supervisor.service")
-    assert short is not None and short.status is Status.WARN and not short.blocking
+    assert short is not None and short.verdict is Verdict.WARN and not short.blocking
     assert "TimeoutStopSec=90s, shorter than shutdown.grace_s 315s" in short.message
     assert "= 350s" in short.message and "TimeoutStopSec=360" in short.message
     ok = timeouts.check_unit_stop(cfg, 360.0, "kimi-supervisor.service")
-    assert ok is not None and ok.status is Status.OK
+    assert ok is not None and ok.verdict is Verdict.OK
     assert timeouts.check_unit_stop(cfg, None, "kimi-supervisor.service") is None  # no systemd: nothing said
 
 
@@ -141,7 +141,7 @@ def test_install_unit_writes_timeout_stop_from_the_config(tmp_path: Path) -> Non
 def test_shipped_config_unit_and_drain_line_up() -> None:
     cfg = load_config(SHIPPED)
     assert cfg.child.vllm.shutdown_timeout == 300
-    assert timeouts.check_grace(cfg).status is Status.OK
+    assert timeouts.check_grace(cfg).verdict is Verdict.OK
     assert cfg.shutdown.grace_s == timeouts.required_grace_s(cfg)
     assert (
         timeouts.unit_timeout_stop_s(cfg)
@@ -149,7 +149,7 @@ def test_shipped_config_unit_and_drain_line_up() -> None:
         == int(directives(PACKAGED.read_text())["TimeoutStopSec"])
     )
     check = timeouts.check_unit_stop(cfg, float(unit.DEFAULT_STOP_S), unit.UNIT_NAME)
-    assert check is not None and check.status is Status.OK
+    assert check is not None and check.verdict is Verdict.OK
 
 
 @pytest.mark.skipif(not show.systemd_running(), reason="systemd is not PID 1 here")

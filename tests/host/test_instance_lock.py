@@ -117,11 +117,11 @@ def test_dry_run_never_takes_the_lock(tmp_path: Path, monkeypatch: pytest.Monkey
     assert rc == ExitCode.OK and taken == []
 
 
-def gpu_file(path: Path, holders: dict[int, int], count: int = 1) -> Path:
+def gpu_file(path: Path, occupants: dict[int, int], count: int = 1) -> Path:
     """`count` GPUs; holder i (in order) holds its MiB on GPU i % count."""
-    gpus: list[dict[str, Any]] = [{"total_mib": 97887, "holders": {}} for _ in range(count)]
-    for i, (pid, mib) in enumerate(holders.items()):
-        gpus[i % count]["holders"][str(pid)] = mib
+    gpus: list[dict[str, Any]] = [{"total_mib": 97887, "occupants": {}} for _ in range(count)]
+    for i, (pid, mib) in enumerate(occupants.items()):
+        gpus[i % count]["occupants"][str(pid)] = mib
     # Replaced whole (a new file renamed over the old), never rewritten in place: the running supervisor's fake
     # probe re-reads it on every call, and a read between write_text's truncate and its write saw an empty file
     # (JSONDecodeError inside the operator view: `operator_view.error` on a loaded machine).
@@ -135,8 +135,8 @@ def test_gpu_file_is_replaced_whole_never_rewritten_in_place(tmp_path: Path) -> 
     path = gpu_file(tmp_path / "gpus.json", {}, count=2)
     with path.open() as before:
         gpu_file(path, {4242: 40_000}, count=2)
-        assert json.load(before) == [{"total_mib": 97887, "holders": {}}] * 2
-    assert json.loads(path.read_text())[0]["holders"] == {"4242": 40_000}
+        assert json.load(before) == [{"total_mib": 97887, "occupants": {}}] * 2
+    assert json.loads(path.read_text())[0]["occupants"] == {"4242": 40_000}
 
 
 def test_second_supervisor_refuses_at_once_and_the_first_keeps_serving(tmp_path: Path) -> None:

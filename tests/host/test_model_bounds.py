@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kimi_supervisor.checks import Status
+from kimi_supervisor.checks import Verdict
 from kimi_supervisor.host import pagecache
 from kimi_supervisor.host.checkpoint import CheckpointError, fingerprint
 from kimi_supervisor.host.readahead import ReadAhead
@@ -49,8 +49,8 @@ def test_a_shard_linked_to_a_file_outside_the_model_is_refused_unread(tmp_path: 
     assert str(err.value) == f"{shards[0]}: resolves to {secret}, outside the model ({tmp_path / 'm'})"
     assert str(prefix) not in str(err.value)
     check = check_model(str(tmp_path / "m"))
-    assert (check.status, check.message) == (
-        Status.FAIL,
+    assert (check.verdict, check.message) == (
+        Verdict.FAIL,
         f"1 of 3 shards named in {tmp_path / 'm' / INDEX} resolve outside the model ({tmp_path / 'm'}): "
         f"{shards[0].name}",
     )
@@ -66,7 +66,7 @@ def test_an_index_that_names_a_path_out_of_the_model_or_links_out_is_refused(tmp
     index = tmp_path / "m" / INDEX
     index.write_text(json.dumps({"weight_map": {"a": shards[0].name, "b": "../elsewhere/secret"}}))
     check = check_model(str(tmp_path / "m"))
-    assert check.status is Status.FAIL and "resolve outside the model" in check.message
+    assert check.verdict is Verdict.FAIL and "resolve outside the model" in check.message
     assert "../elsewhere/secret" in check.message
     assert pagecache.shards_in_load_order(tmp_path / "m") == [shards[0]]
     with pytest.raises(CheckpointError, match="names shards that are missing"):
@@ -97,7 +97,7 @@ def test_a_hugging_face_snapshot_reads_its_own_blobs_and_no_other_repositorys(tm
         (snapshot / path.name).symlink_to(f"../../blobs/{blob}")
     want = fingerprint(tmp_path / "flat")
     assert want is not None and fingerprint(snapshot) == want
-    assert check_model(str(snapshot)).status is Status.OK
+    assert check_model(str(snapshot)).verdict is Verdict.OK
     assert pagecache.shards_in_load_order(snapshot) == [snapshot / p.name for p in flat]
     # A link into another repository of the same cache is outside this model.
     (other / "blobs" / "x").write_bytes(flat[1].read_bytes())
@@ -105,7 +105,7 @@ def test_a_hugging_face_snapshot_reads_its_own_blobs_and_no_other_repositorys(tm
     (snapshot / flat[1].name).symlink_to(other / "blobs" / "x")
     with pytest.raises(CheckpointError, match=f"resolves to {other / 'blobs' / 'x'}, outside the model \\({repo}\\)"):
         fingerprint(snapshot)
-    assert check_model(str(snapshot)).status is Status.FAIL
+    assert check_model(str(snapshot)).verdict is Verdict.FAIL
 
 
 DEEP = "[" * 100_000 + "]" * 100_000
@@ -135,7 +135,7 @@ def assert_a_named_failure(model: Path, what: str | None = None) -> None:
     falls back to the *.safetensors (vLLM would fail on the index itself), and nothing else is raised."""
     index = model / INDEX
     check = check_model(str(model))
-    assert check.status is Status.FAIL
+    assert check.verdict is Verdict.FAIL
     assert check.message.startswith(f"{index}: unreadable shard index ("), check.message
     assert "\n" not in check.message and len(check.message) < 600
     if what is not None:
@@ -192,7 +192,7 @@ def test_whatever_the_index_holds_no_reader_raises_anything_else(doc: object, ra
             return
         # A well-formed index: every reader answers, each in its own words, and none reads outside the model.
         assert names is not None and all(isinstance(n, str) for n in names)
-        assert check_model(str(model)).status in (Status.OK, Status.FAIL)
+        assert check_model(str(model)).verdict in (Verdict.OK, Verdict.FAIL)
         try:
             fingerprint(model)
         except CheckpointError as exc:

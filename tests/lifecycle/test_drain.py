@@ -188,7 +188,7 @@ def test_a_main_sigkilled_by_someone_else_while_draining_is_not_drained(tmp_path
     assert fake_tree_of(str(tmp_path)) == []
 
 
-def test_last_status_says_tree_gone_gpus_free(tmp_path: Path) -> None:
+def test_last_headline_says_tree_gone_gpus_free(tmp_path: Path) -> None:
     """In process, with a GPU (the fake NVML probe): the stop ends on "stopping: tree gone, GPUs free"."""
     path = drain_config(tmp_path, free_port(), shutdown_timeout=10, grace_s=25)
     raw = tomllib.loads(path.read_text())

@@ -21,7 +21,7 @@ NAMES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NCCL_RAS_ADDR")
 
 def gpu_file(tmp_path: Path, count: int) -> Path:
     path = tmp_path / "gpus.json"
-    path.write_text(json.dumps([{"total_mib": 97887, "holders": {}} for _ in range(count)]))
+    path.write_text(json.dumps([{"total_mib": 97887, "occupants": {}} for _ in range(count)]))
     return path
 
 

@@ -74,13 +74,13 @@ def test_the_observer_hears_every_transition_after_systemd_does() -> None:
     heard: list[tuple[State, str, dict[str, object], int]] = []
 
     class Observer:
-        def on_state(self, state: State, status: str, fields: Mapping[str, Any]) -> None:
-            heard.append((state, status, dict(fields), len(n.sent)))
+        def on_state(self, state: State, headline: str, fields: Mapping[str, Any]) -> None:
+            heard.append((state, headline, dict(fields), len(n.sent)))
 
     sm = StateMachine(n, RecordingLog(), observer=Observer())
     sm.enter_initial("preflight: checking")
     sm.to(State.STARTING, "starting: vLLM spawned", pid=42)
-    sm.status("starting: loading weights 1/2 (50%), 3s")  # progress inside a state is not a transition
+    sm.say("starting: loading weights 1/2 (50%), 3s")  # progress inside a state is not a transition
     sm.to(State.FAILED, "failed: x", exit_code=11)
     assert heard == [
         (State.PREFLIGHT, "preflight: checking", {}, 1),

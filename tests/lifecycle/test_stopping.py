@@ -6,12 +6,12 @@ import signal
 
 from kimi_supervisor.config.timeouts import SIGKILL_WAIT_S
 from kimi_supervisor.host.gpu import GpuMemory, GpuUnavailable
-from kimi_supervisor.lifecycle.drain import Drain, stopped_status
+from kimi_supervisor.lifecycle.drain import Drain, stopped_headline
 from kimi_supervisor.lifecycle.stopping import TERM_POLL_S, TreeStopper, confirm_gpus_free
 from kimi_supervisor.liveness.http import Answer, HttpClient
 from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
-from testkit.fakes.lifecycle import EventClock, FakeChild
+from testkit.fakes.lifecycle import FakeChild
 from testkit.fakes.log import RecordingLog
 
 
@@ -19,7 +19,7 @@ class Scene:
     """A stopper over a FakeChild; `signal_at(t)` is a second stop signal arriving t seconds in."""
 
     def __init__(self, term_exit_after: float | None, child: type[FakeChild] = FakeChild) -> None:
-        self.clock = EventClock()
+        self.clock = FakeClock()
         self.child = child(self.clock, term_exit_after)
         self.log = RecordingLog()
         self.finished = 0
@@ -177,7 +177,7 @@ def test_a_main_sigkilled_with_a_request_in_flight_is_killed_not_drained() -> No
     assert record["in_flight_source"] == "read at SIGTERM"
     assert 1.5 <= record["drain_s"] <= 1.5 + TERM_POLL_S
     assert statuses[-1] == "stopping: SIGKILL to vLLM after 2s of draining (1 request in flight)"
-    assert stopped_status(True, None, drain.outcome) == (
+    assert stopped_headline(True, None, drain.outcome) == (
         "stopping: tree gone (drain cut: vLLM was SIGKILLed, see stop.drain)"
     )
 
@@ -189,4 +189,4 @@ def test_a_main_that_exits_by_itself_within_its_deadline_drained() -> None:
     assert record["outcome"] == "drained" and record["in_flight_at_sigkill"] is None
     assert 2.0 <= record["drain_s"] <= 2.0 + TERM_POLL_S
     assert scene.log.events("stop.sigkill") == []
-    assert stopped_status(True, None, drain.outcome) == "stopping: tree gone"
+    assert stopped_headline(True, None, drain.outcome) == "stopping: tree gone"

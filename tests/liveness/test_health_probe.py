@@ -35,7 +35,7 @@ def server() -> Iterator[tuple[str, type[Handler]]]:
 
 def test_refused_is_a_quiet_failure() -> None:
     r = probe(f"http://127.0.0.1:{free_port()}/health", 1.0)
-    assert (r.ok, r.status, r.error) == (False, None, "connection refused")
+    assert (r.ok, r.http_status, r.error) == (False, None, "connection refused")
 
 
 def test_200_and_503(server: tuple[str, type[Handler]]) -> None:
@@ -43,7 +43,7 @@ def test_200_and_503(server: tuple[str, type[Handler]]) -> None:
     assert probe(url, 1.0).ok
     handler.status = 503
     r = probe(url, 1.0)
-    assert (r.ok, r.status, r.error) == (False, 503, "HTTP 503")
+    assert (r.ok, r.http_status, r.error) == (False, 503, "HTTP 503")
 
 
 def test_accepting_but_silent_server_times_out() -> None:

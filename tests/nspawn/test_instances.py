@@ -49,7 +49,7 @@ def config_text(gpus: list[int], port: int) -> str:
 @pytest.fixture(scope="module")
 def m(machine: NspawnMachine) -> Iterator[NspawnMachine]:
     checkout.install(machine, TEMPLATE)  # the bind drop-in for every instance, and the checkout's python
-    machine.write_file(GPU_FILE, json.dumps([{"total_mib": 97887, "holders": {}} for _ in range(4)]))
+    machine.write_file(GPU_FILE, json.dumps([{"total_mib": 97887, "occupants": {}} for _ in range(4)]))
     runner = "import runpy\nrunpy.run_module('testkit.fakes.gpu_cli', run_name='__main__')\n"
     machine.write_file(FAKE_GPU_SCRIPT, runner, mode=0o755)
     machine.write_file(

@@ -57,9 +57,9 @@ def test_text(seconds: float, text: str) -> None:
     assert Estimate(seconds, "shard rate").text() == text
 
 
-def test_status_text_carries_the_eta() -> None:
+def test_the_headline_carries_the_eta() -> None:
     cfg = parse_config({"child": {"argv": ["vllm"]}}, __import__("pathlib").Path("k.toml"))
     tracker = ReadinessTracker(cfg.readiness)
     tracker.feed("Loading safetensors checkpoint shards:  57% Completed | 68/119 [04:12<03:10,  3.73s/it]")
-    assert tracker.status_text(252.0, "~3m10s left") == "loading weights 68/119 (57%), 4m12s, ~3m10s left"
-    assert tracker.status_text(252.0) == "loading weights 68/119 (57%), 4m12s"
+    assert tracker.headline(252.0, "~3m10s left") == "loading weights 68/119 (57%), 4m12s, ~3m10s left"
+    assert tracker.headline(252.0) == "loading weights 68/119 (57%), 4m12s"

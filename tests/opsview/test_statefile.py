@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from kimi_supervisor.files.untrusted import Untrusted
 from kimi_supervisor.opsview.statefile import validate_state
+from kimi_supervisor.untrusted_json import Untrusted
 
 
 def doc(checkpoint: object) -> dict[str, Any]:

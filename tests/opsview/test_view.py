@@ -24,8 +24,8 @@ from kimi_supervisor.opsview.history import load_history
 from kimi_supervisor.opsview.tree import classify
 from kimi_supervisor.opsview.view import OBSERVE_EVERY_S, WRITE_EVERY_S, OperatorView
 from kimi_supervisor.states import State
+from testkit.fakes.clock import WALL_T0, FakeClock
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
-from testkit.fakes.lifecycle import WALL_T0
 from testkit.fakes.lifecycle_world import TICK, ready_times, serving_world
 from testkit.fakes.log import RecordingLog
 from tests.conftest import ProcSpawner, wait_for
@@ -73,25 +73,18 @@ def config(tmp_path: Path, **extra: Any) -> Config:
     return parse_config(raw, tmp_path / "k.toml")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 5000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_tree_gpu_memory_health_watchdog_and_canary_reach_the_state_file(tmp_path: Path, spawner: ProcSpawner) -> None:
     root = spawner.python(TREE)
     assert root.stdout is not None
     engine, tp1, tp0 = (int(p) for p in root.stdout.readline().split())
     wait_for(lambda: len(psutil.Process(root.pid).children()) == 3)
-    probe = FakeGpuProbe([FakeGpu(base_used_mib=500, holders={tp0: 41234}), FakeGpu(holders={tp1: 41230})])
+    probe = FakeGpuProbe([FakeGpu(base_used_mib=500, occupants={tp0: 41234}), FakeGpu(occupants={tp1: 41230})])
     cfg = config(tmp_path)
-    clock = Clock()
+    clock = FakeClock()
+    clock.now = 5000.0  # one clock for the wall and monotonic times: every timestamp below is 5000 + t
     log = RecordingLog()
     tracker = ReadinessTracker(cfg.readiness)
-    view = OperatorView(cfg, probe, log, tracker, watchdog_s=60.0, wall=clock, mono=clock)
+    view = OperatorView(cfg, probe, log, tracker, watchdog_s=60.0, wall=clock.monotonic, mono=clock.monotonic)
     sent: list[dict[str, Any]] = []
 
     class Sink:
@@ -115,11 +108,11 @@ def test_tree_gpu_memory_health_watchdog_and_canary_reach_the_state_file(tmp_pat
     ]
     # Progress: the ETA appears in STATUS= once two shards give a rate.
     for t, line in ((0, "0/8"), (4, "2/8"), (8, "4/8")):
-        clock.t = 5000.0 + t
+        clock.now = 5000.0 + t
         tracker.feed(f"Loading safetensors checkpoint shards:  0% Completed | {line} [00:00<?, ?it/s]")
         view.tick()
     assert view.eta_text(8.0) == "~8s left"
-    clock.t += 1.0
+    clock.now += 1.0
     view.tick()
     loading = json.loads((tmp_path / "run" / "k" / "state.json").read_text())["loading"]
     assert loading == {
@@ -131,11 +124,11 @@ def test_tree_gpu_memory_health_watchdog_and_canary_reach_the_state_file(tmp_pat
         "eta_s": 7.0,
         "eta_basis": "shard rate",
     }
-    view.on_health(HealthResult(True, 200, None, clock.t, 0.0042))
+    view.on_health(HealthResult(True, 200, None, clock.now, 0.0042))
     sm.to(State.READY, "ready: serving", notify={"READY": 1}, startup_s=9.5)
     notifier.send(WATCHDOG=1)
     view.on_canary(True, 0.84)
-    clock.t += 1.0
+    clock.now += 1.0
     view.tick()
     doc = json.loads((tmp_path / "run" / "k" / "state.json").read_text())
     assert doc["phase"] == "ready" and doc["status"] == "ready: serving" and doc["ready_at"] == 5009.0

@@ -15,7 +15,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kimi_supervisor.checks import Status
+from kimi_supervisor.checks import Verdict
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import PreflightError
 from kimi_supervisor.host.proctable import ProcInfo
@@ -123,7 +123,7 @@ def build(scene: Scene) -> tuple[SceneTable, FakeGpuProbe]:
             stubborn.add(pid)
         for gpu, held in zip(gpus, mib, strict=True):
             if held:
-                gpu.holders[pid] = held
+                gpu.occupants[pid] = held
     table = SceneTable(procs, stubborn)
     return table, FakeGpuProbe(gpus, alive=table.is_alive)
 
@@ -152,7 +152,7 @@ def test_dry_run_predicts_the_real_run(scene: Scene, tmp_path: Path) -> None:
     cfg = config(tmp_path, len(scene.base_mib))
     table, probe = build(scene)
     dry = Preflight(cfg, probe, table, FakeClock(), RecordingLog(), self_pid=SELF).run(dry_run=True)
-    would_kill = {c.data["pid"] for c in dry.checks if c.status is Status.KILL}
+    would_kill = {c.data["pid"] for c in dry.checks if c.verdict is Verdict.KILL}
     assert table.signalled == []
 
     table, probe = build(scene)
@@ -163,7 +163,7 @@ def test_dry_run_predicts_the_real_run(scene: Scene, tmp_path: Path) -> None:
         proceeded = False
     killed = {pid for pid, _ in table.signalled}
 
-    assert dry.proceed == proceeded, [(c.name, c.status.value, c.message) for c in dry.checks]
+    assert dry.proceed == proceeded, [(c.name, c.verdict.value, c.message) for c in dry.checks]
     assert would_kill == killed
     # And what is never killed, whatever the scene:
     procs = {p.pid: p for p in table.procs.values()}

@@ -9,7 +9,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from kimi_supervisor.checks import Status
+from kimi_supervisor.checks import Verdict
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.config.model import GpuHealthConfig
 from kimi_supervisor.exitcodes import ExitCode, PreflightError
@@ -32,7 +32,7 @@ def h(index: int = 0, **fields: Any) -> GpuHealth:
 
 
 def by_name(health: list[GpuHealth], cfg: GpuHealthConfig = DEFAULT) -> dict[str, tuple[str, str]]:
-    return {c.name: (c.status.value, c.message) for c in evaluate(health, cfg)}
+    return {c.name: (c.verdict.value, c.message) for c in evaluate(health, cfg)}
 
 
 def test_healthy_h200s_are_ok_with_numbers_and_page_retirement_is_na() -> None:
@@ -197,7 +197,7 @@ def _cfg(tmp_path: Path, **gpu_health: object) -> Any:
 def test_a_pending_row_remap_fails_the_start_before_anything_is_killed(tmp_path: Path, spawner: ProcSpawner) -> None:
     victim = spawner.sleeper(title="VLLM::Worker_TP0")
     sick = dataclasses.replace(HEALTHY, remapped_rows_uncorrectable=1, remapped_rows_pending=True)
-    probe = FakeGpuProbe([FakeGpu(holders={victim.pid: 5000}), FakeGpu(health=sick)])
+    probe = FakeGpuProbe([FakeGpu(occupants={victim.pid: 5000}), FakeGpu(health=sick)])
     pf = Preflight(_cfg(tmp_path), probe, PsutilProcessTable(), FakeClock(), RecordingLog())
     dry = pf.run(dry_run=True)
     text = render_text(dry, "k.toml")
@@ -218,7 +218,7 @@ def test_warnings_do_not_block_and_are_logged(tmp_path: Path) -> None:
     log = RecordingLog()
     report = Preflight(_cfg(tmp_path), probe, PsutilProcessTable(), FakeClock(), log).run(dry_run=False)
     assert report.proceed
-    assert [c.status for c in report.checks if c.name == "gpu_persistence"] == [Status.WARN]
+    assert [c.verdict for c in report.checks if c.name == "gpu_persistence"] == [Verdict.WARN]
     assert log.events("preflight.gpu_health") == [
         {
             "check": "gpu_persistence",

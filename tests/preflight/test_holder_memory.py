@@ -119,13 +119,13 @@ def test_live_holders_memory_is_the_engines_own_and_its_tree_is_spared(tmp_path:
     supervisor, child = holder_supervisor(tmp_path, allocated_mib=2 * HELD_MIB)
     try:
         cfg = engine_cfg(tmp_path)
-        probe = FakeGpuProbe([FakeGpu(holders={child: HELD_MIB}), FakeGpu(holders={child: HELD_MIB})])
+        probe = FakeGpuProbe([FakeGpu(occupants={child: HELD_MIB}), FakeGpu(occupants={child: HELD_MIB})])
         log = RecordingLog()
         report = Preflight(cfg, probe, PsutilProcessTable(), FakeClock(), log).run(dry_run=False)
         assert report.proceed
         by_name = {c.name: c for c in report.checks}
-        assert by_name["gpu_wait"].status.value == "ok"
-        assert by_name["gpu_memory_fraction"].status.value == "ok"
+        assert by_name["gpu_wait"].verdict.value == "ok"
+        assert by_name["gpu_memory_fraction"].verdict.value == "ok"
         held = by_name["weights_memory"]
         assert held.message.startswith(
             f"the weight holder of deployment kimi (supervisor PID {supervisor.pid}) holds GPU 0: {HELD_MIB} MiB, "
@@ -147,7 +147,7 @@ def test_an_orphaned_holder_is_stale_like_any_other(tmp_path: Path, spawner: Pro
     supervisor, live_child = holder_supervisor(tmp_path)
     try:
         cfg = engine_cfg(tmp_path)
-        probe = FakeGpuProbe([FakeGpu(holders={orphan.pid: HELD_MIB, live_child: HELD_MIB})])
+        probe = FakeGpuProbe([FakeGpu(occupants={orphan.pid: HELD_MIB, live_child: HELD_MIB})])
         plan = plan_reap(probe.processes(0), PsutilProcessTable(), cfg.preflight.reap, os.getpid(), {supervisor.pid})
         assert [v.proc.pid for v in plan.victims] == [orphan.pid]
         assert [(s.pid, s.reason) for s in plan.spared] == [
@@ -175,10 +175,10 @@ def test_only_what_vllm_subtracts_is_credited_at_the_limit(tmp_path: Path, free_
     try:
         others = 97887 - NVML_MIB - free_mib  # held by others below the (raised) threshold: not waited for
         cfg = engine_cfg(tmp_path, tp=1, threshold=others)
-        probe = FakeGpuProbe([FakeGpu(base_used_mib=others, holders={child: NVML_MIB})])
+        probe = FakeGpuProbe([FakeGpu(base_used_mib=others, occupants={child: NVML_MIB})])
         report = Preflight(cfg, probe, PsutilProcessTable(), FakeClock(), RecordingLog()).run(dry_run=True)
         by_name = {c.name: c for c in report.checks}
-        assert (by_name["gpu_memory_fraction"].status.value == "ok") is proceeds, by_name["gpu_memory_fraction"]
+        assert (by_name["gpu_memory_fraction"].verdict.value == "ok") is proceeds, by_name["gpu_memory_fraction"]
         assert by_name["weights_memory"].data["credited_mib_by_gpu"] == {"0": ALLOCATED_MIB}
         if not proceeds:
             assert f"GPU 0: {NEED_MIB - 1} MiB free < {NEED_MIB} MiB" in by_name["gpu_memory_fraction"].message

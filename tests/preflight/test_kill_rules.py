@@ -141,10 +141,10 @@ def test_a_wrapper_is_never_planned_as_parent(tmp_path: Path, spawner: ProcSpawn
     worker_pid = int(wrapper.stdout.readline())
     assert wrapper.stdout.readline() == b"up\n"
     assert TABLE.get(wrapper.pid).cmdline[0] == "runuser"  # type: ignore[union-attr]
-    probe = FakeGpuProbe([FakeGpu(holders={worker_pid: 30_000})])
+    probe = FakeGpuProbe([FakeGpu(occupants={worker_pid: 30_000})])
     log = RecordingLog()
     dry = run(make_cfg(tmp_path, tp=1), probe, dry=True)
-    killed = [c.data["pid"] for c in dry.checks if c.status.value == "would kill"]
+    killed = [c.data["pid"] for c in dry.checks if c.verdict.value == "would kill"]
     assert killed == [worker_pid]
     report = run(make_cfg(tmp_path, tp=1), probe, dry=False, log=log, clock=SystemClock())
     assert report.proceed
@@ -155,10 +155,10 @@ def test_a_wrapper_is_never_planned_as_parent(tmp_path: Path, spawner: ProcSpawn
 def test_small_holder_outside_the_rules_does_not_fail_the_dry_run(tmp_path: Path, spawner: ProcSpawner) -> None:
     worker = spawner.sleeper(title="VLLM::Worker_TP0")
     agent = spawner.sleeper(title="dcgm-agent")  # a monitoring agent's 300 MiB context
-    probe = FakeGpuProbe([FakeGpu(holders={worker.pid: 40_000, agent.pid: 300})])
+    probe = FakeGpuProbe([FakeGpu(occupants={worker.pid: 40_000, agent.pid: 300})])
     dry = run(make_cfg(tmp_path, tp=1), probe, dry=True)
     wait = next(c for c in dry.checks if c.name == "gpu_wait")
-    assert (wait.status.value, wait.message) == ("ok", "1 busy GPU(s) would be freed by reaping")
+    assert (wait.verdict.value, wait.message) == ("ok", "1 busy GPU(s) would be freed by reaping")
     assert dry.proceed
     real = run(make_cfg(tmp_path, tp=1), probe, dry=False, clock=SystemClock())
     assert real.proceed and agent.poll() is None and worker.wait(5) < 0
@@ -191,8 +191,8 @@ def test_live_supervisor_trees_are_never_victims(tmp_path: Path, spawner: ProcSp
     for p in (by_argv, by_lock):
         assert p.stdout is not None and p.stdout.readline() == b"up\n"
     kids = {p.pid: wait_for(lambda p=p: [c for c in TABLE.all() if c.ppid == p.pid])[0] for p in (by_argv, by_lock)}  # type: ignore[index,misc]
-    holders = [GpuProcess(k.pid, 0, 1000) for k in kids.values()]  # type: ignore[attr-defined]
-    plan = plan_reap(holders, TABLE, reap_cfg(), os.getpid(), lock_owners(run_dir))
+    occupants = [GpuProcess(k.pid, 0, 1000) for k in kids.values()]  # type: ignore[attr-defined]
+    plan = plan_reap(occupants, TABLE, reap_cfg(), os.getpid(), lock_owners(run_dir))
     assert plan.victims == ()
     reasons = {s.pid: s.reason for s in plan.spared}
     assert reasons[kids[by_argv.pid].pid] == f"descends from a live kimi-supervisor (PID {by_argv.pid})"  # type: ignore[attr-defined]
@@ -201,13 +201,13 @@ def test_live_supervisor_trees_are_never_victims(tmp_path: Path, spawner: ProcSp
     by_lock.kill()
     by_lock.wait()
     orphan = kids[by_lock.pid].pid  # type: ignore[attr-defined]
-    wait_for(lambda: [v.proc.pid for v in plan_reap(holders, TABLE, reap_cfg(), os.getpid()).victims] == [orphan])
+    wait_for(lambda: [v.proc.pid for v in plan_reap(occupants, TABLE, reap_cfg(), os.getpid()).victims] == [orphan])
 
 
 @pytest.mark.skipif(not ROOT, reason="another user's process needs root")
 def test_nobodys_lock_holder_or_supervisor_lookalike_shields_nothing(open_dir: Path, spawner: ProcSpawner) -> None:
     """vLLM runs as child.user = nobody, so nobody's stale workers may be reaped: a nobody process flocking a lock
-    file (a read-only descriptor is enough) or named kimi-supervisor must not make its GPU holders untouchable."""
+    file (a read-only descriptor is enough) or named kimi-supervisor must not make its GPU occupants untouchable."""
     lock = open_dir / "gpu-0.lock"
     lock.write_text("{}")
     lock.chmod(0o644)  # as earlier versions left it
@@ -235,8 +235,8 @@ def test_nobodys_lock_holder_or_supervisor_lookalike_shields_nothing(open_dir: P
         wait_for(lambda p=p: [c for c in TABLE.all() if c.ppid == p.pid and c.name.startswith("VLLM")])[0]
         for p in (flocker, lookalike)
     ]  # type: ignore[index,misc]
-    holders = [GpuProcess(k.pid, 0, 1000) for k in kids]  # type: ignore[attr-defined]
-    plan = plan_reap(holders, TABLE, reap_cfg("nobody"), os.getpid(), lock_owners(open_dir))
+    occupants = [GpuProcess(k.pid, 0, 1000) for k in kids]  # type: ignore[attr-defined]
+    plan = plan_reap(occupants, TABLE, reap_cfg("nobody"), os.getpid(), lock_owners(open_dir))
     assert sorted(v.proc.pid for v in plan.victims) == sorted(k.pid for k in kids), plan.spared  # type: ignore[attr-defined]
 
 
@@ -259,8 +259,8 @@ def test_a_live_units_cgroup_is_never_reaped(tmp_path: Path, spawner: ProcSpawne
     table = CgroupTable(
         {supervisor.pid: unit, detached.pid: unit + "/payload", stale.pid: "/system.slice/kimi-supervisor@a.service"}
     )
-    holders = [GpuProcess(detached.pid, 0, 1000), GpuProcess(stale.pid, 0, 1000)]
-    plan = plan_reap(holders, table, reap_cfg(), os.getpid(), [supervisor.pid])
+    occupants = [GpuProcess(detached.pid, 0, 1000), GpuProcess(stale.pid, 0, 1000)]
+    plan = plan_reap(occupants, table, reap_cfg(), os.getpid(), [supervisor.pid])
     assert [v.proc.pid for v in plan.victims] == [stale.pid]
     assert plan.spared[0].reason == (
         f"runs in kimi-supervisor@b.service, the cgroup of a live kimi-supervisor (PID {supervisor.pid})"
@@ -270,10 +270,10 @@ def test_a_live_units_cgroup_is_never_reaped(tmp_path: Path, spawner: ProcSpawne
 @pytest.mark.skipif(not ROOT, reason="another user's process needs root")
 def test_owner_guard_follows_child_user(spawner: ProcSpawner) -> None:
     worker = spawner.sleeper(title="VLLM::Worker_TP0", uid=65534)
-    holders = [GpuProcess(worker.pid, 0, 1000)]
-    assert plan_reap(holders, TABLE, reap_cfg(), os.getpid()).victims == ()
-    assert [v.proc.pid for v in plan_reap(holders, TABLE, reap_cfg("nobody"), os.getpid()).victims] == [worker.pid]
-    plan = plan_reap(holders, TABLE, reap_cfg(users=["65534"]), os.getpid())
+    occupants = [GpuProcess(worker.pid, 0, 1000)]
+    assert plan_reap(occupants, TABLE, reap_cfg(), os.getpid()).victims == ()
+    assert [v.proc.pid for v in plan_reap(occupants, TABLE, reap_cfg("nobody"), os.getpid()).victims] == [worker.pid]
+    plan = plan_reap(occupants, TABLE, reap_cfg(users=["65534"]), os.getpid())
     outcome = execute_reap(plan, TABLE, SystemClock(), 2.0, lambda v, s: None)
     assert [p.pid for p in outcome.terminated] == [worker.pid]
 

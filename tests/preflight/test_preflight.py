@@ -11,7 +11,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from kimi_supervisor.checks import Status
+from kimi_supervisor.checks import Verdict
 from kimi_supervisor.clock import Clock, SystemClock
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.config.model import Config
@@ -60,7 +60,7 @@ def run(cfg: Config, probe: GpuProbe, *, dry: bool, clock: Clock | None = None, 
 
 
 def statuses(report: Any) -> list[tuple[str, str]]:
-    return [(c.name, c.status.value) for c in report.checks]
+    return [(c.name, c.verdict.value) for c in report.checks]
 
 
 def test_clean_gpus_proceed(tmp_path: Path) -> None:
@@ -87,7 +87,7 @@ def test_stale_workers_are_reaped_and_memory_returns(tmp_path: Path, spawner: Pr
     w0 = spawner.sleeper(title="VLLM::Worker_TP0")
     w1 = spawner.sleeper(title="VLLM::Worker_TP1")
     decoy = spawner.sleeper(title="VLLM::Worker_TP9")  # vLLM-looking, holds no GPU
-    probe = FakeGpuProbe([FakeGpu(holders={w0.pid: 90000}), FakeGpu(holders={w1.pid: 90000})])
+    probe = FakeGpuProbe([FakeGpu(occupants={w0.pid: 90000}), FakeGpu(occupants={w1.pid: 90000})])
     (tmp_path / "shm").mkdir()
     (tmp_path / "shm" / "psm_old").write_bytes(b"")
     log = RecordingLog()
@@ -106,7 +106,7 @@ def test_stale_workers_are_reaped_and_memory_returns(tmp_path: Path, spawner: Pr
 
 def test_non_matching_holder_waits_then_fails_naming_it(tmp_path: Path, spawner: ProcSpawner) -> None:
     trainer = spawner.sleeper(title="trainer")
-    probe = FakeGpuProbe([FakeGpu(), FakeGpu(holders={trainer.pid: 12000})])
+    probe = FakeGpuProbe([FakeGpu(), FakeGpu(occupants={trainer.pid: 12000})])
     log = RecordingLog()
     clock = FakeClock()
     with pytest.raises(PreflightError) as info:
@@ -128,14 +128,18 @@ def test_memory_freed_while_waiting(tmp_path: Path) -> None:
     clock.at(7, lambda: setattr(gpu, "hidden_used_mib", 0))
     report = run(make_cfg(tmp_path, tp=1), FakeGpuProbe([gpu]), dry=False, clock=clock)
     wait = next(c for c in report.checks if c.name == "gpu_wait")
-    assert wait.status is Status.OK and "waited 7.00s" in wait.message
+    assert wait.verdict is Verdict.OK and "waited 7.00s" in wait.message
 
 
 def test_dry_run_kills_and_removes_nothing(tmp_path: Path, spawner: ProcSpawner) -> None:
     w0 = spawner.sleeper(title="VLLM::Worker_TP0")
     trainer = spawner.sleeper(title="trainer")
     probe = FakeGpuProbe(
-        [FakeGpu(holders={w0.pid: 80000}), FakeGpu(holders={trainer.pid: 3000}), FakeGpu(holders={INVISIBLE_PID: 2000})]
+        [
+            FakeGpu(occupants={w0.pid: 80000}),
+            FakeGpu(occupants={trainer.pid: 3000}),
+            FakeGpu(occupants={INVISIBLE_PID: 2000}),
+        ]
     )
     (tmp_path / "shm").mkdir()
     (tmp_path / "shm" / "nccl-x").write_bytes(b"")
@@ -144,15 +148,15 @@ def test_dry_run_kills_and_removes_nothing(tmp_path: Path, spawner: ProcSpawner)
     assert not report.proceed
     assert w0.poll() is None and trainer.poll() is None
     assert (tmp_path / "shm" / "nccl-x").exists()
-    by_name = {(c.name, c.status): c.message for c in report.checks}
-    assert by_name[("reap", Status.KILL)].startswith(f"PID {w0.pid} (VLLM::Worker_TP) on GPU 0, 80000 MiB: ")
-    wait = by_name[("gpu_wait", Status.WAIT)]
+    by_name = {(c.name, c.verdict): c.message for c in report.checks}
+    assert by_name[("reap", Verdict.KILL)].startswith(f"PID {w0.pid} (VLLM::Worker_TP) on GPU 0, 80000 MiB: ")
+    wait = by_name[("gpu_wait", Verdict.WAIT)]
     assert f"GPU 1: 3000 MiB used > 1000 MiB by PID {trainer.pid} (trainer) 3000 MiB: not killed" in wait
     assert f"GPU 2: 2000 MiB used > 1000 MiB by PID {INVISIBLE_PID} 2000 MiB: not killed, NVML reports" in wait
     assert "GPU 0" not in wait  # reaping frees it
-    assert by_name[("shm", Status.REMOVE)].endswith("nccl-x: no live process has it open or mapped")
+    assert by_name[("shm", Verdict.REMOVE)].endswith("nccl-x: no live process has it open or mapped")
     # GPU 0's 80000 MiB count as free: a real start would have reaped its holder first.
-    assert by_name[("gpu_memory_fraction", Status.OK)] == "every GPU has >= 0.9 x total free after reaping"
+    assert by_name[("gpu_memory_fraction", Verdict.OK)] == "every GPU has >= 0.9 x total free after reaping"
     data = report.to_dict()
     assert data["proceed"] is False and json.dumps(data)
 
@@ -174,7 +178,7 @@ def test_nvml_unavailable_is_a_failed_check(tmp_path: Path, monkeypatch: pytest.
 def test_too_few_gpus_for_tensor_parallel(tmp_path: Path) -> None:
     report = run(make_cfg(tmp_path, tp=8), FakeGpuProbe([FakeGpu()] * 2), dry=True)
     gpus = report.checks[0]
-    assert gpus.status is Status.FAIL
+    assert gpus.verdict is Verdict.FAIL
     assert gpus.message == (
         "--tensor-parallel-size 8 needs 8 GPUs but only 2 are available (NVML sees 2, preflight.gpus selects [0, 1])"
     )
@@ -190,7 +194,7 @@ def test_memory_fraction_cannot_be_met(tmp_path: Path) -> None:
     probe = FakeGpuProbe([FakeGpu(total_mib=1000, base_used_mib=500)])
     report = run(make_cfg(tmp_path, tp=1, util="0.95", memory_threshold_mib=600), probe, dry=True)
     check = next(c for c in report.checks if c.name == "gpu_memory_fraction")
-    assert check.status is Status.FAIL
+    assert check.verdict is Verdict.FAIL
     assert check.message.endswith("GPU 0: 500 MiB free < 950 MiB (0.95 x 1000 MiB)")
 
 
@@ -208,12 +212,12 @@ def test_model_shards_checked(tmp_path: Path) -> None:
     )
     (model / "model-00003-of-00003.safetensors").write_bytes(b"\0" * 10)
     report = run(make_cfg(tmp_path, tp=1, model=model), FakeGpuProbe([FakeGpu()]), dry=True)
-    assert next(c for c in report.checks if c.name == "model").status is Status.OK
+    assert next(c for c in report.checks if c.name == "model").verdict is Verdict.OK
 
 
 def test_failed_static_check_kills_nothing(tmp_path: Path, spawner: ProcSpawner) -> None:
     w0 = spawner.sleeper(title="VLLM::Worker_TP0")
-    probe = FakeGpuProbe([FakeGpu(holders={w0.pid: 80000})])
+    probe = FakeGpuProbe([FakeGpu(occupants={w0.pid: 80000})])
     with pytest.raises(PreflightError, match=r"model directory .* does not exist"):
         run(make_cfg(tmp_path, tp=1, model=tmp_path / "absent"), probe, dry=False)
     assert w0.poll() is None
@@ -226,7 +230,7 @@ def test_port_in_use_names_the_listener(tmp_path: Path) -> None:
         s.listen()
         report = run(cfg, FakeGpuProbe([FakeGpu()]), dry=True)
     port = next(c for c in report.checks if c.name == "port")
-    assert port.status is Status.FAIL
+    assert port.verdict is Verdict.FAIL
     assert port.message.startswith(f"port {cfg.child.vllm.port} on 127.0.0.1 is already in use by PID {os.getpid()} (")
 
 

@@ -34,13 +34,13 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_plan_kills_only_matching_gpu_holders(spawner: ProcSpawner) -> None:
+def test_plan_kills_only_matching_gpu_occupants(spawner: ProcSpawner) -> None:
     worker = spawner.sleeper(title="VLLM::Worker_TP0")
     engine = spawner.sleeper(title="VLLM::EngineCore")
     trainer = spawner.sleeper(title="trainer")
     persistenced = spawner.sleeper(title="nvidia-persistenced")
     vllm_named_no_gpu = spawner.sleeper(title="VLLM::Worker_TP9")
-    holders = [
+    occupants = [
         GpuProcess(worker.pid, 0, 4000),
         GpuProcess(engine.pid, 1, 500),
         GpuProcess(trainer.pid, 1, 9000),
@@ -48,7 +48,7 @@ def test_plan_kills_only_matching_gpu_holders(spawner: ProcSpawner) -> None:
         GpuProcess(os.getpid(), 0, 300),
         GpuProcess(INVISIBLE_PID, 1, 7000),
     ]
-    plan = plan_reap(holders, TABLE, reap_cfg(), os.getpid())
+    plan = plan_reap(occupants, TABLE, reap_cfg(), os.getpid())
 
     assert {v.proc.pid for v in plan.victims} == {worker.pid, engine.pid}
     reasons = {s.pid: s.reason for s in plan.spared}

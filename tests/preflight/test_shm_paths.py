@@ -1,4 +1,4 @@
-"""Shared-memory cleaning with hostile names and paths, holders of other users, and a partial view of /proc."""
+"""Shared-memory cleaning with hostile names and paths, openers of other users, and a partial view of /proc."""
 
 from __future__ import annotations
 

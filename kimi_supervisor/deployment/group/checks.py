@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 
 import psutil
 
-from kimi_supervisor.checks import Check, Status
+from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.config.model import ClusterConfig, Config
 from kimi_supervisor.deployment.group.peers import NetGroupProbe, PeerStatus, PortState, probe_port
 
@@ -93,7 +93,7 @@ def _role(cfg: Config, cluster: ClusterConfig, leader: bool) -> Check:
         consequence = "restarting this node restarts the group: the leader ends its run (exit 19) and restarts"
     return Check(
         "group",
-        Status.OK,
+        Verdict.OK,
         f"{cfg.role.value}, node {cluster.node_rank} of {cluster.nnodes} ({' '.join(flags)}); {consequence}",
         {"role": cfg.role.value, "node_rank": cluster.node_rank, "nnodes": cluster.nnodes},
     )
@@ -117,26 +117,26 @@ def _addresses(cluster: ClusterConfig, env: Mapping[str, str], net: Network, lea
         out.append(
             Check(
                 "group.host_ip",
-                Status.FAIL,
+                Verdict.FAIL,
                 "VLLM_HOST_IP is not set: vLLM would advertise the address of its route to 8.8.8.8 for the "
                 "group's queues (set it to this node's cluster address in child.env)",
             )
         )
     elif host_ip not in local:
-        out.append(Check("group.host_ip", Status.FAIL, f"VLLM_HOST_IP {host_ip} is not an address of this host"))
+        out.append(Check("group.host_ip", Verdict.FAIL, f"VLLM_HOST_IP {host_ip} is not an address of this host"))
     else:
-        out.append(Check("group.host_ip", Status.OK, f"VLLM_HOST_IP {host_ip} is on {local[host_ip]}"))
+        out.append(Check("group.host_ip", Verdict.OK, f"VLLM_HOST_IP {host_ip} is on {local[host_ip]}"))
     if leader and host_ip and _same_address(cluster.master_addr) not in (host_ip, None):
         out.append(
             Check(
                 "group.master_addr",
-                Status.FAIL,
+                Verdict.FAIL,
                 f"the leader's master_addr {cluster.master_addr} is not its VLLM_HOST_IP {host_ip}",
             )
         )
     route = net.route(cluster.master_addr)
     if isinstance(route, str):
-        out.append(Check("group.route", Status.FAIL, route))
+        out.append(Check("group.route", Verdict.FAIL, route))
         return out
     dev, src = route
     named = {var: env[var] for var in IFNAME_VARS if env.get(var)}
@@ -147,7 +147,7 @@ def _addresses(cluster: ClusterConfig, env: Mapping[str, str], net: Network, lea
         out.append(
             Check(
                 "group.route",
-                Status.FAIL,
+                Verdict.FAIL,
                 f"the route to {cluster.master_addr} leaves via {dev}, but "
                 + ", ".join(f"{var}={name}" for var, name in wrong.items()),
                 {"dev": dev, "src": src},
@@ -157,7 +157,7 @@ def _addresses(cluster: ClusterConfig, env: Mapping[str, str], net: Network, lea
         out.append(
             Check(
                 "group.route",
-                Status.WARN,
+                Verdict.WARN,
                 f"the route to {cluster.master_addr} leaves via {dev}; neither GLOO_SOCKET_IFNAME nor "
                 "NCCL_SOCKET_IFNAME names it (gloo and NCCL pick an interface of their own)",
                 {"dev": dev, "src": src},
@@ -167,7 +167,7 @@ def _addresses(cluster: ClusterConfig, env: Mapping[str, str], net: Network, lea
         out.append(
             Check(
                 "group.route",
-                Status.OK,
+                Verdict.OK,
                 f"the route to {cluster.master_addr} leaves via {dev} (src {src}), as {', '.join(named)} say",
                 {"dev": dev, "src": src},
             )
@@ -189,17 +189,17 @@ def _master_port(cluster: ClusterConfig, net: Network, leader: bool) -> Check:
         if state is PortState.OPEN:
             return Check(
                 "group.master_port",
-                Status.FAIL,
+                Verdict.FAIL,
                 f"{where} already answers: another leader (or a stale worker of ours) holds the rendezvous port",
             )
-        return Check("group.master_port", Status.OK, f"{where} is free for the rendezvous")
+        return Check("group.master_port", Verdict.OK, f"{where} is free for the rendezvous")
     if state is PortState.OPEN:
-        return Check("group.master_port", Status.OK, f"{where} answers: the leader is at its rendezvous")
+        return Check("group.master_port", Verdict.OK, f"{where} answers: the leader is at its rendezvous")
     if state is PortState.REFUSED:
-        return Check("group.master_port", Status.OK, f"{where} refused: leader not started (a start waits for it)")
+        return Check("group.master_port", Verdict.OK, f"{where} refused: leader not started (a start waits for it)")
     return Check(
         "group.master_port",
-        Status.FAIL,
+        Verdict.FAIL,
         f"{where}: {state.value} ({error}): a firewall, a partition or a wrong address, not a leader that is "
         "merely not started",
     )
@@ -210,10 +210,10 @@ def _peer(url: str, cfg: Config, net: Network, leader: bool) -> Check:
     who = "follower" if leader else "leader"
     status, error = net.status(url, TIMEOUT_S)
     if status is None:
-        return Check(f"group.{who}", Status.WARN, f"{who} status {url}: {error} (not started yet?)")
+        return Check(f"group.{who}", Verdict.WARN, f"{who} status {url}: {error} (not started yet?)")
     why = status.mismatch(who, cfg.deployment.name, cfg.cluster.argv_digest)
     if why is not None:
         # A start would not believe it either (deployment/group/node.py): name what differs.
-        return Check(f"group.{who}", Status.FAIL, f"{who} {url} is not this group's {who}: {why}")
+        return Check(f"group.{who}", Verdict.FAIL, f"{who} {url} is not this group's {who}: {why}")
     run = f", run {status.run_id}" if status.run_id else ""
-    return Check(f"group.{who}", Status.OK, f"{who} {url} (node {status.node_rank}) is {status.state}{run}")
+    return Check(f"group.{who}", Verdict.OK, f"{who} {url} (node {status.node_rank}) is {status.state}{run}")

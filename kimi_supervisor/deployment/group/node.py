@@ -54,7 +54,7 @@ from kimi_supervisor.preflight.checks import listener
 from kimi_supervisor.roles import Role
 from kimi_supervisor.systemd.notify import Notifier
 
-WAIT_STATUS_EVERY_S = 5.0
+WAIT_SAY_EVERY_S = 5.0
 # A follower becomes ready within a probe or two of its leader; this long after the leader's READY, a follower
 # that never said ready is lost too.
 FOLLOWER_READY_GRACE_S = 15.0
@@ -181,7 +181,7 @@ class _LeaderProber:
         for obs in self._run.update():
             ok = self._run.view.ready_for(self._run.run_id)
             error = None if ok else obs.why
-            out.append(HealthResult(ok=ok, status=200 if ok else None, error=error, at=obs.at, latency_s=0.0))
+            out.append(HealthResult(ok=ok, http_status=200 if ok else None, error=error, at=obs.at, latency_s=0.0))
         return out
 
 
@@ -531,7 +531,7 @@ class _Follower:
         c = self.cluster
         start = self.clock.monotonic()
         self.status.set("waiting")
-        last_status = -math.inf
+        last_said = -math.inf
         last_pet = -math.inf
         pet_every = self.deps.watchdog_s / 2 if self.deps.watchdog_s else None
         while True:
@@ -549,8 +549,8 @@ class _Follower:
                     f"(cluster.leader_wait_s): {self.view.waiting_text()}"
                 )
             fields: dict[str, str | int] = {}
-            if now - last_status >= WAIT_STATUS_EVERY_S:
-                last_status = now
+            if now - last_said >= WAIT_SAY_EVERY_S:
+                last_said = now
                 fields["STATUS"] = self.view.waiting_text()
                 self.log.info("group.waiting", why=fields["STATUS"])
             if pet_every is not None and now - last_pet >= pet_every:

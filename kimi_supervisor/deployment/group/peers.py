@@ -23,7 +23,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from kimi_supervisor.liveness.http import HttpClient, one_line, parse_json, request
+from kimi_supervisor.liveness.http import HttpClient, one_line, request
+from kimi_supervisor.untrusted_json import parse_json
 
 MAX_STATUS_BODY = 256 * 1024  # our own document: < 400 bytes plus ~80 per peer (a leader of 1023 followers)
 # States a supervisor publishes (deployment/group/server.py): the lifecycle's, plus "waiting" (a follower
@@ -144,8 +145,8 @@ class NetGroupProbe:
         answer = self.http("GET", url, timeout_s, max_body=MAX_STATUS_BODY)
         if answer.error is not None:
             return None, answer.error
-        if answer.status != 200:
-            return None, f"HTTP {answer.status}"
+        if answer.http_status != 200:
+            return None, f"HTTP {answer.http_status}"
         try:
             return parse_status(answer.body), None
         except ValueError as exc:

@@ -6,12 +6,12 @@ follower last saw it, or each follower's state on the leader.  Nothing is asked 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kimi_supervisor.config.model import ClusterConfig
-from kimi_supervisor.files.untrusted import printable
 from kimi_supervisor.liveness.http import request
+from kimi_supervisor.quoting import escape_unprintable
+from kimi_supervisor.untrusted_json import parse_json
 
 TIMEOUT_S = 1.0
 
@@ -23,10 +23,10 @@ def own_status_url(cluster: ClusterConfig) -> str:
 
 def fetch(cluster: ClusterConfig) -> tuple[dict[str, Any] | None, str | None]:
     answer = request("GET", own_status_url(cluster), TIMEOUT_S, max_body=256 * 1024)
-    if answer.error is not None or answer.status != 200:
-        return None, answer.error or f"HTTP {answer.status}"
+    if answer.error is not None or answer.http_status != 200:
+        return None, answer.error or f"HTTP {answer.http_status}"
     try:
-        doc = json.loads(answer.body)
+        doc = parse_json(answer.body)
     except ValueError as exc:
         return None, str(exc)
     return (doc, None) if isinstance(doc, dict) else (None, "not a JSON object")
@@ -37,10 +37,10 @@ def group_lines(cluster: ClusterConfig, doc: dict[str, Any] | None, error: str |
     head = f"{'Group':>12}: {role}, node {cluster.node_rank} of {cluster.nnodes}, master {cluster.master_addr}:"
     lines = [head + str(cluster.master_port)]
     if doc is None:
-        lines.append(f"{'':>12}  status endpoint {own_status_url(cluster)}: {printable(str(error))}")
+        lines.append(f"{'':>12}  status endpoint {own_status_url(cluster)}: {escape_unprintable(str(error))}")
         return lines
     run = doc.get("run_id") or "none"
-    lines[0] += f"; this node {printable(str(doc.get('state')))}, run {printable(str(run))}"
+    lines[0] += f"; this node {escape_unprintable(str(doc.get('state')))}, run {escape_unprintable(str(run))}"
     raw = doc.get("peers")
     peers: dict[str, Any] = raw if isinstance(raw, dict) else {}
     expected = cluster.peers if cluster.node_rank == 0 else (cluster.leader_status_url,)
@@ -51,7 +51,7 @@ def group_lines(cluster: ClusterConfig, doc: dict[str, Any] | None, error: str |
         if seen is None:
             lines.append(f"{who:>12}: {url} not looked at yet")
         else:
-            what = printable(str(seen.get("state")))
-            run_id = printable(str(seen.get("run_id") or "none"))
+            what = escape_unprintable(str(seen.get("state")))
+            run_id = escape_unprintable(str(seen.get("run_id") or "none"))
             lines.append(f"{who:>12}: {url} {what}, run {run_id}")
     return lines

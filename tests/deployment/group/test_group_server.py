@@ -33,7 +33,7 @@ def test_get_answers_the_document_and_follows_the_run() -> None:
     status, server, url = serving()
     try:
         answer = request("GET", url, 2.0)
-        assert answer.status == 200 and len(answer.body) < 400
+        assert answer.http_status == 200 and len(answer.body) < 400
         assert json.loads(answer.body) == {
             "role": "follower",
             "node_rank": 1,
@@ -55,15 +55,15 @@ def test_read_only_and_bounded() -> None:
     try:
         for method in ("POST", "PUT", "DELETE", "PATCH"):
             answer = request(method, url, 2.0, body=b'{"state":"stopping"}')
-            assert answer.status == 405, method
-        assert request("GET", url + "kill?pid=1", 2.0).status == 404
+            assert answer.http_status == 405, method
+        assert request("GET", url + "kill?pid=1", 2.0).http_status == 404
         assert status.state == "preflight" and status.run_id == ""  # nothing a client sent changed anything
-        assert request("GET", url + "x" * 5000, 2.0).status == 414
+        assert request("GET", url + "x" * 5000, 2.0).http_status == 414
         # A client that connects and sends nothing holds nothing: the next one is answered beside it.
         idle = socket.create_connection(("127.0.0.1", server.bound_port))
         try:
             answer = request("GET", url, REQUEST_DEADLINE_S + 2.0)
-            assert answer.status == 200
+            assert answer.http_status == 200
         finally:
             idle.close()
     finally:
@@ -202,7 +202,7 @@ def test_excess_connections_are_closed_at_once_not_queued(monkeypatch: pytest.Mo
                 answer = b""
             assert answer == b""  # closed unanswered at once (queued, this recv would wait out the 300 s)
         # Another address still has its slots: a peer is never starved by one hostile address.
-        assert request("GET", url, 30.0).status == 200
+        assert request("GET", url, 30.0).http_status == 200
     finally:
         for sock in held:
             sock.close()
