@@ -254,13 +254,12 @@ class Supervisor:
             # the pipe already: read what is there, without waiting.
             self.reactor.run_once(0)
             raise error(f"vLLM {what}: {self._root_cause()}", detail=self._tail())
-        if self._exited_at is not None or self.child.poll() is not None:
-            self.child.poll()
+        # The reactor saw its pidfd (`_on_exit`) or, between two turns, the exit came first: poll reaps it either way.
+        status = self.child.poll()
+        if self._exited_at is not None or status is not None:
             self.reactor.run_once(0)
             when = "after it was ready (not requested)" if serving else "before it was ready"
-            raise error(
-                f"vLLM exited with status {self.child.returncode} {when}: {self._root_cause()}", detail=self._tail()
-            )
+            raise error(f"vLLM exited with status {status} {when}: {self._root_cause()}", detail=self._tail())
 
     def _ready(self, now: float) -> None:
         self._end_readahead("vLLM is ready")
