@@ -354,6 +354,7 @@ class Supervisor:
         if self.stopper is None:
             return  # stopped during the preflight: nothing of ours holds a GPU
         tree_gone = self.stopper.stop(scfg.grace_s, scfg.second_signal_grace_s, drain)
+        self.reactor.remove_turn_hook(self.view.tick)  # the tree's turns only, as ever: not the GPU wait's
         gpus = configured_gpus(self.deps.probe, self.cfg.preflight.gpus)
         gpus_free = None
         if gpus and scfg.gpu_release_timeout_s > 0:
