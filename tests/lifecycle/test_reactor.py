@@ -173,4 +173,5 @@ def test_a_refused_pidfd_open_leaves_the_child_polled(monkeypatch: pytest.Monkey
         assert child.exit_fd is None and child.exit_fd_error == "pidfd_open: Operation not permitted"
     finally:
         child.signal_tree(signal.SIGKILL)
+        child._popen.wait(timeout=10)  # no pidfd to wait on here; reaped, not left a zombie for later tests
         child.reap()
