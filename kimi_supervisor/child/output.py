@@ -1,6 +1,8 @@
 """The child's output, end to end: read -> split -> redact -> classify -> track -> meter -> sink.
 
-One object owns the pipes, the selector the loop waits on, and every step a line goes through:
+One object owns the pipes and every step a line goes through; the wait itself is the reactor's
+(lifecycle/reactor.py, seen here as wakeups.Wakeups): the pipes are its readers, the sink's flush and the
+summaries its turn hook.
 
 - read: non-blocking pipes, at most `SLICE_S` of work per wake-up, so a flooding child cannot starve
   signals, health results or the watchdog;
@@ -21,7 +23,7 @@ never decoded, classified or encoded.  Everything else takes the full path above
 
 from __future__ import annotations
 
-import selectors
+import functools
 import time
 from collections.abc import Callable
 
@@ -41,7 +43,9 @@ from kimi_supervisor.clock import Clock
 from kimi_supervisor.logs.journal import ChildSink
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.redact import redact_text, secret_bytes
+from kimi_supervisor.wakeups import Timer, Wakeups
 
+SINK_RETRY_S = 0.05  # a stalled sink is retried this soon, not only when output comes
 SLICE_S = 0.05  # reading one wake-up's output stops after this long: the loop's other duties come first
 # vLLM logs a few lines a second while serving (one access line per request, stats every 10 s) and a few
 # hundred in a burst (startup routes, a traceback per process when it dies): 4000/s per priority is >10x
@@ -103,7 +107,7 @@ class LineMeter:
 
 
 class ChildOutput:
-    """Owns the selector: the child's pipes, plus wake-up fds (signals) whose handlers the owner gives."""
+    """The child's pipes as the reactor's readers; the sink's flush and the summaries as its turn hook."""
 
     def __init__(
         self,
@@ -113,7 +117,8 @@ class ChildOutput:
         secrets: tuple[str, ...] = (),
         meter: LineMeter | None = None,
         clock: Clock | None = None,
-        selector: selectors.BaseSelector | None = None,
+        *,
+        reactor: Wakeups,
     ) -> None:
         self.sink = sink
         self.tracker = tracker
@@ -129,8 +134,9 @@ class ChildOutput:
         self._held: set[int] = set()
         self._tail_splitter = LineSplitter(max_line=MAX_LINE)
         self._starting_scan = literal_scan(tracker.prefilter)
-        self._selector = selector if selector is not None else selectors.DefaultSelector()
-        self._wakeups: dict[int, Callable[[], None]] = {}
+        self._reactor = reactor
+        self._open: set[int] = set()  # the child's pipes not at end of file yet: the reactor's readers
+        self._retry: Timer | None = None
         self._child: Child | None = None
         self._splitters: dict[int, LineSplitter] = {}
         self._classifiers: dict[int, LineClassifier] = {}
@@ -139,39 +145,41 @@ class ChildOutput:
         self.on_line: Callable[[float, LineEvent], None] | None = None
         self.on_output: Callable[[float], None] | None = None
 
-    def add_wakeup(self, fd: int, handler: Callable[[], None]) -> None:
-        self._selector.register(fd, selectors.EVENT_READ, "wakeup")
-        self._wakeups[fd] = handler
-
     def attach(self, child: Child) -> None:
         self._child = child
         self.last_output = self._now()
         for fd in child.streams.values():
-            self._selector.register(fd, selectors.EVENT_READ, "child")
+            self._reactor.add_reader(fd, functools.partial(self._read, fd))
+            self._open.add(fd)
             self._splitters[fd] = LineSplitter(max_line=MAX_LINE, secrets=self._secrets)  # redacts before it cuts
             self._classifiers[fd] = LineClassifier(default_priority=6)
+        self._reactor.add_turn_hook(self._turn)
 
     @property
     def streams_open(self) -> bool:
         """Until both of the child's pipes reached end of file."""
-        return any(key.data == "child" for key in self._selector.get_map().values())
+        return bool(self._open)
 
-    def pump(self, timeout: float) -> None:
-        """Wait up to `timeout` for output or a wake-up; handle what came; never block on a sink."""
-        if self.sink.pending:
-            timeout = min(timeout, 0.05)  # a stalled sink is retried soon, not only when output comes
-        for key, _ in self._selector.select(timeout):
-            if key.data == "wakeup":
-                self._wakeups[key.fd]()
-            else:
-                self._read(key.fd)
+    def _turn(self) -> None:
+        """After every wake-up: never block on a sink; what it could not take is retried soon."""
         self.sink.flush()
         self._report()
+        if self.sink.pending and self._retry is None:
+            self._retry = self._reactor.call_later(SINK_RETRY_S, self._retried)
+
+    def _retried(self) -> None:
+        self._retry = None  # the turn it woke flushes, and schedules the next retry if still needed
 
     def finish(self, timeout_s: float = 1.0) -> None:
         """After the tree is gone: partial last lines, the last summaries, and a bounded wait for the sink."""
+        self._reactor.remove_turn_hook(self._turn)
+        if self._retry is not None:
+            self._retry.cancel()
         for fd in self._splitters:
             self._close_stream(fd)
+        for fd in self._open:  # a pipe a stray holder keeps open: not this run's to read any more
+            self._reactor.remove_reader(fd)
+        self._open.clear()
         self._show_unseen()
         # The last summaries before the sink's bounded wait: sent after it, they could sit in a stalled
         # journal's backlog when the process ends, and the count of lost lines would itself be lost.
@@ -199,7 +207,8 @@ class ChildOutput:
             data = self._child.read(fd)
             if data is None:
                 self._close_stream(fd)
-                self._selector.unregister(fd)
+                self._reactor.remove_reader(fd)
+                self._open.discard(fd)
                 return
             if not data:
                 self._show_unseen()

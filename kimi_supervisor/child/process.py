@@ -191,6 +191,8 @@ class Child(Protocol):
 
     pid: int
     returncode: int | None
+    exit_fd: int | None  # readable once the spawned process exited (a pidfd): the loop's exit wake-up
+    exit_fd_error: str | None  # why there is no exit_fd (the loop then polls)
     streams: dict[str, int]
 
     def read(self, fd: int) -> bytes | None: ...
@@ -208,6 +210,16 @@ class Child(Protocol):
     def reap(self) -> None: ...
 
 
+def _pidfd(pid: int) -> tuple[int | None, str | None]:
+    """A pidfd for our own unreaped child (its PID cannot be recycled yet), or why there is none."""
+    try:
+        return os.pidfd_open(pid), None
+    except AttributeError:
+        return None, "os.pidfd_open is missing (Python built without it)"
+    except OSError as exc:  # ENOSYS: Linux < 5.3; EPERM: a seccomp sandbox refusing it
+        return None, f"pidfd_open: {exc.strerror or exc}"
+
+
 class ChildProcess:
     """A spawned child and its process tree."""
 
@@ -220,6 +232,7 @@ class ChildProcess:
         self.sid = popen.pid  # start_new_session: session id == process group id == pid
         self.known: dict[int, float] = {}
         self.returncode: int | None = None
+        self.exit_fd, self.exit_fd_error = _pidfd(popen.pid)
         assert popen.stdout is not None and popen.stderr is not None
         self.streams = {"stdout": popen.stdout.fileno(), "stderr": popen.stderr.fileno()}
         for fd in self.streams.values():
@@ -346,7 +359,9 @@ class ChildProcess:
 
     def reap(self) -> None:
         """Collect zombie children: the main child via Popen, orphans via waitpid."""
-        self.poll()
+        if self.poll() is not None and self.exit_fd is not None:
+            fd, self.exit_fd = self.exit_fd, None
+            os.close(fd)  # its process is reaped: nothing is left to watch
         for p in psutil.Process().children():
             if p.pid == self.pid:
                 continue

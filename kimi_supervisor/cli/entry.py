@@ -216,7 +216,7 @@ def _supervise(role: Deployment, sink: ChildSink, probe: GpuProbe) -> int:
     # Imported here: a refused second instance (exit 16) should not pay for the whole lifecycle.
     from kimi_supervisor.child.process import become_subreaper
     from kimi_supervisor.lifecycle.deps import Deps
-    from kimi_supervisor.lifecycle.signals import InterruptibleClock, SignalRecorder
+    from kimi_supervisor.lifecycle.signals import SignalRecorder
 
     cfg = role.cfg
     log = get_logger()
@@ -230,8 +230,7 @@ def _supervise(role: Deployment, sink: ChildSink, probe: GpuProbe) -> int:
         log=log,
         sink=sink,
         watchdog_s=watchdog_interval(),
-        signals=signals,
-        clock=InterruptibleClock(signals),
+        signals=signals,  # the clock: the reactor's (Deps builds it over these signals)
     )
     log.info(
         "supervisor.start",

@@ -2,10 +2,11 @@
 
 `RolePart` is what the run asks its role (kimi_supervisor/deployment/ has one per role).  `Deps`' defaults are
 the real ones (a spawned `ChildProcess`, a threaded `HealthProber`, `DeepLiveness`,
-`drain.Drain`, a `DefaultSelector`, `liveness.http.request`, `time.time`); cli passes the `SignalRecorder`
-and the `InterruptibleClock` over it.  The operator's view and the drain get the same clock, process table
-and HTTP client as the rest.  testkit/fakes/lifecycle.py passes fakes and drives the whole lifecycle, the
-drain included, on a fake clock in milliseconds, without patching anything.
+`drain.Drain`, a `DefaultSelector`, `liveness.http.request`, `time.time`); cli passes the `SignalRecorder`.
+The one `Reactor` (reactor.py) is built here over `signals`, `selector()` and `clock`, unless given, and
+shared by every `dataclasses.replace` of these Deps (a follower's runs).  The operator's view and the drain
+get the same clock, process table and HTTP client as the rest.  testkit/fakes/lifecycle.py passes fakes and
+drives the whole lifecycle, the drain included, on a fake clock in milliseconds, without patching anything.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kimi_supervisor.host.gpu import GpuProbe
 from kimi_supervisor.host.proctable import ProcessTable
 from kimi_supervisor.lifecycle.drain import Drain
 from kimi_supervisor.lifecycle.machine import StateMachine
+from kimi_supervisor.lifecycle.reactor import Reactor
 from kimi_supervisor.lifecycle.signals import SignalRecorder, Signals
 from kimi_supervisor.lifecycle.threadwatch import ThreadWatch
 from kimi_supervisor.liveness.engine import DeepLiveness, LivenessInputs
@@ -145,7 +147,7 @@ class Deps:
     watchdog_s: float | None = None
     environ: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(os.environ))
     signals: Signals = dataclasses.field(default_factory=SignalRecorder)
-    clock: Clock | None = None  # None: an InterruptibleClock over `signals`
+    clock: Clock | None = None  # None: the reactor's interruptible clock (Reactor.clock)
     spawn: Spawner = dataclasses.field(default_factory=ProcessSpawner)
     prober: ProberFactory = HealthProber
     liveness: LivenessFactory = DeepLiveness
@@ -160,3 +162,10 @@ class Deps:
     threads: ThreadWatch = dataclasses.field(default_factory=ThreadWatch)
     # What this run's role adds (kimi_supervisor/deployment/ chooses it from the config); a plain engine's.
     role: RolePart = dataclasses.field(default_factory=RolePart)
+    # The main thread's one wait (reactor.py); None: one is made over `signals`, `selector()` and `clock`.
+    reactor: Reactor = dataclasses.field(default=None)  # type: ignore[assignment]  # set in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.reactor is None:
+            now = self.clock.monotonic if self.clock is not None else time.monotonic
+            self.reactor = Reactor(self.signals, self.log, self.selector(), now=now)

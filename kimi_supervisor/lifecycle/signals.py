@@ -1,7 +1,8 @@
 """Signals: handlers only record and wake the loop (gunicorn's arbiter); the loop acts.
 
-The wake-up is a non-blocking pipe the main loop selects on, so a signal that
-arrives while it waits (for output, for GPU memory) is handled at once.
+The wake-up is a non-blocking pipe the reactor (reactor.py) selects on, so a signal that arrives while
+the main thread waits (for output, for GPU memory) is handled at once; the reactor drains the pipe and
+gives the one answer to "was a stop requested?" (`Reactor.stop_signalled`).
 
 Every catchable signal whose default action would end the process is either a
 stop request or ignored (logged), so nothing but SIGKILL or a real fault ends
@@ -22,12 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import selectors
 import signal
-import time
 from typing import Any, Protocol
-
-from kimi_supervisor.logs.types import Logger
 
 
 class Signals(Protocol):
@@ -65,7 +62,7 @@ def signal_name(signum: int) -> str:
 
 
 class StopRequested(Exception):
-    """A stop signal arrived while a blocking step (the preflight wait) was running."""
+    """A stop signal arrived while a blocking step (the preflight wait) was running (reactor.ReactorClock)."""
 
 
 class SignalRecorder:
@@ -122,41 +119,3 @@ class SignalRecorder:
                 fresh[sig] = count - self._seen.get(sig, 0)
                 self._seen[sig] = count
         return fresh
-
-
-def stop_signalled(signals: Signals, log: Logger, state: str, *, sticky: bool = False) -> bool:
-    """Was a stop requested?  The one answer: each signal that arrived since the last look is logged (a stop
-    signal received, any other ignored), and True when one of them asks to stop.  `sticky`: also True when a
-    stop signal arrived before, whoever looked at it then (a follower between its runs)."""
-    fresh = signals.new_signals()
-    for sig, count in fresh.items():
-        if sig in STOP_SIGNALS:
-            log.info("signal.received", signal=signal_name(sig), state=state, count=count)
-        else:
-            why = "reload is not supported; restart the unit" if sig == signal.SIGHUP else "not a stop request"
-            log.warning("signal.ignored", signal=signal_name(sig), count=count, why=why)
-    return any(s in STOP_SIGNALS for s in fresh) or (sticky and signals.stop_requested)
-
-
-class InterruptibleClock:
-    """A Clock whose sleep ends early, raising StopRequested, when a stop signal arrives.
-
-    O(1) per wake-up: one flag, one selector made once.
-    """
-
-    def __init__(self, signals: Signals) -> None:
-        self._signals = signals
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(signals.read_fd, selectors.EVENT_READ)
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        if self._signals.stop_requested:
-            raise StopRequested
-        if self._selector.select(max(0.0, seconds)):
-            # Ignored signals and wake-ups are counted already; a full pipe must not turn waits into spins.
-            self._signals.clear_wakeups()
-        if self._signals.stop_requested:
-            raise StopRequested

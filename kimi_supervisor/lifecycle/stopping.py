@@ -1,8 +1,9 @@
 """Stopping the tree: SIGTERM, keep reading its output, SIGKILL what outlives the grace; then the GPUs.
 
-`Supervisor._stop` decides why, whether to drain and which grace; this module does the stop itself.  The
-child's output keeps flowing meanwhile (`pump`): vLLM's last lines are often the reason it stopped badly.
-A second stop signal (`hurry`) cuts what is left of the grace to `second_signal_grace_s`.
+`Supervisor._stop` decides why, whether to drain and which grace; this module does the stop itself.  Its
+waits are the reactor's turns (reactor.py), so the child's output keeps flowing meanwhile: vLLM's last
+lines are often the reason it stopped badly.  A second stop signal (the reactor's `stop_signalled`) cuts
+what is left of the grace to `second_signal_grace_s`.
 
 Whatever else ends a run (a bug, KeyboardInterrupt, a broken sink) gets `emergency`: the orderly stop if it
 can, SIGKILL and reap without a word if even that raises.  The tree never outlives the supervisor.
@@ -13,13 +14,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from typing import Protocol
 
 from kimi_supervisor.child.process import Child
-from kimi_supervisor.clock import Clock, SystemClock
+from kimi_supervisor.clock import Clock
 from kimi_supervisor.config.timeouts import SIGKILL_WAIT_S
 from kimi_supervisor.host.gpu import GpuMemory, GpuProbe, GpuUnavailable, wait_until_free
 from kimi_supervisor.lifecycle.drain import Drain
+from kimi_supervisor.lifecycle.reactor import Reactor
 from kimi_supervisor.logs.types import Logger
 
 # While stopping, how often the loop looks at the tree: short, since each look may end the stop.
@@ -29,31 +32,35 @@ GPU_POLL_S = 0.1
 GPU_REPORT_EVERY_S = 5.0
 
 
+class Output(Protocol):
+    """The child's output (child/output.py's ChildOutput)."""
+
+    def finish(self) -> None: ...  # once the tree is gone: its partial last lines, the sink flushed
+
+
 @dataclasses.dataclass
 class TreeStopper:
     """Stops one spawned tree; `stopped` once it is gone, so an emergency stop knows there is nothing left."""
 
     child: Child
-    pump: Callable[[float], None]  # waits for and handles output, signals, health results: the loop's own wait
-    finish: Callable[[], None]  # once the tree is gone: its partial last lines, the sink flushed
-    hurry: Callable[[], bool]  # a new stop signal arrived
-    clock: Clock
+    reactor: Reactor  # its turns are the stop's waits (output, signals, the child's exit)
+    output: Output
     log: Logger
     stopped: bool = dataclasses.field(default=False, init=False)
 
     def stop(self, grace_s: float, second_grace_s: float, drain: Drain | None = None) -> bool:
         """True when every member is gone; a drain SIGTERMs vLLM's main alone and reports on the way."""
-        child, now = self.child, self.clock.monotonic
+        child, now, reactor = self.child, self.reactor.monotonic, self.reactor
         start = now()
         deadline = start + grace_s
         signalled = drain.sigterm(child) if drain else child.signal_tree(signal.SIGTERM)
         self.log.info("stop.sigterm", pid=child.pid, processes=signalled, grace_s=grace_s)
         alive = child.alive_members()
         while alive:
-            self.pump(TERM_POLL_S)
+            reactor.run_once(TERM_POLL_S)
             if drain:
                 drain.tick(child)
-            if self.hurry():
+            if reactor.stop_signalled("stopping"):
                 deadline = min(deadline, now() + second_grace_s)
                 self.log.warning("stop.hurry", grace_left_s=round(max(0.0, deadline - now()), 2))
             alive = child.alive_members()
@@ -66,11 +73,12 @@ class TreeStopper:
                 child.signal_tree(signal.SIGKILL)
                 kill_deadline = now() + SIGKILL_WAIT_S
                 while alive and now() < kill_deadline:
-                    self.pump(KILL_POLL_S)
+                    reactor.run_once(KILL_POLL_S)
                     alive = child.alive_members()
                 break
-        self.pump(0)
-        self.finish()
+        reactor.run_once(0)
+        self.output.finish()
+        reactor.unwatch_exit(child)
         child.reap()
         self.stopped = not alive
         if alive:
@@ -92,6 +100,8 @@ class TreeStopper:
             with contextlib.suppress(BaseException):
                 self.child.signal_tree(signal.SIGKILL)
             with contextlib.suppress(BaseException):
+                self.reactor.unwatch_exit(self.child)
+            with contextlib.suppress(BaseException):
                 self.child.reap()
 
 
@@ -105,16 +115,17 @@ def confirm_gpus_free(
     own: Mapping[int, int] | None = None,
 ) -> bool | None:
     """Wait up to `timeout_s` for the stopped tree's GPU memory to come back; None when NVML cannot say.
-    `own`: MiB per GPU that stays by design (the deployment's weight holder's, which outlives its engine)."""
+    `own`: MiB per GPU that stays by design (the deployment's weight holder's, which outlives its engine).
+    `clock`: one whose sleep a second stop signal does not cut short (the reactor's `steady_clock`): the stop
+    path finishes even then."""
     start = clock.monotonic()
 
     def busy_note(busy: list[GpuMemory], elapsed: float) -> None:
         log.info("stop.gpu_wait", gpus=",".join(str(m.index) for m in busy), waited_s=round(elapsed, 1))
 
     try:
-        # SystemClock, not the interruptible one: the stop path finishes even after a second signal.
         busy = wait_until_free(
-            probe, gpus, threshold_mib, SystemClock(), timeout_s, GPU_POLL_S, busy_note, GPU_REPORT_EVERY_S, own
+            probe, gpus, threshold_mib, clock, timeout_s, GPU_POLL_S, busy_note, GPU_REPORT_EVERY_S, own
         )
     except GpuUnavailable as exc:
         log.warning("stop.gpu_unknown", error=str(exc))

@@ -2,6 +2,9 @@
 
 Like gunicorn's arbiter: signal handlers only record, this loop acts.  One
 thread owns all state; the health prober thread only produces results.  Every
+wait of that thread is a turn of the one reactor (reactor.py): signals, the
+child's output, its exit (a pidfd), the prober's wake-ups and timers wake it;
+what the reactor calls only records, the loops here act on what was recorded.  Every
 failure is a SupervisorError carrying its exit code; `run` stops the child
 tree before letting it reach `cli.main`, and so does every other way out
 (a bug, KeyboardInterrupt, SystemExit, a broken pipe, psutil.AccessDenied, a
@@ -38,7 +41,7 @@ from kimi_supervisor.host.readahead import ReadAhead
 from kimi_supervisor.lifecycle.deps import Deps, Liveness, Prober
 from kimi_supervisor.lifecycle.drain import stopped_headline
 from kimi_supervisor.lifecycle.machine import StateMachine
-from kimi_supervisor.lifecycle.signals import InterruptibleClock, StopRequested, stop_signalled
+from kimi_supervisor.lifecycle.signals import StopRequested
 from kimi_supervisor.lifecycle.stopping import TreeStopper, confirm_gpus_free
 from kimi_supervisor.liveness.engine import LivenessInputs
 from kimi_supervisor.liveness.health_probe import HealthResult
@@ -61,7 +64,8 @@ class Supervisor:
         self.cfg = cfg
         self.log = deps.log
         self.signals = deps.signals
-        self.clock: Clock = deps.clock if deps.clock is not None else InterruptibleClock(deps.signals)
+        self.reactor = deps.reactor
+        self.clock: Clock = deps.clock if deps.clock is not None else deps.reactor.clock
         self.tracker = ReadinessTracker(cfg.readiness)
         # State file, history, ETA, metrics: fed by the state machine, what we tell systemd, and the loop.
         self.view = OperatorView(
@@ -82,9 +86,8 @@ class Supervisor:
         self._prepared: PreparedSpawn | None = None
         self.readahead: ReadAhead | None = None  # [readahead]: the shards read ahead of vLLM (host/readahead.py)
         self.deep: Liveness | None = None
-        self.output = ChildOutput(
-            deps.sink, self.tracker, deps.log, secrets, clock=self.clock, selector=deps.selector()
-        )
+        self.output = ChildOutput(deps.sink, self.tracker, deps.log, secrets, clock=self.clock, reactor=self.reactor)
+        self._exited_at: float | None = None  # when the reactor saw the child's exit (its pidfd)
         self._last_extend = 0.0
         self._last_said = 0.0
         self._started_at = 0.0
@@ -93,8 +96,7 @@ class Supervisor:
 
     def run(self) -> ExitCode:
         self.signals.install()
-        self.deps.threads.install(self.signals.wake)
-        self.output.add_wakeup(self.signals.read_fd, self.signals.clear_wakeups)
+        self.deps.threads.install(self.reactor.wake)
         try:
             return self._run()
         except BaseException as exc:
@@ -103,6 +105,7 @@ class Supervisor:
             self._record_exit(exc)
             raise
         finally:
+            self.reactor.remove_turn_hook(self.view.tick)
             self._end_readahead("the run ended")
             if self.prober is not None:
                 self.prober.stop()
@@ -185,11 +188,11 @@ class Supervisor:
             raise StopRequested
         self.view.before_spawn()  # how much of the model the page cache holds as vLLM starts
         self.child = self.deps.spawn.spawn(self.cfg.child, self.deps.environ, self._prepared)
-        self.stopper = TreeStopper(
-            self.child, self._pump, self.output.finish, self.stop_signalled, self.clock, self.log
-        )
+        self.stopper = TreeStopper(self.child, self.reactor, self.output, self.log)
         self._started_at = self._now()
         self.output.attach(self.child)
+        self.reactor.add_turn_hook(self.view.tick)  # after the output's: the view sees this turn's lines
+        self.reactor.watch_exit(self.child, self._on_exit)
         self.output.on_output = self._on_output
         self.output.on_line = self._on_line
         self.state.to(State.STARTING, "starting: vLLM spawned", pid=self.child.pid)
@@ -198,7 +201,7 @@ class Supervisor:
             self.cfg.readiness.health_url,
             self.cfg.health.timeout_s,
             self.cfg.readiness.poll_interval_s,
-            self.signals.wake,
+            self.reactor.wake,
         )
         self.prober.start()
 
@@ -209,7 +212,7 @@ class Supervisor:
         healthy: HealthResult | None = None
         last_error: str | None = None
         while True:
-            self._pump(0.25)
+            self.reactor.run_once(0.25)
             if self.stop_signalled():
                 return False
             now = self._now()
@@ -249,14 +252,14 @@ class Supervisor:
             what = "reported a fatal error after it was ready" if serving else "failed while starting"
             # The rest of the fatal record (its traceback, whose exception is the root cause) is usually in
             # the pipe already: read what is there, without waiting.
-            self._pump(0)
+            self.reactor.run_once(0)
             raise error(f"vLLM {what}: {self._root_cause()}", detail=self._tail())
-        if self.child.poll() is not None:
-            self._pump(0)
+        # The reactor saw its pidfd (`_on_exit`) or, between two turns, the exit came first: poll reaps it either way.
+        status = self.child.poll()
+        if self._exited_at is not None or status is not None:
+            self.reactor.run_once(0)
             when = "after it was ready (not requested)" if serving else "before it was ready"
-            raise error(
-                f"vLLM exited with status {self.child.returncode} {when}: {self._root_cause()}", detail=self._tail()
-            )
+            raise error(f"vLLM exited with status {status} {when}: {self._root_cause()}", detail=self._tail())
 
     def _ready(self, now: float) -> None:
         self._end_readahead("vLLM is ready")
@@ -283,7 +286,7 @@ class Supervisor:
                 self.cfg,
                 self.deps.probe,
                 gpus,
-                self.signals.wake,
+                self.reactor.wake,
                 self.deps.notifier,
                 self.log,
                 self.deps.environ,
@@ -301,7 +304,7 @@ class Supervisor:
         failures = 0
         watchdog = Watchdog(wd, self.deps.notifier, last_ok=self._now())  # the probe that made us ready
         while True:
-            self._pump(watchdog.wait_s(self._now(), healthy=failures == 0 and self.deep.healthy))
+            self.reactor.run_once(watchdog.wait_s(self._now(), healthy=failures == 0 and self.deep.healthy))
             if self.stop_signalled():
                 return
             self._check_child(serving=True)
@@ -351,6 +354,7 @@ class Supervisor:
         if self.stopper is None:
             return  # stopped during the preflight: nothing of ours holds a GPU
         tree_gone = self.stopper.stop(scfg.grace_s, scfg.second_signal_grace_s, drain)
+        self.reactor.remove_turn_hook(self.view.tick)  # the tree's turns only, as ever: not the GPU wait's
         gpus = configured_gpus(self.deps.probe, self.cfg.preflight.gpus)
         gpus_free = None
         if gpus and scfg.gpu_release_timeout_s > 0:
@@ -358,7 +362,7 @@ class Supervisor:
             # The weight holder outlives its engine by design: what it holds is not the engine's to wait for.
             own = self.deps.role.own_memory(self.cfg, self.deps.table, self.deps.probe, gpus)
             gpus_free = confirm_gpus_free(
-                self.deps.probe, gpus, threshold, scfg.gpu_release_timeout_s, self.clock, self.log, own
+                self.deps.probe, gpus, threshold, scfg.gpu_release_timeout_s, self.reactor.steady_clock, self.log, own
             )
         self.state.say(stopped_headline(tree_gone, gpus_free, drain.outcome if drain is not None else None))
 
@@ -391,10 +395,8 @@ class Supervisor:
 
     # -- the event loop -------------------------------------------------------------
 
-    def _pump(self, timeout: float) -> None:
-        """Wait up to `timeout` for output, signals or health results; handle what came."""
-        self.output.pump(timeout)
-        self.view.tick()
+    def _on_exit(self) -> None:
+        self._exited_at = self._now()  # recorded only: the loop's next look (`_check_child`) acts on it
 
     def _on_output(self, now: float) -> None:
         if self.state.state is State.STARTING:
@@ -434,7 +436,7 @@ class Supervisor:
         return self.clock.monotonic()
 
     def stop_signalled(self) -> bool:
-        return stop_signalled(self.signals, self.log, self.state.state.value)
+        return self.reactor.stop_signalled(self.state.state.value)
 
     # -- helpers -----------------------------------------------------------------------
 

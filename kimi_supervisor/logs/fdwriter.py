@@ -78,6 +78,8 @@ class FdWriter:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
+            # Not the reactor's (lifecycle/reactor.py): it waits for readers; this is one bounded wait for one fd to
+            # take writes, at exit, after the loop has ended.
             with contextlib.suppress(OSError, ValueError):
                 select.select([], [self.fd], [], min(left, 0.05))
             self.flush()

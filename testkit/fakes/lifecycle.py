@@ -2,9 +2,10 @@
 
 testkit/fakes/lifecycle_world.py puts them together into one `World` around a real `Supervisor`.
 
-The loop's waits go through `FakeSelector.select`, which advances the clock to the next scripted event (or
-the whole timeout) and returns what became readable: real pipes carry the child's lines and the signal
-wake-ups, so `ChildOutput`, the readiness tracker and the lifecycle run unpatched, in milliseconds.
+The loop's waits (the reactor's turns) go through `FakeSelector.select`, which advances the clock to the next
+scripted event (or the whole timeout) and returns what became readable: real pipes carry the child's lines,
+the signal wake-ups and the child's exit (a pipe standing in for the pidfd), so `ChildOutput`, the readiness
+tracker and the lifecycle run unpatched, in milliseconds.
 """
 
 from __future__ import annotations
@@ -62,9 +63,12 @@ class FakeSelector(selectors.BaseSelector):
         return self._inner.unregister(fileobj)
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        """Like a real select: returns once something is readable or the timeout passed, not at every event
+        of the script (an exit nobody watches must not end the wait)."""
         ready = self._inner.select(0)
-        if not ready and timeout:
-            self._clock.wait(timeout)
+        end = self._clock.now + (timeout or 0.0)
+        while not ready and self._clock.now < end:
+            self._clock.wait(end - self._clock.now)
             ready = self._inner.select(0)
         return ready
 
@@ -106,17 +110,25 @@ class FakeChild:
             os.set_blocking(fd, False)
         self.streams = {"stdout": out_r, "stderr": err_r}
         self._writers: dict[str, int] = {"stdout": out_w, "stderr": err_w}
+        # The pidfd's stand-in: readable (end of file) from the fake instant of the exit on.
+        self.exit_fd: int | None
+        self.exit_fd, self._exit_w = os.pipe()
+        self.exit_fd_error: str | None = None
 
     def say(self, line: str, stream: str = "stdout") -> None:
         if stream in self._writers:
             os.write(self._writers[stream], (line + "\n").encode())
 
-    def exit(self, returncode: int) -> None:
+    def exit(self, returncode: int, *, pipes_held: bool = False) -> None:
+        """`pipes_held`: a worker that outlives vLLM's main keeps its stdout and stderr open (no end of file)."""
         if self.returncode is None:
             self.returncode = returncode
-            for fd in self._writers.values():
-                os.close(fd)
-            self._writers.clear()
+            if not pipes_held:
+                for fd in self._writers.values():
+                    os.close(fd)
+                self._writers.clear()
+            os.close(self._exit_w)
+            self._exit_w = -1
 
     def read(self, fd: int) -> bytes | None:
         return read_pipe(fd)  # real pipes: the fake stands in for the process, not for reading its output
@@ -148,9 +160,10 @@ class FakeChild:
         return None
 
     def close(self) -> None:
-        for fd in (*self.streams.values(), *self._writers.values()):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        for fd in (*self.streams.values(), *self._writers.values(), self.exit_fd, self._exit_w):
+            if fd is not None and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 class FakeProber:

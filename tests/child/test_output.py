@@ -6,6 +6,7 @@ import fcntl
 import itertools
 import os
 import random
+import selectors
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from kimi_supervisor.child.process import ChildProcess, SpawnSpec, read_pipe
 from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import ExitCode
+from kimi_supervisor.lifecycle.reactor import Reactor
+from kimi_supervisor.lifecycle.signals import SignalRecorder
 from kimi_supervisor.logs.fdwriter import FdWriter
 from kimi_supervisor.logs.journal import ConsoleChildSink, JournalChildSink, JournalWriter
 from testkit.fakes.clock import FakeClock
@@ -29,6 +32,11 @@ from testkit.flood_child import vllm_lines as flood_lines
 from testkit.harness import FAKE
 
 CFG = parse_config({"child": {"argv": ["vllm"]}}, Path("t.toml")).readiness
+
+
+def bare_reactor() -> Reactor:
+    """The loop's one wait, as the supervisor makes it, for an output read here without a supervisor."""
+    return Reactor(SignalRecorder(), RecordingLog(), selectors.DefaultSelector())
 
 
 def test_meter_budget_per_second_and_pool() -> None:
@@ -77,7 +85,8 @@ def test_pump_meters_child_lines_toward_journald_and_counts_the_rest(tmp_path: P
     writer = JournalWriter(journal.path)
     log = RecordingLog()
     lines = 60_000
-    out = ChildOutput(JournalChildSink(writer), ReadinessTracker(CFG), log, meter=LineMeter(per_s=2000))
+    loop = bare_reactor()
+    out = ChildOutput(JournalChildSink(writer), ReadinessTracker(CFG), log, meter=LineMeter(per_s=2000), reactor=loop)
     spec = SpawnSpec(
         (sys.executable, str(FAKE), "serve", "/m", "--flood-only", "--flood-lines", str(lines)), {}, True, None, None
     )
@@ -85,7 +94,7 @@ def test_pump_meters_child_lines_toward_journald_and_counts_the_rest(tmp_path: P
     out.attach(child)
     received: list[dict[str, str]] = []
     while out.streams_open:
-        out.pump(0.05)
+        loop.run_once(0.05)
         received += journal.records()
     child.reap()
     out.finish(timeout_s=1)
@@ -160,7 +169,8 @@ def _through(data: bytes, metered: bool, serving: bool, cuts: list[int], secrets
     # Fake clocks nobody sleeps on: one metering second for the whole test, whatever the machine's speed.
     meter = LineMeter(per_s=7, clock=FakeClock().monotonic) if metered else None
     log = RecordingLog()
-    out = ChildOutput(sink, tracker, log, secrets=secrets, meter=meter, clock=FakeClock())  # type: ignore[arg-type]
+    loop = bare_reactor()
+    out = ChildOutput(sink, tracker, log, secrets=secrets, meter=meter, clock=FakeClock(), reactor=loop)  # type: ignore[arg-type]
     child = PipeChild()
     out.attach(child)  # type: ignore[arg-type]
     bounds = [0, *sorted(cuts), len(data)]
@@ -168,11 +178,11 @@ def _through(data: bytes, metered: bool, serving: bool, cuts: list[int], secrets
         while a < b:  # a piece larger than the pipe goes in as the reader makes room
             a += os.write(child.out_w, data[a : min(b, a + 32 * 1024)])
             while _readable(child.streams["stdout"]):
-                out.pump(0)
+                loop.run_once(0)
     os.close(child.out_w)
     os.close(child.err_w)
     while out.streams_open:
-        out.pump(0.1)
+        loop.run_once(0.1)
     out.finish(timeout_s=0)
     return tracker, sink.lines, sum(int(f["lines"]) for f in log.events("child.suppressed"))  # type: ignore[call-overload]
 
@@ -256,13 +266,14 @@ def test_plain_lines_over_the_budget_are_counted_and_never_classified(monkeypatc
     log = RecordingLog()
     sink = ListSink()
     meter = LineMeter(per_s=1000, clock=FakeClock().monotonic)
-    out = ChildOutput(sink, tracker, log, meter=meter, clock=FakeClock())  # type: ignore[arg-type]
+    loop = bare_reactor()
+    out = ChildOutput(sink, tracker, log, meter=meter, clock=FakeClock(), reactor=loop)  # type: ignore[arg-type]
     lines = 200_000
     spec = SpawnSpec((sys.executable, str(FLOOD_CHILD), str(lines), "/dev/null"), {}, True, None, None)
     child = ChildProcess.spawn(spec, os.environ)
     out.attach(child)
     while out.streams_open:
-        out.pump(0.1)
+        loop.run_once(0.1)
     child.reap()
     out.finish(timeout_s=0)
     suppressed = sum(int(f["lines"]) for f in log.events("child.suppressed"))  # type: ignore[call-overload]
@@ -294,21 +305,22 @@ def test_a_flood_into_a_stalled_journald_loses_no_supervisor_record(tmp_path: Pa
     log = JournalLog(writer)
     tracker = ReadinessTracker(CFG)
     tracker.serving = True
-    out = ChildOutput(JournalChildSink(writer), tracker, log)  # type: ignore[arg-type]
+    loop = bare_reactor()
+    out = ChildOutput(JournalChildSink(writer), tracker, log, reactor=loop)  # type: ignore[arg-type]
     lines = 300_000
     spec = SpawnSpec((sys.executable, str(FLOOD_CHILD), str(lines), "/dev/null"), {}, True, None, None)
     child = ChildProcess.spawn(spec, os.environ)
     out.attach(child)
     ticks = 0
     while out.streams_open:
-        out.pump(0.05)
+        loop.run_once(0.05)
         log.warning("state.tick", n=ticks)  # the loop's own records while journald is stalled
         ticks += 1
     child.reap()
     received: list[dict[str, str]] = []
     while writer.pending:  # journald reads again
         received += journal.records()
-        out.pump(0.01)
+        loop.run_once(0.01)
     out.finish(timeout_s=0)  # nobody reads while it waits: journald reads again below, until nothing waits
     while writer.pending:
         received += journal.records()
@@ -347,7 +359,8 @@ def test_finish_reports_the_last_counts_before_the_bounded_wait_for_the_sink() -
     the record could sit in a stalled journal's backlog as the process ends (CI: it was missing once)."""
     log = RecordingLog()
     sink = StalledSink(log)
-    out = ChildOutput(sink, ReadinessTracker(CFG), log)  # type: ignore[arg-type]
+    loop = bare_reactor()
+    out = ChildOutput(sink, ReadinessTracker(CFG), log, reactor=loop)  # type: ignore[arg-type]
     out.finish(timeout_s=1)
     assert sink.sent_before_close is not None and "child.dropped" in sink.sent_before_close
     assert log.events("child.dropped") == [{"lines": 3, "sink": "list", "why": "the reader stalled"}]
@@ -375,7 +388,8 @@ def test_lines_the_reader_never_took_at_exit_are_counted_not_lost() -> None:
         log = RecordingLog()
         with os.fdopen(os.dup(write_end), "w") as stream:
             sink = ConsoleChildSink(stream)
-            out = ChildOutput(sink, ReadinessTracker(CFG), log)  # type: ignore[arg-type]
+            loop = bare_reactor()
+            out = ChildOutput(sink, ReadinessTracker(CFG), log, reactor=loop)  # type: ignore[arg-type]
             lines = 2000
             for i in range(lines):
                 sink.line(f"line {i:06d} " + "x" * 40, 6, {})

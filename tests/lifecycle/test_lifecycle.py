@@ -111,6 +111,17 @@ def test_child_exit_after_ready_exits_13(tmp_path: Path, status: int) -> None:
     assert 6.0 <= w.log.when("state.failed")[0] < 6.0 + TICK
 
 
+@pytest.mark.parametrize(("exits_at", "code"), [(0.537, 11), (6.137, 13)], ids=["starting", "serving"])
+def test_a_silent_crash_is_noticed_at_the_instant_of_the_exit(tmp_path: Path, exits_at: float, code: int) -> None:
+    """The child's exit wakes the loop itself (its pidfd; the fake's stand-in pipe): no line, no end of file (a
+    worker still holds the pipes), no probe result and no poll tick is needed.  Was: noticed at the next
+    wake-up, up to a probe interval (0.1 s starting, 0.3 s serving here) or a watchdog half-period later."""
+    w = serving_world(tmp_path, started_at=1.0)
+    w.clock.at(exits_at, lambda: w.child.exit(1, pipes_held=True) if w.child else None)
+    assert w.run() == code
+    assert w.log.when("state.stopping")[0] == pytest.approx(exits_at, abs=1e-9)  # 0 ms of fake time later
+
+
 def test_fatal_line_after_ready_exits_13_without_waiting_for_the_exit(tmp_path: Path) -> None:
     w = serving_world(tmp_path)
     w.say_at(6.0, FATAL)

@@ -1,8 +1,10 @@
-"""Signals: handlers only record; the wake-up pipe ends waits early."""
+"""Signals: handlers only record; the wake-up pipe ends the reactor's waits early (its clock's sleep here, the
+rest in tests/lifecycle/test_reactor.py)."""
 
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import threading
 import time
@@ -10,7 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kimi_supervisor.lifecycle.signals import InterruptibleClock, SignalRecorder, StopRequested
+from kimi_supervisor.lifecycle.reactor import Reactor
+from kimi_supervisor.lifecycle.signals import SignalRecorder, StopRequested
+from testkit.fakes.log import RecordingLog
 
 
 @pytest.fixture
@@ -40,14 +44,14 @@ def test_recorder_records_and_restores() -> None:
 
 
 def test_interruptible_sleep_ends_on_sigterm(rec: SignalRecorder) -> None:
-    clock = InterruptibleClock(rec)
+    reactor = Reactor(rec, RecordingLog(), selectors.DefaultSelector())
     threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
     start = time.monotonic()
     with pytest.raises(StopRequested):
-        clock.sleep(60)
-    assert time.monotonic() - start < 60  # the signal ended the sleep, not its 60 s (was < 2 s: machine speed)
+        reactor.clock.sleep(60)
+    assert time.monotonic() - start < 60  # the signal ended the sleep, not its 60 s
     with pytest.raises(StopRequested):
-        clock.sleep(10)  # the stop stays requested
+        reactor.clock.sleep(10)  # the stop stays requested
 
 
 def test_recorder_does_not_grow_per_wake_up_or_signal(rec: SignalRecorder) -> None:
@@ -62,13 +66,13 @@ def test_recorder_does_not_grow_per_wake_up_or_signal(rec: SignalRecorder) -> No
 
 
 def test_interruptible_sleep_is_constant_time_per_wake_up(rec: SignalRecorder) -> None:
-    clock = InterruptibleClock(rec)
+    reactor = Reactor(rec, RecordingLog(), selectors.DefaultSelector())
     for _ in range(20_000):
         rec.wake()
     start = time.perf_counter()
     for _ in range(1000):
         rec.wake()
-        clock.sleep(0.0)
+        reactor.clock.sleep(0.0)
     per_call = (time.perf_counter() - start) / 1000
     assert per_call < 0.0005, per_call  # the old scan of every recorded wake-up took milliseconds here
 

@@ -7,34 +7,33 @@ import signal
 from kimi_supervisor.config.timeouts import SIGKILL_WAIT_S
 from kimi_supervisor.host.gpu import GpuMemory, GpuUnavailable
 from kimi_supervisor.lifecycle.drain import Drain, stopped_headline
+from kimi_supervisor.lifecycle.reactor import Reactor
 from kimi_supervisor.lifecycle.stopping import TERM_POLL_S, TreeStopper, confirm_gpus_free
 from kimi_supervisor.liveness.http import Answer, HttpClient
 from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
-from testkit.fakes.lifecycle import FakeChild
+from testkit.fakes.lifecycle import FakeChild, FakeSelector, FakeSignals
 from testkit.fakes.log import RecordingLog
 
 
 class Scene:
-    """A stopper over a FakeChild; `signal_at(t)` is a second stop signal arriving t seconds in."""
+    """A stopper over a FakeChild and a reactor on the fake clock; `signal_at(t)` is a second stop signal
+    arriving t seconds in."""
 
     def __init__(self, term_exit_after: float | None, child: type[FakeChild] = FakeChild) -> None:
         self.clock = FakeClock()
         self.child = child(self.clock, term_exit_after)
         self.log = RecordingLog()
         self.finished = 0
-        self._signalled = False
-        self.stopper = TreeStopper(self.child, self.clock.wait, self._finish, self._hurry, self.clock, self.log)
+        self.signals = FakeSignals()
+        self.reactor = Reactor(self.signals, self.log, FakeSelector(self.clock), now=self.clock.monotonic)
+        self.stopper = TreeStopper(self.child, self.reactor, self, self.log)
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
         self.finished += 1
 
-    def _hurry(self) -> bool:
-        fresh, self._signalled = self._signalled, False
-        return fresh
-
     def signal_at(self, t: float) -> None:
-        self.clock.at(t, lambda: setattr(self, "_signalled", True))
+        self.clock.at(t, lambda: self.signals.send(signal.SIGTERM))
 
     def sent(self) -> list[tuple[float, signal.Signals]]:
         return [(round(t, 2), sig) for t, sig in self.child.signals]
@@ -84,10 +83,10 @@ def test_emergency_kills_and_reaps_when_the_orderly_stop_raises_too() -> None:
     reaped: list[bool] = []
     scene.child.reap = lambda: reaped.append(True)  # type: ignore[method-assign]
 
-    def broken_pump(timeout: float) -> None:
+    def broken_turn(timeout: float) -> int:
         raise BrokenPipeError(32, "Broken pipe")  # the same broken sink that ended the run
 
-    scene.stopper.pump = broken_pump
+    scene.reactor.run_once = broken_turn  # type: ignore[method-assign]
     scene.stopper.emergency(grace_s=30, second_grace_s=2)  # raises nothing
     assert scene.sent() == [(0, signal.SIGTERM), (0, signal.SIGKILL)]
     assert scene.child.returncode == -signal.SIGKILL and reaped == [True]

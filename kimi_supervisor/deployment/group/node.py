@@ -45,7 +45,7 @@ from kimi_supervisor.exitcodes import (
 )
 from kimi_supervisor.host.instance_lock import locker
 from kimi_supervisor.lifecycle.deps import Deps, Liveness, LivenessFactory, Spawner
-from kimi_supervisor.lifecycle.signals import StopRequested, stop_signalled
+from kimi_supervisor.lifecycle.signals import StopRequested
 from kimi_supervisor.lifecycle.supervisor import Supervisor
 from kimi_supervisor.liveness.engine import LivenessInputs
 from kimi_supervisor.liveness.health_probe import HealthResult
@@ -487,10 +487,10 @@ class _Follower:
         assert cfg.cluster is not None
         self.cfg, self.cluster, self.deps, self.secrets, self.status = cfg, cfg.cluster, deps, secrets, status
         self.log = deps.log
-        self.clock: Clock = deps.clock if deps.clock is not None else SystemClock()
+        self.clock: Clock = deps.clock if deps.clock is not None else deps.reactor.clock
         self.view = LeaderView(self.cluster)
         master = (self.cluster.master_addr, self.cluster.master_port)
-        self.poller = make_poller([self.cluster.leader_status_url], master, deps.signals.wake)
+        self.poller = make_poller([self.cluster.leader_status_url], master, deps.reactor.wake)
         self.joined: set[str] = set()
         self.tap = _StatusTap(deps.notifier, status, watchdog=bool(deps.watchdog_s))
 
@@ -540,7 +540,7 @@ class _Follower:
             run_id = self.view.joinable(self.joined)
             if run_id is not None:
                 return run_id
-            if stop_signalled(self.deps.signals, self.log, "waiting", sticky=True):
+            if self.deps.reactor.stop_signalled("waiting", sticky=True):
                 return None
             now = self.clock.monotonic()
             if now - start > c.leader_wait_s:
