@@ -19,11 +19,14 @@ from pathlib import Path
 from tests.test_comment_paths import REPO, ROOTS, SKIPPED_DIRS
 
 PARSE_JSON = {"kimi_supervisor/untrusted_json.py"}
-# The real clocks (kimi_supervisor/clock.py, the interruptible sleep of lifecycle/signals.py) and the fake.
+# The real clocks (kimi_supervisor/clock.py; the reactor's, whose sleep runs its turns, and the Wakeups Protocol
+# that lower layers see it through) and the fake.
 CLOCKS = {
     ("kimi_supervisor/clock.py", "Clock"),
     ("kimi_supervisor/clock.py", "SystemClock"),
-    ("kimi_supervisor/lifecycle/signals.py", "InterruptibleClock"),
+    ("kimi_supervisor/lifecycle/reactor.py", "Reactor"),
+    ("kimi_supervisor/lifecycle/reactor.py", "ReactorClock"),
+    ("kimi_supervisor/wakeups.py", "Wakeups"),
     ("testkit/fakes/clock.py", "FakeClock"),
 }
 ESCAPERS = {
