@@ -92,7 +92,7 @@ def run() -> list[Row]:
         with_shm = _times(preflight_stale_shm, RUNS)
         vllm = cfg.child.vllm
         parts: dict[str, list[float]] = {
-            "GPU memory + holders, 8 GPUs": _times(
+            "GPU memory + occupants, 8 GPUs": _times(
                 lambda: (busy_gpus(probe, gpus, 1000), gpu_processes(probe, gpus)), RUNS
             ),
             "plan_reap (ancestors)": _times(lambda: plan_reap([], table, cfg.preflight.reap, os.getpid()), RUNS),

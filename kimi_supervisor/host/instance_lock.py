@@ -424,7 +424,7 @@ def _take(directory: Path, resource: Resource, log: Logger | None) -> int:
             log.warning(
                 "instance.foreign_lock",
                 lock=str(path),
-                holder=names,
+                locker=names,
                 why="not a kimi-supervisor run by root: not counted, the lock file was replaced",
             )
         return _replace(directory, path)

@@ -341,7 +341,7 @@ class Preflight:
                     gpu=m.index,
                     used_mib=m.used_mib,
                     waited_s=round(elapsed, 1),
-                    holders=self._occupants_text(self._probe.processes(m.index), ReapPlan((), ())),
+                    occupants=self._occupants_text(self._probe.processes(m.index), ReapPlan((), ())),
                 )
 
         try:

@@ -101,7 +101,7 @@ def _unseen_openers(path: Path, size: int, blind: str) -> ShmDecision:
     if free is False:
         return ShmDecision(path, False, "in use by a process /proc does not show (a write lease was refused)", size)
     if free is None and blind:
-        return ShmDecision(path, False, f"holders unknown, kept: {blind}", size)
+        return ShmDecision(path, False, f"openers unknown, kept: {blind}", size)
     return ShmDecision(path, True, "no live process has it open or mapped", size)
 
 

@@ -99,7 +99,7 @@ ReadWritePaths=-/root -/home
 # Our mounts (the private /tmp, /proc, the read-only tree) never propagate to the host.
 PrivateMounts=yes
 # Other users' processes are hidden from vLLM running as child.user; root with CAP_SYS_PTRACE (the
-# supervisor's preflight) still sees every process, as it must to find stale GPU holders.
+# supervisor's preflight) still sees every process, as it must to find stale GPU processes.
 ProtectProc=invisible
 # Devices: the standard pseudo devices, and NVIDIA's by their /proc/devices names (nvidia or
 # nvidia-frontend: /dev/nvidia[0-9]* and nvidiactl; nvidia-uvm, nvidia-caps, nvidia-nvlink, nvidia-nvswitch),
@@ -123,7 +123,7 @@ RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
 # KILL: reap stale workers of any user; SETUID/SETGID: child.user; SYS_PTRACE/DAC_READ_SEARCH: read
 # other processes' /proc fds and maps; FOWNER: remove others' files in sticky /dev/shm; DAC_OVERRIDE: a
 # root child reads model files and caches whatever their mode; LEASE: the write-lease probe answers for shm
-# files of other users whose holders /proc does not show. No IPC_LOCK: LimitMEMLOCK=infinity already lets
+# files of other users whose openers /proc does not show. No IPC_LOCK: LimitMEMLOCK=infinity already lets
 # vLLM lock what it pins.
 CapabilityBoundingSet=CAP_KILL CAP_SETUID CAP_SETGID CAP_SYS_PTRACE CAP_DAC_READ_SEARCH CAP_FOWNER \\
     CAP_DAC_OVERRIDE CAP_LEASE

@@ -256,7 +256,7 @@ def test_a_lock_held_by_nobody_never_blocks_the_start(open_dir: Path, spawner: P
     try:
         [warning] = log.events("instance.foreign_lock")
         assert warning["lock"] == str(lock)
-        assert warning["holder"].startswith(f"PID {nobody.pid} (uid 65534, ")
+        assert warning["locker"].startswith(f"PID {nobody.pid} (uid 65534, ")
         assert warning["why"] == "not a kimi-supervisor run by root: not counted, the lock file was replaced"
         st = lock.stat()
         assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o600, 0, 0)

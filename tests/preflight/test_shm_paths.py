@@ -66,8 +66,8 @@ def hold(spawner: ProcSpawner, path: Path, *, mapped_only: bool = False, as_nobo
     return p.pid
 
 
-def test_directory_through_a_symlink_or_dotdot_still_finds_the_holder(tmp_path: Path, spawner: ProcSpawner) -> None:
-    # Before: /proc shows canonical paths, so through a symlink (or /dev/shm -> /run/shm) no holder was ever seen.
+def test_directory_through_a_symlink_or_dotdot_still_finds_the_opener(tmp_path: Path, spawner: ProcSpawner) -> None:
+    # Before: /proc shows canonical paths, so through a symlink (or /dev/shm -> /run/shm) no opener was ever seen.
     real = tmp_path / "real"
     real.mkdir()
     (tmp_path / "link").symlink_to(real)
@@ -106,7 +106,7 @@ def test_files_held_by_another_user_open_or_mapped_are_kept(open_dir: Path, spaw
     assert found["psm_stale"] == (True, "no live process has it open or mapped")
 
 
-def test_holder_invisible_in_proc_is_caught_by_the_kernel(tmp_path: Path, spawner: ProcSpawner) -> None:
+def test_opener_invisible_in_proc_is_caught_by_the_kernel(tmp_path: Path, spawner: ProcSpawner) -> None:
     # An empty proc root stands for hidepid / another PID namespace: the write lease still says "in use".
     held = tmp_path / "psm_held"
     held.write_bytes(b"x" * 4096)
@@ -142,7 +142,7 @@ def test_unreadable_proc_fails_closed(open_dir: Path) -> None:
     os.waitpid(pid, 0)
     remove, reason = result["psm_unknown"]
     assert remove is False
-    assert reason.startswith("holders unknown, kept: cannot read /proc/1/")
+    assert reason.startswith("openers unknown, kept: cannot read /proc/1/")
     assert reason.endswith("more processes)") and ": Permission denied" in reason
     assert unknown.exists()
 
@@ -183,7 +183,7 @@ def test_the_units_capabilities_let_the_lease_probe_answer_for_another_users_fil
     open_dir: Path, spawner: ProcSpawner
 ) -> None:
     # Before: without CAP_LEASE only the owner may lease, so for nobody's files the probe said "cannot tell"
-    # and a holder hidden from /proc (hidepid, another PID namespace) left the verdict to the /proc scan.
+    # and an opener hidden from /proc (hidepid, another PID namespace) left the verdict to the /proc scan.
     free, held = open_dir / "psm_free", open_dir / "psm_held"
     for path in (free, held):
         path.write_bytes(b"x" * 4096)
