@@ -57,6 +57,10 @@ EXTEND_MARGIN_S = 15.0
 # READY_BURST_S) so READY=1 follows the first 200 by tens of ms, not a whole poll interval.
 READY_PROBE_S = 0.02
 READY_BURST_S = 10.0
+# The longest a turn waits while starting: every event (a line, the exit, a probe's result, a signal) ends it at
+# once; this bound is how often the load is sampled for the ETA (opsview/view.py: OBSERVE_EVERY_S) and the
+# stall, deadline and STATUS= clocks are looked at.
+STARTING_TURN_S = 0.25
 
 
 class Supervisor:
@@ -212,7 +216,7 @@ class Supervisor:
         healthy: HealthResult | None = None
         last_error: str | None = None
         while True:
-            self.reactor.run_once(0.25)
+            self.reactor.run_once(STARTING_TURN_S)
             if self.stop_signalled():
                 return False
             now = self._now()
