@@ -42,7 +42,7 @@ from kimi_supervisor.lifecycle.deps import Deps, Liveness, Prober
 from kimi_supervisor.lifecycle.drain import stopped_headline
 from kimi_supervisor.lifecycle.machine import StateMachine
 from kimi_supervisor.lifecycle.signals import StopRequested
-from kimi_supervisor.lifecycle.stopping import TreeStopper, confirm_gpus_free
+from kimi_supervisor.lifecycle.stopping import TreeStopper, confirm_gpus_free, unkillable
 from kimi_supervisor.liveness.engine import LivenessInputs
 from kimi_supervisor.liveness.health_probe import HealthResult
 from kimi_supervisor.opsview.view import OperatorView
@@ -100,7 +100,7 @@ class Supervisor:
         try:
             return self._run()
         except BaseException as exc:
-            if self.stopper is not None and not self.stopper.stopped:
+            if self.stopper is not None and not self.stopper.stopped and not self.stopper.survivors:
                 self._emergency_stop(exc, self.stopper)
             self._record_exit(exc)
             raise
@@ -356,6 +356,10 @@ class Supervisor:
         tree_gone = self.stopper.stop(scfg.grace_s, scfg.second_signal_grace_s, drain)
         self.reactor.remove_turn_hook(self.view.tick)  # the tree's turns only, as ever: not the GPU wait's
         gpus = configured_gpus(self.deps.probe, self.cfg.preflight.gpus)
+        # Outlived SIGKILL: its GPUs never free, so no GPU wait and an exit the unit does not restart on.
+        stuck = unkillable(self.stopper.survivors, self.deps.table, self.deps.probe, gpus, self.log, reason)
+        if stuck is not None:
+            raise stuck
         gpus_free = None
         if gpus and scfg.gpu_release_timeout_s > 0:
             threshold = self.cfg.preflight.memory_threshold_mib
