@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from kimi_supervisor.checks import Verdict
 from kimi_supervisor.child.cachedirs import CacheUntrusted
@@ -45,6 +46,7 @@ from kimi_supervisor.lifecycle.signals import StopRequested
 from kimi_supervisor.lifecycle.stopping import TreeStopper, confirm_gpus_free, unkillable
 from kimi_supervisor.liveness.engine import LivenessInputs
 from kimi_supervisor.liveness.health_probe import HealthResult
+from kimi_supervisor.opsview import forensics
 from kimi_supervisor.opsview.view import OperatorView
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.quoting import quote
@@ -57,6 +59,16 @@ EXTEND_MARGIN_S = 15.0
 # READY_BURST_S) so READY=1 follows the first 200 by tens of ms, not a whole poll interval.
 READY_PROBE_S = 0.02
 READY_BURST_S = 10.0
+# Stops the supervisor decides on while the tree still runs: where it hung is in it (opsview/forensics.py).
+INCIDENT_CODES = frozenset(
+    {
+        ExitCode.STARTUP_STALLED,
+        ExitCode.CHILD_UNHEALTHY,
+        ExitCode.ENGINE_WEDGED,
+        ExitCode.GPU_FAILED,
+        ExitCode.PEER_LOST,
+    }
+)
 
 
 class Supervisor:
@@ -91,6 +103,7 @@ class Supervisor:
         self._last_extend = 0.0
         self._last_said = 0.0
         self._started_at = 0.0
+        self.incident: str | None = None  # this run's incident file (forensics.py), named in its failure
 
     # -- the lifecycle ------------------------------------------------------------
 
@@ -131,8 +144,11 @@ class Supervisor:
             return ExitCode.OK
         except SupervisorError as err:
             if self.state.state is not State.STOPPING and self.child is not None:
+                self._record_incident(err)  # before the stop: the evidence dies with the tree
                 self._stop(err.message)
-            self.state.to(State.FAILED, f"failed: {err.message}"[:400], exit_code=int(err.exit_code))
+            self.state.to(
+                State.FAILED, f"failed: {err.message}"[:400], exit_code=int(err.exit_code), **self._incident_field()
+            )
             raise
 
     def _prepare_child(self) -> None:
@@ -395,7 +411,30 @@ class Supervisor:
             if code == 0:
                 self.state.to(State.STOPPED, f"stopped: {reason}"[:400], exit_code=int(code), root_cause=reason)
             else:
-                self.state.to(State.FAILED, f"failed: {reason}"[:400], exit_code=int(code))
+                self.state.to(State.FAILED, f"failed: {reason}"[:400], exit_code=int(code), **self._incident_field())
+
+    def _record_incident(self, err: SupervisorError) -> None:
+        """Every member's Python stacks, our GPUs and the last /metrics sample, bounded by forensics.BUDGET_S."""
+        if err.exit_code not in INCIDENT_CODES or self.child is None:
+            return
+        table = self.deps.table
+        procs = [(p.pid, info.name if info else "?") for p in self.child.alive_members() for info in [table.get(p.pid)]]
+        self.incident = forensics.record(
+            forensics.store_for(self.cfg),
+            reason=err.message,
+            exit_code=int(err.exit_code),
+            procs=procs,
+            dumper=self.deps.dumper,
+            probe=self.deps.probe,
+            gpus=configured_gpus(self.deps.probe, self.cfg.preflight.gpus),
+            metrics=self.deep.in_flight_sample() if self.deep is not None else None,
+            clock=self.reactor.steady_clock.monotonic,
+            wall=self.deps.wall,
+            log=self.log,
+        )
+
+    def _incident_field(self) -> dict[str, Any]:
+        return {"incident": self.incident} if self.incident else {}
 
     # -- the event loop -------------------------------------------------------------
 
