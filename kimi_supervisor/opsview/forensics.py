@@ -4,9 +4,9 @@ When the supervisor judges vLLM wedged, hung or unhealthy, or its group lost a p
 without this the operator learns *that* vLLM hung, never *where*.  So first, bounded in time:
   - every process of vLLM's tree's Python stacks (all threads), from py-spy's `dump` (pip `py-spy`, the
     `[forensics]` extra: a static binary that reads a live process's memory; found on PATH or beside
-    sys.executable; under systemd run as a transient unit, outside our seccomp filter: `transient_unit`).
-    In parallel, each under `PER_PROCESS_S`, all under `BUDGET_S`: a dump never delays the stop by more than
-    that.  No py-spy, or ptrace refused, is one logged line and a note in the file, never a failure;
+    sys.executable; `--nonblocking`: vLLM is never paused, and the unit needs no change).  In parallel, each
+    under `PER_PROCESS_S`, all under `BUDGET_S`: a dump never delays the stop by more than that.  No py-spy,
+    or its read refused, is one logged line and a note in the file, never a failure;
   - NVML's view of our GPUs: memory, utilisation, clocks, and the health counters whose pending remaps and
     uncorrected ECC errors say the device is at fault (host/gpu.py's GpuHealth);
   - the last /metrics sample the liveness thread took (requests running + waiting, and its age).
@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,7 +37,7 @@ from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable
 from kimi_supervisor.logs.types import Logger
 
 BUDGET_S = 4.0  # every dump together: what the stop may wait for the evidence
-PER_PROCESS_S = 3.0  # one py-spy run (it pauses its target for a consistent stack, then lets it go)
+PER_PROCESS_S = 3.0  # one py-spy run
 KEEP = 20
 MAX_TOTAL_BYTES = 64 << 20
 MAX_STACK_BYTES = 256 << 10  # a TP=8 tree of ~20 processes stays a few MiB
@@ -69,40 +69,17 @@ def find_pyspy() -> str | None:
     return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None
 
 
-def transient_unit(environ: Mapping[str, str]) -> tuple[str, ...]:
-    """Under systemd, the words that run a dump as its own short-lived unit; () outside systemd.
-
-    The unit's seccomp filter blocks @debug (ptrace, process_vm_readv), which py-spy needs; allowing them
-    raised `systemd-analyze security` from 3.0 to 3.2 (docs/hardening.md).  So the unit keeps its filter and
-    each dump runs as a transient service of PID 1's (`systemd-run --pipe --wait`): only CAP_SYS_PTRACE, no
-    new privileges, stopped by systemd at the per-process bound even if we are gone.
-    """
-    runner = shutil.which("systemd-run", path=environ.get("PATH"))
-    if not environ.get("INVOCATION_ID") or runner is None:
-        return ()
-    return (
-        runner,
-        "--quiet",
-        "--wait",
-        "--pipe",
-        "--collect",
-        "--service-type=exec",
-        "--property=CapabilityBoundingSet=CAP_SYS_PTRACE",
-        "--property=NoNewPrivileges=yes",
-        f"--property=RuntimeMaxSec={PER_PROCESS_S:g}",
-        "--",
-    )
-
-
 class PySpyDumper:
-    def __init__(self, path: str, prefix: tuple[str, ...] = ()) -> None:
+    """`py-spy dump --nonblocking`: reads the target's memory (process_vm_readv, which the unit's seccomp filter
+    allows: it is in @ipc) without pausing it (ptrace, in @debug, which the filter refuses): docs/hardening.md."""
+
+    def __init__(self, path: str) -> None:
         self.path = path
-        self.prefix = prefix  # transient_unit's words under systemd
 
     def dump(self, pid: int, timeout_s: float) -> tuple[str | None, str | None]:
         try:
             done = subprocess.run(
-                [*self.prefix, self.path, "dump", "--pid", str(pid)],
+                [self.path, "dump", "--nonblocking", "--pid", str(pid)],
                 capture_output=True,
                 timeout=timeout_s,
                 stdin=subprocess.DEVNULL,
@@ -114,8 +91,9 @@ class PySpyDumper:
             return None, f"py-spy could not run: {exc}"
         out = done.stdout.decode(errors="replace")[:MAX_STACK_BYTES]
         if done.returncode != 0:
-            err = done.stderr.decode(errors="replace").strip().splitlines()
-            return (out or None), f"py-spy exited {done.returncode}: {err[-1] if err else 'no message'}"[:500]
+            # Its error and the causes under it ("Failed to suspend process", "EPERM: ..."), on one line.
+            err = " ".join(w for w in (x.strip() for x in done.stderr.decode(errors="replace").splitlines()) if w)
+            return (out or None), f"py-spy exited {done.returncode}: {err or 'no message'}"[:500]
         return out, None
 
 
@@ -230,8 +208,7 @@ def default_dumper() -> tuple[Dumper | None, str]:
     path = find_pyspy()
     if path is None:
         return None, f"py-spy not found on PATH or beside {sys.executable} (pip install 'kimi-supervisor[forensics]')"
-    prefix = transient_unit(os.environ)
-    return PySpyDumper(path, prefix), " ".join((*prefix, path))
+    return PySpyDumper(path), path
 
 
 def record(
