@@ -417,21 +417,26 @@ class Supervisor:
         """Every member's Python stacks, our GPUs and the last /metrics sample, bounded by forensics.BUDGET_S."""
         if err.exit_code not in INCIDENT_CODES or self.child is None:
             return
-        table = self.deps.table
-        procs = [(p.pid, info.name if info else "?") for p in self.child.alive_members() for info in [table.get(p.pid)]]
-        self.incident = forensics.record(
-            forensics.store_for(self.cfg),
-            reason=err.message,
-            exit_code=int(err.exit_code),
-            procs=procs,
-            dumper=self.deps.dumper,
-            probe=self.deps.probe,
-            gpus=configured_gpus(self.deps.probe, self.cfg.preflight.gpus),
-            metrics=self.deep.in_flight_sample() if self.deep is not None else None,
-            clock=self.reactor.steady_clock.monotonic,
-            wall=self.deps.wall,
-            log=self.log,
-        )
+        procs = []
+        for member in self.child.alive_members():
+            info = self.deps.table.get(member.pid)
+            procs.append((member.pid, info.name if info is not None else "?"))
+        try:
+            self.incident = forensics.record(
+                forensics.store_for(self.cfg),
+                reason=err.message,
+                exit_code=int(err.exit_code),
+                procs=procs,
+                dumper=self.deps.dumper,
+                probe=self.deps.probe,
+                gpus=configured_gpus(self.deps.probe, self.cfg.preflight.gpus),
+                metrics=self.deep.in_flight_sample() if self.deep is not None else None,
+                clock=self.reactor.steady_clock.monotonic,
+                wall=self.deps.wall,
+                log=self.log,
+            )
+        except Exception as exc:  # evidence is best effort: a bug here must not change the stop or its exit code
+            self.log.error("incident.failed", error=f"{type(exc).__name__}: {exc}"[:300])
 
     def _incident_field(self) -> dict[str, Any]:
         return {"incident": self.incident} if self.incident else {}

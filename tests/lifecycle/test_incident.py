@@ -3,6 +3,7 @@ state file's last failure, `status NAME` and the failure's journal record; a req
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 from pathlib import Path
@@ -47,3 +48,16 @@ def test_a_requested_stop_takes_no_incident(tmp_path: Path) -> None:
     assert w.run() == ExitCode.OK
     assert w.dumped == [] and not w.events("incident.saved")
     assert not (layout.of(w.cfg).state / "incidents").exists()
+
+
+def test_a_failing_capture_changes_neither_the_stop_nor_the_exit_code(tmp_path: Path) -> None:
+    w = serving_world(tmp_path)
+    w.health = lambda t: 200 if 1.0 <= t < 3.0 else (None if t < 1.0 else 500)
+
+    def broken() -> tuple[None, str]:
+        raise RuntimeError("a bug in the capture")
+
+    w.supervisor.deps = dataclasses.replace(w.supervisor.deps, dumper=broken)
+    assert w.run() == ExitCode.CHILD_UNHEALTHY
+    assert w.events("incident.failed")[0]["error"] == "RuntimeError: a bug in the capture"
+    assert "stop.tree_gone" in w.names() and "incident" not in w.events("state.failed")[0]
