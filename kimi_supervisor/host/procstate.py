@@ -1,9 +1,10 @@
 """What a process is doing in the kernel: its state, wait channel and kernel stack, read from a /proc root.
 
 A process that outlives SIGKILL is stuck in the kernel, nearly always in uninterruptible sleep (state D);
-vLLM's issue #25127 is an EngineCore in the NVIDIA driver (nvidia_uvm), which only a GPU reset or a reboot
-frees.  This module reads what /proc says about it, for the operator's message and for the decision not to
-restart into GPUs that never free (lifecycle/stopping.py's `unkillable`, the preflight's reap).
+vLLM's users have seen an EngineCore stuck in the NVIDIA driver (nvidia_uvm) through kill -9, which only a
+GPU reset or a reboot frees.  This module reads what /proc says about it, for the operator's message and for
+the decision not to restart into GPUs that never free (lifecycle/stopping.py's `unkillable`, the preflight's
+reap).
 /proc/PID/stack is often root-only and /proc/PID/wchan readable more often: each is None when unreadable,
 never a guess.  The root is a parameter so tests feed real-format files (tests/host/test_procstate.py).
 """

@@ -116,10 +116,11 @@ def unkillable(
 ) -> GpuNeedsReset | None:
     """The error that ends the run when members outlived SIGKILL_WAIT_S after SIGKILL; None once all are gone.
 
-    A process that outlives SIGKILL is stuck in the kernel (vLLM #25127: an EngineCore in nvidia_uvm): its GPUs
-    stay held until a GPU reset or a reboot, so a restart would only wait out its preflight, fail, and restart
-    again.  Its exit code is in the unit's RestartPreventExitStatus= (systemd/unit.py).  The GPUs named are the
-    ones NVML lists it on; all of ours when NVML lists none of them (another PID namespace, NVML gone).
+    A process that outlives SIGKILL is stuck in the kernel (an EngineCore in nvidia_uvm, as vLLM users have
+    seen): its GPUs stay held until a GPU reset or a reboot, so a restart would only wait out its preflight,
+    fail, and restart again.  Its exit code is in the unit's RestartPreventExitStatus= (systemd/unit.py).  The
+    GPUs named are the ones NVML lists it on; all of ours when NVML lists none of them (another PID namespace,
+    NVML gone).
     """
     stuck = [s for s in (table.state(pid) for pid in survivors) if s is not None]
     if not stuck:

@@ -9,7 +9,7 @@ from pathlib import Path
 from kimi_supervisor.host.procstate import ProcState, needs_reset, read_state
 from tests.conftest import wait_for
 
-# /proc/PID/stack of an EngineCore stuck in nvidia_uvm (vLLM #25127), addresses zeroed as without CAP_SYSLOG.
+# /proc/PID/stack of an EngineCore stuck in nvidia_uvm, addresses zeroed as without CAP_SYSLOG.
 UVM_STACK = """[<0>] uvm_spin_loop+0x9c/0x1d0 [nvidia_uvm]
 [<0>] uvm_tracker_wait+0x6e/0x150 [nvidia_uvm]
 [<0>] uvm_va_space_destroy+0x2b1/0x540 [nvidia_uvm]
