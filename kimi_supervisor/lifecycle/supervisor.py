@@ -69,6 +69,8 @@ INCIDENT_CODES = frozenset(
         ExitCode.PEER_LOST,
     }
 )
+# Systemd's watchdog kill is coming this soon: long enough for the capture's budget and a turn of the loop.
+WATCHDOG_LEAD_S = forensics.BUDGET_S + 1.0
 
 
 class Supervisor:
@@ -144,7 +146,8 @@ class Supervisor:
             return ExitCode.OK
         except SupervisorError as err:
             if self.state.state is not State.STOPPING and self.child is not None:
-                self._record_incident(err)  # before the stop: the evidence dies with the tree
+                if err.exit_code in INCIDENT_CODES:  # before the stop: the evidence dies with the tree
+                    self._record_incident(err.message, int(err.exit_code))
                 self._stop(err.message)
             self.state.to(
                 State.FAILED, f"failed: {err.message}"[:400], exit_code=int(err.exit_code), **self._incident_field()
@@ -319,6 +322,7 @@ class Supervisor:
             )
         failures = 0
         watchdog = Watchdog(wd, self.deps.notifier, last_ok=self._now())  # the probe that made us ready
+        watchdog_evidence = False
         while True:
             self.reactor.run_once(watchdog.wait_s(self._now(), healthy=failures == 0 and self.deep.healthy))
             if self.stop_signalled():
@@ -346,6 +350,13 @@ class Supervisor:
                     )
             self.deep.check()  # canary, token progress, GPU events: raises EngineWedged / GpuFailed
             watchdog.pet(self._now(), healthy=failures == 0 and self.deep.healthy)
+            fires_in = watchdog.fires_in(self._now())
+            if fires_in is not None and fires_in <= WATCHDOG_LEAD_S and not watchdog_evidence:
+                # systemd's SIGABRT follows: the evidence now, while the hung tree still runs; once a run.
+                watchdog_evidence = True
+                why = f"systemd's watchdog fires in {fires_in:.1f}s: no WATCHDOG=1 (WatchdogSec={watchdog.period_s:g})"
+                self._record_incident(why, None)
+                self.view.on_incident(self.incident)
 
     def _stop(self, reason: str, requested: bool = False) -> None:
         """TERM the tree, keep reading its output, KILL what outlives the grace, confirm GPUs are free."""
@@ -413,9 +424,10 @@ class Supervisor:
             else:
                 self.state.to(State.FAILED, f"failed: {reason}"[:400], exit_code=int(code), **self._incident_field())
 
-    def _record_incident(self, err: SupervisorError) -> None:
-        """Every member's Python stacks, our GPUs and the last /metrics sample, bounded by forensics.BUDGET_S."""
-        if err.exit_code not in INCIDENT_CODES or self.child is None:
+    def _record_incident(self, reason: str, exit_code: int | None) -> None:
+        """Every member's Python stacks, our GPUs and the last /metrics sample, bounded by forensics.BUDGET_S.
+        `exit_code`: the stop's; None for the watchdog's coming kill."""
+        if self.child is None:
             return
         procs = []
         for member in self.child.alive_members():
@@ -424,8 +436,8 @@ class Supervisor:
         try:
             self.incident = forensics.record(
                 forensics.store_for(self.cfg),
-                reason=err.message,
-                exit_code=int(err.exit_code),
+                reason=reason,
+                exit_code=exit_code,
                 procs=procs,
                 dumper=self.deps.dumper,
                 probe=self.deps.probe,

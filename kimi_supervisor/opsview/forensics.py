@@ -150,7 +150,7 @@ class Incident:
 
     at: float
     reason: str
-    exit_code: int
+    exit_code: int | None  # None: systemd's watchdog is about to end the run, not an exit of ours
     stacks: list[StackDump]
     stacks_s: float
     dumper: str | None  # py-spy's path, or why there was none
@@ -167,7 +167,7 @@ class Incident:
 def capture(
     *,
     reason: str,
-    exit_code: int,
+    exit_code: int | None,
     procs: list[tuple[int, str]],
     dumper: Dumper | None,
     dumper_note: str,
@@ -215,7 +215,7 @@ def record(
     store: IncidentStore,
     *,
     reason: str,
-    exit_code: int,
+    exit_code: int | None,
     procs: list[tuple[int, str]],
     dumper: Callable[[], tuple[Dumper | None, str]],
     probe: GpuProbe,
@@ -279,7 +279,8 @@ class IncidentStore:
         finally:
             os.close(fd)
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(incident.at))
-        path = self.directory / f"{PREFIX}{stamp}-{int(incident.at * 1000) % 1000:03d}-{incident.exit_code}.json"
+        cause = "watchdog" if incident.exit_code is None else incident.exit_code
+        path = self.directory / f"{PREFIX}{stamp}-{int(incident.at * 1000) % 1000:03d}-{cause}.json"
         write_atomic(path, incident.to_json(), mode=0o600)
         self.rotate(keep_also=path)
         return path

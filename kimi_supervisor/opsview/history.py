@@ -226,8 +226,15 @@ class History:
         if self.current is None:
             return
         self.current.end, self.current.exit_code, self.current.root_cause = now, exit_code, root_cause
-        self.current.incident = incident
+        if incident is not None:  # None leaves an earlier one (the watchdog's) in place
+            self.current.incident = incident
         self.save()
+
+    def incident(self, path: str | None) -> None:
+        """An incident file named while the run goes on (the watchdog's coming kill)."""
+        if self.current is not None and path is not None:
+            self.current.incident = path
+            self.save()
 
     def save(self) -> None:
         try:

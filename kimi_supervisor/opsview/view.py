@@ -224,6 +224,11 @@ class OperatorView:
         self._write(force_metrics=True)
 
     @_never_fatal
+    def on_incident(self, path: str | None) -> None:
+        """An incident taken while the run goes on (the watchdog's coming kill): named in the run's record now."""
+        self.history.incident(path)
+
+    @_never_fatal
     def on_preflight(self, kills: int, shm_removed: int) -> None:
         self.history.count("preflight_kills_total", kills)
         self.history.count("shm_removed_total", shm_removed)

@@ -11,6 +11,7 @@ from pathlib import Path
 from kimi_supervisor.cli.status import gather, render_text
 from kimi_supervisor.config import layout
 from kimi_supervisor.exitcodes import ExitCode
+from kimi_supervisor.lifecycle.supervisor import WATCHDOG_LEAD_S
 from kimi_supervisor.opsview.history import load_history
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from testkit.fakes.lifecycle_world import HEALTH_LINE, serving_world
@@ -61,3 +62,27 @@ def test_a_failing_capture_changes_neither_the_stop_nor_the_exit_code(tmp_path: 
     assert w.run() == ExitCode.CHILD_UNHEALTHY
     assert w.events("incident.failed")[0]["error"] == "RuntimeError: a bug in the capture"
     assert "stop.tree_gone" in w.names() and "incident" not in w.events("state.failed")[0]
+
+
+def test_the_watchdogs_coming_kill_takes_the_evidence_once_and_names_it_in_the_run(tmp_path: Path) -> None:
+    # /health fails from 3 s on, tolerated: the pings stop, systemd would SIGABRT at the last ping + 12 s.
+    w = serving_world(tmp_path, watchdog_s=12.0, health={"interval_s": 0.3, "timeout_s": 1, "failures_tolerated": 500})
+    w.health = lambda t: 200 if 1.0 <= t < 3.0 else (None if t < 1.0 else 500)
+    w.signal_at(14.0)  # the stand-in for systemd's SIGABRT
+    assert w.run() == ExitCode.OK
+    [last_ping] = w.notes.times("WATCHDOG", 1)[-1:]
+    [(dumped_at, _)] = w.dumped  # once, not at every turn after
+    assert last_ping + 12.0 - WATCHDOG_LEAD_S <= dumped_at < last_ping + 12.0 - WATCHDOG_LEAD_S + 0.5
+    path = str(w.events("incident.saved")[0]["path"])
+    assert path.endswith("-watchdog.json")
+    doc = json.loads(Path(path).read_text())
+    assert doc["exit_code"] is None and doc["reason"].startswith("systemd's watchdog fires in")
+    assert load_history(layout.of(w.cfg).history_file).runs[-1].incident == path  # kept through the run's end
+
+
+def test_a_short_watchdog_on_a_healthy_server_takes_no_evidence(tmp_path: Path) -> None:
+    w = serving_world(tmp_path, watchdog_s=3.0)
+    w.say_at(2.0, HEALTH_LINE)
+    w.signal_at(12.0)
+    assert w.run() == ExitCode.OK
+    assert len(w.notes.times("WATCHDOG", 1)) >= 6 and w.dumped == []
