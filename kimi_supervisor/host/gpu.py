@@ -67,6 +67,18 @@ class GpuHealth:
 
 
 @dataclasses.dataclass(frozen=True)
+class GpuActivity:
+    """What a GPU is doing now (an incident's view of it, opsview/forensics.py); None where NVML would not say."""
+
+    index: int
+    gpu_util_pct: int | None = None  # of the last sample period, a kernel was running
+    memory_util_pct: int | None = None  # of the last sample period, device memory was read or written
+    sm_clock_mhz: int | None = None
+    memory_clock_mhz: int | None = None
+    errors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class GpuEvent:
     """A critical event NVML delivered for one of our GPUs."""
 
@@ -94,6 +106,8 @@ class GpuProbe(Protocol):
     def processes(self, index: int) -> list[GpuProcess]: ...
 
     def health(self, index: int) -> GpuHealth: ...
+
+    def activity(self, index: int) -> GpuActivity: ...
 
     def watch_events(self, indices: tuple[int, ...]) -> GpuEventWatch: ...
 

@@ -10,7 +10,16 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from kimi_supervisor.host.gpu import MIB, GpuEventWatch, GpuHealth, GpuMemory, GpuProcess, GpuUnavailable, nvml_text
+from kimi_supervisor.host.gpu import (
+    MIB,
+    GpuActivity,
+    GpuEventWatch,
+    GpuHealth,
+    GpuMemory,
+    GpuProcess,
+    GpuUnavailable,
+    nvml_text,
+)
 
 
 class NvmlProbe:
@@ -110,6 +119,12 @@ class NvmlProbe:
 
         with self._lock:
             return nvml_counters.read_health(self._handle(index), index)
+
+    def activity(self, index: int) -> GpuActivity:
+        from kimi_supervisor.host import nvml_counters
+
+        with self._lock:
+            return nvml_counters.read_activity(self._handle(index), index)
 
     def watch_events(self, indices: tuple[int, ...]) -> GpuEventWatch:
         from kimi_supervisor.host import nvml_counters

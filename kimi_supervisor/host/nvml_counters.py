@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from kimi_supervisor.host.gpu import GpuEvent, GpuHealth, GpuUnavailable, nvml_text
+from kimi_supervisor.host.gpu import GpuActivity, GpuEvent, GpuHealth, GpuUnavailable, nvml_text
 
 _T = TypeVar("_T")
 
@@ -71,6 +71,35 @@ def read_health(handle: object, index: int) -> GpuHealth:
         pcie_max_gen=ask("pcie_max_gen", lambda: int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle))),
         persistence_mode=None if persistence is None else persistence == pynvml.NVML_FEATURE_ENABLED,
         clock_event_reasons=ask("clock_event_reasons", lambda: _clock_reasons(handle)),
+        errors=errors,
+    )
+
+
+def read_activity(handle: object, index: int) -> GpuActivity:
+    errors: dict[str, str] = {}
+
+    def ask(field: str, query: Callable[[], int]) -> int | None:
+        try:
+            return int(query())
+        except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+            return None
+        except pynvml.NVMLError as exc:
+            errors[field] = nvml_text(exc)
+            return None
+
+    rates = None
+    try:
+        rates = pynvml.nvmlDeviceGetUtilizationRates(handle)
+    except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+        pass
+    except pynvml.NVMLError as exc:
+        errors["utilization"] = nvml_text(exc)
+    return GpuActivity(
+        index=index,
+        gpu_util_pct=None if rates is None else int(rates.gpu),
+        memory_util_pct=None if rates is None else int(rates.memory),
+        sm_clock_mhz=ask("sm_clock_mhz", lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+        memory_clock_mhz=ask("memory_clock_mhz", lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM)),
         errors=errors,
     )
 

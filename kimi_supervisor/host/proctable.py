@@ -16,6 +16,7 @@ import psutil
 from kimi_supervisor.host.procfiles import OpenPaths, scan_open_paths
 from kimi_supervisor.host.procident import ProcIdent, exited, send_signal
 from kimi_supervisor.host.procident import alive as ident_alive
+from kimi_supervisor.host.procstate import ProcState, read_state
 from kimi_supervisor.redact import redact_argv
 
 __all__ = ["ProcInfo", "ProcessTable", "PsutilProcessTable", "ancestors", "exited"]
@@ -55,6 +56,8 @@ class ProcessTable(Protocol):
     def signal(self, proc: ProcInfo, sig: signal.Signals) -> bool: ...
 
     def cgroup(self, pid: int) -> str | None: ...
+
+    def state(self, pid: int) -> ProcState | None: ...  # kernel state, wait channel, stack (procstate.py)
 
 
 def _info(p: psutil.Process) -> ProcInfo | None:
@@ -111,6 +114,9 @@ class PsutilProcessTable:
     def signal(self, proc: ProcInfo, sig: signal.Signals) -> bool:
         """Send `sig` if `proc` is still the same process (pidfd); False when it is gone."""
         return self.alive(proc) and send_signal(proc.ident, sig)
+
+    def state(self, pid: int) -> ProcState | None:
+        return read_state(pid, self._proc)
 
     def cgroup(self, pid: int) -> str | None:
         """The process's cgroup v2 path (or the name=systemd v1 one), e.g. /system.slice/x.service."""

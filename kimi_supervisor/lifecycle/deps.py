@@ -33,6 +33,7 @@ from kimi_supervisor.liveness.health_probe import HealthProber, HealthResult
 from kimi_supervisor.liveness.http import HttpClient, request
 from kimi_supervisor.logs.journal import ChildSink
 from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.opsview.forensics import Dumper, default_dumper
 from kimi_supervisor.systemd.notify import Notifier
 
 
@@ -160,6 +161,8 @@ class Deps:
     wall: Callable[[], float] = time.time
     # Notices when one of our check threads dies (threading.excepthook for the run): exit 70, not a silent gap.
     threads: ThreadWatch = dataclasses.field(default_factory=ThreadWatch)
+    # The incident's stack dumper (opsview/forensics.py): py-spy when found, and what the file says of it.
+    dumper: Callable[[], tuple[Dumper | None, str]] = default_dumper
     # What this run's role adds (kimi_supervisor/deployment/ chooses it from the config); a plain engine's.
     role: RolePart = dataclasses.field(default_factory=RolePart)
     # The main thread's one wait (reactor.py); None: one is made over `signals`, `selector()` and `clock`.

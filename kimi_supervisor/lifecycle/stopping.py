@@ -20,7 +20,10 @@ from typing import Protocol
 from kimi_supervisor.child.process import Child
 from kimi_supervisor.clock import Clock
 from kimi_supervisor.config.timeouts import SIGKILL_WAIT_S
+from kimi_supervisor.exitcodes import GpuNeedsReset
 from kimi_supervisor.host.gpu import GpuMemory, GpuProbe, GpuUnavailable, wait_until_free
+from kimi_supervisor.host.procstate import needs_reset
+from kimi_supervisor.host.proctable import ProcessTable
 from kimi_supervisor.lifecycle.drain import Drain
 from kimi_supervisor.lifecycle.reactor import Reactor
 from kimi_supervisor.logs.types import Logger
@@ -47,6 +50,8 @@ class TreeStopper:
     output: Output
     log: Logger
     stopped: bool = dataclasses.field(default=False, init=False)
+    # What outlived the last stop's SIGKILL wait: stuck in the kernel, an emergency stop would only wait again.
+    survivors: tuple[int, ...] = dataclasses.field(default=(), init=False)
 
     def stop(self, grace_s: float, second_grace_s: float, drain: Drain | None = None) -> bool:
         """True when every member is gone; a drain SIGTERMs vLLM's main alone and reports on the way."""
@@ -81,6 +86,7 @@ class TreeStopper:
         reactor.unwatch_exit(child)
         child.reap()
         self.stopped = not alive
+        self.survivors = tuple(p.pid for p in alive)
         if alive:
             self.log.error("stop.survivors", pids=",".join(str(p.pid) for p in alive))
         self.log.info(
@@ -103,6 +109,32 @@ class TreeStopper:
                 self.reactor.unwatch_exit(self.child)
             with contextlib.suppress(BaseException):
                 self.child.reap()
+
+
+def unkillable(
+    survivors: tuple[int, ...], table: ProcessTable, probe: GpuProbe, gpus: tuple[int, ...], log: Logger, why: str
+) -> GpuNeedsReset | None:
+    """The error that ends the run when members outlived SIGKILL_WAIT_S after SIGKILL; None once all are gone.
+
+    A process that outlives SIGKILL is stuck in the kernel (an EngineCore in nvidia_uvm, as vLLM users have
+    seen): its GPUs stay held until a GPU reset or a reboot, so a restart would only wait out its preflight,
+    fail, and restart again.  Its exit code is in the unit's RestartPreventExitStatus= (systemd/unit.py).  The
+    GPUs named are the ones NVML lists it on; all of ours when NVML lists none of them (another PID namespace,
+    NVML gone).
+    """
+    stuck = [s for s in (table.state(pid) for pid in survivors) if s is not None]
+    if not stuck:
+        return None
+    pids = {s.pid for s in stuck}
+    try:
+        held = tuple(sorted({p.gpu for i in gpus for p in probe.processes(i) if p.pid in pids}))
+    except GpuUnavailable:
+        held = ()
+    for s in stuck:
+        stack = " < ".join(s.stack or ())
+        log.error("stop.unkillable", pid=s.pid, name=s.name, state=s.state, wchan=s.wchan, stack=stack)
+    what = f"{len(stuck)} process(es) of vLLM's tree outlived SIGKILL by {SIGKILL_WAIT_S:g}s"
+    return GpuNeedsReset(f"{needs_reset(held or gpus, stuck, what)} (stopping for: {why})"[:1000])
 
 
 def confirm_gpus_free(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from kimi_supervisor.checks import Verdict
 from kimi_supervisor.child.cachedirs import CacheUntrusted
@@ -42,9 +43,10 @@ from kimi_supervisor.lifecycle.deps import Deps, Liveness, Prober
 from kimi_supervisor.lifecycle.drain import stopped_headline
 from kimi_supervisor.lifecycle.machine import StateMachine
 from kimi_supervisor.lifecycle.signals import StopRequested
-from kimi_supervisor.lifecycle.stopping import TreeStopper, confirm_gpus_free
+from kimi_supervisor.lifecycle.stopping import TreeStopper, confirm_gpus_free, unkillable
 from kimi_supervisor.liveness.engine import LivenessInputs
 from kimi_supervisor.liveness.health_probe import HealthResult
+from kimi_supervisor.opsview import forensics
 from kimi_supervisor.opsview.view import OperatorView
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.quoting import quote
@@ -61,6 +63,18 @@ READY_BURST_S = 10.0
 # once; this bound is how often the load is sampled for the ETA (opsview/view.py: OBSERVE_EVERY_S) and the
 # stall, deadline and STATUS= clocks are looked at.
 STARTING_TURN_S = 0.25
+# Stops the supervisor decides on while the tree still runs: where it hung is in it (opsview/forensics.py).
+INCIDENT_CODES = frozenset(
+    {
+        ExitCode.STARTUP_STALLED,
+        ExitCode.CHILD_UNHEALTHY,
+        ExitCode.ENGINE_WEDGED,
+        ExitCode.GPU_FAILED,
+        ExitCode.PEER_LOST,
+    }
+)
+# Systemd's watchdog kill is coming this soon: long enough for the capture's budget and a turn of the loop.
+WATCHDOG_LEAD_S = forensics.BUDGET_S + 1.0
 
 
 class Supervisor:
@@ -95,6 +109,7 @@ class Supervisor:
         self._last_extend = 0.0
         self._last_said = 0.0
         self._started_at = 0.0
+        self.incident: str | None = None  # this run's incident file (forensics.py), named in its failure
 
     # -- the lifecycle ------------------------------------------------------------
 
@@ -104,7 +119,7 @@ class Supervisor:
         try:
             return self._run()
         except BaseException as exc:
-            if self.stopper is not None and not self.stopper.stopped:
+            if self.stopper is not None and not self.stopper.stopped and not self.stopper.survivors:
                 self._emergency_stop(exc, self.stopper)
             self._record_exit(exc)
             raise
@@ -135,8 +150,12 @@ class Supervisor:
             return ExitCode.OK
         except SupervisorError as err:
             if self.state.state is not State.STOPPING and self.child is not None:
+                if err.exit_code in INCIDENT_CODES:  # before the stop: the evidence dies with the tree
+                    self._record_incident(err.message, int(err.exit_code))
                 self._stop(err.message)
-            self.state.to(State.FAILED, f"failed: {err.message}"[:400], exit_code=int(err.exit_code))
+            self.state.to(
+                State.FAILED, f"failed: {err.message}"[:400], exit_code=int(err.exit_code), **self._incident_field()
+            )
             raise
 
     def _prepare_child(self) -> None:
@@ -307,6 +326,7 @@ class Supervisor:
             )
         failures = 0
         watchdog = Watchdog(wd, self.deps.notifier, last_ok=self._now())  # the probe that made us ready
+        watchdog_evidence = False
         while True:
             self.reactor.run_once(watchdog.wait_s(self._now(), healthy=failures == 0 and self.deep.healthy))
             if self.stop_signalled():
@@ -334,6 +354,13 @@ class Supervisor:
                     )
             self.deep.check()  # canary, token progress, GPU events: raises EngineWedged / GpuFailed
             watchdog.pet(self._now(), healthy=failures == 0 and self.deep.healthy)
+            fires_in = watchdog.fires_in(self._now())
+            if fires_in is not None and fires_in <= WATCHDOG_LEAD_S and not watchdog_evidence:
+                # systemd's SIGABRT follows: the evidence now, while the hung tree still runs; once a run.
+                watchdog_evidence = True
+                why = f"systemd's watchdog fires in {fires_in:.1f}s: no WATCHDOG=1 (WatchdogSec={watchdog.period_s:g})"
+                self._record_incident(why, None)
+                self.view.on_incident(self.incident)
 
     def _stop(self, reason: str, requested: bool = False) -> None:
         """TERM the tree, keep reading its output, KILL what outlives the grace, confirm GPUs are free."""
@@ -360,6 +387,10 @@ class Supervisor:
         tree_gone = self.stopper.stop(scfg.grace_s, scfg.second_signal_grace_s, drain)
         self.reactor.remove_turn_hook(self.view.tick)  # the tree's turns only, as ever: not the GPU wait's
         gpus = configured_gpus(self.deps.probe, self.cfg.preflight.gpus)
+        # Outlived SIGKILL: its GPUs never free, so no GPU wait and an exit the unit does not restart on.
+        stuck = unkillable(self.stopper.survivors, self.deps.table, self.deps.probe, gpus, self.log, reason)
+        if stuck is not None:
+            raise stuck
         gpus_free = None
         if gpus and scfg.gpu_release_timeout_s > 0:
             threshold = self.cfg.preflight.memory_threshold_mib
@@ -395,7 +426,36 @@ class Supervisor:
             if code == 0:
                 self.state.to(State.STOPPED, f"stopped: {reason}"[:400], exit_code=int(code), root_cause=reason)
             else:
-                self.state.to(State.FAILED, f"failed: {reason}"[:400], exit_code=int(code))
+                self.state.to(State.FAILED, f"failed: {reason}"[:400], exit_code=int(code), **self._incident_field())
+
+    def _record_incident(self, reason: str, exit_code: int | None) -> None:
+        """Every member's Python stacks, our GPUs and the last /metrics sample, bounded by forensics.BUDGET_S.
+        `exit_code`: the stop's; None for the watchdog's coming kill."""
+        if self.child is None:
+            return
+        procs = []
+        for member in self.child.alive_members():
+            info = self.deps.table.get(member.pid)
+            procs.append((member.pid, info.name if info is not None else "?"))
+        try:
+            self.incident = forensics.record(
+                forensics.store_for(self.cfg),
+                reason=reason,
+                exit_code=exit_code,
+                procs=procs,
+                dumper=self.deps.dumper,
+                probe=self.deps.probe,
+                gpus=configured_gpus(self.deps.probe, self.cfg.preflight.gpus),
+                metrics=self.deep.in_flight_sample() if self.deep is not None else None,
+                clock=self.reactor.steady_clock.monotonic,
+                wall=self.deps.wall,
+                log=self.log,
+            )
+        except Exception as exc:  # evidence is best effort: a bug here must not change the stop or its exit code
+            self.log.error("incident.failed", error=f"{type(exc).__name__}: {exc}"[:300])
+
+    def _incident_field(self) -> dict[str, Any]:
+        return {"incident": self.incident} if self.incident else {}
 
     # -- the event loop -------------------------------------------------------------
 

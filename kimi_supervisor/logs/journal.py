@@ -23,9 +23,8 @@ import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Protocol, TextIO, cast
 
-import structlog
-
 from kimi_supervisor.logs.fdwriter import RECORD_BUFFER, RecordStream, Writer, writer_for
+from kimi_supervisor.logs.plainstructlog import structlog
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.redact import is_secret_name, redact_text
 

@@ -6,7 +6,8 @@ One JSON document, rewritten atomically at each run's start, ready and end:
 
 Each run: start, ready (wall-clock epoch seconds), load_s (spawn to ready),
 post_weights_s (last shard loaded to ready: what the ETA adds after the
-weights), end, exit_code, root_cause, and the start broken down (LOAD_FIELDS,
+weights), end, exit_code, root_cause, incident (the evidence file of a stop the
+supervisor decided on: opsview/forensics.py), and the start broken down (LOAD_FIELDS,
 opsview/loadwatch.py): vLLM's phases, the checkpoint's size, the fraction the
 page cache held before the spawn, and the bytes the child's tree read.  The counters are cumulative over every
 run this directory has seen, so a Prometheus counter built from them does not
@@ -65,6 +66,7 @@ class RunRecord:
     checkpoint_bytes: int | None = None
     cached_fraction: float | None = None
     read_bytes: int | None = None
+    incident: str | None = None  # the incident file of a stop the supervisor decided on (forensics.py)
 
     @property
     def unfinished(self) -> bool:
@@ -107,6 +109,10 @@ class RunRecord:
         record.fs_type, record.compile_cache = fs, raw.get("compile_cache")
         record.exit_code = None if raw.get("exit_code") is None else int(raw["exit_code"])
         record.root_cause = cause
+        incident = raw.get("incident")
+        string(incident, "run field 'incident'", longest=4096)
+        assert incident is None or isinstance(incident, str)
+        record.incident = incident
         return record
 
 
@@ -216,11 +222,19 @@ class History:
             setattr(self.current, name, fields.get(name))
         self.save()
 
-    def end(self, now: float, exit_code: int, root_cause: str | None) -> None:
+    def end(self, now: float, exit_code: int, root_cause: str | None, incident: str | None = None) -> None:
         if self.current is None:
             return
         self.current.end, self.current.exit_code, self.current.root_cause = now, exit_code, root_cause
+        if incident is not None:  # None leaves an earlier one (the watchdog's) in place
+            self.current.incident = incident
         self.save()
+
+    def incident(self, path: str | None) -> None:
+        """An incident file named while the run goes on (the watchdog's coming kill)."""
+        if self.current is not None and path is not None:
+            self.current.incident = path
+            self.save()
 
     def save(self) -> None:
         try:

@@ -186,6 +186,7 @@ def validate_state(doc: dict[str, Any]) -> None:
     number(failure.get("at"), "last_failure.at")
     integer(failure.get("exit_code"), "last_failure.exit_code", lo=-255, hi=255)
     string(failure.get("root_cause"), "last_failure.root_cause")
+    string(failure.get("incident"), "last_failure.incident", longest=4096)
 
 
 def writer_alive(doc: dict[str, Any]) -> bool:

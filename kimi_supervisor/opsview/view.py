@@ -214,12 +214,19 @@ class OperatorView:
             code = int(fields.get("exit_code", 0))
             cause = headline.removeprefix("failed: ") if state is State.FAILED else fields.get("root_cause")
             self.doc.update(ended_at=now, exit_code=code, loading=None, processes=[])
+            incident = fields.get("incident")  # the evidence taken before the stop (forensics.py)
             if state is State.FAILED:
-                self.doc["last_failure"] = {"at": now, "exit_code": code, "root_cause": cause}
+                failure = {"at": now, "exit_code": code, "root_cause": cause}
+                self.doc["last_failure"] = {**failure, "incident": incident} if incident else failure
             if self._spawned_mono is not None:
                 self._record_load()  # a start that never got ready: the phases it did reach
-            self.history.end(now, code, cause)
+            self.history.end(now, code, cause, incident)
         self._write(force_metrics=True)
+
+    @_never_fatal
+    def on_incident(self, path: str | None) -> None:
+        """An incident taken while the run goes on (the watchdog's coming kill): named in the run's record now."""
+        self.history.incident(path)
 
     @_never_fatal
     def on_preflight(self, kills: int, shm_removed: int) -> None:
@@ -350,7 +357,8 @@ class OperatorView:
     def _last_failure_from_history(self) -> dict[str, Any] | None:
         for run in reversed(self.history.data.runs):
             if run.exit_code not in (None, 0) or (run.exit_code is None and run.root_cause):
-                return {"at": run.end, "exit_code": run.exit_code, "root_cause": run.root_cause}
+                failure = {"at": run.end, "exit_code": run.exit_code, "root_cause": run.root_cause}
+                return {**failure, "incident": run.incident} if run.incident else failure
         return None
 
     def _write(self, force_metrics: bool) -> None:

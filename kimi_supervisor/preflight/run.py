@@ -25,7 +25,7 @@ from kimi_supervisor.child.spawnplan import Unresolvable, resolve_identity
 from kimi_supervisor.clock import Clock
 from kimi_supervisor.config import role_spec, timeouts
 from kimi_supervisor.config.model import Config
-from kimi_supervisor.exitcodes import PreflightError
+from kimi_supervisor.exitcodes import GpuNeedsReset, PreflightError
 from kimi_supervisor.host import weightcache
 from kimi_supervisor.host.gpu import (
     MIB,
@@ -38,7 +38,8 @@ from kimi_supervisor.host.gpu import (
     wait_until_free,
 )
 from kimi_supervisor.host.instance_lock import lock_owners, weights_supervisor
-from kimi_supervisor.host.proctable import ProcessTable, ancestors
+from kimi_supervisor.host.procstate import needs_reset
+from kimi_supervisor.host.proctable import ProcessTable, ProcInfo, ancestors
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.preflight import checks, gpu_health
 from kimi_supervisor.preflight.reaper import ReapPlan, Victim, execute_reap, plan_reap
@@ -318,7 +319,8 @@ class Preflight:
                 cmdline=v.proc.command[:500],
             )
 
-        outcome = execute_reap(plan, self._table, self._clock, self._pf.reap.grace_s, on_signal)
+        grace, kill_wait = self._pf.reap.grace_s, timeouts.SIGKILL_WAIT_S
+        outcome = execute_reap(plan, self._table, self._clock, grace, on_signal, kill_wait)
         self._log.info(
             "preflight.reaped",
             terminated=len(outcome.terminated),
@@ -330,6 +332,22 @@ class Preflight:
             verdict = Verdict.FAIL if v.proc in outcome.survivors else Verdict.DONE
             verb = "survived SIGKILL" if verdict is Verdict.FAIL else "killed"
             add(Check("reap", verdict, f"{verb} {describe_victim(v)}", {"pid": v.proc.pid, "gpus": list(v.gpus)}))
+        self._raise_if_stuck(plan, outcome.survivors)
+
+    def _raise_if_stuck(self, plan: ReapPlan, survivors: tuple[ProcInfo, ...]) -> None:
+        """A victim that outlived SIGKILL in D state is stuck in the kernel: its GPUs free only with a GPU reset or
+        a reboot, so say so now (the exit the unit does not restart on) instead of waiting preflight.deadline_s out.
+        A survivor in another state (another PID namespace, a signal refused) keeps the wait: it may still go."""
+        states = [self._table.state(p.pid) for p in survivors]
+        stuck = [s for s in states if s is not None and s.uninterruptible]
+        if not stuck:
+            return
+        pids = {s.pid for s in stuck}
+        gpus = tuple(sorted({g for v in plan.victims if v.proc.pid in pids for g in v.gpus}))
+        for s in stuck:
+            self._log.error("preflight.unkillable", pid=s.pid, name=s.name, state=s.state, wchan=s.wchan)
+        what = f"{len(stuck)} stale process(es) on them outlived SIGKILL by {timeouts.SIGKILL_WAIT_S:g}s"
+        raise GpuNeedsReset(f"preflight: {needs_reset(gpus, stuck, what)}"[:1000])
 
     def _wait(self, gpus: tuple[int, ...], add: Callable[[Check], None]) -> None:
         start = self._clock.monotonic()

@@ -95,6 +95,9 @@ def watchdog_interval(environ: Mapping[str, str] | None = None, pid: int | None 
     return usec / 1e6
 
 
+PING_SLACK_S = 1.0  # a ping this late is withheld (the server is unhealthy), not merely late
+
+
 class Watchdog:
     """WATCHDOG=1 at half of systemd's period, only while the latest /health pass is within one period and
     the caller calls the server healthy (no probe failing, no canary failing): a hung vLLM gets restarted."""
@@ -117,6 +120,13 @@ class Watchdog:
             # Wake when the next ping is due, not at the next output or probe: a ping was 0.2-0.3 s late.
             timeout = min(timeout, max(0.0, self._last_ping + self.period_s / 2 - now))
         return timeout
+
+    def fires_in(self, now: float) -> float | None:
+        """Seconds until systemd ends the run for want of a ping, once a ping is overdue (a healthy loop pings
+        every half period, so a short WatchdogSec alone never looks like a coming kill); None otherwise."""
+        if not self.period_s or not self._last_ping or now - self._last_ping <= self.period_s / 2 + PING_SLACK_S:
+            return None
+        return self._last_ping + self.period_s - now
 
     def pet(self, now: float, healthy: bool) -> None:
         if self._may_ping(now, healthy) and now - self._last_ping >= self.period_s / 2:

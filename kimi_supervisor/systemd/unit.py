@@ -74,8 +74,9 @@ WatchdogSec=60
 KillMode=mixed
 Restart=on-failure
 RestartSec={restart_sec}
-# 78 = configuration error: restarting cannot fix it.
-RestartPreventExitStatus={config_exit}
+# Restarting cannot fix these: 78 = configuration error; 22 = a process on our GPUs survives SIGKILL (stuck in
+# the NVIDIA driver), its GPUs never free until a GPU reset or a reboot.
+RestartPreventExitStatus={config_exit} {reset_exit}
 # vLLM pins host memory for GPU transfers and opens many files (119 shards, sockets).
 LimitMEMLOCK=infinity
 LimitNOFILE=1048576
@@ -258,6 +259,7 @@ def render(
         description=", deployment %i" if template else "",
         command=" ".join(words),
         config_exit=int(ExitCode.CONFIG),
+        reset_exit=int(ExitCode.GPU_NEEDS_RESET),
         restart_sec=TEMPLATE_RESTART_SEC,
         stop_s=int(stop_s),
         syslog=("kimi-supervisor-weights@%i" if holder else "kimi-supervisor@%i") if template else "kimi-supervisor",

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 
 import psutil
 
-from kimi_supervisor.host.gpu import GpuEvent, GpuHealth, GpuMemory, GpuProcess, GpuUnavailable
+from kimi_supervisor.host.gpu import GpuActivity, GpuEvent, GpuHealth, GpuMemory, GpuProcess, GpuUnavailable
 
 # An H200 in good shape, as NVML reports it (gpuaccept/results/gpu_health_h200.md).
 HEALTHY = GpuHealth(
@@ -32,6 +32,10 @@ HEALTHY = GpuHealth(
 )
 
 
+# An H200 mid-decode: kernels running, base clocks.
+BUSY = GpuActivity(index=0, gpu_util_pct=100, memory_util_pct=37, sm_clock_mhz=1980, memory_clock_mhz=3201)
+
+
 @dataclasses.dataclass
 class FakeGpu:
     total_mib: int = 97887  # an RTX PRO 6000: 96 GB
@@ -39,6 +43,7 @@ class FakeGpu:
     occupants: dict[int, int | None] = dataclasses.field(default_factory=dict)  # pid -> MiB
     hidden_used_mib: int = 0  # memory used by processes NVML does not list
     health: GpuHealth = HEALTHY  # its index is replaced by the GPU's
+    activity: GpuActivity = BUSY  # its index is replaced by the GPU's
 
 
 # Above the kernel's PID limit: a "host PID" NVML reports that never exists here.
@@ -91,6 +96,10 @@ class FakeGpuProbe:
     def health(self, index: int) -> GpuHealth:
         self._check()
         return dataclasses.replace(self.gpus[index].health, index=index)
+
+    def activity(self, index: int) -> GpuActivity:
+        self._check()
+        return dataclasses.replace(self.gpus[index].activity, index=index)
 
     def watch_events(self, indices: tuple[int, ...]) -> FakeEventWatch:
         self._check()

@@ -19,6 +19,7 @@ from typing import Any
 
 from kimi_supervisor.child.process import read_pipe
 from kimi_supervisor.host.procfiles import OpenPaths
+from kimi_supervisor.host.procstate import ProcState
 from kimi_supervisor.host.proctable import ProcInfo
 from kimi_supervisor.lifecycle.drain import POLL_S, Reading
 from kimi_supervisor.lifecycle.signals import SignalRecorder
@@ -102,6 +103,7 @@ class FakeChild:
         self.pid = 4242
         self.returncode: int | None = None
         self.term_exit_after = term_exit_after  # None: ignores SIGTERM
+        self.survives_sigkill = False  # stuck in the kernel (D state): SIGKILL stays pending
         self.signals: list[tuple[float, signal.Signals]] = []
         self.main_signals: list[tuple[float, signal.Signals]] = []  # to the main alone (the drain's SIGTERM)
         out_r, out_w = os.pipe()
@@ -146,7 +148,7 @@ class FakeChild:
         if self.returncode is not None:
             return 0  # no member left to get it (the drain's SIGTERM for stragglers, once the main exited)
         self.signals.append((self._clock.t, sig))
-        if sig == signal.SIGKILL:
+        if sig == signal.SIGKILL and not self.survives_sigkill:
             self.exit(-signal.SIGKILL)
         elif sig == signal.SIGTERM and self.term_exit_after is not None:
             self._clock.after(self.term_exit_after, lambda: self.exit(-signal.SIGTERM))
@@ -253,6 +255,7 @@ class FakeProcessTable:
 
     def __init__(self) -> None:
         self._procs: dict[int, tuple[ProcInfo, Callable[[], bool]]] = {}
+        self.states: dict[int, ProcState] = {}  # what /proc would say of a process stuck in the kernel
 
     def add(self, info: ProcInfo, alive: Callable[[], bool]) -> None:
         self._procs[info.pid] = (info, alive)
@@ -283,6 +286,9 @@ class FakeProcessTable:
 
     def cgroup(self, pid: int) -> str | None:
         return None
+
+    def state(self, pid: int) -> ProcState | None:
+        return self.states.get(pid)
 
 
 class FakeMetricsHttp:

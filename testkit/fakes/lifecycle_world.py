@@ -106,6 +106,7 @@ class World:
         self.child: FakeChild | None = None
         self.prober: FakeProber | None = None
         self.error: SupervisorError | None = None
+        self.dumped: list[tuple[float, int]] = []  # (fake time, pid) of each stack dump: never a real py-spy here
         self.supervisor = Supervisor(
             cfg,
             Deps(
@@ -125,8 +126,13 @@ class World:
                 drain=self._drain,
                 http=self.http,
                 wall=self.clock.time,
+                dumper=lambda: (self, "the fake world's dumper"),
             ),
         )
+
+    def dump(self, pid: int, timeout_s: float) -> tuple[str | None, str | None]:
+        self.dumped.append((self.clock.t, pid))
+        return f'Thread {pid} (idle): "MainThread"\n    busy_loop (vllm/v1/engine/core.py:700)\n', None
 
     def prepare(self, spec: SpawnSpec, parent_env: Mapping[str, str]) -> None:
         return None

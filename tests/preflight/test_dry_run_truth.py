@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from kimi_supervisor.checks import Verdict
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.exitcodes import PreflightError
+from kimi_supervisor.host.procstate import ProcState
 from kimi_supervisor.host.proctable import ProcInfo
 from kimi_supervisor.preflight.run import Preflight
 from testkit.fakes.clock import FakeClock
@@ -76,6 +77,9 @@ class SceneTable:
         return True
 
     def cgroup(self, pid: int) -> str | None:
+        return None
+
+    def state(self, pid: int) -> ProcState | None:
         return None
 
     def is_alive(self, pid: int) -> bool:

@@ -40,7 +40,8 @@ VLLM_WORKER_SHUTDOWN_S = 8
 def test_unit_directives() -> None:
     d = directives(unit.render())
     assert d["Type"] == "notify" and d["NotifyAccess"] == "main" and d["KillMode"] == "mixed"
-    assert d["Restart"] == "on-failure" and d["RestartPreventExitStatus"] == str(int(ExitCode.CONFIG))
+    no_restart = f"{int(ExitCode.CONFIG)} {int(ExitCode.GPU_NEEDS_RESET)}"
+    assert d["Restart"] == "on-failure" and d["RestartPreventExitStatus"] == no_restart
     assert d["ExecStart"] == f"{unit.DEFAULT_EXEC} --config {DEFAULT_PATH}"
     defaults = parse_config({"child": {"argv": ["vllm", "serve", "m"]}}, DEFAULT_PATH)
     # systemd must not SIGKILL a stop that is still within what the default config allows it.

@@ -1,0 +1,66 @@
+"""A reap victim that outlives SIGKILL in D state: the preflight says the GPU needs a reset and exits 22 at once,
+instead of waiting preflight.deadline_s out (it would never free).  Real stale processes; the table withholds
+the stuck one's signals and reads its /proc from real-format files (tests/host/test_procstate.py)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from kimi_supervisor.exitcodes import ExitCode, GpuNeedsReset, PreflightError
+from kimi_supervisor.host.procstate import ProcState, read_state
+from kimi_supervisor.host.proctable import ProcInfo, PsutilProcessTable
+from kimi_supervisor.preflight.run import Preflight
+from testkit.fakes.clock import FakeClock
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.log import RecordingLog
+from tests.conftest import ProcSpawner
+from tests.host.test_procstate import UVM_STACK, fake_proc
+from tests.preflight.test_preflight import make_cfg
+
+
+class StuckTable(PsutilProcessTable):
+    """The real table, but `stuck`'s signals never land and its kernel state comes from `proc_files`."""
+
+    def __init__(self, stuck: int, proc_files: Path) -> None:
+        super().__init__()
+        self.stuck = stuck
+        self.proc_files = proc_files
+
+    def signal(self, proc: ProcInfo, sig: signal.Signals) -> bool:
+        if proc.pid == self.stuck:
+            return self.alive(proc)  # delivered, as to a process in D state: pending, never acted on
+        return super().signal(proc, sig)
+
+    def state(self, pid: int) -> ProcState | None:
+        return read_state(pid, str(self.proc_files)) if pid == self.stuck else super().state(pid)
+
+
+@pytest.mark.parametrize("state", ["D (disk sleep)", "S (sleeping)"])
+def test_a_victim_stuck_in_d_state_fails_the_preflight_with_22_at_once(
+    tmp_path: Path, spawner: ProcSpawner, state: str
+) -> None:
+    stuck = spawner.sleeper(title="VLLM::EngineCore")
+    other = spawner.sleeper(title="VLLM::Worker_TP1")
+    fake_proc(tmp_path / "proc", stuck.pid, state, "uvm_spin_loop", UVM_STACK)
+    probe = FakeGpuProbe([FakeGpu(), FakeGpu(occupants={stuck.pid: 70000}), FakeGpu(occupants={other.pid: 500})])
+    clock, log = FakeClock(), RecordingLog()
+    cfg = make_cfg(tmp_path, gpus=[0, 1, 2])
+    pf = Preflight(cfg, probe, StuckTable(stuck.pid, tmp_path / "proc"), clock, log)
+    if state.startswith("S"):
+        # Not in D state: it may still go (another namespace, a refused signal); the deadline is waited out.
+        with pytest.raises(PreflightError, match=r"gpu_wait: GPUs still busy after 20\.0s"):
+            pf.run(dry_run=False)
+        return
+    with pytest.raises(GpuNeedsReset) as info:
+        pf.run(dry_run=False)
+    assert info.value.exit_code == ExitCode.GPU_NEEDS_RESET
+    assert info.value.message.startswith(
+        "preflight: GPU 1 needs a reset or the host a reboot: 1 stale process(es) on them outlived SIGKILL by 5s "
+        f"in the NVIDIA driver: PID {stuck.pid} (VLLM::EngineCor), state D (disk sleep), waiting in uvm_spin_loop"
+    )
+    assert clock.t < cfg.preflight.deadline_s  # grace 1 s + SIGKILL wait 5 s, not the 20 s deadline
+    assert other.wait(5) is not None  # the rest of the reap happened
+    assert log.events("preflight.unkillable")[0]["pid"] == stuck.pid
