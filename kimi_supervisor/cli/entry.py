@@ -22,7 +22,7 @@ from kimi_supervisor.config.load import effective_config, load_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.deployment.base import Deployment
 from kimi_supervisor.deployment.choose import for_config
-from kimi_supervisor.exitcodes import ConfigError, ExitCode, SupervisorError, exit_outcome
+from kimi_supervisor.exitcodes import ConfigError, DeploymentUnknown, ExitCode, SupervisorError, exit_outcome
 from kimi_supervisor.files import dirtrust
 from kimi_supervisor.host import instance_lock
 from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, configured_gpus, pin_configured_gpus
@@ -259,7 +259,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             if args.name is not None and args.config is not None:
                 raise ConfigError(f"status: give NAME ({args.name}) or --config ({args.config}), not both")
-            return run_status(args.config, args.json, args.watch, name=args.name, runtime_dirs=(DEFAULT_RUNTIME_DIR,))
+            try:
+                return run_status(
+                    args.config, args.json, args.watch, name=args.name, runtime_dirs=(DEFAULT_RUNTIME_DIR,)
+                )
+            except DeploymentUnknown as err:  # a script's question, answered in one line as a config error is
+                print(f"kimi-supervisor: {err.message}", file=sys.stderr)
+                return int(exit_outcome(err)[0])
         cfg = _load(args)
         # Known secret values (HF_TOKEN=...) are scrubbed from every event from now on.
         secrets = secret_values(cfg)
