@@ -80,4 +80,5 @@ def test_the_package_installs_them_where_bash_zsh_and_man_look() -> None:
         "share/bash-completion/completions": [str(BASH.relative_to(REPO))],
         "share/zsh/site-functions": [str(ZSH.relative_to(REPO))],
         "share/man/man1": [str(MAN.relative_to(REPO))],
+        "lib/systemd/catalog": ["packaging/journal/kimi-supervisor.catalog"],  # tests/logs/test_catalog.py
     }
