@@ -144,7 +144,9 @@ def gpu_file(tmp_path: Path) -> Path:
 def test_a_run_passes_the_credential_to_the_child_only(tmp_path: Path) -> None:
     """The real supervisor and the fake vLLM: the child's environment has the value; its argv, the
     supervisor's environment and every record (the child's own line printing it included) do not."""
-    config = fake_config(tmp_path, ["--print-env", "VLLM_API_KEY"], child={"credentials": CREDENTIALS})
+    # And a key left in argv as well: the run warns once, naming the option, not the value.
+    fake_args = ["--print-env", "VLLM_API_KEY", "--api-key", "sk-in-argv-0123"]
+    config = fake_config(tmp_path, fake_args, child={"credentials": CREDENTIALS})
     entry = ["-m", "testkit.fakes.gpu_cli", str(gpu_file(tmp_path))]
     run = Run(config, tmp_path, env={"CREDENTIALS_DIRECTORY": str(store(tmp_path))}, entry=entry)
     try:
@@ -154,7 +156,10 @@ def test_a_run_passes_the_credential_to_the_child_only(tmp_path: Path) -> None:
         assert environ_of(run.child_pid)["VLLM_API_KEY"] == KEY
         assert "CREDENTIALS_DIRECTORY" not in environ_of(run.child_pid)
         assert KEY.encode() not in Path(f"/proc/{run.child_pid}/cmdline").read_bytes()
+        [warning] = [e for e in run.events if e.get("event") == "config.secret_in_argv"]
+        assert "(--api-key)" in warning["why"] and "child.credentials" in warning["why"]
     finally:
         run.signal(signal.SIGTERM)
         assert run.wait(60) == 0, run.why()
-    assert KEY not in json.dumps(run.events) + json.dumps(run.child_lines) + "".join(run.raw_stderr)
+    everything = json.dumps(run.events) + json.dumps(run.child_lines) + "".join(run.raw_stderr)
+    assert KEY not in everything and "sk-in-argv-0123" not in everything
