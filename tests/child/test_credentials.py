@@ -126,13 +126,17 @@ def test_install_unit_loads_each_credential(tmp_path: Path) -> None:
 
 
 def test_dry_run_json_names_the_credential_not_its_value(tmp_path: Path) -> None:
-    config = fake_config(tmp_path, tp=2, preflight={"gpus": "all"}, child={"credentials": CREDENTIALS})
+    argv_key = ["--api-key", "sk-in-argv-0123"]
+    config = fake_config(tmp_path, argv_key, tp=2, preflight={"gpus": "all"}, child={"credentials": CREDENTIALS})
     command = ["-m", "testkit.fakes.gpu_cli", str(gpu_file(tmp_path)), "--config", str(config), "--dry-run", "--json"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "CREDENTIALS_DIRECTORY": str(store(tmp_path))}
     r = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert json.loads(r.stdout)["child_env"]["VLLM_API_KEY"] == "<credential kimi-api-key>"
-    assert KEY not in r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert report["child_env"]["VLLM_API_KEY"] == "<credential kimi-api-key>"
+    [warning] = [c for c in report["checks"] if c["name"] == "secrets"]
+    assert warning["status"] == "warn" and "(--api-key)" in warning["message"]  # a warning: the start proceeds
+    assert KEY not in r.stdout + r.stderr and "sk-in-argv-0123" not in r.stdout + r.stderr
 
 
 def gpu_file(tmp_path: Path) -> Path:
