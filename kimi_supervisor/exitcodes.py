@@ -18,6 +18,7 @@ class ExitCode(enum.IntEnum):
     INTERNAL = 70  # EX_SOFTWARE: a bug; the traceback is logged
     USAGE = 2  # bad command line (argparse's own code)
     NOT_RUNNING = 3  # `status`: the supervisor is not running (as `systemctl status` says of an inactive unit)
+    STATUS_UNKNOWN = 4  # `status NAME`: no deployment of that name (LSB: "program or service status is unknown")
     PREFLIGHT_FAILED = 10  # GPUs never freed, deployment cannot start
     STARTUP_FAILED = 11  # child printed a fatal line or exited while loading
     STARTUP_STALLED = 12  # no output for stall_timeout_s, or past deadline_s
@@ -41,6 +42,7 @@ DESCRIPTIONS: dict[ExitCode, str] = {
     ExitCode.OK: "stopped on request; or --dry-run: a start would proceed",
     ExitCode.USAGE: "bad command-line arguments",
     ExitCode.NOT_RUNNING: "status: the supervisor is not running",
+    ExitCode.STATUS_UNKNOWN: "status NAME: no deployment of that name on this host",
     ExitCode.PREFLIGHT_FAILED: "preflight failed: GPUs busy past the deadline, or a deployment check failed",
     ExitCode.STARTUP_FAILED: "vLLM failed while starting (fatal log line or exit before ready)",
     ExitCode.STARTUP_STALLED: "vLLM printed nothing for stall_timeout_s, or was not ready by deadline_s",
@@ -101,6 +103,13 @@ class ConfigError(SupervisorError):
     def __init__(self, message: str, *, detail: list[str] | None = None) -> None:
         # One line, always: a newline in a key, value or path (all attacker-chosen) must not fake a second one.
         super().__init__(escape_controls(message), detail=detail)
+
+
+class DeploymentUnknown(SupervisorError):
+    """`status NAME` for a name no deployment of the host has: the LSB code for an unknown status, not a
+    config error (nothing is wrong with any config; a script asked about something that is not there)."""
+
+    exit_code = ExitCode.STATUS_UNKNOWN
 
 
 class NoPermission(SupervisorError):

@@ -61,10 +61,24 @@ def redact_argv(argv: Iterable[str]) -> list[str]:
     return out
 
 
-def secrets_of(argv: Iterable[str], *envs: Mapping[str, str]) -> tuple[str, ...]:
-    """The secret values in an argv and environments, longest first (the order redact_text needs)."""
+def secrets_in_argv(argv: Iterable[str]) -> list[str]:
+    """The options (`--api-key`) and NAME=VALUE items of `argv` that hold a secret: readable in
+    /proc/PID/cmdline by every local user, where child.credentials would keep it out (docs/configuration.md)."""
     argv = list(argv)
-    values = {v for env in envs for k, v in env.items() if is_secret_name(k)}
+    found = []
+    for i, (real, shown) in enumerate(zip(argv, redact_argv(argv), strict=True)):
+        if shown == REDACTED and i > 0:
+            found.append(argv[i - 1])
+        elif shown.endswith("=" + REDACTED):
+            found.append(real.partition("=")[0])
+    return found
+
+
+def secrets_of(argv: Iterable[str], *envs: Mapping[str, str], known: Iterable[str] = ()) -> tuple[str, ...]:
+    """The secret values in an argv and environments, and `known` ones (a credential's, whatever the name of
+    its variable), longest first (the order redact_text needs)."""
+    argv = list(argv)
+    values = {v for env in envs for k, v in env.items() if is_secret_name(k)} | set(known)
     for real, shown in zip(argv, redact_argv(argv), strict=True):
         if shown == REDACTED:
             values.add(real)

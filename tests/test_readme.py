@@ -18,7 +18,7 @@ FAULT_MATRIX = PAGES["fault-matrix.md"]
 
 
 def flat_keys(data: object, prefix: str = "") -> set[str]:
-    if isinstance(data, dict) and prefix != "child.env.":
+    if isinstance(data, dict) and prefix not in ("child.env.", "child.credentials."):
         return set().union(*(flat_keys(v, f"{prefix}{k}.") for k, v in data.items()))
     return {prefix.rstrip(".")}
 

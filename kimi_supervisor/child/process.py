@@ -26,6 +26,7 @@ from kimi_supervisor.child.cachedirs import CacheUnusable, cache_environment, ca
 from kimi_supervisor.child.spawnplan import (
     Identity,
     Unresolvable,
+    credential_environment,
     identity_environment,
     resolve_executable,
     resolve_identity,
@@ -49,6 +50,8 @@ PRIVATE_ENV = (
     "LISTEN_FDS",
     "LISTEN_PID",
     "LISTEN_FDNAMES",
+    # The child gets the credentials child.credentials maps to its variables, not the directory of them all.
+    "CREDENTIALS_DIRECTORY",
 )
 
 
@@ -86,9 +89,12 @@ def prepare_spawn(spec: SpawnSpec, parent_env: Mapping[str, str], *, create: boo
     """Resolve user, groups, environment and the executable; raises Unresolvable naming the key.
 
     Also makes the child's cache home (cachedirs.py): a directory of its own that no start can be hurt by;
-    CacheUntrusted (exit 78) when one is there that is not.  `create` False (a dry run): makes nothing."""
+    CacheUntrusted (exit 78) when one is there that is not.  `create` False (a dry run): makes nothing and
+    reads no credential."""
     identity = resolve_identity(spec.user, spec.group)
     env = child_environment(spec, parent_env, identity)
+    if create:  # a dry run reads no secret: its report names the credential each variable would come from
+        env.update(credential_environment(spec.credentials, parent_env))
     note = None
     home = cache_home(spec.cache_directory, identity)
     if home is not None and spec.cache_directory is not None:

@@ -162,3 +162,63 @@ def resolve_executable(argv0: str, env: Mapping[str, str], cwd: str | None, iden
     if denied is not None:
         raise Unresolvable("argv[0]", denied)
     raise Unresolvable("argv[0]", f"{argv0!r} not found{where}")
+
+
+# A credential is a key or token: anything larger is not one (and is not read into memory).
+CREDENTIAL_MAX_BYTES = 64 * 1024
+
+
+def credential_environment(credentials: Mapping[str, str], parent_env: Mapping[str, str]) -> dict[str, str]:
+    """child.credentials' variables with their values, read from systemd's $CREDENTIALS_DIRECTORY (the unit's
+    LoadCredential=, which install-unit writes): the secret reaches the child's environment only, never argv,
+    the config file or a log.  One trailing newline is dropped (`echo KEY > /etc/credstore/NAME` writes one).
+    Unresolvable (exit 78, before the preflight acts) when one cannot be read."""
+    if not credentials:
+        return {}
+    directory = parent_env.get("CREDENTIALS_DIRECTORY")
+    out: dict[str, str] = {}
+    for variable, name in credentials.items():
+        key = f"credentials.{variable}"
+        if not directory:
+            raise Unresolvable(
+                key,
+                f"credential {name!r}: $CREDENTIALS_DIRECTORY is not set (run under the unit install-unit writes, "
+                f"whose LoadCredential={name} reads /etc/credstore/{name}; docs/configuration.md)",
+            )
+        out[variable] = _read_credential(Path(directory) / name, key, name)
+    return out
+
+
+def _read_credential(path: Path, key: str, name: str) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise Unresolvable(key, f"credential {name!r}: cannot open {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > CREDENTIAL_MAX_BYTES:
+            raise Unresolvable(key, f"credential {name!r}: {path} is not a regular file of at most 64 KiB")
+        data = os.read(fd, CREDENTIAL_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    # The value is never quoted in a message: only what is wrong with it.
+    try:
+        value = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Unresolvable(key, f"credential {name!r}: {path} is not UTF-8 text") from None
+    value = value[:-1] if value.endswith("\n") else value
+    if not value or "\0" in value:
+        raise Unresolvable(key, f"credential {name!r}: {path} is empty or holds a NUL byte")
+    return value
+
+
+def credential_values(credentials: Mapping[str, str], parent_env: Mapping[str, str]) -> tuple[str, ...]:
+    """The values that can be read now, for the redaction of every log line and STATUS= (cli/entry.py); one
+    that cannot is no secret to hide yet, and its spawn fails naming it."""
+    values: list[str] = []
+    for variable, name in credentials.items():
+        try:
+            values += credential_environment({variable: name}, parent_env).values()
+        except Unresolvable:
+            continue
+    return tuple(values)

@@ -189,3 +189,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser (`run`'s, whose help lists every command)."""
     return _command_parser("run")
+
+
+def whole_parser() -> argparse.ArgumentParser:
+    """Every command as a subcommand of one parser, each with exactly the options `parse_args` gives it: the
+    shape shtab and argparse-manpage read to write the shell completion and the man page
+    (packaging/generate_shell_files.py). Never used to parse: the command word may come anywhere, which
+    subparsers do not allow."""
+    top = _command_parser("run")
+    top.usage = None  # run's hand-written usage lists every command: the subparsers' own usages say it here
+    sub = top.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    for command in COMMANDS:
+        own = _command_parser(command)
+        # The help of each command is the description its own parser shows; `run` keeps only its options.
+        helps = own.description if command != "run" else "preflight, start and supervise (the default command)"
+        sub.add_parser(command, parents=[own], add_help=False, help=helps, description=helps)
+    return top

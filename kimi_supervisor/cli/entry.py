@@ -14,7 +14,7 @@ from kimi_supervisor import __version__
 from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.child.cachedirs import CacheUntrusted
 from kimi_supervisor.child.process import prepare_spawn
-from kimi_supervisor.child.spawnplan import Unresolvable
+from kimi_supervisor.child.spawnplan import Unresolvable, credential_values
 from kimi_supervisor.cli.args import parse_args
 from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import layout, timeouts
@@ -22,7 +22,7 @@ from kimi_supervisor.config.load import effective_config, load_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.deployment.base import Deployment
 from kimi_supervisor.deployment.choose import for_config
-from kimi_supervisor.exitcodes import ConfigError, ExitCode, SupervisorError, exit_outcome
+from kimi_supervisor.exitcodes import ConfigError, DeploymentUnknown, ExitCode, SupervisorError, exit_outcome
 from kimi_supervisor.files import dirtrust
 from kimi_supervisor.host import instance_lock
 from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, configured_gpus, pin_configured_gpus
@@ -31,7 +31,7 @@ from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.logs.journal import ChildSink, close_outputs, configure, get_logger, resolve_format
 from kimi_supervisor.preflight.report import render_json, render_text
 from kimi_supervisor.preflight.run import Preflight
-from kimi_supervisor.redact import redact_argv, redact_env, redact_text, secrets_of
+from kimi_supervisor.redact import redact_argv, redact_env, redact_text, secrets_in_argv, secrets_of
 from kimi_supervisor.systemd import show, unit
 from kimi_supervisor.systemd.notify import RedactingNotifier, notifier_from_env, watchdog_interval
 
@@ -88,6 +88,7 @@ def _install_unit(cfg: Config, args: argparse.Namespace) -> int:
         instance=instance,
         writable=unit.writable_paths(cfg),
         holder=holder,
+        credentials=sorted(set(cfg.child.credentials.values())),
     )
     service = unit.UNIT_NAME if instance is None else f"kimi-supervisor@{instance}.service"
     if holder is not None:
@@ -108,6 +109,9 @@ def _check_config(cfg: Config, as_json: bool) -> int:
     stop = _unit_stop_check(cfg)
     if stop is not None and stop.verdict is Verdict.WARN:
         print(f"kimi-supervisor: warning: {stop.message}", file=sys.stderr)
+    in_argv = argv_secret_warning(cfg)
+    if in_argv is not None:
+        print(f"kimi-supervisor: warning: {in_argv}", file=sys.stderr)
     if as_json:
         text = json.dumps(data, indent=2)
     else:
@@ -166,7 +170,11 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
         report.checks.insert(0, Check("paths", Verdict.FAIL, exc.message))
     if owner is not None:
         report.checks.insert(0, Check("instance", Verdict.FAIL, instance_lock.dry_run_text(owner), {"pid": owner.pid}))
-    env = redact_env(child.env)
+    in_argv = argv_secret_warning(cfg)
+    if in_argv is not None:
+        report.checks.append(Check("secrets", Verdict.WARN, in_argv))
+    # A credential's value is read only by a real start: the report names where it would come from.
+    env = redact_env(child.env) | {k: f"<credential {name}>" for k, name in cfg.child.credentials.items()}
     print(render_json(report, str(cfg.path), env) if as_json else render_text(report, str(cfg.path)))
     if owner is not None:
         return ExitCode.ANOTHER_INSTANCE
@@ -243,6 +251,9 @@ def _supervise(role: Deployment, sink: ChildSink, probe: GpuProbe) -> int:
     stop = _unit_stop_check(cfg)
     if stop is not None and stop.verdict is Verdict.WARN:
         log.warning("unit.timeout_stop_short", why=stop.message, **stop.data)
+    in_argv = argv_secret_warning(cfg)
+    if in_argv is not None:
+        log.warning("config.secret_in_argv", why=in_argv)
     return role.run(deps, secret_values(cfg))
 
 
@@ -258,7 +269,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             if args.name is not None and args.config is not None:
                 raise ConfigError(f"status: give NAME ({args.name}) or --config ({args.config}), not both")
-            return run_status(args.config, args.json, args.watch, name=args.name, runtime_dirs=(DEFAULT_RUNTIME_DIR,))
+            try:
+                return run_status(
+                    args.config, args.json, args.watch, name=args.name, runtime_dirs=(DEFAULT_RUNTIME_DIR,)
+                )
+            except DeploymentUnknown as err:  # a script's question, answered in one line as a config error is
+                print(f"kimi-supervisor: {err.message}", file=sys.stderr)
+                return int(exit_outcome(err)[0])
         cfg = _load(args)
         # Known secret values (HF_TOKEN=...) are scrubbed from every event from now on.
         secrets = secret_values(cfg)
@@ -308,5 +325,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def secret_values(cfg: Config) -> tuple[str, ...]:
-    # The inherited environment too: a HF_TOKEN in the supervisor's own environment reaches the child.
-    return secrets_of(cfg.child.argv, cfg.child.env, os.environ)
+    # The inherited environment too: a HF_TOKEN in the supervisor's own environment reaches the child; and
+    # child.credentials' values, which only the child's environment holds.
+    known = credential_values(cfg.child.credentials, os.environ)
+    return secrets_of(cfg.child.argv, cfg.child.env, os.environ, known=known)
+
+
+def argv_secret_warning(cfg: Config) -> str | None:
+    """A secret in child.argv (`--api-key VALUE`): every local user reads it in /proc/PID/cmdline."""
+    found = secrets_in_argv(cfg.child.argv)
+    if not found:
+        return None
+    return (
+        f"child.argv holds a secret ({', '.join(found)}): any local user can read it in /proc/PID/cmdline; "
+        "move it to child.credentials (a systemd credential passed in the child's environment, "
+        "e.g. VLLM_API_KEY for --api-key; docs/configuration.md)"
+    )

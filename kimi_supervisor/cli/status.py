@@ -4,7 +4,8 @@ Reads the daemon's state file and the run history, nothing else: no root, no
 NVML, no signal to the daemon, and safe while it runs.  Says plainly when
 the daemon does not run: no state file, or one whose writer is gone (same
 PID *and* start time, so a recycled PID does not pass for the supervisor).
-Exit status as `systemctl status`: 0 while it runs, 3 when it does not.
+Exit status as `systemctl status`: 0 while it runs, 3 when it does not, 4 for a NAME no deployment has
+(LSB's "program or service status is unknown").  `--json` is always an array of deployment objects.
 
 A host may run several deployments (config/layout.py: each its own state file and history).  Without
 `--config` and NAME, `status` looks at every config in /etc/kimi-supervisor/ and every deployment with a
@@ -30,7 +31,7 @@ from kimi_supervisor.config.load import DEFAULT_PATH, load_config
 from kimi_supervisor.config.model import ClusterConfig
 from kimi_supervisor.deployment.group.view import fetch as fetch_group
 from kimi_supervisor.deployment.group.view import group_lines
-from kimi_supervisor.exitcodes import ConfigError, ExitCode
+from kimi_supervisor.exitcodes import ConfigError, DeploymentUnknown, ExitCode
 from kimi_supervisor.opsview.history import HistoryData, RunRecord, load_history
 from kimi_supervisor.opsview.loadreport import describe as describe_load
 from kimi_supervisor.opsview.statefile import read_state, writer_alive
@@ -457,7 +458,7 @@ def select(
     config: Path | None, name: str | None, config_dir: Path, err: TextIO, runtime_dirs: tuple[Path, ...] = ()
 ) -> list[DeploymentDirectories]:
     """What `status` shows: the one config given, the NAME asked for, or every deployment configured here or
-    running (the default config's when there is none).  ConfigError for a NAME none of them has."""
+    running (the default config's when there is none).  DeploymentUnknown (exit 4) for a NAME none of them has."""
     if config is not None:
         return [deployment_of(config, err)]
     found = deployments(config_dir, err, runtime_dirs)
@@ -465,7 +466,7 @@ def select(
         chosen = [d for d in found if d.name == name]
         if not chosen:
             known = ", ".join(d.name for d in found) or "none"
-            raise ConfigError(f"status: no deployment named {name!r} in {config_dir} (configured: {known})")
+            raise DeploymentUnknown(f"status: no deployment named {name!r} in {config_dir} (configured: {known})")
         return chosen
     return found or [deployment_of(config_dir / DEFAULT_PATH.name, err)]
 
@@ -513,7 +514,8 @@ def run_status(
             if holder_dirs is not None:
                 held = gather(holder_dirs)
                 doc["weights_holder"] = to_json(held) | {"summary": holder_summary(held, snap, now())}
-            out.write(json.dumps(doc, indent=2) + "\n")
+            # One shape always: an array of deployment objects, one or several (docs/operators-view.md).
+            out.write(json.dumps([doc], indent=2) + "\n")
         else:
             if watch and tty:
                 out.write("\x1b[H\x1b[2J")  # home and clear: redraw in place, like watch(1)

@@ -146,6 +146,7 @@ def _parse_child(t: Table) -> ChildConfig:
             raise t.error(f"env.{key}", f"expected a string, got {describe(value)}")
         if "\0" in value:
             raise t.error(f"env.{key}", "contains a NUL byte")
+    credentials = _credentials(t, env_table)
     inherit = t.boolean("inherit_environment", True)
     cwd = t.string("working_directory", None)
     if cwd is not None and (not cwd.startswith("/") or "\0" in cwd):
@@ -159,7 +160,28 @@ def _parse_child(t: Table) -> ChildConfig:
     except ValueError as exc:
         raise t.error("argv", str(exc)) from None
     t.done()
-    return ChildConfig(tuple(argv), dict(env_table), inherit, cwd, user, group, vllm=vllm)
+    return ChildConfig(tuple(argv), dict(env_table), inherit, cwd, user, group, credentials=credentials, vllm=vllm)
+
+
+def _credentials(t: Table, env: dict[str, object]) -> dict[str, str]:
+    """child.credentials = { VLLM_API_KEY = "kimi-api-key" }: each variable's value comes from the systemd
+    credential of that name (LoadCredential=, which install-unit writes); docs/configuration.md."""
+    table = t.raw("credentials", {})
+    if not isinstance(table, dict):
+        raise t.error("credentials", f"expected a table of credential names, got {describe(table)}")
+    for key, name in table.items():
+        if not key or "=" in key or "\0" in key:
+            raise t.error(
+                "credentials", f"invalid variable name {short_repr(key)}: it must be non-empty, without '=' or NUL"
+            )
+        if key in env:
+            raise t.error(f"credentials.{key}", f"{key} is in child.env too: give its value in one place")
+        # systemd's rule for a credential's name: a file name (no '/', not '.' or '..'), at most 255 bytes.
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.@:+-]{1,255}", name) or name in (".", ".."):
+            raise t.error(
+                f"credentials.{key}", f"expected a credential name (letters, digits, _.@:+-), got {short_repr(name)}"
+            )
+    return dict(table)
 
 
 def _account_name(t: Table, name: str) -> str | None:

@@ -28,6 +28,9 @@ class SpawnSpec:
     group: str | None = None
     # paths.cache_directory, where the child's compile caches go (child/cachedirs.py); None: vLLM's defaults.
     cache_directory: Path | None = None
+    # child.credentials: the child's environment variable -> the systemd credential its value is read from
+    # ($CREDENTIALS_DIRECTORY/NAME, child/spawnplan.py), so no secret sits in argv or the config file.
+    credentials: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Protocol, TextIO, cast
 
+from kimi_supervisor.logs.catalog import message_id
 from kimi_supervisor.logs.fdwriter import RECORD_BUFFER, RecordStream, Writer, writer_for
 from kimi_supervisor.logs.plainstructlog import structlog
 from kimi_supervisor.logs.types import Logger
@@ -313,6 +314,9 @@ class _JournalLogger:
         exc = ed.pop("exception", None)
         text = " ".join([event] + [f"{k}={_short(v)}" for k, v in ed.items()])
         fields = {"KIMI_SOURCE": "supervisor", "KIMI_EVENT": event}
+        known = message_id(event)
+        if known is not None:  # our lifecycle events: a stable id for `journalctl MESSAGE_ID=` and the catalog
+            fields["MESSAGE_ID"] = known
         fields.update({f"KIMI_{_field_name(k)}": str(v) for k, v in ed.items() if v is not None})
         self._writer.send(_LEVEL_PRIORITY.get(level, 6), text + (f"\n{exc}" if exc else ""), fields)
 

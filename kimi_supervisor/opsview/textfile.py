@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kimi_supervisor import __version__
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.files.atomic import write_atomic
 from kimi_supervisor.host.gpu import MIB
@@ -86,6 +87,11 @@ class _SnapshotCollector(Collector):
         for candidate in State:
             state.add_metric([dep, role, candidate.value], 1.0 if candidate.value == s.state else 0.0)
         yield state
+        # Which build runs (pyproject's setuptools-scm version), as node_exporter's own node_exporter_build_info:
+        # after a rollout, `count by (version) (kimi_supervisor_build_info)` shows the hosts still on the old one.
+        build = InfoMetricFamily(f"{PREFIX}_build", "The kimi-supervisor build writing this textfile (its version)")
+        build.add_metric([], {"deployment": dep, "role": role, "version": __version__})
+        yield build
         if self.file is not None:
             # node_exporter says when each file last changed (node_textfile_mtime_seconds{file}); this names the
             # deployment a file is, so a rule can tell a textfile whose supervisor stopped writing.

@@ -96,7 +96,7 @@ NoNewPrivileges=yes
 # directories above and homes: vLLM, torch, Triton and Hugging Face write their caches under $HOME.
 ProtectSystem=strict
 ReadWritePaths=-/root -/home
-{writable}PrivateTmp=yes
+{writable}{credentials}PrivateTmp=yes
 # Our mounts (the private /tmp, /proc, the read-only tree) never propagate to the host.
 PrivateMounts=yes
 # Other users' processes are hidden from vLLM running as child.user; root with CAP_SYS_PTRACE (the
@@ -224,10 +224,12 @@ def render(
     template: bool = False,
     writable: Sequence[Path] = (),
     holder: bool = False,
+    credentials: Sequence[str] = (),
 ) -> str:
     """The plain unit running `config_path`; `template=True`: the template unit, whose instance NAME runs
     `<config_path's directory>/NAME.toml`.  `writable`: directories the config writes beyond the unit's own
-    (ProtectSystem=strict leaves the rest read-only).  `holder=True`: the weight holder's template, whose
+    (ProtectSystem=strict leaves the rest read-only).  `credentials`: the systemd credentials child.credentials
+    names (LoadCredential=).  `holder=True`: the weight holder's template, whose
     instance NAME runs NAME.weights.toml."""
     template = template or holder
     if isinstance(exec_argv, str):
@@ -265,6 +267,7 @@ def render(
         syslog=("kimi-supervisor-weights@%i" if holder else "kimi-supervisor@%i") if template else "kimi-supervisor",
         directories=INSTANCE_DIRECTORIES if template else PLAIN_DIRECTORIES,
         writable=writable_lines(writable),
+        credentials=credential_lines(credentials),
     )
 
 
@@ -295,7 +298,18 @@ def writable_lines(writable: Sequence[Path]) -> str:
     return f"# What this config writes outside the unit's own directories.\nReadWritePaths={paths}\n"
 
 
-def instance_dropin(stop_s: int, writable: Sequence[Path], holder_unit: str | None = None) -> str:
+def credential_lines(credentials: Sequence[str]) -> str:
+    if not credentials:
+        return ""
+    # By name alone: systemd reads /etc/credstore/NAME (or /run/credstore, /usr/lib/credstore; the
+    # .encrypted stores for LoadCredentialEncrypted=) into $CREDENTIALS_DIRECTORY, readable by this unit only.
+    lines = "".join(f"LoadCredential={systemd_quote(name)}\n" for name in credentials)
+    return "# The child's secrets (child.credentials), into its environment only (docs/configuration.md).\n" + lines
+
+
+def instance_dropin(
+    stop_s: int, writable: Sequence[Path], holder_unit: str | None = None, credentials: Sequence[str] = ()
+) -> str:
     """What one instance's config adds to the template (install-unit --instance NAME); `holder_unit`: the
     deployment's weight holder, which the engine maps (`[weights] holder = true`)."""
     bind = restart = ""
@@ -313,6 +327,7 @@ def instance_dropin(stop_s: int, writable: Sequence[Path], holder_unit: str | No
     return (
         "# Rendered by `kimi-supervisor install-unit --instance`: this instance's own settings, from its config.\n"
         f"{bind}[Service]\nTimeoutStopSec={int(stop_s)}\n{restart}{writable_lines(writable)}"
+        f"{credential_lines(credentials)}"
     )
 
 
@@ -346,6 +361,7 @@ def install(
     instance: str | None = None,
     writable: Sequence[Path] = (),
     holder: HolderUnit | None = None,
+    credentials: Sequence[str] = (),
 ) -> Path:
     """Write the unit and reload systemd; returns the unit's path.  With `instance`: the template unit
     (for `config_path`'s directory) and the instance's drop-in with its own TimeoutStopSec= and paths.
@@ -353,7 +369,7 @@ def install(
     argv = running_executable() if exec_argv is None else exec_argv
     if instance is None:
         target = unit_dir / UNIT_NAME
-        _write(target, render(argv, config_path, stop_s, writable=writable))
+        _write(target, render(argv, config_path, stop_s, writable=writable, credentials=credentials))
     else:
         target = unit_dir / TEMPLATE_NAME
         holder_unit = f"kimi-supervisor-weights@{instance}.service" if holder is not None else None
@@ -366,7 +382,7 @@ def install(
         _write(target, render(argv, config_path, template=True))
         _write(
             unit_dir / f"kimi-supervisor@{instance}.service.d" / DROPIN_NAME,
-            instance_dropin(stop_s, writable, holder_unit),
+            instance_dropin(stop_s, writable, holder_unit, credentials),
         )
     if reload:
         try:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import kimi_supervisor
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.exitcodes import ConfigError
 from testkit.harness import REPO, fake_config
@@ -27,7 +28,7 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 
 def test_version_and_help() -> None:
-    assert cli("--version").stdout.strip() == "kimi-supervisor 0.1.0"
+    assert cli("--version").stdout.strip() == f"kimi-supervisor {kimi_supervisor.__version__}"
     help_text = cli("--help").stdout
     for needle in ("--dry-run", "check-config", "exit codes:", " 78  configuration error", " 10  preflight failed"):
         assert needle in help_text

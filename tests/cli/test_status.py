@@ -16,7 +16,7 @@ from kimi_supervisor.cli.status import gather, render_text, run_status
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.layout import DeploymentDirectories
 from kimi_supervisor.config.load import parse_config
-from kimi_supervisor.exitcodes import ConfigError
+from kimi_supervisor.exitcodes import DeploymentUnknown
 from kimi_supervisor.opsview.history import HistoryData, RunRecord, dump_history
 from kimi_supervisor.opsview.statefile import process_start_time
 
@@ -252,7 +252,8 @@ def test_json_and_exit_codes(tmp_path: Path) -> None:
     cfg = setup(tmp_path, state_doc(), history())
     out = io.StringIO()
     assert run_status(cfg, as_json=True, watch=False, out=out) == 0
-    data = json.loads(out.getvalue())
+    # One shape always, for one deployment too: an array of deployment objects (docs/operators-view.md).
+    [data] = json.loads(out.getvalue())
     assert set(data) == {
         "deployment",
         "running",
@@ -400,8 +401,10 @@ def test_status_name_shows_that_deployment_only(tmp_path: Path) -> None:
     text = out.getvalue()
     assert text.startswith("● kimi-supervisor@kimi-b - ready: serving on http://127.0.0.1:18556\n")
     assert "18555" not in text and "No runs recorded yet." in text  # a's history is a's
-    with pytest.raises(ConfigError, match=r"status: no deployment named 'kimi-c' in .* \(configured: kimi-a, kimi-b\)"):
+    unknown = r"status: no deployment named 'kimi-c' in .* \(configured: kimi-a, kimi-b\)"
+    with pytest.raises(DeploymentUnknown, match=unknown) as raised:
         run_status(None, False, False, out=io.StringIO(), name="kimi-c", config_dir=tmp_path / "etc")
+    assert raised.value.exit_code == 4  # LSB's "status unknown", not 78: no config is wrong
 
 
 def test_one_deployment_on_the_host_shows_in_full_without_config(tmp_path: Path) -> None:
@@ -433,7 +436,7 @@ def test_deployments_without_a_config_here_are_found_by_their_state_files(tmp_pa
     )
     out = io.StringIO()
     assert run_status(None, True, False, out=out, name="kimi-b", config_dir=tmp_path / "etc") == 0
-    shown = json.loads(out.getvalue())
+    [shown] = json.loads(out.getvalue())
     # kimi-b's history comes from the directories its own config names, not a default.
     assert shown["history_file"] == str(history_path(tmp_path, "kimi-b")) and len(shown["runs"]) == len(history().runs)
     # A runtime directory given outright (the host's /run/kimi-supervisor for the CLI) is searched too.
@@ -445,3 +448,23 @@ def test_deployments_without_a_config_here_are_found_by_their_state_files(tmp_pa
     assert (
         out.getvalue().startswith("● kimi-supervisor@kimi-d - ready: d\n") and "No runs recorded yet." in out.getvalue()
     )
+
+
+def test_status_of_an_unknown_name_exits_4_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kimi-supervisor status NOSUCH`: exit 4 (LSB "program or service status is unknown") and one line on
+    stderr naming the deployments there are; the host's directories are swapped for the test's."""
+    from kimi_supervisor import cli
+    from kimi_supervisor.cli import status
+
+    deployment(tmp_path, "kimi-a", state_doc())
+    real = status.run_status
+
+    def on_test_dirs(*args: Any, **kwargs: Any) -> int:
+        return real(*args, **{**kwargs, "config_dir": tmp_path / "etc", "runtime_dirs": ()})
+
+    monkeypatch.setattr(status, "run_status", on_test_dirs)
+    assert cli.main(["status", "NOSUCH"]) == 4
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no deployment named 'NOSUCH'" in err and "configured: kimi-a" in err, err

@@ -35,7 +35,8 @@ def status(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def status_json(config: Path) -> dict[str, Any]:
     result = status(config, "--json")
-    data: dict[str, Any] = json.loads(result.stdout)
+    [data] = json.loads(result.stdout)
+    assert isinstance(data, dict)
     assert result.returncode == (0 if data["running"] else 3), result.stderr
     return data
 

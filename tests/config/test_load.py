@@ -121,7 +121,7 @@ def error_of(path: Path) -> str:
         # A key with a newline cannot fake a second line of output.
         (
             MINIMAL + '"a\\nb" = 1\n',
-            "{p}: child.'a\\nb': unknown key (known keys: argv, env, group, inherit_environment, user, "
+            "{p}: child.'a\\nb': unknown key (known keys: argv, credentials, env, group, inherit_environment, user, "
             "working_directory)",
         ),
         (MINIMAL + "[preflight]\ngpus = [0, 0]\n", "{p}: preflight.gpus: expected distinct GPU indices, got [0, 0]"),

@@ -69,7 +69,7 @@ def test_status_escapes_every_control_character_it_prints(tmp_path: Path) -> Non
     assert "\x1b" not in text and "old \\x1b]0;owned" in text
     out = io.StringIO()
     run_status(setup(tmp_path, doc, hist), True, False, out=out)
-    assert "\x1b" not in out.getvalue() and json.loads(out.getvalue())["state"]["status"] == f"ready: {ESC_TEXT}"
+    assert "\x1b" not in out.getvalue() and json.loads(out.getvalue())[0]["state"]["status"] == f"ready: {ESC_TEXT}"
 
 
 def test_colours_are_ours_only(tmp_path: Path) -> None:

@@ -175,7 +175,7 @@ def test_dry_run_and_status_show_the_holder(tmp_path: Path) -> None:
         assert "kimi-supervisor-weights@kimi - " in status.stdout
         weights_line = next(line for line in status.stdout.splitlines() if line.strip().startswith("Weights:"))
         assert "holder ready, ready for " in weights_line and "1 engine load(s) served" in weights_line
-        doc = json.loads(cli("status", "--config", str(engine_cfg), "--json").stdout)
+        [doc] = json.loads(cli("status", "--config", str(engine_cfg), "--json").stdout)
         assert doc["weights_holder"]["summary"]["loads_served"] == 1
         assert doc["weights_holder"]["state"]["weights"]["role"] == "holder"
     finally:

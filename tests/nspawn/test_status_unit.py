@@ -61,7 +61,7 @@ def test_status_during_a_load_and_after_a_restart(m: NspawnMachine) -> None:
     assert previous.rstrip().endswith("0  stopped on request"), second
     m.wait_for(lambda: prop(m, "ActiveState") == "active", timeout=60, message="not ready after the restart")
 
-    data = json.loads(status(m, "--json").stdout)
+    [data] = json.loads(status(m, "--json").stdout)
     assert data["running"] is True and data["state"]["phase"] == "ready"
     assert [r["exit_code"] for r in data["runs"]] == [None, 0]
     assert data["counters"]["starts_total"] == 2

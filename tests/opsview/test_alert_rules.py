@@ -65,3 +65,35 @@ def test_the_rules_use_only_metrics_the_textfile_writes() -> None:
     written = set(re.findall(r"^(kimi_supervisor_\w+)[{ ]", render(full, "a", "engine", "a.prom").decode(), re.M))
     used = set(re.findall(r"\b(kimi_supervisor_[a-z_]+)\b", RULES.read_text()))
     assert used and used <= written, used - written
+
+
+def heading_anchors(markdown: str) -> set[str]:
+    """The anchors a Markdown renderer gives the file's headings (GitHub's rule: lower case, punctuation
+    but `-` and `_` dropped, spaces as `-`); fenced code is not a heading."""
+    anchors, fenced = set(), False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6}\s+(.*?)\s*$", line)):
+            anchors.add(re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-"))
+    return anchors
+
+
+def test_every_rule_has_a_runbook_url_whose_section_exists() -> None:
+    """An alert people can act on: its runbook_url is a section of docs/operators-view.md that is there."""
+    doc = REPO / "docs" / "operators-view.md"
+    anchors = heading_anchors(doc.read_text())
+    urls = dict(
+        re.findall(
+            r"^\s*- alert:\s*(\S+)\s*$(?:(?!^\s*- alert:).)*?^\s*runbook_url:\s*\"([^\"]+)\"",
+            RULES.read_text(),
+            re.M | re.S,
+        )
+    )
+    assert sorted(urls) == sorted(alerts()), "a rule without runbook_url"
+    for name, url in urls.items():
+        path, _, anchor = url.partition("#")
+        assert path == "file:///usr/share/doc/kimi-supervisor/operators-view.md", url
+        assert anchor == name.lower() and anchor in anchors, f"{name}: no section #{anchor} in {doc.name}"
+    # The check can fail: a heading that is not there is not found.
+    assert "kimisupervisornosuchalert" not in anchors and "runbooks" in anchors

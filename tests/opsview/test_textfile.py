@@ -9,6 +9,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+import kimi_supervisor
 from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.opsview.textfile import MetricsSnapshot, MetricsWriter, render
@@ -56,6 +57,7 @@ def test_every_metric_parses_back_with_help_type_and_value() -> None:
         "kimi_supervisor_last_failure_info",
         "kimi_supervisor_start_timestamp_seconds",
         "kimi_supervisor_last_failure_timestamp_seconds",
+        "kimi_supervisor_build_info",
     }
     assert all(doc for _, doc, _ in fam.values())  # HELP on each
     assert fam["kimi_supervisor_state"][2] == [
@@ -83,6 +85,10 @@ def test_every_metric_parses_back_with_help_type_and_value() -> None:
     assert fam["kimi_supervisor_start_timestamp_seconds"][2] == [
         ("kimi_supervisor_start_timestamp_seconds", DEP, 1_795_989_400.0)
     ]
+    # Which build writes it: the version `--version` prints (setuptools-scm's, from git).
+    assert fam["kimi_supervisor_build_info"][2] == [
+        ("kimi_supervisor_build_info", {**DEP, "version": kimi_supervisor.__version__}, 1.0)
+    ]
 
 
 def test_every_series_names_its_deployment() -> None:
@@ -95,7 +101,7 @@ def test_every_series_names_its_deployment() -> None:
                 key = (sample.name, tuple(sorted(sample.labels.items())))
                 assert key not in series
                 series[key] = sample.value
-    assert len(series) == 2 * 17
+    assert len(series) == 2 * 18
 
 
 def node_exporter_problems(*texts: bytes) -> list[str]:
@@ -138,7 +144,7 @@ def test_a_weight_holder_and_its_engine_can_be_scraped_together(tmp_path: Path) 
         for family in text_string_to_metric_families(text.decode()):
             assert all(s.labels["deployment"] == "kimi" and s.labels["role"] == role for s in family.samples)
     # The check can fail: the same file twice is every series twice.
-    assert len(node_exporter_problems(texts[1], texts[1])) == 18
+    assert len(node_exporter_problems(texts[1], texts[1])) == 19
 
 
 def test_textfile_passes_promtool_check_metrics(tmp_path: Path) -> None:

@@ -1,0 +1,84 @@
+"""The shell completion and the man page (packaging/completion/, packaging/man/) name every command and option the
+parser has, are what packaging/generate_shell_files.py writes from it today, and are installed by the package."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kimi_supervisor.cli.args import COMMANDS, _command_parser
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parents[2]
+BASH = REPO / "packaging" / "completion" / "bash" / "kimi-supervisor"
+ZSH = REPO / "packaging" / "completion" / "zsh" / "_kimi-supervisor"
+MAN = REPO / "packaging" / "man" / "kimi-supervisor.1"
+
+
+def options(command: str) -> set[str]:
+    return {opt for action in _command_parser(command)._actions for opt in action.option_strings}
+
+
+def complete(*words: str) -> set[str]:
+    """What bash offers after `kimi-supervisor WORDS...` (the last word the one being completed)."""
+    script = (
+        f"source {BASH}; COMP_WORDS=(kimi-supervisor {' '.join(repr(w) for w in words)}); "
+        f"COMP_CWORD={len(words)}; _shtab_kimi_supervisor; printf '%s\\n' \"${{COMPREPLY[@]}}\""
+    )
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, check=True)
+    return set(done.stdout.split())
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_bash_completes_every_command_and_every_option_of_each() -> None:
+    assert complete("") == set(COMMANDS)
+    for command in COMMANDS:
+        assert complete(command, "--") == {o for o in options(command) if o.startswith("--")}, command
+    # No command word: `run`'s options, as the parser takes them.
+    assert complete("--") == {o for o in options("run") if o.startswith("--")}
+
+
+def test_zsh_and_the_man_page_name_every_command_and_option() -> None:
+    zsh, man = ZSH.read_text(), MAN.read_text().replace("\\-", "-")
+    assert zsh.startswith("#compdef kimi-supervisor\n")
+    for command in COMMANDS:
+        assert re.search(rf"\b{command}\b", zsh) and f"COMMAND 'kimi-supervisor {command}'" in man.replace(
+            "\\fI\\,", ""
+        ).replace("\\/\\fR", ""), command
+        for opt in options(command):
+            assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", zsh), (command, opt)
+            assert opt in man or opt in ("-h", "--help"), (command, opt)  # the page is the help
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("shtab") is None or importlib.util.find_spec("argparse_manpage") is None,
+    reason="the dev extra's shtab and argparse-manpage are not installed",
+)
+def test_the_committed_files_are_what_the_parser_generates_today() -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "packaging" / "generate_shell_files.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_package_installs_them_where_bash_zsh_and_man_look() -> None:
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["data-files"]
+    assert data == {
+        "share/bash-completion/completions": [str(BASH.relative_to(REPO))],
+        "share/zsh/site-functions": [str(ZSH.relative_to(REPO))],
+        "share/man/man1": [str(MAN.relative_to(REPO))],
+        "lib/systemd/catalog": ["packaging/journal/kimi-supervisor.catalog"],  # tests/logs/test_catalog.py
+    }
