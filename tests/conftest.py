@@ -163,16 +163,16 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: f
         time.sleep(interval)
 
 
-# The real-systemd and real-vLLM tiers boot containers and load a model: under pytest-xdist they go to a few
-# lanes, each an xdist group (one worker, its tests one at a time, in collection order), handed out first so the
-# unit tests fill the other workers beside them.  The lanes run beside each other: these tests mostly wait (a vLLM
-# start is imports, then polls; a fault's bound is a wait), and each lane's load is that of one suite's heavy tiers,
-# which a second suite beside this one already puts on the machine (docs/test-tiers.md: the measured split).
+# The real-systemd and real-vLLM tiers boot containers and load a model: under pytest-xdist they go to two lanes,
+# each an xdist group (one worker, its tests one at a time, in collection order), handed out first so the unit
+# tests fill the other workers beside them.  The lanes run beside each other: each lane's load is that of one
+# suite's heavy tiers, which a second suite beside this one already puts on the machine.
 HEAVY_TIERS = ("systemd", "vllm")
 HEAVY_DIRS = (REPO / "tests" / "nspawn", REPO / "tests" / "e2e")
-# Two lanes, one per core (a vLLM start's imports are one busy core; the baseline's heavy phase left the other
-# ~47% idle): the multi-node tests (marker `multinode`: two group starts' worth of vLLM at a time, their network
-# namespaces) in one, everything else heavy in the other; measured, 628 s and 699 s of the baseline's heavy tests.
+# Two lanes, one per core: a vLLM start is mostly one process importing, so one heavy test at a time left one of
+# the two cores idle (docs/test-tiers.md, "Where the time goes": 1444 s -> 886 s).  The multi-node tests (marker
+# `multinode`: they start a group and own a veth pair) in one, every other heavy test in the other; the baseline's
+# heavy tests split so: 628 s and 699 s.
 HEAVY_GROUP = "heavy-tiers"
 MULTINODE_GROUP = "heavy-multinode"
 # The unit tier mostly waits on child processes, sockets and timers, not on the CPU: more workers than cores
