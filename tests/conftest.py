@@ -163,11 +163,18 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: f
         time.sleep(interval)
 
 
-# The real-systemd and real-vLLM tiers boot containers and load a model: under pytest-xdist they all go to
-# one worker, one test at a time as before, so two heavy tests never overlap (the unit tests run beside them).
+# The real-systemd and real-vLLM tiers boot containers and load a model: under pytest-xdist they go to two lanes,
+# each an xdist group (one worker, its tests one at a time, in collection order), handed out first so the unit
+# tests fill the other workers beside them.  The lanes run beside each other: each lane's load is that of one
+# suite's heavy tiers, which a second suite beside this one already puts on the machine.
 HEAVY_TIERS = ("systemd", "vllm")
-HEAVY_GROUP = "heavy-tiers"
 HEAVY_DIRS = (REPO / "tests" / "nspawn", REPO / "tests" / "e2e")
+# Two lanes, one per core: a vLLM start is mostly one process importing, so one heavy test at a time left one of
+# the two cores idle (docs/test-tiers.md, "Where the time goes": 1444 s -> 886 s).  The multi-node tests (marker
+# `multinode`: they start a group and own a veth pair) in one, every other heavy test in the other; the baseline's
+# heavy tests split so: 628 s and 699 s.
+HEAVY_GROUP = "heavy-tiers"
+MULTINODE_GROUP = "heavy-multinode"
 # The unit tier mostly waits on child processes, sockets and timers, not on the CPU: more workers than cores
 # pay off.  Measured on 2 cores (docs/test-tiers.md): 3 workers 80 s, 4: 74 s, 6: 52 s, 8: 49 s (by then the
 # two cores are ~90% busy).  Capped: past that, many cores only add start-up (each worker collects the suite).
@@ -203,8 +210,7 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         config.option.numprocesses = "auto"
         if config.option.dist == "no":
             config.option.dist = "loadgroup"
-            # Work goes out in collection order, the heavy group last (below): the heavy tiers start when the
-            # unit tests are nearly all handed out, so the real vLLM's timings do not compete with 7 workers.
+            # Work goes out in collection order, the heavy lanes first (below).
             config.option.loadscopereorder = False
 
 
@@ -226,13 +232,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # First, because xdist's worker reads the group in its own hook, which runs before this conftest's
     # plain hooks; so before tests/nspawn's and tests/e2e's conftests add their tier's marker too: their
     # directories are named here as well.
-    heavy = []
+    lanes: dict[str, list[pytest.Item]] = {MULTINODE_GROUP: [], HEAVY_GROUP: []}
+    unit = []
     for item in items:
         path = Path(str(item.path)).resolve()
         if any(item.get_closest_marker(tier) for tier in HEAVY_TIERS) or any(d in path.parents for d in HEAVY_DIRS):
-            item.add_marker(pytest.mark.xdist_group(HEAVY_GROUP))
-            heavy.append(item)
-    items[:] = [item for item in items if item not in heavy] + heavy
+            group = MULTINODE_GROUP if item.get_closest_marker("multinode") else HEAVY_GROUP
+            item.add_marker(pytest.mark.xdist_group(group))
+            lanes[group].append(item)
+        else:
+            unit.append(item)
+    # The lanes first: xdist hands the first unit of work to each worker in turn, so each lane gets a worker of
+    # its own at once (a lane queued behind another on one worker would wait for it to end).
+    items[:] = [item for lane in lanes.values() for item in lane] + unit
 
 
 # CI runs the property tests with a fixed seed: a red build must be reproducible, not a dice roll.
