@@ -128,6 +128,8 @@ class Preflight:
         add = report.checks.append
         gpus = self._static_checks(add)
         add(timeouts.check_grace(self._cfg))
+        if self._cfg.child.vllm.config_file is not None:
+            add(checks.vllm_config(self._cfg.child.vllm))
         if self._pf.check_model:
             add(checks.check_model(self._cfg.child.vllm.model))
         if dry_run:  # a report for the operator; a real start sets the caches up at the spawn (cachedirs.py)
