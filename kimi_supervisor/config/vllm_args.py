@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import re
 
-# vLLM's own defaults (vllm/engine/arg_utils.py).
+# vLLM's own defaults (vllm/engine/arg_utils.py; the memory fraction is CacheConfig's in vllm/config/cache.py,
+# 0.92 in 0.32: tests/e2e/test_vllm_yaml_parser.py asks vLLM's parser).
 DEFAULT_HOST = "0.0.0.0"
 DEFAULT_PORT = 8000
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 
 _VALUE_OPTIONS = {
     "--model": "model",

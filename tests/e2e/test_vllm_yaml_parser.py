@@ -26,6 +26,7 @@ def test_the_supervisor_reads_the_yaml_as_vllm_does(vllm_bin: Path, tmp_path: Pa
     (tmp_path / "bools.yml").write_text(
         "model: /models/b\nenforce_eager: false\nport: 9002\nhost: 127.0.0.1\ngpu-memory-utilization: 0.8\n"
     )
+    (tmp_path / "defaults.yaml").write_text("model: /models/d\nhost: 127.0.0.1\n")
     k = str(tmp_path / "k.yaml")
     cases = [
         ["serve", "--config", k],
@@ -35,6 +36,9 @@ def test_the_supervisor_reads_the_yaml_as_vllm_does(vllm_bin: Path, tmp_path: Pa
         ["serve", "--config", k, "--served-model-name", "other", "--gpu-memory-utilization", "0.7"],
         ["serve", "--config", str(tmp_path / "bools.yml"), "--enforce-eager"],
         ["serve", "--config", str(tmp_path / "bools.yml")],
+        # vLLM's own defaults where neither file nor argv sets them (its host default, None, is "all
+        # interfaces", which the supervisor spells 0.0.0.0: host is compared where it is set)
+        ["serve", "--config", str(tmp_path / "defaults.yaml")],
     ]
     oracle = subprocess.run(
         [str(VENV / "bin" / "python"), str(HERE / "vllm_parse_oracle.py")],
