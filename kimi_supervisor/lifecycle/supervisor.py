@@ -26,6 +26,7 @@ from kimi_supervisor.child.process import Child, PreparedSpawn
 from kimi_supervisor.child.readiness import LineEvent, ReadinessTracker
 from kimi_supervisor.child.spawnplan import Unresolvable
 from kimi_supervisor.clock import Clock, format_duration
+from kimi_supervisor.config.gpu_pinning import ras_address
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import (
     ChildDied,
@@ -450,6 +451,7 @@ class Supervisor:
                 clock=self.reactor.steady_clock.monotonic,
                 wall=self.deps.wall,
                 log=self.log,
+                ras=ras_address(self.cfg.child.env),
             )
         except Exception as exc:  # evidence is best effort: a bug here must not change the stop or its exit code
             self.log.error("incident.failed", error=f"{type(exc).__name__}: {exc}"[:300])

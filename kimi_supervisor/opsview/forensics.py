@@ -9,7 +9,9 @@ without this the operator learns *that* vLLM hung, never *where*.  So first, bou
     or its read refused, is one logged line and a note in the file, never a failure;
   - NVML's view of our GPUs: memory, utilisation, clocks, and the health counters whose pending remaps and
     uncorrected ECC errors say the device is at fault (host/gpu.py's GpuHealth);
-  - the last /metrics sample the liveness thread took (requests running + waiting, and its age).
+  - the last /metrics sample the liveness thread took (requests running + waiting, and its age);
+  - NCCL's RAS status where its service answers on the child's NCCL_RAS_ADDR (opsview/ncclras.py), asked
+    beside the dumps under `RAS_S` (within `BUDGET_S`): no listener is one line in the file.
 One JSON file per incident in `<state dir>/<deployment>/incidents/` (0700, root's), each 0600 and written
 atomically (files/atomic.py); the oldest are removed past `KEEP` files or `MAX_TOTAL_BYTES`.  Its path goes
 into the history record, `status NAME` and the failure's journal record.
@@ -35,9 +37,12 @@ from kimi_supervisor.config.model import Config
 from kimi_supervisor.files.atomic import ensure_directory, write_atomic
 from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable
 from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.opsview import ncclras
 
 BUDGET_S = 4.0  # every dump together: what the stop may wait for the evidence
 PER_PROCESS_S = 3.0  # one py-spy run
+RAS_S = 3.0  # NCCL's RAS status, asked while the dumps run
+RAS_SHARE = 0.8  # of the budget at most: its answer is in before the capture stops waiting for it
 KEEP = 20
 MAX_TOTAL_BYTES = 64 << 20
 MAX_STACK_BYTES = 256 << 10  # a TP=8 tree of ~20 processes stays a few MiB
@@ -156,6 +161,7 @@ class Incident:
     dumper: str | None  # py-spy's path, or why there was none
     gpus: list[dict[str, Any]]
     metrics: dict[str, Any] | None
+    nccl_ras: dict[str, Any] | None = None  # ncclras.RasStatus; None: the child has no NCCL_RAS_ADDR
     seconds: float = 0.0
 
     def to_json(self) -> bytes:
@@ -178,10 +184,16 @@ def capture(
     wall: Callable[[], float],
     log: Logger,
     budget_s: float = BUDGET_S,
+    ras: tuple[str, int] | None = None,
 ) -> Incident:
     """`clock`: the loop's monotonic clock, the one `metrics`' time is on; `seconds` is real time, what the
-    capture delays the stop by."""
+    capture delays the stop by.  `ras`: the child's NCCL_RAS_ADDR, asked in a thread beside the dumps."""
     began, start = time.monotonic(), clock()
+    asking = None
+    if ras is not None:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-ras")
+        asking = pool.submit(ncclras.query, ras[0], ras[1], min(RAS_S, RAS_SHARE * budget_s))
+        pool.shutdown(wait=False)
     if dumper is None:
         stacks: list[StackDump] = []
         stacks_s = 0.0
@@ -194,8 +206,21 @@ def capture(
             log.warning("incident.stacks_missing", processes=len(refused), first=refused[0].error)
     sample = None if metrics is None else {"running_plus_waiting": metrics[1], "age_s": round(start - metrics[0], 3)}
     incident = Incident(wall(), reason, exit_code, stacks, stacks_s, dumper_note, gpu_view(probe, gpus), sample)
+    if asking is not None and ras is not None:
+        incident.nccl_ras = _ras_result(asking, began + budget_s, ras)
     incident.seconds = round(time.monotonic() - began, 3)
     return incident
+
+
+def _ras_result(
+    asking: concurrent.futures.Future[ncclras.RasStatus], deadline: float, ras: tuple[str, int]
+) -> dict[str, Any]:
+    """The query's answer, waited for no later than the capture's budget (the query bounds itself within it)."""
+    try:
+        status = asking.result(timeout=max(0.0, deadline - time.monotonic()))
+    except concurrent.futures.TimeoutError:
+        return {"address": f"{ras[0]}:{ras[1]}", "text": None, "note": "no answer within the capture's budget"}
+    return dataclasses.asdict(status)
 
 
 def store_for(cfg: Config) -> IncidentStore:
@@ -225,6 +250,7 @@ def record(
     wall: Callable[[], float],
     log: Logger,
     budget_s: float = BUDGET_S,
+    ras: tuple[str, int] | None = None,
 ) -> str | None:
     """Capture and save one incident; its path, or None when it could not be written (logged, never raised)."""
     found, note = dumper()
@@ -241,6 +267,7 @@ def record(
         wall=wall,
         log=log,
         budget_s=budget_s,
+        ras=ras,
     )
     try:
         path = store.save(incident)
@@ -253,9 +280,18 @@ def record(
         path=str(path),
         stacks=f"{dumped}/{len(procs)}",
         stacks_s=incident.stacks_s,
+        nccl_ras=_ras_summary(incident.nccl_ras),
         seconds=incident.seconds,
     )
     return str(path)
+
+
+def _ras_summary(found: dict[str, Any] | None) -> str:
+    if found is None:
+        return "no NCCL_RAS_ADDR"
+    if found.get("text") and not found.get("note"):
+        return f"report from {found['address']}"
+    return str(found.get("note") or "")[:200]
 
 
 class IncidentStore:
