@@ -250,7 +250,7 @@ def step_c(res: dict[str, Any], work: Path, fake: bool) -> None:
         c[f"importtime_{label}_total_ms"], c[f"importtime_{label}_top"] = importtime_top(envs[label])
     from bench import bench_lifecycle
 
-    rows = bench_lifecycle.spawn_rows((trees["source"], trees["compiled"]))
+    rows = bench_lifecycle.spawn_rows((trees["source"], trees["compiled"]), compile_first=False)
     c["spawn_rows"] = {label: dataclasses.asdict(row) for label, row in zip(trees, rows, strict=True)}
     c["nvml"] = nvml_times(fake)
     c["dry_run"] = dry_run_times(work, env, fake)
