@@ -331,6 +331,8 @@ class ChildProcess:
                     p = psutil.Process(pid)
                     if abs(p.create_time() - created) < CREATE_TIME_TOLERANCE_S:
                         found[pid] = p
+                    else:
+                        del self.known[pid]  # that member is gone; a stranger holds its PID now
                 except psutil.NoSuchProcess:
                     del self.known[pid]
         live = []
@@ -338,7 +340,9 @@ class ChildProcess:
             try:
                 if exited(p.pid):
                     continue
-                self.known.setdefault(p.pid, p.create_time())
+                # Assigned, not kept: a member found now on a PID an earlier member had is a new process,
+                # and signal_tree signals the identity remembered here (a PID namespace reuses PIDs soon).
+                self.known[p.pid] = p.create_time()
                 live.append(p)
             except psutil.NoSuchProcess:
                 continue
