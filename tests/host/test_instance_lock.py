@@ -17,8 +17,8 @@ from kimi_supervisor.cli import entry as cli
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.exitcodes import AnotherInstance, ExitCode, RuntimeDirectoryError
-from kimi_supervisor.files.atomic import write_atomic
 from kimi_supervisor.host import instance_lock
+from testkit.fakes.gpu_cli import write_gpu_file
 from testkit.fakes.log import RecordingLog
 from testkit.harness import Run, fake_config, fake_tree_of
 from tests.conftest import REPO, ProcSpawner, wait_for
@@ -122,11 +122,7 @@ def gpu_file(path: Path, occupants: dict[int, int], count: int = 1) -> Path:
     gpus: list[dict[str, Any]] = [{"total_mib": 97887, "occupants": {}} for _ in range(count)]
     for i, (pid, mib) in enumerate(occupants.items()):
         gpus[i % count]["occupants"][str(pid)] = mib
-    # Replaced whole (a new file renamed over the old), never rewritten in place: the running supervisor's fake
-    # probe re-reads it on every call, and a read between write_text's truncate and its write saw an empty file
-    # (JSONDecodeError inside the operator view: `operator_view.error` on a loaded machine).
-    write_atomic(path, json.dumps(gpus).encode())
-    return path
+    return write_gpu_file(path, gpus)  # replaced whole: the running supervisor's fake probe reads it any time
 
 
 def test_gpu_file_is_replaced_whole_never_rewritten_in_place(tmp_path: Path) -> None:
