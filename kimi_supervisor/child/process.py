@@ -33,7 +33,7 @@ from kimi_supervisor.child.spawnplan import (
 )
 from kimi_supervisor.config.model import SpawnSpec
 from kimi_supervisor.exitcodes import SpawnError
-from kimi_supervisor.host.procident import CREATE_TIME_TOLERANCE_S, ProcIdent, exited, group_signal, send_signal
+from kimi_supervisor.host.procident import ProcIdent, exited, group_signal, same_start, send_signal
 from kimi_supervisor.redact import REDACTED_BYTES, secret_bytes
 
 __all__ = ["ChildProcess", "LineSplitter", "SpawnSpec", "become_subreaper", "child_environment"]
@@ -207,7 +207,7 @@ class Child(Protocol):
 
     def refresh_members(self) -> Any: ...
 
-    def alive_members(self) -> list[Any]: ...  # psutil.Process in production: the loop reads only .pid
+    def alive_members(self) -> list[Any]: ...  # psutil.Process in production: the loop reads .pid, .create_time()
 
     def signal_tree(self, sig: signal.Signals) -> int: ...
 
@@ -329,7 +329,7 @@ class ChildProcess:
             if pid not in found:
                 try:
                     p = psutil.Process(pid)
-                    if abs(p.create_time() - created) < CREATE_TIME_TOLERANCE_S:
+                    if same_start(ProcIdent(pid, p.create_time()), ProcIdent(pid, created)):
                         found[pid] = p
                     else:
                         del self.known[pid]  # that member is gone; a stranger holds its PID now
