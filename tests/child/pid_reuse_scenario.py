@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -78,5 +79,50 @@ def main() -> None:
     print(json.dumps({"first": first, "second": second, "listed": second in members, "ended": ended}), flush=True)
 
 
+def session() -> None:
+    """The whole tree exits and is reaped; a stranger then gets the main's PID and, as a session leader
+    (setsid: what systemd does for every service it starts), the main's session id.  Prints whether the tree
+    listed it and whether signal_tree(SIGTERM) reached it."""
+    spec = SpawnSpec(
+        argv=(sys.executable, "-c", "pass"), env={}, inherit_environment=True, working_directory=None, user=None
+    )
+    child = ChildProcess.spawn(spec)
+    main_ident = identify(child.pid)
+    assert main_ident is not None
+    child.refresh_members()  # the main remembered, as a running supervisor would have it
+    until("the main's exit", lambda: child.poll() is not None)
+    child.reap()
+    until("a clock tick", lambda: time.time() > main_ident.create_time + 0.02)
+    with open("/proc/sys/kernel/ns_last_pid", "w") as fh:
+        fh.write(str(child.pid - 1))
+    stranger = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        sid = os.getsid(stranger.pid)
+        listed = stranger.pid in {p.pid for p in child.refresh_members()}
+        child.signal_tree(signal.SIGTERM)
+        spared = stranger.poll() is None and stranger.returncode is None
+        ended = False
+        try:
+            stranger.wait(timeout=0.5)  # a SIGTERM sent is delivered before kill() returns; this only collects it
+            ended = True
+        except subprocess.TimeoutExpired:
+            pass
+        print(
+            json.dumps(
+                {
+                    "main": child.pid,
+                    "stranger": stranger.pid,
+                    "sid": sid,
+                    "listed": listed,
+                    "signalled": ended or not spared,
+                }
+            ),
+            flush=True,
+        )
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
 if __name__ == "__main__":
-    main()
+    session() if sys.argv[1:] == ["session"] else main()
