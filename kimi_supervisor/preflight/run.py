@@ -340,8 +340,10 @@ class Preflight:
         """A victim that outlived SIGKILL in D state is stuck in the kernel: its GPUs free only with a GPU reset or
         a reboot, so say so now (the exit the unit does not restart on) instead of waiting preflight.deadline_s out.
         A survivor in another state (another PID namespace, a signal refused) keeps the wait: it may still go."""
-        states = [self._table.state(p.pid) for p in survivors]
-        stuck = [s for s in states if s is not None and s.uninterruptible]
+        states = [(p, self._table.state(p.pid)) for p in survivors]
+        # Alive asked after the state was read: a survivor that went since and left its PID to a newcomer in D
+        # state (a container's small PID namespace) is not stuck, and exit 22 is not restarted on.
+        stuck = [s for p, s in states if s is not None and s.uninterruptible and self._table.alive(p)]
         if not stuck:
             return
         pids = {s.pid for s in stuck}

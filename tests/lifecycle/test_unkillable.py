@@ -13,7 +13,9 @@ from pathlib import Path
 from kimi_supervisor.config.timeouts import SIGKILL_WAIT_S
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.host.procstate import ProcState
+from kimi_supervisor.host.proctable import ProcInfo
 from kimi_supervisor.states import State
+from testkit.fakes.clock import T0
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from testkit.fakes.lifecycle import FakeChild
 from testkit.fakes.lifecycle_world import HEALTH_LINE, World, serving_world
@@ -59,3 +61,25 @@ def test_a_member_that_outlives_sigkill_ends_the_run_with_22_naming_gpu_process_
     # what systemd shows: STATUS= says it plainly
     assert any("needs a reset or the host a reboot" in str(f.get("STATUS")) for _, f in w.notes.sent)
     assert w.clock.t >= t_kill + SIGKILL_WAIT_S
+
+
+def test_a_survivor_whose_pid_names_a_newcomer_when_it_is_read_is_not_stuck(tmp_path: Path) -> None:
+    """A member alive at the end of the SIGKILL wait that goes right after (the driver let it go at 5.01 s) frees
+    its PID; in a container's small PID namespace a newcomer can hold it when /proc is read. That newcomer's
+    state is not the survivor's: exit 22 (not restarted on, "GPU needs a reset") would be wrong. The survivor is
+    (PID, start time): the table's process on that PID started 10 s later, so nothing is stuck and the stop goes
+    on to the GPU wait."""
+    w = stuck_world(tmp_path)
+
+    def newcomer_on_the_pid() -> None:  # during the SIGKILL wait, once the member was listed as a survivor
+        child = w.child
+        assert child is not None
+        stranger = ProcInfo(child.pid, 1, "bash", ("bash",), 0, 1, T0 + 10.0)
+        w.table.add(stranger, lambda: True)
+        w.table.states[child.pid] = ProcState(child.pid, "bash", "S (sleeping)", "do_wait", None)
+
+    w.clock.at(3.0 + 2.0 + SIGKILL_WAIT_S - 0.05, newcomer_on_the_pid)  # the stop at 3 s, 2 s grace, then SIGKILL
+    rc = w.run()
+    assert not w.events("stop.unkillable")
+    assert rc != ExitCode.GPU_NEEDS_RESET, w.error
+    assert w.events("stop.survivors")  # the member was a survivor when the wait ended: the premise
