@@ -7,8 +7,8 @@ metrics then lie.  Every supervisor a test starts gets its own `[paths]`; this g
 It compares a snapshot taken when the session starts with one taken when it ends (the host may already hold
 these paths, e.g. a real service or `bash .ci/setup`): anything created, removed or changed in between fails the
 run, naming the path.  In `/dev/shm` only files named like ours (vLLM's and the nspawn tier's) that appeared
-during the session, still exist and that no live process holds, for SETTLE_S, count: another program's live files are not
-ours, and a held file is still in use.  The nspawn tier's directories also carry this session's tag
+during the session, still exist and that no live process holds, for SETTLE_S, count: another program's live
+files are not ours, and a held file is still in use.  The nspawn tier's directories also carry this session's tag
 (`KIMI_TEST_SESSION`): a second suite running beside this one on a shared CI machine has its own.
 
 The paths are injectable (`KIMI_HOST_GUARD_PATHS`, `KIMI_HOST_GUARD_SHM`) so that the test proving the guard
