@@ -299,20 +299,16 @@ def step_a(res: dict[str, Any], work: Path, mib: int, fake: bool, pyspy: str | N
         probe = fake_probe({proc.pid: mib}) if fake else nvml_probe()
         log = Events()
         ras_port = free_port()
-        incident = forensics.capture(
-            reason="gpu_incident.py: a worker judged hung (step a)",
-            exit_code=17,
-            procs=[(proc.pid, WORKER_COMM)],
-            dumper=dumper,
-            dumper_note=note,
-            probe=probe,
-            gpus=(0,),
-            metrics=None,
-            clock=time.monotonic,
-            wall=time.time,
-            log=log,
-            ras=("127.0.0.1", ras_port),
+        scene = forensics.Scene(
+            "gpu_incident.py: a worker judged hung (step a)",
+            17,
+            [(proc.pid, WORKER_COMM)],
+            probe,
+            (0,),
+            None,
+            ("127.0.0.1", ras_port),
         )
+        incident = forensics.capture(scene, dumper, note, clock=time.monotonic, wall=time.time, log=log)
         path = forensics.IncidentStore(work / "incidents").save(incident)
         a["worker_pid"] = proc.pid
         a["incident_file"] = {"name": path.name, "mode": oct(path.stat().st_mode & 0o777)}

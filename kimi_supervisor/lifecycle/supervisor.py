@@ -439,19 +439,22 @@ class Supervisor:
             info = self.deps.table.get(member.pid)
             procs.append((member.pid, info.name if info is not None else "?"))
         try:
+            scene = forensics.Scene(
+                reason,
+                exit_code,
+                procs,
+                self.deps.probe,
+                configured_gpus(self.deps.probe, self.cfg.preflight.gpus),
+                self.deep.in_flight_sample() if self.deep is not None else None,
+                ras_address(self.cfg.child.env),
+            )
             self.incident = forensics.record(
                 forensics.store_for(self.cfg),
-                reason=reason,
-                exit_code=exit_code,
-                procs=procs,
-                dumper=self.deps.dumper,
-                probe=self.deps.probe,
-                gpus=configured_gpus(self.deps.probe, self.cfg.preflight.gpus),
-                metrics=self.deep.in_flight_sample() if self.deep is not None else None,
+                scene,
+                self.deps.dumper,
                 clock=self.reactor.steady_clock.monotonic,
                 wall=self.deps.wall,
                 log=self.log,
-                ras=ras_address(self.cfg.child.env),
             )
         except Exception as exc:  # evidence is best effort: a bug here must not change the stop or its exit code
             self.log.error("incident.failed", error=f"{type(exc).__name__}: {exc}"[:300])

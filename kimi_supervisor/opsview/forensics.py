@@ -170,24 +170,34 @@ class Incident:
         return (json.dumps(doc, indent=1) + "\n").encode()
 
 
+@dataclasses.dataclass(frozen=True)
+class Scene:
+    """What one capture looks at: the stop's reason and exit code (None: the watchdog's coming kill), the tree's
+    members (PID, name), our GPUs, the last /metrics sample (its time on the loop's clock, running + waiting)
+    and the child's NCCL_RAS_ADDR."""
+
+    reason: str
+    exit_code: int | None
+    procs: list[tuple[int, str]]
+    probe: GpuProbe
+    gpus: tuple[int, ...]
+    metrics: tuple[float, float] | None
+    ras: tuple[str, int] | None = None
+
+
 def capture(
-    *,
-    reason: str,
-    exit_code: int | None,
-    procs: list[tuple[int, str]],
+    scene: Scene,
     dumper: Dumper | None,
     dumper_note: str,
-    probe: GpuProbe,
-    gpus: tuple[int, ...],
-    metrics: tuple[float, float] | None,
+    *,
     clock: Callable[[], float],
     wall: Callable[[], float],
     log: Logger,
     budget_s: float = BUDGET_S,
-    ras: tuple[str, int] | None = None,
 ) -> Incident:
-    """`clock`: the loop's monotonic clock, the one `metrics`' time is on; `seconds` is real time, what the
-    capture delays the stop by.  `ras`: the child's NCCL_RAS_ADDR, asked in a thread beside the dumps."""
+    """`clock`: the loop's monotonic clock, the one the metrics sample's time is on; `seconds` is real time, what
+    the capture delays the stop by.  The RAS address is asked in a thread beside the dumps."""
+    procs, ras, metrics = scene.procs, scene.ras, scene.metrics
     began, start = time.monotonic(), clock()
     asking = None
     if ras is not None:
@@ -205,7 +215,8 @@ def capture(
             # One line: a missing permission fails every dump the same way.
             log.warning("incident.stacks_missing", processes=len(refused), first=refused[0].error)
     sample = None if metrics is None else {"running_plus_waiting": metrics[1], "age_s": round(start - metrics[0], 3)}
-    incident = Incident(wall(), reason, exit_code, stacks, stacks_s, dumper_note, gpu_view(probe, gpus), sample)
+    view = gpu_view(scene.probe, scene.gpus)
+    incident = Incident(wall(), scene.reason, scene.exit_code, stacks, stacks_s, dumper_note, view, sample)
     if asking is not None and ras is not None:
         incident.nccl_ras = _ras_result(asking, began + budget_s, ras)
     incident.seconds = round(time.monotonic() - began, 3)
@@ -238,37 +249,17 @@ def default_dumper() -> tuple[Dumper | None, str]:
 
 def record(
     store: IncidentStore,
-    *,
-    reason: str,
-    exit_code: int | None,
-    procs: list[tuple[int, str]],
+    scene: Scene,
     dumper: Callable[[], tuple[Dumper | None, str]],
-    probe: GpuProbe,
-    gpus: tuple[int, ...],
-    metrics: tuple[float, float] | None,
+    *,
     clock: Callable[[], float],
     wall: Callable[[], float],
     log: Logger,
     budget_s: float = BUDGET_S,
-    ras: tuple[str, int] | None = None,
 ) -> str | None:
     """Capture and save one incident; its path, or None when it could not be written (logged, never raised)."""
     found, note = dumper()
-    incident = capture(
-        reason=reason,
-        exit_code=exit_code,
-        procs=procs,
-        dumper=found,
-        dumper_note=note,
-        probe=probe,
-        gpus=gpus,
-        metrics=metrics,
-        clock=clock,
-        wall=wall,
-        log=log,
-        budget_s=budget_s,
-        ras=ras,
-    )
+    incident = capture(scene, found, note, clock=clock, wall=wall, log=log, budget_s=budget_s)
     try:
         path = store.save(incident)
     except OSError as exc:
@@ -278,7 +269,7 @@ def record(
     log.info(
         "incident.saved",
         path=str(path),
-        stacks=f"{dumped}/{len(procs)}",
+        stacks=f"{dumped}/{len(scene.procs)}",
         stacks_s=incident.stacks_s,
         nccl_ras=_ras_summary(incident.nccl_ras),
         seconds=incident.seconds,
