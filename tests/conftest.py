@@ -163,18 +163,36 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: f
         time.sleep(interval)
 
 
-# The real-systemd and real-vLLM tiers boot containers and load a model: under pytest-xdist they go to two lanes,
-# each an xdist group (one worker, its tests one at a time, in collection order), handed out first so the unit
-# tests fill the other workers beside them.  The lanes run beside each other: each lane's load is that of one
-# suite's heavy tiers, which a second suite beside this one already puts on the machine.
+# The real-systemd and real-vLLM tiers boot containers and load a model: under pytest-xdist they go to lanes, each
+# an xdist group (one worker, its tests one at a time, in collection order), handed out first so the unit tests fill
+# the other workers beside them.  A heavy test spends much of its time waiting (a vLLM start is mostly one process
+# importing; a flood, a drain or a systemd timeout is mostly waiting), so on 2 cores three lanes keep both cores busy
+# where two left them idle ~40% of the heavy tests' time (docs/test-tiers.md, "Where the time goes": the CPU
+# seconds of each test against its wall time).  Nothing makes two heavy tests exclusive: each picks its own ports,
+# directories, containers and (multi-node) network namespaces, subnet and veth names (tests/e2e/netpair.py).
 HEAVY_TIERS = ("systemd", "vllm")
 HEAVY_DIRS = (REPO / "tests" / "nspawn", REPO / "tests" / "e2e")
-# Two lanes, one per core: a vLLM start is mostly one process importing, so one heavy test at a time left one of
-# the two cores idle (docs/test-tiers.md, "Where the time goes": 1444 s -> 886 s).  The multi-node tests (marker
-# `multinode`: they start a group and own a veth pair) in one, every other heavy test in the other; the baseline's
-# heavy tests split so: 628 s and 699 s.
-HEAVY_GROUP = "heavy-tiers"
-MULTINODE_GROUP = "heavy-multinode"
+HEAVY_LANES = 3
+HEAVY_LANE_PREFIX = "heavy-"
+# A heavy file's wall time in the suite on 2 cores beside the rest (docs/test-tiers.md, the per-test table, rounded):
+# only to balance the lanes (a module stays whole in one lane: its module fixtures start what its tests share).  A
+# file not named here counts DEFAULT_HEAVY_S; a wrong number only makes one lane end later, never a wrong result.
+HEAVY_FILE_S = {
+    "test_vllm_multinode_systemd.py": 460,
+    "test_vllm_multinode.py": 210,
+    "test_vllm_drain.py": 205,
+    "test_vllm_cache.py": 150,
+    "test_vllm_front.py": 120,
+    "test_vllm_front_systemd.py": 95,
+    "test_flood.py": 80,
+    "test_vllm_cpu.py": 70,
+    "test_vllm_incident.py": 55,
+    "test_vllm_liveness.py": 45,
+    "test_vllm_systemd.py": 42,
+    "test_vllm_checkpoint.py": 28,
+    "test_vllm_client_text.py": 27,
+}
+DEFAULT_HEAVY_S = 15
 # The unit tier mostly waits on child processes, sockets and timers, not on the CPU: more workers than cores
 # pay off.  Measured on 2 cores (docs/test-tiers.md): 3 workers 80 s, 4: 74 s, 6: 52 s, 8: 49 s (by then the
 # two cores are ~90% busy).  Capped: past that, many cores only add start-up (each worker collects the suite).
@@ -232,19 +250,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # First, because xdist's worker reads the group in its own hook, which runs before this conftest's
     # plain hooks; so before tests/nspawn's and tests/e2e's conftests add their tier's marker too: their
     # directories are named here as well.
-    lanes: dict[str, list[pytest.Item]] = {MULTINODE_GROUP: [], HEAVY_GROUP: []}
+    modules: dict[Path, list[pytest.Item]] = {}
     unit = []
     for item in items:
         path = Path(str(item.path)).resolve()
         if any(item.get_closest_marker(tier) for tier in HEAVY_TIERS) or any(d in path.parents for d in HEAVY_DIRS):
-            group = MULTINODE_GROUP if item.get_closest_marker("multinode") else HEAVY_GROUP
-            item.add_marker(pytest.mark.xdist_group(group))
-            lanes[group].append(item)
+            modules.setdefault(path, []).append(item)
         else:
             unit.append(item)
+    lanes = heavy_lanes({path: HEAVY_FILE_S.get(path.name, DEFAULT_HEAVY_S) for path in modules})
+    heavy: list[pytest.Item] = []
+    for name, paths in lanes.items():
+        for path in paths:
+            for item in modules[path]:
+                item.add_marker(pytest.mark.xdist_group(name))
+                heavy.append(item)
     # The lanes first: xdist hands the first unit of work to each worker in turn, so each lane gets a worker of
     # its own at once (a lane queued behind another on one worker would wait for it to end).
-    items[:] = [item for lane in lanes.values() for item in lane] + unit
+    items[:] = heavy + unit
+
+
+def heavy_lanes(seconds: dict[Path, int]) -> dict[str, list[Path]]:
+    """The heavy files dealt to HEAVY_LANES lanes, longest first, each to the lane that ends soonest so far (ties:
+    the lower lane; files of equal length: in the order given), so the suite ends with the longest lane."""
+    lanes: dict[str, list[Path]] = {f"{HEAVY_LANE_PREFIX}{n}": [] for n in range(1, HEAVY_LANES + 1)}
+    load = dict.fromkeys(lanes, 0)
+    for path in sorted(seconds, key=lambda p: -seconds[p]):
+        lane = min(lanes, key=lambda name: load[name])
+        lanes[lane].append(path)
+        load[lane] += seconds[path]
+    return lanes
 
 
 # CI runs the property tests with a fixed seed: a red build must be reproducible, not a dice roll.

@@ -21,6 +21,7 @@ from kimi_supervisor.systemd import show, unit
 from testkit.harness import REPO, Run, fake_tree_of, free_port, write_config
 from testkit.vllm_serve import VENV, VLLM_ENV, long_generation_argv
 from tests.e2e import drain_client
+from tests.e2e.model_info import seed_model_info
 from tests.nspawn import checkout
 from tests.nspawn.nspawn import NspawnMachine, available
 
@@ -148,6 +149,7 @@ def test_systemctl_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, 
     extra = [str(VENV), str(tiny_model)]
     with NspawnMachine(binds_ro=[*checkout.binds_ro(), *extra]) as m:
         m.write_file(CONFIG, host_cfg.read_text())
+        seed_model_info(m)  # as a host's warm cache: the start pays no model inspection of its own
         exe = checkout.install(m, UNIT, extra)  # this checkout's code, not whatever is on PATH
         m.install_unit(UNIT, unit.render(exe, Path(CONFIG), stop_s))
         assert show.parse_timespan(m.unit_property(UNIT, "TimeoutStopUSec")) == stop_s

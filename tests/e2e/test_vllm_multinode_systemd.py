@@ -46,6 +46,7 @@ from testkit.harness import write_config
 from testkit.vllm_serve import VENV
 from tests.conftest import wait_for
 from tests.e2e.group_config import node_sections
+from tests.e2e.model_info import seed_model_info
 from tests.e2e.netpair import NetPair
 from tests.nspawn import checkout
 from tests.nspawn.nspawn import NspawnMachine, available
@@ -203,6 +204,7 @@ def group(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             m.__enter__()
             machines.append(m)
             m.write_file(CONFIG, node_config(tmp, tiny_model, net, rank))
+            seed_model_info(m)  # as a host's warm cache: the first start pays no model inspection of its own
             launcher = checkout.install(m, UNIT, [str(VENV), str(tiny_model)])
             m.install_unit(UNIT, unit.render(launcher, Path(CONFIG)), reload=False)
             m.write_file(DROPIN, DROPIN_TEXT)

@@ -10,6 +10,7 @@ import pytest
 
 from kimi_supervisor.systemd import unit
 from testkit.vllm_serve import KV_CACHE_ARGS, VENV
+from tests.e2e.model_info import inodes, seed_model_info
 from tests.nspawn import checkout
 from tests.nspawn.nspawn import NspawnMachine, available
 
@@ -58,11 +59,13 @@ def test_real_vllm_under_systemd(vllm_bin: Path, tiny_model: Path) -> None:
     extra = [str(VENV), str(tiny_model)]
     with NspawnMachine(binds_ro=[*checkout.binds_ro(), *extra]) as m:
         m.write_file(CONFIG, cfg)
+        seeded = seed_model_info(m)  # as a host's warm cache: the start pays no model inspection of its own
         # This checkout's code, wherever it is cloned (the unit's PrivateTmp hides /tmp).
         m.install_unit(UNIT, unit.render(checkout.install(m, UNIT, extra), Path(CONFIG)))
         start = time.monotonic()
         m.systemctl("start", UNIT, timeout=300)
         took = time.monotonic() - start
+        assert inodes(m, seeded) == seeded  # the start read the seeded answer (a miss writes a new file)
         assert m.unit_property(UNIT, "ActiveState") == "active"
         assert m.unit_property(UNIT, "StatusText").startswith("ready: serving on http://127.0.0.1:8000")
         health = m.run(
