@@ -1,0 +1,70 @@
+"""What clients saw of the engine's restarts (docs/front.md, Metrics and status): the front's /front/metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+OUTCOMES = (
+    "forwarded",  # answered by the engine at the first try
+    "held",  # waited for the engine, then answered
+    "retried",  # a non-streamed request sent again after a restart, then answered
+    "resumed",  # a stream continued through the token-in route after a restart
+    "failed_restart",  # a restart broke it and it could not be completed (the alert's input)
+    "refused_route",  # a control route not in front.allow_routes
+    "rejected_full",  # queue_max requests held already
+    "rejected_timeout",  # the engine was not back within hold_s
+)
+RESTART_FAILURES = ("failed_restart", "rejected_full", "rejected_timeout")
+
+
+class FrontMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._requests = Counter(
+            "kimi_front_requests", "Requests the front finished, by outcome", ["outcome"], registry=self.registry
+        )
+        for outcome in OUTCOMES:
+            self._requests.labels(outcome)
+        self.serving = Gauge("kimi_front_engine_serving", "1 while the engine serves", registry=self.registry)
+        self.held = Gauge("kimi_front_held_requests", "Requests waiting for the engine now", registry=self.registry)
+        self.hold_seconds = Histogram(
+            "kimi_front_hold_seconds",
+            "How long a request waited for the engine",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900),
+            registry=self.registry,
+        )
+        self.outages = Counter("kimi_front_outages", "The engine stopped serving", registry=self.registry)
+        self.last_outage_wait = Gauge(
+            "kimi_front_last_outage_client_wait_seconds",
+            "Seconds clients waited, summed, in the last outage",
+            registry=self.registry,
+        )
+        self.restart_failures = Counter(
+            "kimi_front_restart_failures",
+            "Requests that failed because of an engine restart",
+            registry=self.registry,
+        )
+        self.counts = dict.fromkeys(OUTCOMES, 0)  # the same numbers for the state file and the tests
+        self.outage_wait_s = 0.0  # summed over the outage now under way
+
+    def finished(self, outcome: str) -> None:
+        self._requests.labels(outcome).inc()
+        self.counts[outcome] += 1
+        if outcome in RESTART_FAILURES:
+            self.restart_failures.inc()
+
+    def waited(self, seconds: float) -> None:
+        self.hold_seconds.observe(seconds)
+        self.outage_wait_s += seconds
+
+    def outage_began(self) -> None:
+        self.outages.inc()
+        self.serving.set(0)
+
+    def outage_ended(self) -> None:
+        self.serving.set(1)
+        self.last_outage_wait.set(self.outage_wait_s)
+        self.outage_wait_s = 0.0
+
+    def text(self) -> bytes:
+        return bytes(generate_latest(self.registry))

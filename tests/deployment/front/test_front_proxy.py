@@ -1,0 +1,227 @@
+"""The front's proxy against a stand-in engine on a Unix socket (docs/front.md): forwarding, streaming,
+refused routes, client disconnects, holding, retry and stream resume."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from tests.deployment.front.fake_engine import generate, prompt_ids, text_of
+from tests.deployment.front.harness import BOUND_S, run, running, stream_text, until
+
+pytest.importorskip("aiohttp")
+
+
+def test_a_request_and_health_go_through_to_the_engines_socket() -> None:
+    async def scenario() -> None:
+        async with running() as h:
+            async with h.client.get("/health") as answer:
+                assert answer.status == 200
+            async with h.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}) as answer:
+                assert answer.status == 200
+                doc = await answer.json()
+            want = "".join(map(text_of, generate(prompt_ids("/v1/completions", {"prompt": "hi"}), 3)))
+            assert doc["choices"][0]["text"] == want
+            async with h.client.get("/v1/models?x=1") as answer:
+                assert (await answer.json()) == {"path": "/v1/models"}
+            assert h.front.metrics.counts["forwarded"] == 2
+
+    run(scenario)
+
+
+def test_a_streams_first_chunk_reaches_the_client_while_the_engine_still_generates() -> None:
+    """No buffering: the engine sends its second token only after the client has read the first."""
+
+    async def scenario() -> None:
+        async with running() as h:
+            h.engine.hold_after_first = asyncio.Event()
+            body = {"prompt": "hi", "max_tokens": 4, "stream": True}
+            async with h.client.post("/v1/completions", json=body) as answer:
+                first = await asyncio.wait_for(answer.content.readuntil(b"\n\n"), BOUND_S)
+                assert b'"text": "<' in first or b'"text":"<' in first
+                h.engine.hold_after_first.set()
+                text, events = await stream_text(answer)
+            assert events[-1] == "[DONE]"
+            want = generate(prompt_ids("/v1/completions", body), 4)
+            assert first.decode().count("<") == 1 and text == "".join(map(text_of, want[1:]))
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/pause",
+        "/sleep",
+        "/scale_elastic_ep",
+        "/inference/v1/generate",
+        "/v1/chat/completions/render",
+        "/v1/load_lora_adapter",
+        "/v1/../pause",
+    ],
+)
+def test_control_routes_are_refused_and_never_reach_the_engine(path: str) -> None:
+    async def scenario() -> None:
+        async with running() as h:
+            async with h.client.post(path, json={}) as answer:
+                assert answer.status == 403
+                doc = await answer.json()
+            assert "front.allow_routes" in doc["error"]["message"]
+            assert h.engine.seen == []
+            assert h.front.metrics.counts["refused_route"] == 1
+
+    run(scenario)
+
+
+def test_a_control_route_in_allow_routes_is_forwarded() -> None:
+    async def scenario() -> None:
+        async with running(allow_routes=("/pause",)) as h:
+            async with h.client.post("/pause", data=b"") as answer:
+                assert answer.status == 200
+            assert [p for p, _ in h.engine.seen] == ["/pause"]
+
+    run(scenario)
+
+
+def test_a_client_that_leaves_mid_stream_aborts_the_engines_request() -> None:
+    async def scenario() -> None:
+        async with running() as h:
+            h.engine.hold_after_first = asyncio.Event()  # never set: the stream waits until its client leaves
+            answer = await h.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "stream": True})
+            await asyncio.wait_for(answer.content.readuntil(b"\n\n"), BOUND_S)
+            answer.close()  # the client goes away
+            await asyncio.wait_for(h.engine.aborted.wait(), BOUND_S)
+
+    run(scenario)
+
+
+def test_a_request_that_arrives_while_the_engine_is_down_waits_and_is_answered() -> None:
+    async def scenario() -> None:
+        async with running(engine_up=False, hold_s=BOUND_S) as h:
+            sent = asyncio.ensure_future(h.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}))
+            await until(lambda: h.front.gate.held == 1, "the request is held")
+            assert not sent.done()
+            await h.engine.start()
+            answer = await asyncio.wait_for(sent, BOUND_S)
+            assert answer.status == 200
+            answer.close()
+            assert h.front.metrics.hold_seconds._sum.get() > 0
+
+    run(scenario)
+
+
+def test_a_held_request_gets_503_with_retry_after_once_hold_s_passes() -> None:
+    async def scenario() -> None:
+        async with running(engine_up=False, hold_s=0.3) as h:
+            async with h.client.post("/v1/completions", json={"prompt": "a"}) as answer:
+                assert answer.status == 503
+                assert answer.headers["Retry-After"] == "1"
+                doc = await answer.json()
+            assert "did not come back within 0.3s" in doc["error"]["message"]
+            assert h.front.metrics.counts["rejected_timeout"] == 1
+
+    run(scenario)
+
+
+def test_past_queue_max_a_request_gets_503_at_once() -> None:
+    async def scenario() -> None:
+        async with running(engine_up=False, hold_s=BOUND_S, queue_max=1) as h:
+            first = asyncio.ensure_future(h.client.get("/v1/models"))
+            await until(lambda: h.front.gate.held == 1, "the first request is held")
+            async with h.client.get("/v1/models") as answer:
+                assert answer.status == 503
+                assert int(answer.headers["Retry-After"]) >= 1
+            assert h.front.metrics.counts["rejected_full"] == 1
+            await h.engine.start()
+            async with await asyncio.wait_for(first, BOUND_S) as answer:
+                assert answer.status == 200
+
+    run(scenario)
+
+
+def test_a_non_streamed_request_broken_by_a_crash_is_sent_again_once_the_engine_is_back() -> None:
+    async def scenario() -> None:
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.crash_before_answer = True
+            body = {"prompt": "again", "max_tokens": 3}
+            sent = asyncio.ensure_future(h.client.post("/v1/completions", json=body))
+            await until(lambda: h.engine.crashes == 1 and h.front.gate.held == 1, "the crash, then the hold")
+            await h.engine.restart()
+            async with await asyncio.wait_for(sent, BOUND_S) as answer:
+                assert answer.status == 200
+                doc = await answer.json()
+            assert doc["choices"][0]["text"] == "".join(map(text_of, generate(prompt_ids("/v1/completions", body), 3)))
+            assert [p for p, _ in h.engine.seen] == ["/v1/completions", "/v1/completions"]
+            assert h.front.metrics.counts["retried"] == 1
+
+    run(scenario)
+
+
+async def _uninterrupted(h: Any, path: str, body: dict[str, Any]) -> tuple[str, list[Any]]:
+    async with h.client.post(path, json=body) as answer:
+        assert answer.status == 200
+        return await stream_text(answer)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("error_chunk", [False, True], ids=["reset", "engine_dead_chunk"])
+def test_a_stream_broken_by_a_crash_is_resumed_with_the_uninterrupted_text(path: str, error_chunk: bool) -> None:
+    async def scenario() -> None:
+        chat = path.startswith("/v1/chat/")
+        body: dict[str, Any] = {"max_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}
+        body |= {"messages": [{"role": "user", "content": "tell"}]} if chat else {"prompt": "tell"}
+        async with running(hold_s=BOUND_S) as h:
+            want, plain = await _uninterrupted(h, path, body)
+            h.engine.seen.clear()
+            h.engine.crash_after = 5
+            h.engine.error_chunk_on_crash = error_chunk
+            sent = asyncio.ensure_future(h.client.post(path, json=body))
+            await until(lambda: h.engine.crashes == 1, "the engine crashed mid-stream")
+            await h.engine.restart()
+            async with await asyncio.wait_for(sent, BOUND_S) as answer:
+                assert answer.status == 200
+                text, events = await stream_text(answer)
+        assert text == want
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        assert not any("error" in e for e in events if isinstance(e, dict))
+        assert {e["id"] for e in events if isinstance(e, dict)} == {plain[0]["id"]}
+        # The client did not ask for token ids: none reach it, before the crash or after.
+        assert not any("token_ids" in c for e in events if isinstance(e, dict) for c in e.get("choices", []))
+        assert not any("prompt_token_ids" in e for e in events if isinstance(e, dict))
+        usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
+        prompt = prompt_ids(path, body)
+        assert usage == [{"prompt_tokens": len(prompt), "completion_tokens": 12, "total_tokens": len(prompt) + 12}]
+        paths = [p for p, _ in h.engine.seen]
+        assert paths == [path, path + "/render", "/inference/v1/generate"]
+        continuation = h.engine.seen[2][1]
+        assert continuation is not None
+        assert continuation["token_ids"] == prompt + generate(prompt, 5)
+        assert continuation["sampling_params"]["max_tokens"] == 12 - 5
+        assert h.front.metrics.counts["resumed"] == 1
+        if chat:
+            roles = [c["delta"].get("role") for e in events if isinstance(e, dict) for c in e["choices"]]
+            assert [r for r in roles if r] == ["assistant"]
+
+    run(scenario)
+
+
+def test_a_stream_that_cannot_be_resumed_ends_with_an_error_chunk_that_says_why() -> None:
+    async def scenario() -> None:
+        body = {"prompt": "tell", "max_tokens": 12, "stream": True, "n": 2}
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.crash_after = 3
+            sent = asyncio.ensure_future(h.client.post("/v1/completions", json=body))
+            await until(lambda: h.engine.crashes == 1, "the engine crashed mid-stream")
+            await h.engine.restart()
+            async with await asyncio.wait_for(sent, BOUND_S) as answer:
+                text, events = await stream_text(answer)
+            assert text == "".join(map(text_of, generate(prompt_ids("/v1/completions", body), 3)))
+            assert events[-1] == "[DONE]"
+            error = events[-2]["error"]
+            assert error["type"] == "engine_restart" and "n > 1" in error["message"]
+            assert h.front.metrics.counts["failed_restart"] == 1
+            assert "/inference/v1/generate" not in [p for p, _ in h.engine.seen]
+
+    run(scenario)
