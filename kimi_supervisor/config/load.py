@@ -249,10 +249,14 @@ def _parse_preflight(t: Table, child_user: str | None = None) -> PreflightConfig
     return PreflightConfig(gpus, threshold, poll, deadline, busy_log, check_model, check_port, reap, shm)
 
 
+# http+unix://%2Frun%2F...%2Fengine.sock/health: vLLM on its --uds socket (config/vllm_args.py).
+_URL = r"^(https?|http\+unix)://[^/\s]+(/\S*)?$"
+
+
 def _parse_readiness(t: Table, vllm: VllmArgs) -> ReadinessConfig:
     url = t.string("health_url", "") or vllm.health_url
-    if not re.match(r"^https?://[^/\s]+(/\S*)?$", url):
-        raise t.error("health_url", f"expected an http:// or https:// URL, got {url!r}")
+    if not re.match(_URL, url):
+        raise t.error("health_url", f"expected an http://, https:// or http+unix:// URL, got {url!r}")
     cfg = ReadinessConfig(
         started_patterns=t.patterns("started_patterns", DEFAULT_STARTED_PATTERNS),
         fatal_patterns=_fatal_rules(t),
@@ -326,8 +330,8 @@ def _parse_liveness(t: Table, vllm: VllmArgs) -> LivenessConfig:
     if when not in ("idle", "always"):
         raise t.error("when", f'expected "idle" or "always", got {when!r}')
     metrics_url = t.string("metrics_url", "") or vllm.api_url("/metrics")
-    if not re.match(r"^https?://[^/\s]+(/\S*)?$", metrics_url):
-        raise t.error("metrics_url", f"expected an http:// or https:// URL, got {metrics_url!r}")
+    if not re.match(_URL, metrics_url):
+        raise t.error("metrics_url", f"expected an http://, https:// or http+unix:// URL, got {metrics_url!r}")
     cfg = LivenessConfig(
         canary_interval_s=t.number("canary_interval_s", 60.0, maximum=86400, zero_ok=True),
         canary_timeout_s=t.number("canary_timeout_s", 10.0, maximum=600),
