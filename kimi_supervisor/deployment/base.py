@@ -9,10 +9,14 @@ import dataclasses
 from pathlib import Path
 
 from kimi_supervisor.checks import Check
+from kimi_supervisor.child.engine_socket import prepare_engine_socket
+from kimi_supervisor.child.process import PreparedSpawn
+from kimi_supervisor.config import layout
 from kimi_supervisor.config.gpu_pinning import ras_port
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.lifecycle.deps import Deps, RolePart
+from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.systemd import unit
 
 
@@ -33,6 +37,12 @@ class Deployment(RolePart):
         """Its child's NCCL RAS port (config/gpu_pinning.py): host-wide like its serving port, locked with the
         rest.  None: the config gives the child none (a deployment without GPUs)."""
         return ras_port(self.cfg.child.env)
+
+    def prepare_child(self, cfg: Config, prepared: PreparedSpawn | None, log: Logger) -> None:
+        """An engine on vLLM's --uds socket (behind its front, docs/front.md): its directory, no dead socket."""
+        if cfg.child.vllm.uds is not None:
+            identity = prepared.identity if prepared is not None else None
+            prepare_engine_socket(Path(cfg.child.vllm.uds), layout.of(cfg).runtime, identity, log)
 
     def run(self, deps: Deps, secrets: tuple[str, ...]) -> ExitCode:
         """Supervise until a stop request (0) or a failure (its SupervisorError)."""
