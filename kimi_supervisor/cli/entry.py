@@ -141,7 +141,7 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
         owner = instance_lock.find_owner(
             cfg.paths.runtime_directory,
             configured_gpus(probe, cfg.preflight.gpus),
-            cfg.child.vllm.port,
+            role.serving_port,
             cfg.deployment.name,
             cfg.metrics.textfile,
             role.lock_suffix,
@@ -201,7 +201,7 @@ def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
             lock = instance_lock.acquire(
                 cfg.paths.runtime_directory,
                 configured_gpus(probe, cfg.preflight.gpus),
-                cfg.child.vllm.port,
+                role.serving_port,
                 str(cfg.path),
                 deployment=cfg.deployment.name,
                 textfile=cfg.metrics.textfile,

@@ -33,6 +33,13 @@ class Deployment(RolePart):
         return None
 
     @property
+    def serving_port(self) -> int | None:
+        """The TCP port it serves on, locked host-wide; None: vLLM on its --uds socket, whose front owns the public
+        port (docs/front.md)."""
+        vllm = self.cfg.child.vllm
+        return None if vllm.uds is not None else vllm.port
+
+    @property
     def ras_port(self) -> int | None:
         """Its child's NCCL RAS port (config/gpu_pinning.py): host-wide like its serving port, locked with the
         rest.  None: the config gives the child none (a deployment without GPUs)."""
