@@ -22,6 +22,7 @@ _ROUTE = re.compile(r"^/[A-Za-z0-9_./{}-]*$")
 
 @dataclasses.dataclass(frozen=True)
 class FrontConfig:
+    deployment: str = "kimi-supervisor"  # its metrics' `deployment` label, as the engine's textfile has it
     host: str = "0.0.0.0"
     port: int = 8000
     # The engine's Unix socket (vLLM's --uds): <runtime>/NAME/front/engine.sock.
@@ -50,6 +51,7 @@ def parse_front(t: Table, runtime_directory: Path, name: str) -> FrontConfig:
         if not _ROUTE.match(route):
             raise t.error(f"allow_routes[{i}]", f"expected a path starting with '/', got {route!r}")
     cfg = FrontConfig(
+        deployment=name,
         host=host,
         port=t.integer("port", FrontConfig.port, minimum=1, maximum=65535),
         engine_socket=engine_socket(runtime_directory, name),

@@ -22,7 +22,7 @@ from aiohttp import web
 from kimi_supervisor.config.front import FrontConfig
 from kimi_supervisor.deployment.front.proxy import Front
 from testkit.fakes.log import RecordingLog
-from testkit.harness import REPO
+from testkit.harness import PRIVATE_SHM, REPO
 from testkit.vllm_serve import MAX_LEN, VLLM_ENV
 
 STREAMS = 32
@@ -48,8 +48,10 @@ class Vllm:
 
     def start(self) -> None:
         with self.log.open("ab") as out:
+            # Its own /dev/shm (a mount namespace, testkit/harness.py): a SIGKILLed vLLM leaves psm_* files there.
+            wrapper = ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM, "sh"]
             self.proc = subprocess.Popen(
-                self.argv,
+                [*wrapper, *self.argv],
                 env={**os.environ, **VLLM_ENV, "PYTHONPATH": str(REPO)},
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -160,8 +162,8 @@ def test_engine_core_sigkill_mid_generation_costs_no_client_anything(vllm_bin: P
             await _until(lambda: vllm.proc.poll() is not None, "vllm serve exits after its EngineCore", 120)
             await _until(lambda: not front.gate.serving, "the front sees the engine gone", 60)
             during = [asyncio.ensure_future(_plain(client, i)) for i in range(DURING)]
-            # vLLM 0.32 binds --uds without removing a stale socket (vllm/entrypoints/launchers/launcher.py create_server_unix_socket):
-            # whoever restarts it removes the dead one first, as the engine's supervisor does.
+            # vLLM 0.32 binds --uds without removing a dead socket (create_server_unix_socket in
+            # vllm/entrypoints/launchers/launcher.py): whoever restarts it removes it first, as its supervisor does.
             sock.unlink()
             vllm.start()
             got_streams = await asyncio.gather(*streams)

@@ -18,37 +18,42 @@ RESTART_FAILURES = ("failed_restart", "rejected_full", "rejected_timeout")
 
 
 class FrontMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self._requests = Counter(
-            "kimi_front_requests", "Requests the front finished, by outcome", ["outcome"], registry=self.registry
-        )
+    """Every series carries `deployment`, as the engine supervisor's textfile does: one alert rule covers every
+    deployment (packaging/prometheus/kimi-supervisor.rules.yml)."""
+
+    def __init__(self, deployment: str = "kimi-supervisor") -> None:
+        self.registry = r = CollectorRegistry()
+        d = ["deployment"]
+        self._requests = Counter("kimi_front_requests", "Requests the front finished", [*d, "outcome"], registry=r)
         for outcome in OUTCOMES:
-            self._requests.labels(outcome)
-        self.serving = Gauge("kimi_front_engine_serving", "1 while the engine serves", registry=self.registry)
-        self.held = Gauge("kimi_front_held_requests", "Requests waiting for the engine now", registry=self.registry)
+            self._requests.labels(deployment, outcome)
+        self._deployment = deployment
+        self.serving = Gauge("kimi_front_engine_serving", "1 while the engine serves", d, registry=r).labels(deployment)
+        self.held = Gauge("kimi_front_held_requests", "Requests waiting for the engine now", d, registry=r).labels(
+            deployment
+        )
         self.hold_seconds = Histogram(
             "kimi_front_hold_seconds",
             "How long a request waited for the engine",
+            d,
             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900),
-            registry=self.registry,
-        )
-        self.outages = Counter("kimi_front_outages", "The engine stopped serving", registry=self.registry)
+            registry=r,
+        ).labels(deployment)
+        self.outages = Counter("kimi_front_outages", "The engine stopped serving", d, registry=r).labels(deployment)
         self.last_outage_wait = Gauge(
             "kimi_front_last_outage_client_wait_seconds",
             "Seconds clients waited, summed, in the last outage",
-            registry=self.registry,
-        )
+            d,
+            registry=r,
+        ).labels(deployment)
         self.restart_failures = Counter(
-            "kimi_front_restart_failures",
-            "Requests that failed because of an engine restart",
-            registry=self.registry,
-        )
+            "kimi_front_restart_failures", "Requests that failed because of an engine restart", d, registry=r
+        ).labels(deployment)
         self.counts = dict.fromkeys(OUTCOMES, 0)  # the same numbers for the state file and the tests
         self.outage_wait_s = 0.0  # summed over the outage now under way
 
     def finished(self, outcome: str) -> None:
-        self._requests.labels(outcome).inc()
+        self._requests.labels(self._deployment, outcome).inc()
         self.counts[outcome] += 1
         if outcome in RESTART_FAILURES:
             self.restart_failures.inc()

@@ -89,7 +89,7 @@ class Front:
         self.hold_s = cfg.hold_s if hold_s is None else hold_s
         self.log = log
         self.gate = EngineGate(cfg.queue_max)
-        self.metrics = FrontMetrics()
+        self.metrics = FrontMetrics(cfg.deployment)
         self._kick = asyncio.Event()
         self._upstream: Upstream | None = None
         self._watcher: asyncio.Task[None] | None = None
