@@ -66,6 +66,10 @@ def _unit_stop_check(cfg: Config) -> Check | None:
 
 def _install_unit(cfg: Config, args: argparse.Namespace) -> int:
     config = args.config.resolve()
+    own = for_config(cfg).install_own_unit(config, args.unit_dir, reload=not args.no_reload)
+    if own is not None:  # a front's template (docs/front.md): a unit of its own, not the engine's pair
+        print(f"wrote {own}; now: systemctl enable --now {layout.unit_name(cfg.deployment.name, cfg.role)}.service")
+        return ExitCode.OK
     instance = args.instance
     if instance is not None:
         # One name for the instance, its config file, its files, its journal identifier and metrics label.

@@ -61,6 +61,11 @@ class Deployment(RolePart):
     def dry_run(self, checks: list[Check], gpu_count: int) -> None:
         """Add what the dry run shows of this role to its report's checks."""
 
+    def install_own_unit(self, config: Path, unit_dir: Path, reload: bool) -> Path | None:
+        """A role with a unit of its own, not the engine's pair, writes it here (install-unit) and returns its
+        path; None: install-unit writes the engine's units."""
+        return None
+
     def holder_unit(self, config: Path, instance: str | None) -> unit.HolderUnit | None:
         """The weight holder's unit that install-unit writes beside this deployment's; None: no holder."""
         return None

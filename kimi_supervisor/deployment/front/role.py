@@ -7,11 +7,14 @@ public one, which its engine on --uds leaves to it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.deployment.base import Deployment
-from kimi_supervisor.exitcodes import ExitCode
+from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.lifecycle.deps import Deps
+from kimi_supervisor.systemd import unit
 
 FRONT_SUFFIX = ".front"
 
@@ -32,6 +35,16 @@ class FrontRole(Deployment):
     @property
     def ras_port(self) -> int | None:
         return None  # no NCCL here
+
+    def install_own_unit(self, config: Path, unit_dir: Path, reload: bool) -> Path | None:
+        """kimi-supervisor-front@NAME runs NAME.front.toml beside the engine's NAME.toml."""
+        name = self.cfg.deployment.name
+        if config.name != f"{name}.front.toml":
+            raise ConfigError(
+                f"{config}: kimi-supervisor-front@{name} runs {config.parent}/{name}.front.toml: "
+                "name the front's config after its deployment"
+            )
+        return unit.install_front(config, unit_dir, reload=reload)
 
     def run(self, deps: Deps, secrets: tuple[str, ...]) -> ExitCode:
         # Imported here: only the front's host needs aiohttp (the [front] extra).
