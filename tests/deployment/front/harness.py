@@ -52,8 +52,7 @@ async def running(engine_up: bool = True, **settings: Any) -> AsyncIterator[Harn
         host="127.0.0.1",
         port=0,
         engine_socket=engine.socket,
-        engine_state_file=None,
-        **{"probe_interval_s": 0.1, **settings},
+        **{"probe_interval_s": 0.1, "engine_state_file": None, **settings},
     )
     log = RecordingLog()
     front = Front(cfg, log)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kimi_supervisor.opsview.statefile import process_start_time
 from tests.deployment.front.fake_engine import cuts, generate, prompt_ids, text_of_run, texts
 from tests.deployment.front.harness import BOUND_S, run, running, stream_text, until
 
@@ -110,6 +113,35 @@ def test_a_request_that_arrives_while_the_engine_is_down_waits_and_is_answered()
             assert answer.status == 200
             answer.close()
             assert h.front.metrics.hold_seconds._sum.get() > 0
+
+    run(scenario)
+
+
+def test_while_the_engines_supervisor_stops_it_new_requests_wait_then_eta_gives_retry_after(tmp_path: Path) -> None:
+    """A planned restart: the engine still answers /health while its supervisor drains it (state file phase
+    `stopping`), and new requests wait for the engine that comes after, not for the one going."""
+    state = tmp_path / "state.json"
+    me = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "version": "t", "config": "x"}
+
+    def phase(name: str, eta_s: float | None = None) -> None:
+        doc = {"schema": 1, "supervisor": me, "phase": name, "loading": {"eta_s": eta_s} if eta_s else None}
+        state.write_text(json.dumps(doc))
+
+    async def scenario() -> None:
+        phase("ready")
+        async with running(hold_s=BOUND_S, engine_state_file=state) as h:
+            phase("stopping")
+            await until(lambda: not h.front.gate.serving, "the front holds while the engine drains")
+            sent = asyncio.ensure_future(h.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}))
+            await until(lambda: h.front.gate.held == 1, "the request is held, the engine's /health still 200")
+            assert h.engine.seen == []
+            phase("starting", eta_s=41.2)
+            await until(lambda: h.front.gate.eta_s == 41.2, "the front reads the load ETA")
+            assert h.front.gate.retry_after_s(h.front.hold_s) == 42
+            phase("ready")
+            async with await asyncio.wait_for(sent, BOUND_S) as answer:
+                assert answer.status == 200
+            assert [p for p, _ in h.engine.seen] == ["/v1/completions"]
 
     run(scenario)
 
