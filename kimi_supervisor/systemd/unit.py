@@ -315,7 +315,7 @@ StateDirectoryMode=0755
 # running it as that account is the next step (docs/front.md).
 NoNewPrivileges=yes
 ProtectSystem=strict
-ProtectHome=yes
+ProtectHome=read-only
 PrivateTmp=yes
 PrivateDevices=yes
 PrivateMounts=yes

