@@ -73,6 +73,14 @@ class EngineBroke(Exception):
     """The engine went away under a request (a reset, a cut body, or its error chunk while /health fails)."""
 
 
+_HELD = web.RequestKey("kimi_front.held", bool)  # this request waited for the engine (metrics: outcome "held")
+
+
+def _outcome(request: web.Request, outcome: str) -> str:
+    """What a request answered at last counts as: "held" for one that waited and then went through at once."""
+    return "held" if outcome == "forwarded" and request.get(_HELD) else outcome
+
+
 def _headers(headers: Any) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _HOP}
 
@@ -174,10 +182,12 @@ class Front:
 
     # Holding -----------------------------------------------------------------------------------------
 
-    async def _hold(self) -> web.Response | None:
-        """None once the engine serves; else the 503 the request gets (queue full, or hold_s passed)."""
+    async def _hold(self, request: web.Request) -> web.Response | None:
+        """None once the engine serves; else the 503 the request gets (queue full, or hold_s passed).  A request
+        that waited is marked, so that it is counted `held` when it is answered (`_outcome`)."""
         if self.gate.serving:
             return None
+        request[_HELD] = True
         began = time.monotonic()
         try:
             served = await self.gate.wait(self.hold_s)
@@ -218,7 +228,7 @@ class Front:
         if kind is Kind.RESUMABLE and request.method == "POST":
             return await self._resumable(request, RESUMABLE[raw])
         if kind is not Kind.PROBE:
-            refused = await self._hold()
+            refused = await self._hold(request)
             if refused is not None:
                 return refused
         return await self._forward(request, kind)
@@ -250,7 +260,7 @@ class Front:
                 return _error(502, f"the engine went away ({type(exc).__name__})", "engine_restart")
             raise  # headers went out: cutting the body is the one honest answer left
         if kind is not Kind.PROBE:  # a monitor's polling is not client traffic
-            self.metrics.finished("forwarded")
+            self.metrics.finished(_outcome(request, "forwarded"))
         return response
 
     async def _read_body(self, request: web.Request) -> bytes | web.Response:
@@ -275,7 +285,7 @@ class Front:
         """A non-streamed completion: vLLM sends its answer whole at the end, so one broken before it is sent
         again; the answer is read whole (one JSON document) so that a break inside it can be retried too."""
         for attempt in range(self.cfg.max_attempts):
-            refused = await self._hold()
+            refused = await self._hold(request)
             if refused is not None:
                 return refused
             try:
@@ -285,8 +295,7 @@ class Front:
                     data = await answer.read()
                     if answer.status >= 500 and await self._engine_down_now():
                         raise EngineBroke
-                    outcome = "forwarded" if attempt == 0 else "retried"
-                    self.metrics.finished(outcome)
+                    self.metrics.finished(_outcome(request, "forwarded" if attempt == 0 else "retried"))
                     return web.Response(status=answer.status, body=data, headers=_headers(answer.headers))
             except (*BROKEN, EngineBroke) as exc:
                 self._engine_broke()
@@ -299,7 +308,7 @@ class Front:
         client = _Client(request)
         resumed = False
         for _attempt in range(self.cfg.max_attempts):
-            refused = await self._hold()
+            refused = await self._hold(client.request)
             if refused is not None:
                 if client.response is None:
                     return refused
@@ -315,7 +324,7 @@ class Front:
                 else:
                     resumed = True
                     await self._continue(client, body, record)
-                self.metrics.finished("resumed" if resumed else "forwarded")
+                self.metrics.finished(_outcome(request, "resumed" if resumed else "forwarded"))
                 assert client.response is not None
                 await client.response.write_eof()
                 return client.response
@@ -373,7 +382,7 @@ class Front:
                 data = await answer.read()
                 if answer.status >= 500 and await self._engine_down_now():
                     raise EngineBroke
-                self.metrics.finished("forwarded")
+                self.metrics.finished(_outcome(request, "forwarded"))
                 return web.Response(status=answer.status, body=data, headers=_headers(answer.headers))
             headers = _headers(answer.headers)
             async for data in self._events(answer):

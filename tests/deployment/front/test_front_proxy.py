@@ -113,6 +113,7 @@ def test_a_request_that_arrives_while_the_engine_is_down_waits_and_is_answered()
             assert answer.status == 200
             answer.close()
             assert h.front.metrics.hold_seconds._sum.get() > 0
+            assert (h.front.metrics.counts["held"], h.front.metrics.counts["forwarded"]) == (1, 0)
 
     run(scenario)
 
