@@ -64,10 +64,8 @@ class FrontMetrics:
 
     def outage_began(self) -> None:
         self.outages.inc()
-        self.serving.set(0)
 
     def outage_ended(self) -> None:
-        self.serving.set(1)
         self.last_outage_wait.set(self.outage_wait_s)
         self.outage_wait_s = 0.0
 

@@ -98,6 +98,9 @@ class Front:
         self.log = log
         self.gate = EngineGate(cfg.queue_max)
         self.metrics = FrontMetrics(cfg.deployment)
+        # Read at each scrape: what waits now, and whether the engine serves now.
+        self.metrics.held.set_function(lambda: self.gate.held)
+        self.metrics.serving.set_function(lambda: int(self.gate.serving))
         self._kick = asyncio.Event()
         self._upstream: Upstream | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -200,8 +203,6 @@ class Front:
                 "engine_restart",
                 retry,
             )
-        finally:
-            self.metrics.held.set(self.gate.held)
         self.metrics.waited(time.monotonic() - began)
         if served:
             return None

@@ -108,12 +108,19 @@ def test_a_request_that_arrives_while_the_engine_is_down_waits_and_is_answered()
             sent = asyncio.ensure_future(h.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}))
             await until(lambda: h.front.gate.held == 1, "the request is held")
             assert not sent.done()
+            async with h.client.get("/front/metrics") as answer:
+                scraped = await answer.text()
+            assert 'kimi_front_held_requests{deployment="kimi-supervisor"} 1.0' in scraped
+            assert 'kimi_front_engine_serving{deployment="kimi-supervisor"} 0.0' in scraped
             await h.engine.start()
             answer = await asyncio.wait_for(sent, BOUND_S)
             assert answer.status == 200
             answer.close()
             assert h.front.metrics.hold_seconds._sum.get() > 0
             assert (h.front.metrics.counts["held"], h.front.metrics.counts["forwarded"]) == (1, 0)
+            scraped = h.front.metrics.text().decode()
+            assert 'kimi_front_held_requests{deployment="kimi-supervisor"} 0.0' in scraped
+            assert 'kimi_front_engine_serving{deployment="kimi-supervisor"} 1.0' in scraped
 
     run(scenario)
 
