@@ -11,7 +11,7 @@ from pathlib import Path
 from kimi_supervisor.checks import Check
 from kimi_supervisor.child.engine_socket import prepare_engine_socket
 from kimi_supervisor.child.process import PreparedSpawn
-from kimi_supervisor.config import layout
+from kimi_supervisor.config import layout, role_spec
 from kimi_supervisor.config.gpu_pinning import ras_port
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import ExitCode
@@ -31,6 +31,11 @@ class Deployment(RolePart):
     def status_port(self) -> int | None:
         """A port of its own, locked with the rest (16 for a second supervisor that wants it)."""
         return None
+
+    @property
+    def has_child(self) -> bool:
+        """It spawns a child (config/role_spec.py): a dry run checks what the spawn would need."""
+        return role_spec.of(self.cfg.role).has_child
 
     @property
     def serving_port(self) -> int | None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from kimi_supervisor.checks import Check, Verdict
+from kimi_supervisor.config.load import load_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.deployment.base import Deployment
-from kimi_supervisor.exitcodes import ConfigError, ExitCode
+from kimi_supervisor.exitcodes import ConfigError, ExitCode, SupervisorError
 from kimi_supervisor.lifecycle.deps import Deps
 from kimi_supervisor.systemd import unit
 
@@ -53,6 +54,7 @@ class FrontRole(Deployment):
         return serve.run(self.front, deps.log, deps.notifier, deps.watchdog_s)
 
     def dry_run(self, checks: list[Check], gpu_count: int) -> None:
+        checks.insert(0, self._engine_check())
         front = self.front
         socket = front.engine_socket
         there = "there" if socket.exists() else "not there yet (the engine makes it when it starts)"
@@ -66,3 +68,21 @@ class FrontRole(Deployment):
                 {"host": front.host, "port": front.port, "engine_socket": str(socket)},
             ),
         )
+
+    def _engine_check(self) -> Check:
+        """Its engine's config, NAME.toml beside this one: vLLM on the socket the front reaches, and the
+        token-in route a resume needs (without --enable-scale-out vLLM 0.32 answers it 403)."""
+        name = self.cfg.deployment.name
+        path = self.cfg.path.parent / f"{name}.toml"
+        try:
+            engine = load_config(path)
+        except SupervisorError as exc:
+            return Check("front_engine", Verdict.WARN, f"its engine's config: {exc.message}")
+        wrong = []
+        if engine.child.vllm.uds != str(self.front.engine_socket):
+            wrong.append(f"--uds {self.front.engine_socket}")
+        if "--enable-scale-out" not in engine.child.argv:
+            wrong.append("--enable-scale-out (a broken stream's resume needs /inference/v1/generate)")
+        if wrong:  # the front starts all the same (the engine's config may change first): a warning
+            return Check("front_engine", Verdict.WARN, f"{path}: child.argv lacks {' and '.join(wrong)}")
+        return Check("front_engine", Verdict.OK, f"{path}: vLLM serves on {self.front.engine_socket}, scale-out on")

@@ -5,6 +5,7 @@ stand-in engine on the deployment's socket, a clean stop on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from pathlib import Path
 
@@ -83,6 +84,35 @@ def test_a_wrong_front_config_is_one_line_naming_the_key(
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert err.value.message == message.format(p=path)
+
+
+def test_a_fronts_dry_run_shows_its_own_checks_and_its_engines_flags_and_no_preflight(tmp_path: Path) -> None:
+    from tests.cli.test_entry import cli
+
+    config = _front_config(tmp_path, 8123)
+    sock = engine_socket(tmp_path / "run", "kimi-a")
+
+    def dry() -> tuple[int, dict[str, tuple[str, str]]]:
+        done = cli("--config", str(config), "--dry-run", "--json")
+        rows = {c["name"]: (c["status"], c["message"]) for c in json.loads(done.stdout)["checks"]}
+        return done.returncode, rows
+
+    code, rows = dry()
+    assert code == 0 and sorted(rows) == ["front", "front_engine"]  # no GPU, shm, model or port rows
+    assert rows["front_engine"][0] == "warn" and "kimi-a.toml" in rows["front_engine"][1]
+    engine = tmp_path / "kimi-a.toml"
+    engine.write_text(f'[child]\nargv = ["vllm", "serve", "/m", "--uds", "{sock}"]\n')
+    code, rows = dry()
+    assert (code, rows["front_engine"]) == (
+        0,
+        (
+            "warn",
+            f"{engine}: child.argv lacks --enable-scale-out (a broken stream's resume needs /inference/v1/generate)",
+        ),
+    )
+    engine.write_text(f'[child]\nargv = ["vllm", "serve", "/m", "--uds", "{sock}", "--enable-scale-out"]\n')
+    code, rows = dry()
+    assert (code, rows["front_engine"]) == (0, ("ok", f"{engine}: vLLM serves on {sock}, scale-out on"))
 
 
 def test_the_cli_runs_the_front_ready_once_it_listens_and_stops_on_sigterm(tmp_path: Path) -> None:
