@@ -117,10 +117,10 @@ class Front:
         app.on_cleanup.append(self._stop)
         return app
 
-    def runner(self) -> web.AppRunner:
+    def runner(self, shutdown_timeout: float = 10.0) -> web.AppRunner:
         # A client that disconnects cancels its handler: the engine's connection for it closes with it, and
         # vLLM aborts the request (its with_cancellation / StreamingResponse see the disconnect).
-        return web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        return web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
 
     async def _start(self, _: web.Application) -> None:
         self._upstream = Upstream(self.cfg.engine_socket, self.cfg.probe_timeout_s)

@@ -34,7 +34,7 @@ def headline(front: Front) -> str:
 
 async def serve(cfg: FrontConfig, log: Logger, notifier: Notifier, watchdog_s: float | None) -> None:
     front = Front(cfg, log)
-    runner = front.runner()
+    runner = front.runner(shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
     try:
         try:
@@ -61,8 +61,7 @@ async def serve(cfg: FrontConfig, log: Logger, notifier: Notifier, watchdog_s: f
         notifier.send(STOPPING=1, STATUS="stopping")
         log.info("front.stopping", held=front.gate.held)
     finally:
-        await runner.shutdown()
-        await runner.cleanup()
+        await runner.cleanup()  # stops listening, then closes the open connections within SHUTDOWN_S
 
 
 def run(cfg: FrontConfig, log: Logger, notifier: Notifier, watchdog_s: float | None) -> ExitCode:
