@@ -124,11 +124,15 @@ def test_the_cli_runs_the_front_ready_once_it_listens_and_stops_on_sigterm(tmp_p
 
     async def scenario() -> None:
         await engine.start()
-        run = Run(config, tmp_path)
+        run = Run(config, tmp_path, env={"WATCHDOG_USEC": "2000000"})  # systemd's WatchdogSec=2
         try:
             await asyncio.to_thread(run.wait_event, "front.listening", BOUND_S)
             ready = await asyncio.to_thread(_wait_notify, run, "READY", "1")
             assert ready is not None
+            # Its loop pings the watchdog (at most every second here), and its headline says the engine serves.
+            assert await asyncio.to_thread(_wait_notify, run, "WATCHDOG", "1") is not None
+            serving = await asyncio.to_thread(_wait_notify, run, "STATUS", f"serving: engine up, 127.0.0.1:{port}")
+            assert serving is not None
             async with aiohttp.ClientSession() as client:
                 url = f"http://127.0.0.1:{port}/v1/completions"
                 async with client.post(url, json={"prompt": "hi", "max_tokens": 2}) as answer:
