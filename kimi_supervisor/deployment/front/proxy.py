@@ -316,6 +316,7 @@ class Front:
                 return await self._end(client, record, "the engine did not come back within the hold bound")
             try:
                 if client.response is None:
+                    record.ids_asked = record.why_not is None and not record.wants_ids
                     sent = upstream_body(body) if record.why_not is None else body
                     reply = await self._relay(client, sent, record)
                     if reply is not None:
@@ -390,9 +391,16 @@ class Front:
                 if data == sse.DONE:
                     await client.write(sse.event(data), headers)
                     break
-                chunk = await self._chunk(data)
-                out = record.observe(chunk) if isinstance(chunk, dict) else chunk
-                await client.write(sse.event(data if out is chunk else json.dumps(out).encode()), headers)
+                if record.why_not is not None and not record.ids_asked and b'"error"' not in data:
+                    await client.write(sse.event(data), headers)  # sent as it came: nothing to keep
+                    record.events_sent += 1
+                    continue
+                raw = record.observe_raw(data) if b'"error"' not in data else None
+                if raw is None:
+                    chunk = await self._chunk(data)
+                    out = record.observe(chunk) if isinstance(chunk, dict) else chunk
+                    raw = data if out is chunk else json.dumps(out).encode()
+                await client.write(sse.event(raw), headers)
                 record.events_sent += 1
         return None
 

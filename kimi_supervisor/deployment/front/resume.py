@@ -8,6 +8,7 @@ client-format chunks that the generate route's output becomes.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -23,6 +24,14 @@ _SET_HERE = (
     "output_mode",
     "return_token_ids",
 )
+
+
+# A chunk after the first, read without parsing it (the hot path: one per token): vLLM writes compact JSON whose
+# keys never occur unescaped inside a string value, so `"token_ids":[...]` is the choice's key, not text.
+_IDS = re.compile(rb'"token_ids"\s*:\s*\[([0-9,\s]*)\]')
+_IDS_FIELD = re.compile(rb',\s*"token_ids"\s*:\s*\[[0-9,\s]*\]')
+_SHOWN = re.compile(rb'"(?:text|content)"\s*:\s*"(?!")')  # a non-empty text or content
+_FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
 
 
 class NotResumable(Exception):
@@ -73,6 +82,7 @@ class StreamRecord:
     model: str = ""
     role_sent: bool = False
     events_sent: int = 0
+    ids_asked: bool = False  # the front added return_token_ids: the client's chunks lose them again
     finished: bool = False  # a finish_reason went out
 
     @classmethod
@@ -111,8 +121,11 @@ class StreamRecord:
             return chunk
         out = {k: v for k, v in chunk.items() if k != "prompt_token_ids"}
         if choices:
+            # A completions choice says `"prompt_token_ids": null` when the ids are off (vLLM writes its nulls).
             out["choices"] = [
-                {k: v for k, v in c.items() if k not in ("token_ids", "prompt_token_ids")} if isinstance(c, dict) else c
+                {k: (None if k == "prompt_token_ids" else v) for k, v in c.items() if k != "token_ids"}
+                if isinstance(c, dict)
+                else c
                 for c in choices
             ]
         return out
@@ -127,6 +140,20 @@ class StreamRecord:
     @property
     def generated(self) -> int:
         return len(self.sent_ids) + len(self.held_ids)
+
+    def observe_raw(self, data: bytes) -> bytes | None:
+        """observe() for a chunk after the first, on its bytes: the event data the client gets, or None when the
+        chunk needs observe() (the first, one with several choices, or one this cannot read)."""
+        if not self.id:
+            return None
+        found = _IDS.findall(data)
+        if len(found) != 1 or b'"choices"' not in data:
+            return None
+        ids = [int(i) for i in found[0].replace(b" ", b"").split(b",") if i]
+        self._keep(ids, _SHOWN.search(data) is not None)
+        if _FINISHED.search(data):
+            self.finished = True
+        return data if self.wants_ids else _IDS_FIELD.sub(b"", data, count=1)
 
     def generate_body(self, rendered: object) -> dict[str, Any]:
         """The token-in request that continues this stream, from the render route's answer for its body."""
