@@ -274,6 +274,8 @@ class Front:
         body = await self._read_body(request)
         if isinstance(body, web.Response):
             return body
+        if b'"stream"' not in body:  # the common short request: not parsed here (the engine parses it)
+            return await self._retrying(request, body)
         try:
             parsed = parse_json(body, _JSON_DEPTH)
         except Untrusted:
