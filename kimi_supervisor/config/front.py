@@ -15,8 +15,10 @@ from kimi_supervisor.config.table import Table
 SOCKET_DIR = "front"  # below the deployment's runtime directory: the engine's socket, reached by the front only
 SOCKET_NAME = "engine.sock"
 # A hold without history: a restart with the weight holder takes 5-7 s on the H200 with stand-ins, a minute or
-# more with the real model (docs/weight-holder.md); the history's last load replaces it (docs/front.md, Holding).
+# more with the real model (docs/weight-holder.md); with a history, its last load decides (docs/front.md, Holding).
 DEFAULT_HOLD_S = 120.0
+HOLD_MARGIN_S = 30.0
+HOLD_BOUNDS_S = (60.0, 900.0)
 _ROUTE = re.compile(r"^/[A-Za-z0-9_./{}-]*$")
 
 
@@ -29,8 +31,12 @@ class FrontConfig:
     engine_socket: Path = Path("/run/kimi-supervisor/kimi-supervisor/front/engine.sock")
     # The engine supervisor's state file: its phase (stopping: hold new requests) and load ETA (Retry-After).
     engine_state_file: Path | None = None
+    # The engine supervisor's history: its last successful load sets hold_s when the config does not.
+    engine_history_file: Path | None = None
     queue_max: int = 1024  # requests held at once; the next is answered 503 at once
-    hold_s: float = DEFAULT_HOLD_S  # the longest a request waits for the engine, then 503 with Retry-After
+    # The longest a request waits for the engine, then 503 with Retry-After; None: from the engine's history
+    # (hold_from_history).
+    hold_s: float | None = None
     max_attempts: int = 3  # sends of one request to the engine (the first and the resumes)
     max_body_bytes: int = 32 << 20  # a resumable request's body is kept to be sent again
     allow_routes: tuple[str, ...] = ()  # control routes forwarded all the same (docs/front.md, Routes)
@@ -42,7 +48,16 @@ def engine_socket(runtime_directory: Path, name: str) -> Path:
     return runtime_directory / name / SOCKET_DIR / SOCKET_NAME
 
 
-def parse_front(t: Table, runtime_directory: Path, name: str) -> FrontConfig:
+def hold_from_history(last_load_s: float | None) -> float:
+    """hold_s when the config leaves it out: the engine's last successful load plus a margin, within bounds;
+    DEFAULT_HOLD_S without one."""
+    if last_load_s is None:
+        return DEFAULT_HOLD_S
+    low, high = HOLD_BOUNDS_S
+    return min(high, max(low, last_load_s + HOLD_MARGIN_S))
+
+
+def parse_front(t: Table, runtime_directory: Path, state_directory: Path, name: str) -> FrontConfig:
     """[front] of a front's config; ConfigError naming the file and key."""
     host = t.string("host", FrontConfig.host)
     assert host is not None
@@ -50,14 +65,17 @@ def parse_front(t: Table, runtime_directory: Path, name: str) -> FrontConfig:
     for i, route in enumerate(allow):
         if not _ROUTE.match(route):
             raise t.error(f"allow_routes[{i}]", f"expected a path starting with '/', got {route!r}")
+    given_hold = t.has("hold_s")
+    hold = t.number("hold_s", DEFAULT_HOLD_S, maximum=86400.0, zero_ok=True)
     cfg = FrontConfig(
         deployment=name,
         host=host,
         port=t.integer("port", FrontConfig.port, minimum=1, maximum=65535),
         engine_socket=engine_socket(runtime_directory, name),
         engine_state_file=runtime_directory / name / "state.json",
+        engine_history_file=state_directory / name / "history.json",
         queue_max=t.integer("queue_max", FrontConfig.queue_max, minimum=0, maximum=1 << 20),
-        hold_s=t.number("hold_s", FrontConfig.hold_s, maximum=86400.0, zero_ok=True),
+        hold_s=hold if given_hold else None,
         max_attempts=t.integer("max_attempts", FrontConfig.max_attempts, minimum=1, maximum=100),
         max_body_bytes=t.integer("max_body_bytes", FrontConfig.max_body_bytes, minimum=1024, maximum=1 << 30),
         allow_routes=allow,

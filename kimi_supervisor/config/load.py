@@ -615,7 +615,7 @@ def _parse_front(root: Table, reads: bool, deployment: DeploymentConfig, paths: 
                 "front", f'[front] is for a front\'s config (deployment.role = "front"), not {deployment.role.value!r}'
             )
         return None
-    return parse_front(root.table("front"), paths.runtime_directory, deployment.name)
+    return parse_front(root.table("front"), paths.runtime_directory, paths.state_directory, deployment.name)
 
 
 def parse_config(data: Mapping[str, Any], path: Path) -> Config:

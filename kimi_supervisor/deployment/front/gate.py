@@ -9,6 +9,17 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+from kimi_supervisor.opsview.history import load_history
+
+
+def last_load_s(history: Path | None) -> float | None:
+    """The engine's last successful load (its supervisor's history), read-only: a corrupt file is left as it is."""
+    if history is None:
+        return None
+    last = load_history(history, set_aside=False).last_successful_load()
+    return None if last is None else last.load_s
 
 
 class QueueFull(Exception):

@@ -16,9 +16,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kimi_supervisor.config.front import FrontConfig
+from kimi_supervisor.config.front import FrontConfig, hold_from_history
 from kimi_supervisor.deployment.front import sse
-from kimi_supervisor.deployment.front.gate import EngineGate, QueueFull
+from kimi_supervisor.deployment.front.gate import EngineGate, QueueFull, last_load_s
 from kimi_supervisor.deployment.front.metrics import FrontMetrics
 from kimi_supervisor.deployment.front.resume import (
     GENERATE_PATH,
@@ -92,9 +92,9 @@ def _error(status: int, message: str, kind: str, retry_after: int | None = None)
 
 
 class Front:
-    def __init__(self, cfg: FrontConfig, log: Logger, hold_s: float | None = None) -> None:
+    def __init__(self, cfg: FrontConfig, log: Logger) -> None:
         self.cfg = cfg
-        self.hold_s = cfg.hold_s if hold_s is None else hold_s
+        self.hold_s = cfg.hold_s if cfg.hold_s is not None else hold_from_history(last_load_s(cfg.engine_history_file))
         self.log = log
         self.gate = EngineGate(cfg.queue_max)
         self.metrics = FrontMetrics(cfg.deployment)

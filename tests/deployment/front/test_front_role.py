@@ -158,3 +158,25 @@ def _wait_notify(run: Run, key: str, value: str) -> object:
             return found
         time.sleep(0.02)
     return None
+
+
+@pytest.mark.parametrize(("load_s", "hold_s"), [(None, 120.0), (600.0, 630.0), (10.0, 60.0), (2000.0, 900.0)])
+def test_without_front_hold_s_the_hold_is_the_engines_last_load_plus_30_s(
+    tmp_path: Path, load_s: float | None, hold_s: float
+) -> None:
+    """docs/front.md, Holding: the engine's expected restart from its own history, at least 60 s, at most 900 s;
+    120 s without a history.  front.hold_s, when given, wins."""
+    from kimi_supervisor.deployment.front.proxy import Front
+    from kimi_supervisor.opsview.history import HistoryData, RunRecord, dump_history
+    from testkit.fakes.log import RecordingLog
+
+    cfg = load_config(_front_config(tmp_path, 8000))
+    assert cfg.front is not None and cfg.front.hold_s is None
+    history = cfg.front.engine_history_file
+    assert history == tmp_path / "state" / "kimi-a" / "history.json"
+    if load_s is not None:
+        history.parent.mkdir(parents=True)
+        history.write_bytes(dump_history(HistoryData([RunRecord(start=0.0, pid=1, ready=1.0, load_s=load_s)])))
+    assert Front(cfg.front, RecordingLog()).hold_s == hold_s
+    given = load_config(_front_config(tmp_path, 8000, hold_s=45))
+    assert given.front is not None and Front(given.front, RecordingLog()).hold_s == 45.0
