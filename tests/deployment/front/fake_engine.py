@@ -63,6 +63,11 @@ def generate(prompt: list[int], count: int) -> list[int]:
     return seq[len(prompt) :]
 
 
+def _forbidden() -> web.Response:
+    message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+    return web.json_response({"error": {"message": message, "type": "PermissionDeniedError", "code": 403}}, status=403)
+
+
 def sse(doc: object) -> bytes:
     return b"data: " + (doc if isinstance(doc, bytes) else json.dumps(doc).encode()) + b"\n\n"
 
@@ -73,6 +78,8 @@ class FakeEngine:
         self.seen: list[tuple[str, dict[str, Any] | None]] = []  # (path, body) of every request but /health
         self.healthy = True
         self.crash_after: int | None = None  # tokens of a stream sent, then it dies
+        self.crash_generate_after: int | None = None  # the same, in the token-in route's stream
+        self.scale_out = True  # without --enable-scale-out vLLM 0.32 answers render and generate 403
         self.crash_before_answer = False  # a non-streamed request kills it before its answer
         self.error_chunk_on_crash = False  # vLLM's EngineDeadError chunk, /health failing, then the exit
         self.hold_after_first: asyncio.Event | None = None  # a stream waits for it after its first token
@@ -197,6 +204,8 @@ class FakeEngine:
     async def _render(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.seen.append((request.path, body))
+        if not self.scale_out:
+            return _forbidden()
         path = request.path.removesuffix("/render")
         doc = {
             "request_id": "render-1",
@@ -222,6 +231,9 @@ class FakeEngine:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for n, token in enumerate(out):
+            if self.crash_generate_after is not None and n == self.crash_generate_after:
+                self.crash_generate_after = None
+                await self._die_in(request)
             last = n == len(out) - 1
             choice = {
                 "index": 0,

@@ -252,6 +252,53 @@ def test_a_stream_broken_by_a_crash_is_resumed_with_the_uninterrupted_text(path:
     run(scenario)
 
 
+def test_a_stream_broken_again_while_it_is_resumed_is_resumed_again_from_where_it_got() -> None:
+    async def scenario() -> None:
+        body = {"prompt": "tell", "max_tokens": 20, "stream": True}
+        async with running(hold_s=BOUND_S) as h:
+            want, _ = await _uninterrupted(h, "/v1/completions", body)
+            h.engine.seen.clear()
+            h.engine.crash_after, h.engine.crash_generate_after = 3, 6
+            sent = asyncio.ensure_future(h.client.post("/v1/completions", json=body))
+            for crashes in (1, 2):
+                await until(lambda n=crashes: h.engine.crashes == n, f"crash {crashes}")
+                await h.engine.restart()
+            async with await asyncio.wait_for(sent, BOUND_S) as answer:
+                text, events = await stream_text(answer)
+        assert text == want and events.count("[DONE]") == 1
+        assert not any("error" in e for e in events if isinstance(e, dict))
+        generates = [b for p, b in h.engine.seen if p == "/inference/v1/generate"]
+        prompt = prompt_ids("/v1/completions", body)
+        assert len(generates) == 2 and generates[0] is not None and generates[1] is not None
+        # The second continuation starts after what the first one showed: 3 tokens, then 6 more.
+        assert len(generates[1]["token_ids"]) - len(prompt) >= 3 + 6 - 1
+        assert generates[1]["token_ids"] == prompt + generate(prompt, len(generates[1]["token_ids"]) - len(prompt))
+        assert h.front.metrics.counts["resumed"] == 1
+
+    run(scenario)
+
+
+def test_an_engine_without_scale_out_ends_a_broken_stream_with_an_error_chunk_naming_the_403() -> None:
+    async def scenario() -> None:
+        body = {"prompt": "tell", "max_tokens": 12, "stream": True}
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.scale_out = False
+            h.engine.crash_after = 3
+            sent = asyncio.ensure_future(h.client.post("/v1/completions", json=body))
+            await until(lambda: h.engine.crashes == 1, "the engine crashed mid-stream")
+            await h.engine.restart()
+            h.engine.scale_out = False  # the same flags after its restart
+            async with await asyncio.wait_for(sent, BOUND_S) as answer:
+                _text, events = await stream_text(answer)
+        assert events[-1] == "[DONE]"
+        error = events[-2]["error"]
+        assert error["type"] == "engine_restart" and "the render route answered 403" in error["message"]
+        assert "--enable-scale-out" in error["message"]
+        assert h.front.metrics.counts["failed_restart"] == 1
+
+    run(scenario)
+
+
 def test_a_stream_that_cannot_be_resumed_ends_with_an_error_chunk_that_says_why() -> None:
     async def scenario() -> None:
         body = {"prompt": "tell", "max_tokens": 12, "stream": True, "n": 2}
