@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from kimi_supervisor.config.table import Table
+from kimi_supervisor.roles import Role
 
 SOCKET_DIR = "front"  # below the deployment's runtime directory: the engine's socket, reached by the front only
 SOCKET_NAME = "engine.sock"
@@ -33,6 +34,8 @@ class FrontConfig:
     engine_state_file: Path | None = None
     # The engine supervisor's history: its last successful load sets hold_s when the config does not.
     engine_history_file: Path | None = None
+    # Its own state file, which `kimi-supervisor status NAME` shows beside the engine's; None: none written.
+    state_file: Path | None = None
     queue_max: int = 1024  # requests held at once; the next is answered 503 at once
     # The longest a request waits for the engine, then 503 with Retry-After; None: from the engine's history
     # (hold_from_history).
@@ -74,6 +77,7 @@ def parse_front(t: Table, runtime_directory: Path, state_directory: Path, name: 
         engine_socket=engine_socket(runtime_directory, name),
         engine_state_file=runtime_directory / name / "state.json",
         engine_history_file=state_directory / name / "history.json",
+        state_file=runtime_directory / name / f"state{Role.FRONT.file_suffix}.json",
         queue_max=t.integer("queue_max", FrontConfig.queue_max, minimum=0, maximum=1 << 20),
         hold_s=hold if given_hold else None,
         max_attempts=t.integer("max_attempts", FrontConfig.max_attempts, minimum=1, maximum=100),

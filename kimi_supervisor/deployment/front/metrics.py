@@ -15,6 +15,7 @@ OUTCOMES = (
     "rejected_timeout",  # the engine was not back within hold_s
 )
 RESTART_FAILURES = ("failed_restart", "rejected_full", "rejected_timeout")
+KEEP_OUTAGES = 10  # in the state file
 
 
 class FrontMetrics:
@@ -51,22 +52,37 @@ class FrontMetrics:
         ).labels(deployment)
         self.counts = dict.fromkeys(OUTCOMES, 0)  # the same numbers for the state file and the tests
         self.outage_wait_s = 0.0  # summed over the outage now under way
+        # The last outages (the engine not serving, from the front's view), newest last: when each began and
+        # ended, the seconds clients waited, and what became of the requests it touched (docs/front.md).
+        self.outages_seen: list[dict[str, float | int | None]] = []
 
     def finished(self, outcome: str) -> None:
         self._requests.labels(self._deployment, outcome).inc()
         self.counts[outcome] += 1
         if outcome in RESTART_FAILURES:
             self.restart_failures.inc()
+        # Held, retried, resumed or failed requests end during or just after an outage: the latest one's.
+        key = "failed" if outcome in RESTART_FAILURES else outcome
+        if self.outages_seen and key in ("held", "retried", "resumed", "failed"):
+            latest = self.outages_seen[-1]
+            latest[key] = int(latest[key] or 0) + 1
 
     def waited(self, seconds: float) -> None:
         self.hold_seconds.observe(seconds)
         self.outage_wait_s += seconds
+        if self.outages_seen:
+            latest = self.outages_seen[-1]
+            latest["client_wait_s"] = float(latest["client_wait_s"] or 0.0) + seconds
 
-    def outage_began(self) -> None:
+    def outage_began(self, at: float) -> None:
         self.outages.inc()
+        record = {"began": at, "ended": None, "client_wait_s": 0.0, "held": 0, "retried": 0, "resumed": 0, "failed": 0}
+        self.outages_seen = [*self.outages_seen[-(KEEP_OUTAGES - 1) :], record]
 
-    def outage_ended(self) -> None:
+    def outage_ended(self, at: float) -> None:
         self.last_outage_wait.set(self.outage_wait_s)
+        if self.outages_seen:
+            self.outages_seen[-1]["ended"] = at
         self.outage_wait_s = 0.0
 
     def text(self) -> bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kimi_supervisor import __version__
 from kimi_supervisor.config.front import FrontConfig, hold_from_history
 from kimi_supervisor.deployment.front import sse
 from kimi_supervisor.deployment.front.gate import EngineGate, QueueFull, last_load_s
@@ -30,7 +32,7 @@ from kimi_supervisor.deployment.front.resume import (
 from kimi_supervisor.deployment.front.routes import RESUMABLE, Kind, classify
 from kimi_supervisor.deployment.front.upstream import BASE, BROKEN, Upstream
 from kimi_supervisor.logs.types import Logger
-from kimi_supervisor.opsview.statefile import read_state, writer_alive
+from kimi_supervisor.opsview.statefile import StateFile, process_start_time, read_state, writer_alive
 from kimi_supervisor.untrusted_json import Untrusted, parse_json
 
 # RFC 9110 7.6.1's hop-by-hop fields, and the framing the two connections each set for themselves.
@@ -104,6 +106,11 @@ class Front:
         self._kick = asyncio.Event()
         self._upstream: Upstream | None = None
         self._watcher: asyncio.Task[None] | None = None
+        path = cfg.state_file
+        self._state = None if path is None else StateFile(path.parent, log, path.name)
+        pid = os.getpid()
+        self._writer = {"pid": pid, "start_time": process_start_time(pid), "version": __version__, "config": ""}
+        self._started = time.time()
 
     @property
     def upstream(self) -> Upstream:
@@ -152,11 +159,45 @@ class Front:
         phase = doc.get("phase")
         return phase if isinstance(phase, str) else None
 
+    def headline(self) -> str:
+        """The front's one line (systemd's STATUS=, its state file's `status`)."""
+        gate = self.gate
+        if gate.serving:
+            return f"serving: engine up, {self.cfg.host}:{self.cfg.port}"
+        eta = f", ETA ~{gate.retry_after_s(self.hold_s)}s" if gate.eta_s is not None else ""
+        return f"holding {gate.held} request(s): engine not serving{eta}"
+
+    def write_state(self, phase: str = "ready", exit_code: int | None = None) -> None:
+        """Its state file for `status` (opsview/statefile.py's schema; the front's numbers under `front`)."""
+        if self._state is None:
+            return
+        now = time.time()
+        doc: dict[str, Any] = {
+            "schema": 1,
+            "supervisor": self._writer,
+            "phase": phase,
+            "status": self.headline() if phase == "ready" else phase,
+            "since": self._started,
+            "started_at": self._started,
+            "updated_at": now,
+            "ended_at": now if phase == "stopped" else None,
+            "exit_code": exit_code,
+            "front": {
+                "engine_serving": self.gate.serving,
+                "held": self.gate.held,
+                "hold_s": self.hold_s,
+                "requests": dict(self.metrics.counts),
+                "outages": list(self.metrics.outages_seen),
+            },
+        }
+        self._state.write(doc)
+
     async def _watch(self) -> None:
         while True:
             healthy = await self.upstream.healthy()
             serving = healthy and self._engine_phase() not in _HOLDING_PHASES
             self._set_serving(serving)
+            self.write_state()
             self._kick.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), self.cfg.probe_interval_s)
@@ -165,10 +206,10 @@ class Front:
         if not self.gate.set_serving(serving):
             return
         if serving:
-            self.metrics.outage_ended()
+            self.metrics.outage_ended(time.time())
             self.log.info("front.engine_serving", held=self.gate.held)
         else:
-            self.metrics.outage_began()
+            self.metrics.outage_began(time.time())
             self.log.warning("front.engine_unavailable", socket=str(self.cfg.engine_socket))
 
     def _engine_broke(self) -> None:

@@ -24,17 +24,10 @@ SHUTDOWN_S = 10.0
 TICK_S = 1.0  # the headline's refresh; the watchdog's ping comes at least every half period
 
 
-def headline(front: Front) -> str:
-    gate = front.gate
-    if gate.serving:
-        return f"serving: engine up, {front.cfg.host}:{front.cfg.port}"
-    eta = f", ETA ~{gate.retry_after_s(front.hold_s)}s" if gate.eta_s is not None else ""
-    return f"holding {gate.held} request(s): engine not serving{eta}"
-
-
 async def serve(cfg: FrontConfig, log: Logger, notifier: Notifier, watchdog_s: float | None) -> None:
     front = Front(cfg, log)
     runner = front.runner(shutdown_timeout=SHUTDOWN_S)
+    stopped = False
     await runner.setup()
     try:
         try:
@@ -46,7 +39,7 @@ async def serve(cfg: FrontConfig, log: Logger, notifier: Notifier, watchdog_s: f
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         log.info("front.listening", host=cfg.host, port=cfg.port, engine_socket=str(cfg.engine_socket))
-        said = headline(front)
+        said = front.headline()
         notifier.send(READY=1, STATUS=said)
         period = min(TICK_S, watchdog_s / 2) if watchdog_s else TICK_S
         while not stop.is_set():
@@ -54,14 +47,17 @@ async def serve(cfg: FrontConfig, log: Logger, notifier: Notifier, watchdog_s: f
                 await asyncio.wait_for(stop.wait(), period)
             if watchdog_s:
                 notifier.send(WATCHDOG=1)
-            now = headline(front)
+            now = front.headline()
             if now != said:
                 notifier.send(STATUS=now)
                 said = now
         notifier.send(STOPPING=1, STATUS="stopping")
         log.info("front.stopping", held=front.gate.held)
+        stopped = True
     finally:
         await runner.cleanup()  # stops listening, then closes the open connections within SHUTDOWN_S
+    if stopped:
+        front.write_state("stopped", exit_code=0)
 
 
 def run(cfg: FrontConfig, log: Logger, notifier: Notifier, watchdog_s: float | None) -> ExitCode:

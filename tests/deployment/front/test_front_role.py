@@ -22,7 +22,7 @@ from kimi_supervisor.roles import Role
 from testkit.harness import Run, write_config
 from testkit.procutil import free_port
 from tests.deployment.front.fake_engine import FakeEngine
-from tests.deployment.front.harness import BOUND_S
+from tests.deployment.front.harness import BOUND_S, until
 
 
 def _front_config(directory: Path, port: int, **front: object) -> Path:
@@ -133,19 +133,47 @@ def test_the_cli_runs_the_front_ready_once_it_listens_and_stops_on_sigterm(tmp_p
             assert await asyncio.to_thread(_wait_notify, run, "WATCHDOG", "1") is not None
             serving = await asyncio.to_thread(_wait_notify, run, "STATUS", f"serving: engine up, 127.0.0.1:{port}")
             assert serving is not None
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            async with (
+                aiohttp.ClientSession() as client,
+                client.post(url, json={"prompt": "hi", "max_tokens": 2}) as answer,
+            ):
+                assert answer.status == 200
+                assert (await answer.json())["choices"][0]["text"]
+            # An outage: the request sent during it is held, and the front's state file (which `status` shows)
+            # counts it against that outage.
+            state_file = tmp_path / "run" / "kimi-a" / "state.front.json"
+            await engine.crash()
+            await until(lambda: _front_doc(state_file).get("engine_serving") is False, "the outage in the state file")
             async with aiohttp.ClientSession() as client:
-                url = f"http://127.0.0.1:{port}/v1/completions"
-                async with client.post(url, json={"prompt": "hi", "max_tokens": 2}) as answer:
+                held = asyncio.ensure_future(client.post(url, json={"prompt": "hi", "max_tokens": 2}))
+                await until(lambda: _front_doc(state_file).get("held") == 1, "the request held")
+                await engine.restart()
+                async with await asyncio.wait_for(held, BOUND_S) as answer:
                     assert answer.status == 200
-                    assert (await answer.json())["choices"][0]["text"]
+            await until(lambda: (_front_doc(state_file).get("requests") or {}).get("held") == 1, "counted held")
+            [outage] = _front_doc(state_file)["outages"]
+            assert outage["ended"] >= outage["began"] and outage["held"] == 1 and outage["failed"] == 0
+            assert outage["client_wait_s"] > 0
             run.signal(signal.SIGTERM)
             assert await asyncio.to_thread(run.wait, BOUND_S) == 0
             assert run.notify.first("STOPPING", "1") is not None
+            assert json.loads(state_file.read_text())["phase"] == "stopped"
         finally:
             run.kill()
             await engine.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), 4 * BOUND_S))
+
+
+def _front_doc(path: Path) -> dict[str, object]:
+    """The `front` part of the front's state file ({} until it is written; it is replaced atomically)."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    front = doc.get("front")
+    return front if isinstance(front, dict) else {}
 
 
 def _wait_notify(run: Run, key: str, value: str) -> object:
