@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -185,3 +186,4 @@ def test_engine_core_sigkill_mid_generation_costs_no_client_anything(vllm_bin: P
         asyncio.run(asyncio.wait_for(scenario(), 4 * START_BOUND_S))
     finally:
         vllm.end()
+        shutil.rmtree(directory, ignore_errors=True)
