@@ -9,6 +9,7 @@ Rows 10 and 11 side by side with another checkout of the supervisor (the same fa
 
 from __future__ import annotations
 
+import compileall
 import os
 import random
 import signal
@@ -22,7 +23,7 @@ from typing import Any
 import psutil
 
 from bench.common import Row, median, ms, ready_lags, spread, table
-from testkit.harness import Run, fake_config, fake_tree_of
+from testkit.harness import REPO, Run, fake_config, fake_tree_of
 
 READY_RUNS = 10
 STOP_RUNS = 5
@@ -211,7 +212,21 @@ def _spawn_once(tmp: Path, tree: Path | None) -> float:
         run.kill()
 
 
-def spawn_rows(trees: tuple[Path | None, ...] = (None,)) -> list[Row]:
+def compile_tree(tree: Path | None) -> Path:
+    """The checkout's kimi_supervisor/ compiled to bytecode, as an installed package has it (pip compiles on
+    install); its directory.  The runs below set PYTHONDONTWRITEBYTECODE=1, so a fresh checkout (the device's
+    copy) would otherwise import from source in every run: on the H200, 480 ms against 305 ms compiled
+    (bench/results/issue35_gpu.md)."""
+    package = (tree or REPO) / "kimi_supervisor"
+    if not compileall.compile_dir(str(package), quiet=1):
+        raise RuntimeError(f"{package}: compileall failed")
+    return package
+
+
+def spawn_rows(trees: tuple[Path | None, ...] = (None,), compile_first: bool = True) -> list[Row]:
+    """`compile_first=False`: the trees as they are (gpuaccept/gpu_incident.py compares one without bytecode)."""
+    for tree in trees if compile_first else ():
+        compile_tree(tree)
     took: dict[Path | None, list[float]] = {t: [] for t in trees}
     for _ in range(SPAWN_RUNS):
         for tree in trees:  # interleaved, as row 10
@@ -220,7 +235,8 @@ def spawn_rows(trees: tuple[Path | None, ...] = (None,)) -> list[Row]:
     bare = _bare_start()
     return [
         Row(
-            f"11. supervisor start -> spawn, fake vLLM, process create times ({SPAWN_RUNS} runs)"
+            f"11. supervisor start -> spawn, fake vLLM, process create times"
+            f"{', bytecode compiled' if compile_first else ''} ({SPAWN_RUNS} runs)"
             + ("" if tree is None else f" [{tree}]"),
             "<= 300 ms",
             f"{spread(took[tree])}; bare `python3 -c pass`: {ms(bare)}",

@@ -49,8 +49,7 @@ def _detect_once(tmp: Path, liveness: dict[str, object]) -> tuple[float, int, st
     run = Run(fake_config(tmp, ["--wedged-after", str(WEDGED_AFTER_S)], liveness=liveness), tmp)
     try:
         run.wait_event("state.ready", timeout=60)
-        ready = run.notify.first("READY", "1")
-        assert ready is not None
+        ready = run.notify.wait_first("READY", "1")
         # The fake counts from its own ready, a few ms before READY=1: this slightly overstates detection.
         wedged_at = ready[0] + WEDGED_AFTER_S
         rc = run.proc.wait(timeout=120)

@@ -8,7 +8,6 @@ Writes bench/results/vllm_drain_cpu.md (and .json) with every run's numbers.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -25,6 +24,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kimi_supervisor.host.procident import alive as ident_alive  # noqa: E402
+from kimi_supervisor.host.procident import identify, send_signal  # noqa: E402
 from kimi_supervisor.liveness.vllm_metrics import MetricsError, fetch_metrics  # noqa: E402
 from testkit.sse_client import stream_completion  # noqa: E402
 from testkit.vllm_serve import MODEL_DIR, VENV, VLLM_ENV, long_generation_argv  # noqa: E402
@@ -63,7 +64,9 @@ def one_run(port: int, timeout_s: int, target: str, max_tokens: int, sigterm_aft
     while out.get("chunks", 0) < 5 and "end" not in out:
         time.sleep(0.05)
     time.sleep(sigterm_after)
-    members = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    # (PID, start time): a member that exits can leave its PID to a newcomer, which is neither signalled nor waited for.
+    found = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    members = [i for i in (identify(pid) for pid in found) if i is not None]
     try:
         in_flight = fetch_metrics(base + "/metrics", 2.0).in_flight
     except MetricsError:
@@ -74,9 +77,8 @@ def one_run(port: int, timeout_s: int, target: str, max_tokens: int, sigterm_aft
         os.kill(proc.pid, signal.SIGTERM)
     else:
         os.killpg(proc.pid, signal.SIGTERM)
-        for pid in members[1:]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+        for member in members[1:]:
+            send_signal(member, signal.SIGTERM)
     samples: list[tuple[float, float | None]] = []
     main_exit = None
     hung = False
@@ -90,7 +92,7 @@ def one_run(port: int, timeout_s: int, target: str, max_tokens: int, sigterm_aft
             break
         if main_exit is None and proc.poll() is not None:
             main_exit = time.monotonic() - t_term
-        alive = [p for p in members if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [m for m in members if ident_alive(m)]
         if not alive and main_exit is not None:
             break
         if main_exit is None:

@@ -153,17 +153,21 @@ def main(argv: Sequence[str]) -> int:
     say(f"Launching {ns.tp} weight cache daemon(s) for {ns.model}")
     for proc in procs:
         proc.start()
-    stopping = threading.Event()
+    # Set by the signal handler, which takes no lock, as vLLM's `_shutdown` (preload.py:289-296) takes none: a
+    # handler runs between two bytecodes of the main thread, also inside its own first run when a second SIGTERM
+    # comes (the supervisor signals the process group and each member: two), and a lock the first run holds
+    # (threading.Event.set's) would stop the second forever: the holder outlived the stop's grace until SIGKILL.
+    stopping: list[bool] = []
 
     def shutdown(*_: object) -> None:
-        stopping.set()
+        stopping.append(True)
         for proc in procs:
             proc.terminate()
 
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
     seen = 0
-    while seen < ns.tp and not stopping.is_set():
+    while seen < ns.tp and not stopping:
         try:
             ready_q.get(timeout=1.0)  # the real parent logs nothing per rank either (preload.py:298-301)
             seen += 1
@@ -177,7 +181,7 @@ def main(argv: Sequence[str]) -> int:
                     proc.join()
                 httpd.shutdown()
                 return max(code or 0 for code in dead) or 1
-    if not stopping.is_set():
+    if not stopping:
         Health.ready.set()
         say(READY_LINE.format(n=ns.tp, dir=ns.weight_cache_socket_dir), "preload.py:321")
     for proc in procs:

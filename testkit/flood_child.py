@@ -13,13 +13,19 @@ supervisor is past READY).  With --hold it keeps answering /health after the flo
 server that was merely chatty), after printing what it achieved.  With --fatal-after K, vLLM's own fatal
 record (EngineCore's "died unexpectedly", from tests/fixtures) follows the K-th line, flushed, and
 the CLOCK_MONOTONIC time just after it goes to --fatal-file (the tests' start of "acted on within 1 s").
+Beside ELAPSED_FILE: ELAPSED_FILE.cpu (its CPU seconds) and ELAPSED_FILE.waited (seconds it was runnable
+but waited for a CPU: the machine's load, which bench/bench_flood.py takes out of the elapsed time).
 """
 
 from __future__ import annotations
 
 import argparse
+import array
+import fcntl
 import http.server
+import os
 import sys
+import termios
 import threading
 import time
 
@@ -52,6 +58,44 @@ def wait_until_probed(port: int) -> threading.Event:
     return probed
 
 
+def run_delay_s() -> float:
+    """Seconds this thread has waited for a CPU while runnable (/proc/thread-self/schedstat's second field).
+
+    That wait is the machine's load, not the reader's: a writer blocked on a full pipe sleeps and is not
+    runnable, so its elapsed time minus this is what the reader cost it plus its own work."""
+    try:
+        with open("/proc/thread-self/schedstat") as fh:
+            return int(fh.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def cpu_of(pid: int) -> float:
+    """CPU seconds of every thread of `pid` (/proc/PID/task/*/schedstat: nanoseconds, not clock ticks)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                total += int(fh.read().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue  # that thread just ended
+    return total / 1e9
+
+
+def drained(fd: int, bound_s: float = 60.0) -> None:
+    """Until the reader has taken every byte written into the pipe `fd` (FIONREAD: bytes still unread)."""
+    deadline = time.monotonic() + bound_s
+    unread = array.array("i", [0])
+    while time.monotonic() < deadline:
+        try:
+            fcntl.ioctl(fd, termios.FIONREAD, unread)
+        except OSError:
+            return  # not a pipe
+        if unread[0] == 0:
+            return
+        time.sleep(0.001)
+
+
 def vllm_lines(count: int = DISTINCT) -> list[str]:
     return [
         f"(APIServer pid=213806) INFO 11-29 17:{i // 60 % 60:02d}:{i % 60:02d} [loggers.py:123] Engine 000: "
@@ -81,6 +125,8 @@ def main() -> None:
     lines = vllm_lines()
     start = time.monotonic()
     cpu = time.process_time()
+    waited_before = run_delay_s()
+    reader_before = cpu_of(os.getppid())
     done = 0
     if args.rate:
         while done < args.lines:
@@ -110,6 +156,11 @@ def main() -> None:
     if args.elapsed_file != "/dev/null":
         with open(args.elapsed_file + ".cpu", "w") as fh:  # elapsed - cpu: the time it waited (a full pipe)
             fh.write(repr(time.process_time() - cpu))
+        with open(args.elapsed_file + ".waited", "w") as fh:
+            fh.write(repr(run_delay_s() - waited_before))
+        drained(1)
+        with open(args.elapsed_file + ".reader", "w") as fh:  # the parent's CPU while it read the flood
+            fh.write(repr(cpu_of(os.getppid()) - reader_before))
     if args.hold:
         # A second later (a fresh metering second), say what was achieved; then serve quietly.
         time.sleep(1.1)

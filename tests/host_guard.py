@@ -7,8 +7,8 @@ metrics then lie.  Every supervisor a test starts gets its own `[paths]`; this g
 It compares a snapshot taken when the session starts with one taken when it ends (the host may already hold
 these paths, e.g. a real service or `bash .ci/setup`): anything created, removed or changed in between fails the
 run, naming the path.  In `/dev/shm` only files named like ours (vLLM's and the nspawn tier's) that appeared
-during the session, still exist and that no live process holds count: another program's live files are not
-ours, and a held file is still in use.  The nspawn tier's directories also carry this session's tag
+during the session, still exist and that no live process holds, for SETTLE_S, count: another program's live
+files are not ours, and a held file is still in use.  The nspawn tier's directories also carry this session's tag
 (`KIMI_TEST_SESSION`): a second suite running beside this one on a shared CI machine has its own.
 
 The paths are injectable (`KIMI_HOST_GUARD_PATHS`, `KIMI_HOST_GUARD_SHM`) so that the test proving the guard
@@ -21,7 +21,9 @@ import fnmatch
 import hashlib
 import os
 import stat
+import time
 import uuid
+from collections.abc import Callable
 
 import pytest
 
@@ -36,6 +38,11 @@ OUR_UNITS = ("kimi-supervisor*",)
 # second suite's containers come and go in the same /dev/shm, and they are that suite's to judge, not ours.
 SESSION_ENV = "KIMI_TEST_SESSION"
 TAGGED_GLOBS = ("kimi-nspawn-*",)
+# A vLLM or multiprocessing file can be seen in the instant between its last holder letting go and its unlink
+# (multiprocessing's resource tracker unlinks a semaphore after its owner exits; a second suite beside this one
+# makes such files all the time): one must stay unheld this long to count as left behind. A real leak stays.
+SETTLE_S = 5.0
+SETTLE_POLL_S = 0.1
 MAX_DEPTH = 3  # /etc/systemd/system/<target>.wants/<unit>: deeper trees are not systemd's layout
 
 Entry = tuple[str, int, int, str]  # kind, size, mtime_ns, content digest (our unit files only)
@@ -150,10 +157,19 @@ def held_files(directory: str) -> set[str]:
 class HostPathGuard:
     """Snapshots at session start, compares at session finish; in the xdist controller (or a plain run) only."""
 
-    def __init__(self, paths: tuple[str, ...], shm: str, tag: str) -> None:
+    def __init__(
+        self,
+        paths: tuple[str, ...],
+        shm: str,
+        tag: str,
+        clock: Callable[[], float] = time.monotonic,
+        pause: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.paths = paths
         self.shm = shm
         self.tag = tag
+        self.clock = clock
+        self.pause = pause
         self.before: dict[str, dict[str, Entry]] = {}
         self.shm_before: set[str] = set()
 
@@ -165,11 +181,20 @@ class HostPathGuard:
         found = []
         for path in self.paths:
             found += diff(self.before[path], snapshot_tree(path))
-        new = shm_names(self.shm, self.tag) - self.shm_before
-        if new:
-            held = held_files(self.shm)
-            found += [f"left behind: {os.path.join(self.shm, n)}" for n in sorted(new) if n not in held]
+        found += [f"left behind: {os.path.join(self.shm, n)}" for n in sorted(self.left_in_shm())]
         return found
+
+    def left_in_shm(self) -> set[str]:
+        """Our names new since the start that no live process holds, and that stay so for SETTLE_S."""
+        left = shm_names(self.shm, self.tag) - self.shm_before
+        deadline = self.clock() + SETTLE_S
+        while left:
+            left -= held_files(self.shm)
+            if not left or self.clock() >= deadline:
+                break
+            self.pause(SETTLE_POLL_S)
+            left &= shm_names(self.shm, self.tag)  # gone meanwhile: unlinked by its owner, not left behind
+        return left
 
 
 _GUARD = pytest.StashKey[HostPathGuard]()

@@ -55,7 +55,13 @@ def test_every_exit_code_is_documented() -> None:
 
 def test_first_lines_give_the_two_commands() -> None:
     block = README.split("```sh\n", 1)[1].split("```", 1)[0].splitlines()
-    assert block[0].startswith("python3 -m pip install . && kimi-supervisor --dry-run")
+    # A venv of its own: PEP 668 hosts (Debian 12, Ubuntu 24.04) refuse `pip install` into the system's python,
+    # and install-unit writes the executable it runs from (tests/systemd/test_install_venv.py).
+    venv = "/opt/kimi-supervisor"
+    assert block[0].startswith(
+        f"python3 -m venv {venv} && {venv}/bin/pip install . && {venv}/bin/kimi-supervisor --dry-run"
+    )
+    assert "python3 -m pip" not in block[0]
     assert block[1].startswith("bash .ci/setup && python3 -m pytest -q")
     assert "bash .ci/setup && python3 -m pytest -q" in (REPO / ".ci" / "run").read_text()
 

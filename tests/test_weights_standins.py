@@ -198,3 +198,69 @@ def test_a_real_load_to_the_gpu_sums_what_the_file_holds(tmp_path: Path) -> None
     (tmp_path / "w.bin").write_bytes(data)
     tensor, res = load_to_gpu(tmp_path / "w.bin", 0)
     assert res.nbytes == len(data) and res.checksum == int32_sum(data) == gpu_checksum(tensor)
+
+
+# Runs the holder stand-in with every SIGTERM handler wrapped so that each function it calls first gets a second
+# SIGTERM: `signal.raise_signal` runs the handler again at once, at that very point (PyErr_CheckSignals), as a
+# second signal landing there would.  The profile function runs untraced, so a nested run raises nothing itself;
+# it is on only while the handler runs, so the test's own SIGTERM never lands inside it (where nothing is traced).
+REENTERED = r"""
+import signal, sys
+sys.path.insert(0, sys.argv[1])
+from gpuaccept import holder_standin
+
+inside, real_signal = [], signal.signal
+
+def wrapped(signum, handler):
+    if signum != signal.SIGTERM or not callable(handler):
+        return real_signal(signum, handler)
+
+    def run(*args):
+        inside.append(True)
+        sys.setprofile(second_sigterm)
+        try:
+            handler(*args)
+        finally:
+            inside.pop()
+            if not inside:
+                sys.setprofile(None)
+
+    return real_signal(signum, run)
+
+def second_sigterm(frame, event, arg):
+    if inside and event in ("call", "c_call"):
+        signal.raise_signal(signal.SIGTERM)
+
+signal.signal = wrapped
+sys.exit(holder_standin.main(sys.argv[2:]))
+"""
+
+
+def test_the_holder_stops_when_a_second_sigterm_lands_inside_its_handler(tmp_path: Path) -> None:
+    """The supervisor SIGTERMs the process group and each member (lifecycle/stopping.py), so the holder's parent
+    gets two, and the second may land while the first one's handler runs.  vLLM's handler (preload.py `_shutdown`)
+    takes no lock; the stand-in's took one (`threading.Event.set`), and the second run, inside the first, waited
+    for it forever: the H200 run's holder stop of 30.14 s, SIGKILL at the grace (bench/results/reactor_h200.md;
+    on CPU 1 stop in 40-60 timed at random).  Here the second SIGTERM lands at every call the handler makes."""
+    model = tmp_path / "model"
+    model.mkdir()
+    data = os.urandom(1 << 16)
+    (model / "weights.bin").write_bytes(data)
+    write_meta(model, len(data), int32_sum(data))
+    sockets, hport = short_link(tmp_path / "sockets"), free_port()
+    env = {**os.environ, "WEIGHTS_FAKE": "1", "PYTHONUNBUFFERED": "1", "WEIGHTS_BENCH_DIR": str(tmp_path)}
+    args = ["--model", str(model), "-tp", "2", "--weight-cache-socket-dir", str(sockets)]
+    args += ["--weight-cache-health-port", str(hport), "--weight-cache-health-host", "127.0.0.1"]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", REENTERED, str(REPO), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+    )
+    try:
+        _line(holder, "Weight cache daemon READY", 30)
+        assert _health(hport) == 200
+        holder.send_signal(signal.SIGTERM)
+        # As after one SIGTERM: the ranks terminated, the parent exits max(their exit codes) = -15, status 241.
+        assert holder.wait(20) == 241
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()

@@ -33,7 +33,7 @@ from kimi_supervisor.child.spawnplan import (
 )
 from kimi_supervisor.config.model import SpawnSpec
 from kimi_supervisor.exitcodes import SpawnError
-from kimi_supervisor.host.procident import CREATE_TIME_TOLERANCE_S, ProcIdent, exited, group_signal, send_signal
+from kimi_supervisor.host.procident import ProcIdent, exited, group_signal, identify, same_start, send_signal
 from kimi_supervisor.redact import REDACTED_BYTES, secret_bytes
 
 __all__ = ["ChildProcess", "LineSplitter", "SpawnSpec", "become_subreaper", "child_environment"]
@@ -207,7 +207,7 @@ class Child(Protocol):
 
     def refresh_members(self) -> Any: ...
 
-    def alive_members(self) -> list[Any]: ...  # psutil.Process in production: the loop reads only .pid
+    def alive_members(self) -> list[Any]: ...  # psutil.Process in production: the loop reads .pid, .create_time()
 
     def signal_tree(self, sig: signal.Signals) -> int: ...
 
@@ -306,17 +306,20 @@ class ChildProcess:
     def _members(self, scan_sessions: bool) -> list[psutil.Process]:
         found: dict[int, psutil.Process] = {}
         try:
-            root = psutil.Process(self.pid)
-            found[root.pid] = root
-            for p in root.children(recursive=True):
-                found[p.pid] = p
+            # Only while the main is unreaped: after, its PID may name a newcomer (and its children), and the
+            # main's orphans are found below, as our children or by the session id.
+            if self._popen.returncode is None:
+                root = psutil.Process(self.pid)
+                found[root.pid] = root
+                for p in root.children(recursive=True):
+                    found[p.pid] = p
         except psutil.NoSuchProcess:
             pass
         if self._owns_all:
             # Our other children are the tree's orphans (we are a subreaper).
             for p in psutil.Process().children(recursive=True):
                 found.setdefault(p.pid, p)
-        if scan_sessions:
+        if scan_sessions and self._session_id_is_ours():
             # Members that called setsid() or lost their parent: a walk over every process.
             for p in psutil.process_iter():
                 if p.pid not in found:
@@ -329,8 +332,10 @@ class ChildProcess:
             if pid not in found:
                 try:
                     p = psutil.Process(pid)
-                    if abs(p.create_time() - created) < CREATE_TIME_TOLERANCE_S:
+                    if same_start(ProcIdent(pid, p.create_time()), ProcIdent(pid, created)):
                         found[pid] = p
+                    else:
+                        del self.known[pid]  # that member is gone; a stranger holds its PID now
                 except psutil.NoSuchProcess:
                     del self.known[pid]
         live = []
@@ -338,11 +343,20 @@ class ChildProcess:
             try:
                 if exited(p.pid):
                     continue
-                self.known.setdefault(p.pid, p.create_time())
+                # Assigned, not kept: a member found now on a PID an earlier member had is a new process,
+                # and signal_tree signals the identity remembered here (a PID namespace reuses PIDs soon).
+                self.known[p.pid] = p.create_time()
                 live.append(p)
             except psutil.NoSuchProcess:
                 continue
         return live
+
+    def _session_id_is_ours(self) -> bool:
+        """The session id is the main's PID.  Until the main is reaped, that PID (so the id) cannot be handed out
+        again; after, a newcomer holding the PID (a small PID namespace) may lead a session of the same id, the
+        stranger's: setsid() is what systemd does for every service.  While members of ours remain in the session
+        the kernel keeps the number from being reused, so a process holding it means they are gone."""
+        return self._popen.returncode is None or identify(self.sid) is None
 
     def signal_tree(self, sig: signal.Signals) -> int:
         """Signal the process group and every listed member; returns how many were signalled.

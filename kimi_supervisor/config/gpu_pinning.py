@@ -100,9 +100,15 @@ def ras_env(env: Mapping[str, str], gpus: tuple[int, ...] | None, holder: bool) 
     return out
 
 
-def ras_port(env: Mapping[str, str]) -> int | None:
-    """The port of child.env's NCCL_RAS_ADDR (the supervisor locks it like its serving port), None if unset."""
+def ras_address(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """child.env's NCCL_RAS_ADDR as (host, port): where the child's RAS service listens; None if unset."""
     host, sep, port = env.get(NCCL_RAS_ADDR, "").rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         return None
-    return int(port)
+    return host.strip("[]"), int(port)  # "[::1]:28028": the brackets are the address's, not the host's
+
+
+def ras_port(env: Mapping[str, str]) -> int | None:
+    """The port of child.env's NCCL_RAS_ADDR (the supervisor locks it like its serving port), None if unset."""
+    address = ras_address(env)
+    return address[1] if address else None

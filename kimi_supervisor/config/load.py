@@ -46,6 +46,7 @@ from kimi_supervisor.config.model import (
 from kimi_supervisor.config.rank_flags import RankFlagError, group_argv, strip_rank_flags
 from kimi_supervisor.config.table import MISSING, Table, describe, short_repr
 from kimi_supervisor.config.vllm_args import VllmArgs, parse_vllm_args
+from kimi_supervisor.config.vllm_yaml import expand
 from kimi_supervisor.config.weights import WeightsArgError, socket_dir
 from kimi_supervisor.exitcodes import ConfigError
 from kimi_supervisor.redact import redact_argv
@@ -157,9 +158,13 @@ def _parse_child(t: Table) -> ChildConfig:
     if group is not None and user is None:
         raise t.error("group", "is set without child.user: the child would keep root's user with another group")
     try:
-        vllm = parse_vllm_args(argv)
+        # What vLLM will see: its --config file's flags in place (config/vllm_yaml.py).
+        seen, yaml_file = expand(argv, cwd)
+        vllm = parse_vllm_args(seen)
     except ValueError as exc:
         raise t.error("argv", str(exc)) from None
+    if yaml_file is not None:
+        vllm = dataclasses.replace(vllm, config_file=str(yaml_file))
     t.done()
     return ChildConfig(tuple(argv), dict(env_table), inherit, cwd, user, group, credentials=credentials, vllm=vllm)
 
@@ -626,6 +631,12 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     deployment = _parse_deployment(root.table("deployment"), path)
     spec = role_spec.of(deployment.role)
     child = _parse_child(root.table("child")) if spec.has_child else _no_child(root, deployment.role)
+    if child.vllm.config_file is not None and ("cluster" in data or "weights" in data):
+        # Their rank and weight-cache flags are checked, and written, in child.argv's own words.
+        raise ConfigError(
+            f"{path}: child.argv: --config {child.vllm.config_file}: a multi-node or weight-holder deployment "
+            "keeps every vLLM flag in child.argv, where the supervisor checks its rank and weight-cache flags"
+        )
     paths = _parse_paths(root.table("paths"), path)
     front = _parse_front(root, spec.reads_front, deployment, paths)
     # Before readiness and liveness: a holder's /health is on the port its argv gets here.

@@ -9,12 +9,14 @@ list (never a shell string), so this is a small option scanner.
 from __future__ import annotations
 
 import dataclasses
+import re
 import urllib.parse
 
-# vLLM's own defaults (vllm/engine/arg_utils.py).
+# vLLM's own defaults (vllm/engine/arg_utils.py; the memory fraction is CacheConfig's in vllm/config/cache.py,
+# 0.92 in 0.32: tests/e2e/test_vllm_yaml_parser.py asks vLLM's parser).
 DEFAULT_HOST = "0.0.0.0"
 DEFAULT_PORT = 8000
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 # A URL of a server on a Unix socket: the socket's path, percent-encoded, as the host (liveness/http.py).
 UNIX_SCHEME = "http+unix"
 
@@ -40,6 +42,19 @@ _VALUE_OPTIONS = {
 }
 
 
+# vLLM: "Everything between the first -- and the first ." has its underscores made dashes.
+_DOTTED = re.compile(r"(?<=--)[^.]*")
+
+
+def option_name(word: str) -> str:
+    """`--tensor_parallel_size=4` -> `--tensor-parallel-size=4`, as vLLM's parser rewrites every `--` word
+    (vllm/utils/argparse_utils.py)."""
+    if not word.startswith("--"):
+        return word
+    name, eq, value = word.partition("=")
+    return _DOTTED.sub(lambda m: m.group(0).replace("_", "-"), name) + eq + value
+
+
 @dataclasses.dataclass(frozen=True)
 class VllmArgs:
     model: str | None
@@ -52,6 +67,7 @@ class VllmArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     uds: str | None = None  # --uds PATH: the API is on this Unix socket, not on host:port
+    config_file: str | None = None  # vLLM's own `--config FILE`, whose flags are in the values above
 
     @property
     def world_size(self) -> int:
@@ -97,7 +113,7 @@ def _options(argv: list[str] | tuple[str, ...]) -> tuple[dict[str, str], list[st
     positionals: list[str] = []
     i = 1
     while i < len(argv):
-        arg = argv[i]
+        arg = option_name(argv[i])
         name, eq, inline = arg.partition("=")
         if name in _VALUE_OPTIONS:
             if eq:
@@ -117,7 +133,11 @@ def parse_vllm_args(argv: list[str] | tuple[str, ...]) -> VllmArgs:
     """Extract model, host, port, TP/PP/DP sizes and memory fraction; ValueError names the bad option."""
     found, positionals = _options(argv)
     model = found.get("model")
-    # `vllm serve MODEL ...`: the model is the positional after "serve".
+    # `vllm serve MODEL ...`: the model right after "serve" wins over a --model (vLLM's model_tag, which its
+    # --config file's `model` never overrides); else the positional after "serve".
+    serve = argv.index("serve", 1) if "serve" in argv[1:] else None
+    if serve is not None and serve + 1 < len(argv) and not argv[serve + 1].startswith("-"):
+        model = argv[serve + 1]
     if model is None and "serve" in positionals:
         idx = positionals.index("serve")
         if idx + 1 < len(positionals):

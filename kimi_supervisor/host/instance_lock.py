@@ -25,7 +25,9 @@ that looks last sees the other's record: never two deployments on one GPU.
 
 The owner's PID is read from /proc/locks (what the kernel says holds the
 lock), and its systemd unit from /proc/PID/cgroup; the JSON the owner writes
-into the file adds what it serves.  A dry run only reads these: it never
+into the file adds what it serves, and its PID and start time: where /proc/locks
+shows no locker (the owner is in a PID namespace this one cannot see), the recorded
+PID is named only while a process with that start time holds it.  A dry run only reads these: it never
 takes a lock, so it cannot make a real start beside it refuse.
 
 Only a root kimi-supervisor's lock counts.  flock(2) needs nothing but a
@@ -55,6 +57,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kimi_supervisor.exitcodes import AnotherInstance, RuntimeDirectoryError
+from kimi_supervisor.host.procident import ProcIdent, identify, same_process
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.untrusted_json import parse_json
 
@@ -230,8 +233,8 @@ def _owner(directory: Path, resource: Resource, lockers: set[int]) -> Owner:
         if isinstance(loaded, dict):
             data = loaded
     pid = min(lockers) if lockers else None
-    if pid is None and isinstance(data.get("pid"), int):
-        pid = int(data["pid"])  # type: ignore[call-overload]
+    if pid is None:
+        pid = _recorded_pid(data)
     gpus = data.get("gpus")
     port = data.get("port")
     return Owner(
@@ -242,6 +245,17 @@ def _owner(directory: Path, resource: Resource, lockers: set[int]) -> Owner:
         port=port if isinstance(port, int) else None,
         deployment=data["deployment"] if isinstance(data.get("deployment"), str) else None,  # type: ignore[arg-type]
     )
+
+
+def _recorded_pid(data: dict[str, object]) -> int | None:
+    """The PID the owner recorded, while it still names the process that wrote it (its start time matches).
+
+    Only asked when /proc/locks names no locker: the owner is in a PID namespace this one cannot see (a
+    container's supervisor, often its PID 1), so here its number most likely names another process."""
+    pid, started = data.get("pid"), data.get("start_time")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(started, (int, float)) or pid <= 0:
+        return None
+    return pid if same_process(ProcIdent(pid, float(started))) else None
 
 
 def _supervisors_holding(directory: Path, resource: Resource) -> set[int]:
@@ -482,7 +496,10 @@ def acquire(
     try:
         for resource in resources(gpus, port, deployment, textfile, suffix, status_port, ras_port):
             taken.append(_take(directory, resource, log))
+        me = identify(os.getpid())
         record: dict[str, object] = {"pid": os.getpid(), "gpus": sorted(set(gpus)), "port": port, "config": config}
+        if me is not None:  # a PID is read back as ours only with this start time (_recorded_pid)
+            record["start_time"] = me.create_time
         if deployment is not None:
             record["deployment"] = deployment
         for fd in taken:

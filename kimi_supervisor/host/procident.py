@@ -43,10 +43,15 @@ def identify(pid: int) -> ProcIdent | None:
         return None
 
 
+def same_start(a: ProcIdent, b: ProcIdent) -> bool:
+    """`a` and `b` name one process: the same PID, started at the same tick."""
+    return a.pid == b.pid and abs(a.create_time - b.create_time) < CREATE_TIME_TOLERANCE_S
+
+
 def same_process(ident: ProcIdent) -> bool:
     """True while `ident.pid` still names the process `ident` was taken from."""
     now = identify(ident.pid)
-    return now is not None and abs(now.create_time - ident.create_time) < CREATE_TIME_TOLERANCE_S
+    return now is not None and same_start(now, ident)
 
 
 def exited(pid: int, proc_root: str = "/proc") -> bool:

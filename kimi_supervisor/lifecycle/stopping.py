@@ -22,6 +22,7 @@ from kimi_supervisor.clock import Clock
 from kimi_supervisor.config.timeouts import SIGKILL_WAIT_S
 from kimi_supervisor.exitcodes import GpuNeedsReset
 from kimi_supervisor.host.gpu import GpuMemory, GpuProbe, GpuUnavailable, wait_until_free
+from kimi_supervisor.host.procident import ProcIdent, same_start
 from kimi_supervisor.host.procstate import needs_reset
 from kimi_supervisor.host.proctable import ProcessTable
 from kimi_supervisor.lifecycle.drain import Drain
@@ -51,7 +52,7 @@ class TreeStopper:
     log: Logger
     stopped: bool = dataclasses.field(default=False, init=False)
     # What outlived the last stop's SIGKILL wait: stuck in the kernel, an emergency stop would only wait again.
-    survivors: tuple[int, ...] = dataclasses.field(default=(), init=False)
+    survivors: tuple[ProcIdent, ...] = dataclasses.field(default=(), init=False)
 
     def stop(self, grace_s: float, second_grace_s: float, drain: Drain | None = None) -> bool:
         """True when every member is gone; a drain SIGTERMs vLLM's main alone and reports on the way."""
@@ -86,7 +87,8 @@ class TreeStopper:
         reactor.unwatch_exit(child)
         child.reap()
         self.stopped = not alive
-        self.survivors = tuple(p.pid for p in alive)
+        # Who they are, not only their PIDs: unkillable() reads /proc after this, and a PID can name a newcomer then.
+        self.survivors = tuple(ProcIdent(p.pid, p.create_time()) for p in alive)
         if alive:
             self.log.error("stop.survivors", pids=",".join(str(p.pid) for p in alive))
         self.log.info(
@@ -112,7 +114,12 @@ class TreeStopper:
 
 
 def unkillable(
-    survivors: tuple[int, ...], table: ProcessTable, probe: GpuProbe, gpus: tuple[int, ...], log: Logger, why: str
+    survivors: tuple[ProcIdent, ...],
+    table: ProcessTable,
+    probe: GpuProbe,
+    gpus: tuple[int, ...],
+    log: Logger,
+    why: str,
 ) -> GpuNeedsReset | None:
     """The error that ends the run when members outlived SIGKILL_WAIT_S after SIGKILL; None once all are gone.
 
@@ -122,7 +129,14 @@ def unkillable(
     GPUs named are the ones NVML lists it on; all of ours when NVML lists none of them (another PID namespace,
     NVML gone).
     """
-    stuck = [s for s in (table.state(pid) for pid in survivors) if s is not None]
+    stuck = []
+    for ident in survivors:
+        state = table.state(ident.pid)
+        # Asked after the state was read: the same start time then means the state was the survivor's own, not
+        # that of a process that got its PID once it finally went (exit 22 is not restarted on).
+        now = table.get(ident.pid)
+        if state is not None and now is not None and same_start(now.ident, ident):
+            stuck.append(state)
     if not stuck:
         return None
     pids = {s.pid for s in stuck}

@@ -26,6 +26,7 @@ from kimi_supervisor.child.process import Child, PreparedSpawn
 from kimi_supervisor.child.readiness import LineEvent, ReadinessTracker
 from kimi_supervisor.child.spawnplan import Unresolvable
 from kimi_supervisor.clock import Clock, format_duration
+from kimi_supervisor.config.gpu_pinning import ras_address
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import (
     ChildDied,
@@ -438,15 +439,19 @@ class Supervisor:
             info = self.deps.table.get(member.pid)
             procs.append((member.pid, info.name if info is not None else "?"))
         try:
+            scene = forensics.Scene(
+                reason,
+                exit_code,
+                procs,
+                self.deps.probe,
+                configured_gpus(self.deps.probe, self.cfg.preflight.gpus),
+                self.deep.in_flight_sample() if self.deep is not None else None,
+                ras_address(self.cfg.child.env),
+            )
             self.incident = forensics.record(
                 forensics.store_for(self.cfg),
-                reason=reason,
-                exit_code=exit_code,
-                procs=procs,
-                dumper=self.deps.dumper,
-                probe=self.deps.probe,
-                gpus=configured_gpus(self.deps.probe, self.cfg.preflight.gpus),
-                metrics=self.deep.in_flight_sample() if self.deep is not None else None,
+                scene,
+                self.deps.dumper,
                 clock=self.reactor.steady_clock.monotonic,
                 wall=self.deps.wall,
                 log=self.log,

@@ -9,7 +9,9 @@ without this the operator learns *that* vLLM hung, never *where*.  So first, bou
     or its read refused, is one logged line and a note in the file, never a failure;
   - NVML's view of our GPUs: memory, utilisation, clocks, and the health counters whose pending remaps and
     uncorrected ECC errors say the device is at fault (host/gpu.py's GpuHealth);
-  - the last /metrics sample the liveness thread took (requests running + waiting, and its age).
+  - the last /metrics sample the liveness thread took (requests running + waiting, and its age);
+  - NCCL's RAS status where its service answers on the child's NCCL_RAS_ADDR (opsview/ncclras.py), asked
+    beside the dumps under `RAS_S` (within `BUDGET_S`): no listener is one line in the file.
 One JSON file per incident in `<state dir>/<deployment>/incidents/` (0700, root's), each 0600 and written
 atomically (files/atomic.py); the oldest are removed past `KEEP` files or `MAX_TOTAL_BYTES`.  Its path goes
 into the history record, `status NAME` and the failure's journal record.
@@ -35,9 +37,12 @@ from kimi_supervisor.config.model import Config
 from kimi_supervisor.files.atomic import ensure_directory, write_atomic
 from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable
 from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.opsview import ncclras
 
 BUDGET_S = 4.0  # every dump together: what the stop may wait for the evidence
 PER_PROCESS_S = 3.0  # one py-spy run
+RAS_S = 3.0  # NCCL's RAS status, asked while the dumps run
+RAS_SHARE = 0.8  # of the budget at most: its answer is in before the capture stops waiting for it
 KEEP = 20
 MAX_TOTAL_BYTES = 64 << 20
 MAX_STACK_BYTES = 256 << 10  # a TP=8 tree of ~20 processes stays a few MiB
@@ -156,6 +161,7 @@ class Incident:
     dumper: str | None  # py-spy's path, or why there was none
     gpus: list[dict[str, Any]]
     metrics: dict[str, Any] | None
+    nccl_ras: dict[str, Any] | None = None  # ncclras.RasStatus; None: the child has no NCCL_RAS_ADDR
     seconds: float = 0.0
 
     def to_json(self) -> bytes:
@@ -164,24 +170,40 @@ class Incident:
         return (json.dumps(doc, indent=1) + "\n").encode()
 
 
+@dataclasses.dataclass(frozen=True)
+class Scene:
+    """What one capture looks at: the stop's reason and exit code (None: the watchdog's coming kill), the tree's
+    members (PID, name), our GPUs, the last /metrics sample (its time on the loop's clock, running + waiting)
+    and the child's NCCL_RAS_ADDR."""
+
+    reason: str
+    exit_code: int | None
+    procs: list[tuple[int, str]]
+    probe: GpuProbe
+    gpus: tuple[int, ...]
+    metrics: tuple[float, float] | None
+    ras: tuple[str, int] | None = None
+
+
 def capture(
-    *,
-    reason: str,
-    exit_code: int | None,
-    procs: list[tuple[int, str]],
+    scene: Scene,
     dumper: Dumper | None,
     dumper_note: str,
-    probe: GpuProbe,
-    gpus: tuple[int, ...],
-    metrics: tuple[float, float] | None,
+    *,
     clock: Callable[[], float],
     wall: Callable[[], float],
     log: Logger,
     budget_s: float = BUDGET_S,
 ) -> Incident:
-    """`clock`: the loop's monotonic clock, the one `metrics`' time is on; `seconds` is real time, what the
-    capture delays the stop by."""
+    """`clock`: the loop's monotonic clock, the one the metrics sample's time is on; `seconds` is real time, what
+    the capture delays the stop by.  The RAS address is asked in a thread beside the dumps."""
+    procs, ras, metrics = scene.procs, scene.ras, scene.metrics
     began, start = time.monotonic(), clock()
+    asking = None
+    if ras is not None:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-ras")
+        asking = pool.submit(ncclras.query, ras[0], ras[1], min(RAS_S, RAS_SHARE * budget_s))
+        pool.shutdown(wait=False)
     if dumper is None:
         stacks: list[StackDump] = []
         stacks_s = 0.0
@@ -193,9 +215,23 @@ def capture(
             # One line: a missing permission fails every dump the same way.
             log.warning("incident.stacks_missing", processes=len(refused), first=refused[0].error)
     sample = None if metrics is None else {"running_plus_waiting": metrics[1], "age_s": round(start - metrics[0], 3)}
-    incident = Incident(wall(), reason, exit_code, stacks, stacks_s, dumper_note, gpu_view(probe, gpus), sample)
+    view = gpu_view(scene.probe, scene.gpus)
+    incident = Incident(wall(), scene.reason, scene.exit_code, stacks, stacks_s, dumper_note, view, sample)
+    if asking is not None and ras is not None:
+        incident.nccl_ras = _ras_result(asking, began + budget_s, ras)
     incident.seconds = round(time.monotonic() - began, 3)
     return incident
+
+
+def _ras_result(
+    asking: concurrent.futures.Future[ncclras.RasStatus], deadline: float, ras: tuple[str, int]
+) -> dict[str, Any]:
+    """The query's answer, waited for no later than the capture's budget (the query bounds itself within it)."""
+    try:
+        status = asking.result(timeout=max(0.0, deadline - time.monotonic()))
+    except concurrent.futures.TimeoutError:
+        return {"address": f"{ras[0]}:{ras[1]}", "text": None, "note": "no answer within the capture's budget"}
+    return dataclasses.asdict(status)
 
 
 def store_for(cfg: Config) -> IncidentStore:
@@ -213,14 +249,9 @@ def default_dumper() -> tuple[Dumper | None, str]:
 
 def record(
     store: IncidentStore,
-    *,
-    reason: str,
-    exit_code: int | None,
-    procs: list[tuple[int, str]],
+    scene: Scene,
     dumper: Callable[[], tuple[Dumper | None, str]],
-    probe: GpuProbe,
-    gpus: tuple[int, ...],
-    metrics: tuple[float, float] | None,
+    *,
     clock: Callable[[], float],
     wall: Callable[[], float],
     log: Logger,
@@ -228,20 +259,7 @@ def record(
 ) -> str | None:
     """Capture and save one incident; its path, or None when it could not be written (logged, never raised)."""
     found, note = dumper()
-    incident = capture(
-        reason=reason,
-        exit_code=exit_code,
-        procs=procs,
-        dumper=found,
-        dumper_note=note,
-        probe=probe,
-        gpus=gpus,
-        metrics=metrics,
-        clock=clock,
-        wall=wall,
-        log=log,
-        budget_s=budget_s,
-    )
+    incident = capture(scene, found, note, clock=clock, wall=wall, log=log, budget_s=budget_s)
     try:
         path = store.save(incident)
     except OSError as exc:
@@ -251,11 +269,20 @@ def record(
     log.info(
         "incident.saved",
         path=str(path),
-        stacks=f"{dumped}/{len(procs)}",
+        stacks=f"{dumped}/{len(scene.procs)}",
         stacks_s=incident.stacks_s,
+        nccl_ras=_ras_summary(incident.nccl_ras),
         seconds=incident.seconds,
     )
     return str(path)
+
+
+def _ras_summary(found: dict[str, Any] | None) -> str:
+    if found is None:
+        return "no NCCL_RAS_ADDR"
+    if found.get("text") and not found.get("note"):
+        return f"report from {found['address']}"
+    return str(found.get("note") or "")[:200]
 
 
 class IncidentStore:

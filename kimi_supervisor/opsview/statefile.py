@@ -29,6 +29,7 @@ from kimi_supervisor.files.untrusted import (
     read_json,
     string,
 )
+from kimi_supervisor.host.procident import ProcIdent, same_process
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.quoting import escape_unprintable
 from kimi_supervisor.untrusted_json import Untrusted
@@ -197,5 +198,6 @@ def writer_alive(doc: dict[str, Any]) -> bool:
         return False
     if not isinstance(started, (int, float)) or not math.isfinite(started):
         return False
-    now_started = process_start_time(pid)
-    return now_started is not None and abs(now_started - started) < 1.0
+    # The identity every kill uses (host/procident.py): a second apart is another process in a PID namespace
+    # that hands PIDs out again soon (a restarted container's supervisor), not a rounding error.
+    return same_process(ProcIdent(pid, float(started)))

@@ -109,6 +109,36 @@ def weights_doc(cfg: Config) -> dict[str, Any]:
     return _WEIGHTS_DOCS[role_spec.of(cfg.role).weights_side](cfg, cfg.weights)
 
 
+class GpuOutage:
+    """The journal's side of an NVML error while the view refreshes: one warning with NVML's words when an outage
+    begins, one info record when a refresh works again, for the first outage of each kind (its words) only.
+
+    The state file's `gpu_error` is replaced at the next refresh that works, so without a record a transient
+    error leaves no trace.  Not error level, and not every refresh: the view only reports (whether a GPU fault
+    ends the run is the liveness checks' call, which log it themselves), and NVML flapping every 2 s must not
+    bury their records (docs/operators-view.md)."""
+
+    KINDS_KEPT = 16  # distinct texts remembered; past that, every outage is quiet (a record per refresh is worse)
+
+    def __init__(self, log: Logger) -> None:
+        self._log = log
+        self._seen: set[str] = set()
+        self._current: str | None = None  # the error of the outage in progress, when its start was logged
+        self._failed = 0
+
+    def refreshed(self, error: str | None) -> None:
+        if error is None:
+            if self._current is not None:
+                self._log.info("operator_view.gpu_readable", error=self._current, failed_refreshes=self._failed)
+            self._current, self._failed = None, 0
+            return
+        self._failed += 1
+        if self._failed == 1 and error not in self._seen and len(self._seen) < self.KINDS_KEPT:
+            self._seen.add(error)
+            self._current = error
+            self._log.warning("operator_view.gpu_unreadable", error=error)
+
+
 class OperatorView:
     def __init__(
         self,
@@ -130,6 +160,7 @@ class OperatorView:
         self._wall = wall
         self._mono = mono
         self._failed_methods: set[str] = set()
+        self._gpu_outage = GpuOutage(log)
         pid = os.getpid()
         own = layout.of(cfg)  # this deployment's own files, beside the host's other deployments'
         self.state_file = StateFile(own.runtime, log, own.state_file.name)
@@ -345,6 +376,7 @@ class OperatorView:
                 error = str(exc)
         self.doc.update(processes=[m.to_dict() for m in members], gpus=gpu_rows, gpu_error=error)
         self._dirty = True
+        self._gpu_outage.refreshed(error)
 
     def _gpus(self) -> tuple[tuple[int, ...], str | None]:
         if self._cfg.preflight.gpus is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 
 from kimi_supervisor.checks import Check, Verdict
+from kimi_supervisor.config.vllm_args import VllmArgs
 from kimi_supervisor.host import pagecache
 from kimi_supervisor.host.gpu import GpuMemory
 
@@ -67,6 +68,18 @@ def check_free_memory(memory: list[GpuMemory], utilization: float, releasable_mi
     projected = " after reaping" if any(releasable_mib.values()) else ""
     return Check(
         "gpu_memory_fraction", Verdict.OK, f"every GPU has >= {utilization:g} x total free{projected}", {"gpus": rows}
+    )
+
+
+def vllm_config(vllm: VllmArgs) -> Check:
+    """vLLM's own `--config FILE`: what the supervisor took from it and argv together (config/vllm_yaml.py
+    read it as vLLM does; what it could not read was a config error before any check)."""
+    return Check(
+        "vllm-config",
+        Verdict.OK,
+        f"{vllm.config_file} read as vLLM reads it: model {vllm.model}, serving {vllm.host}:{vllm.port}, "
+        f"{vllm.parallel_flags}",
+        {"path": vllm.config_file or "", "model": vllm.model or "", "port": vllm.port},
     )
 
 

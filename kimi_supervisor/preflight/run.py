@@ -128,6 +128,8 @@ class Preflight:
         add = report.checks.append
         gpus = self._static_checks(add)
         add(timeouts.check_grace(self._cfg))
+        if self._cfg.child.vllm.config_file is not None:
+            add(checks.vllm_config(self._cfg.child.vllm))
         if self._pf.check_model:
             add(checks.check_model(self._cfg.child.vllm.model))
         if dry_run:  # a report for the operator; a real start sets the caches up at the spawn (cachedirs.py)
@@ -339,8 +341,10 @@ class Preflight:
         """A victim that outlived SIGKILL in D state is stuck in the kernel: its GPUs free only with a GPU reset or
         a reboot, so say so now (the exit the unit does not restart on) instead of waiting preflight.deadline_s out.
         A survivor in another state (another PID namespace, a signal refused) keeps the wait: it may still go."""
-        states = [self._table.state(p.pid) for p in survivors]
-        stuck = [s for s in states if s is not None and s.uninterruptible]
+        states = [(p, self._table.state(p.pid)) for p in survivors]
+        # Alive asked after the state was read: a survivor that went since and left its PID to a newcomer in D
+        # state (a container's small PID namespace) is not stuck, and exit 22 is not restarted on.
+        stuck = [s for p, s in states if s is not None and s.uninterruptible and self._table.alive(p)]
         if not stuck:
             return
         pids = {s.pid for s in stuck}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.metadata
 import os
 import pwd
 import subprocess
@@ -37,7 +38,12 @@ HOLDER_TEMPLATE_NAME = "kimi-supervisor-weights@.service"  # a deployment's weig
 TEMPLATE_RESTART_SEC = 15  # after a crash that reloads 540 GB: the GPUs freed, nothing hurried
 HOLDER_ENGINE_RESTART_SEC = 2  # an engine beside its weight holder (instance_dropin)
 DROPIN_NAME = "50-kimi-supervisor.conf"  # install-unit --instance NAME: that instance's own settings
-DEFAULT_EXEC = "/usr/local/bin/kimi-supervisor"
+# The README's install: a virtualenv of its own (Debian 12 and Ubuntu 24.04 refuse `pip install` into the
+# system's python, PEP 668), whose console script and data files (share/doc, share/man) live under it.
+DEFAULT_PREFIX = Path("/opt/kimi-supervisor")
+DEFAULT_EXEC = str(DEFAULT_PREFIX / "bin" / "kimi-supervisor")
+DOC_DIR = Path("share/doc/kimi-supervisor")  # pyproject's data-files: README.md and docs/
+DEFAULT_DOC = DEFAULT_PREFIX / DOC_DIR / "README.md"
 DEFAULT_UNIT_DIR = Path("/etc/systemd/system")
 STATE_DIR = Path("/var/lib/kimi-supervisor")  # the unit's StateDirectory=
 # What `install-unit` derives from etc/kimi-supervisor.toml (timeouts.unit_timeout_stop_s; a test keeps them
@@ -49,8 +55,7 @@ TEXT = """\
 {header}# Rendered by `kimi-supervisor install-unit{install_args}`; edit the config, not this file.
 [Unit]
 Description=vLLM Kimi-K2.5 NVFP4 (TP=8){what} supervised by kimi-supervisor{description}
-Documentation=file:///usr/share/doc/kimi-supervisor/README.md
-# The driver's persistence daemon keeps GPUs initialised; the API needs the network.
+{documentation}# The driver's persistence daemon keeps GPUs initialised; the API needs the network.
 After=network-online.target nvidia-persistenced.service
 Wants=network-online.target
 # Five failed starts within an hour stop the restart loop (a 9-minute load each).
@@ -225,12 +230,13 @@ def render(
     writable: Sequence[Path] = (),
     holder: bool = False,
     credentials: Sequence[str] = (),
+    doc: Path | None = DEFAULT_DOC,
 ) -> str:
     """The plain unit running `config_path`; `template=True`: the template unit, whose instance NAME runs
     `<config_path's directory>/NAME.toml`.  `writable`: directories the config writes beyond the unit's own
     (ProtectSystem=strict leaves the rest read-only).  `credentials`: the systemd credentials child.credentials
     names (LoadCredential=).  `holder=True`: the weight holder's template, whose
-    instance NAME runs NAME.weights.toml."""
+    instance NAME runs NAME.weights.toml.  `doc`: the README that Documentation= names (None: no line)."""
     template = template or holder
     if isinstance(exec_argv, str):
         exec_argv = [exec_argv]
@@ -268,7 +274,26 @@ def render(
         directories=INSTANCE_DIRECTORIES if template else PLAIN_DIRECTORIES,
         writable=writable_lines(writable),
         credentials=credential_lines(credentials),
+        documentation=f"Documentation={doc.as_uri()}\n" if doc is not None else "",
     )
+
+
+def installed_doc() -> Path | None:
+    """The README this installation put under its prefix (pyproject's data-files), found in the package's
+    own record of its files, wherever its prefix is (a venv, ~/.local); an editable install (`pip install -e`)
+    installs no data files: then the checkout's README; None when neither is there."""
+    readme = DOC_DIR / "README.md"
+    try:
+        dist = importlib.metadata.distribution("kimi-supervisor")
+    except importlib.metadata.PackageNotFoundError:
+        files: list[Path] = []
+    else:
+        files = [Path(os.path.abspath(str(dist.locate_file(f)))) for f in dist.files or []]
+    for found in files:
+        if found.parts[-len(readme.parts) :] == readme.parts and found.is_file():
+            return found
+    checkout = Path(__file__).resolve().parents[2] / "README.md"
+    return checkout if (checkout.parent / "pyproject.toml").is_file() and checkout.is_file() else None
 
 
 FRONT_TEMPLATE_NAME = "kimi-supervisor-front@.service"  # a deployment's front (docs/front.md)
@@ -282,8 +307,7 @@ FRONT_TEXT = """\
 # Rendered by `kimi-supervisor install-unit --config {config_dir}/NAME.front.toml`; edit the config, not this file.
 [Unit]
 Description=kimi-supervisor front (the public port; requests held and resumed across engine restarts), deployment %i
-Documentation=file:///usr/share/doc/kimi-supervisor/front.md
-After=network-online.target
+{documentation}After=network-online.target
 Wants=network-online.target
 StartLimitIntervalSec=600
 StartLimitBurst=10
@@ -344,22 +368,31 @@ WantedBy=multi-user.target
 """
 
 
-def render_front(exec_argv: Sequence[str] | str = (DEFAULT_EXEC,), config_dir: Path = DEFAULT_PATH.parent) -> str:
-    """The front's template: instance NAME runs `<config_dir>/NAME.front.toml` (docs/front.md)."""
+def render_front(
+    exec_argv: Sequence[str] | str = (DEFAULT_EXEC,),
+    config_dir: Path = DEFAULT_PATH.parent,
+    doc: Path | None = DEFAULT_DOC,
+) -> str:
+    """The front's template: instance NAME runs `<config_dir>/NAME.front.toml` (docs/front.md).  `doc`: the
+    installed README; Documentation= names docs/front.md beside it (None: no line)."""
     if isinstance(exec_argv, str):
         exec_argv = [exec_argv]
     words = [systemd_quote(exec_argv[0], executable=True)] + [systemd_quote(w) for w in exec_argv[1:]]
     marker = "KIMIINSTANCEMARKER"
     words += ["--config", systemd_quote(str(config_dir / f"{marker}.front.toml")).replace(marker, "%i")]
     return FRONT_TEXT.format(
-        config_dir=config_dir, command=" ".join(words), stop_s=FRONT_STOP_S, config_exit=int(ExitCode.CONFIG)
+        config_dir=config_dir,
+        command=" ".join(words),
+        stop_s=FRONT_STOP_S,
+        config_exit=int(ExitCode.CONFIG),
+        documentation=f"Documentation={(doc.parent / 'docs' / 'front.md').as_uri()}\n" if doc is not None else "",
     )
 
 
 def install_front(config_path: Path, unit_dir: Path = DEFAULT_UNIT_DIR, reload: bool = True) -> Path:
     """Write the front's template for `config_path`'s directory and reload systemd."""
     target = unit_dir / FRONT_TEMPLATE_NAME
-    _write(target, render_front(running_executable(), config_path.parent))
+    _write(target, render_front(running_executable(), config_path.parent, installed_doc()))
     if reload:
         _reload(target)
     return target
@@ -461,19 +494,20 @@ def install(
     (for `config_path`'s directory) and the instance's drop-in with its own TimeoutStopSec= and paths.
     With `holder` (and `instance`): the weight holder's template and drop-in too, the engine bound to it."""
     argv = running_executable() if exec_argv is None else exec_argv
+    doc = installed_doc()
     if instance is None:
         target = unit_dir / UNIT_NAME
-        _write(target, render(argv, config_path, stop_s, writable=writable, credentials=credentials))
+        _write(target, render(argv, config_path, stop_s, writable=writable, credentials=credentials, doc=doc))
     else:
         target = unit_dir / TEMPLATE_NAME
         holder_unit = f"kimi-supervisor-weights@{instance}.service" if holder is not None else None
         if holder is not None:
-            _write(unit_dir / HOLDER_TEMPLATE_NAME, render(argv, config_path, holder=True))
+            _write(unit_dir / HOLDER_TEMPLATE_NAME, render(argv, config_path, holder=True, doc=doc))
             _write(
                 unit_dir / f"{holder_unit}.d" / DROPIN_NAME,
                 instance_dropin(holder.stop_s, holder.writable),
             )
-        _write(target, render(argv, config_path, template=True))
+        _write(target, render(argv, config_path, template=True, doc=doc))
         _write(
             unit_dir / f"kimi-supervisor@{instance}.service.d" / DROPIN_NAME,
             instance_dropin(stop_s, writable, holder_unit, credentials),

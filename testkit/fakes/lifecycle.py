@@ -25,7 +25,7 @@ from kimi_supervisor.lifecycle.drain import POLL_S, Reading
 from kimi_supervisor.lifecycle.signals import SignalRecorder
 from kimi_supervisor.liveness.health_probe import HealthResult
 from kimi_supervisor.liveness.http import MAX_BODY, Answer
-from testkit.fakes.clock import FakeClock
+from testkit.fakes.clock import T0, FakeClock
 from testkit.fakes.log import RecordingLog
 
 
@@ -143,6 +143,9 @@ class FakeChild:
 
     def alive_members(self) -> list[FakeChild]:
         return [self] if self.returncode is None else []
+
+    def create_time(self) -> float:
+        return T0  # as the fake world's process table lists it (lifecycle_world.py)
 
     def signal_tree(self, sig: signal.Signals) -> int:
         if self.returncode is not None:

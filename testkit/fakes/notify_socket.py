@@ -36,10 +36,21 @@ class NotifySocket:
         return [dict(line.split("=", 1) for line in d.split("\n") if "=" in line) for d in self.messages()]
 
     def first(self, key: str, value: str | None = None) -> tuple[float, dict[str, str]] | None:
-        for (at, _), f in zip(self.datagrams, self.fields(), strict=True):
+        for at, d in list(self.datagrams):  # a copy: the listener thread appends meanwhile
+            f = dict(line.split("=", 1) for line in d.split("\n") if "=" in line)
             if key in f and (value is None or f[key] == value):
                 return at, f
         return None
+
+    def wait_first(self, key: str, value: str | None = None, timeout: float = 10.0) -> tuple[float, dict[str, str]]:
+        """`first`, once the listener thread has read it: the supervisor's record of a notification (its journal
+        line) can reach a test before this thread is scheduled to read the datagram (a busy machine)."""
+        deadline = time.monotonic() + timeout
+        while (found := self.first(key, value)) is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {key}={value} notification within {timeout} s: {self.messages()}")
+            time.sleep(0.005)
+        return found
 
     def close(self) -> None:
         self._stop.set()

@@ -19,6 +19,7 @@ from kimi_supervisor.cli.entry import secret_values
 from kimi_supervisor.config.load import load_config, parse_config
 from kimi_supervisor.exitcodes import ConfigError
 from kimi_supervisor.redact import secrets_in_argv
+from testkit.fakes.gpu_cli import idle_gpus, write_gpu_file
 from testkit.harness import REPO, Run, fake_config
 from tests.conftest import wait_for
 from tests.lifecycle.test_gpu_pinning_run import environ_of, printed
@@ -140,9 +141,7 @@ def test_dry_run_json_names_the_credential_not_its_value(tmp_path: Path) -> None
 
 
 def gpu_file(tmp_path: Path) -> Path:
-    path = tmp_path / "gpus.json"
-    path.write_text(json.dumps([{"total_mib": 97887, "occupants": {}} for _ in range(2)]))
-    return path
+    return write_gpu_file(tmp_path / "gpus.json", idle_gpus(2))
 
 
 def test_a_run_passes_the_credential_to_the_child_only(tmp_path: Path) -> None:

@@ -81,4 +81,7 @@ def test_the_package_installs_them_where_bash_zsh_and_man_look() -> None:
         "share/zsh/site-functions": [str(ZSH.relative_to(REPO))],
         "share/man/man1": [str(MAN.relative_to(REPO))],
         "lib/systemd/catalog": ["packaging/journal/kimi-supervisor.catalog"],  # tests/logs/test_catalog.py
+        # What Documentation= and runbook_url name: tests/systemd/test_install_venv.py
+        "share/doc/kimi-supervisor": ["README.md"],
+        "share/doc/kimi-supervisor/docs": ["docs/*.md"],
     }

@@ -33,7 +33,7 @@ def test_seeds_argv() -> None:
 
 def test_defaults_and_equals_forms() -> None:
     a = parse_vllm_args(["vllm", "serve", "m"])
-    assert (a.host, a.port, a.tensor_parallel_size, a.gpu_memory_utilization) == ("0.0.0.0", 8000, 1, 0.9)
+    assert (a.host, a.port, a.tensor_parallel_size, a.gpu_memory_utilization) == ("0.0.0.0", 8000, 1, 0.92)
     b = parse_vllm_args(
         ["python", "-m", "vllm.entrypoints.openai.api_server", "--model=/m", "-tp", "2", "--port=9001", "--host=::1"]
     )

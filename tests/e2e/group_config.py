@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from testkit.vllm_serve import VLLM_ENV
+from testkit.vllm_serve import KV_CACHE_ARGS, VLLM_ENV
 from tests.e2e.netpair import NetPair
 
 
@@ -17,7 +17,7 @@ def node_sections(
     leader = f"{net.net}.1"
     argv = [str(vllm), "serve", str(model), "--host", leader, "--port", str(api_port)]
     argv += ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--served-model-name", "tiny"]
-    argv += ["--tensor-parallel-size", "2"]
+    argv += ["--tensor-parallel-size", "2", *KV_CACHE_ARGS]
     env = {
         **VLLM_ENV,
         "VLLM_HOST_IP": f"{net.net}.{rank + 1}",

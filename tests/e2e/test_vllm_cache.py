@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from testkit.harness import Run, free_port, write_config
-from testkit.vllm_serve import VENV, VLLM_ENV
+from testkit.vllm_serve import KV_CACHE_ARGS, VENV, VLLM_ENV
 from tests.e2e.test_vllm_cpu import tree_of
 
 SITE = next((VENV / "lib").glob("python3*/site-packages"), None)
@@ -30,7 +30,7 @@ def config(tmp_path: Path, cache: Path, model: Path, port: int) -> Path:
     # venv's packages.  No --enforce-eager: torch.compile runs and caches.
     argv = ["/usr/bin/python3.11", "-m", "vllm.entrypoints.cli.main", "serve", str(model)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256"]
-    argv += ["--served-model-name", "tiny"]
+    argv += ["--served-model-name", "tiny", *KV_CACHE_ARGS]
     env = {**VLLM_ENV, "PYTHONPATH": str(SITE), "KIMI_TEST_MARKER": str(tmp_path)}
     shm = tmp_path / "shm"
     shm.mkdir(exist_ok=True)

@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 
 from testkit.harness import Run, fake_tree_of, free_port, session_members, write_config
-from testkit.vllm_serve import VLLM_ENV
+from testkit.vllm_serve import KV_CACHE_ARGS, KV_CACHE_BYTES, VLLM_ENV
 from tests.conftest import wait_for
 
 
@@ -33,6 +33,7 @@ def vllm_config(tmp_path: Path, vllm_bin: Path, model: Path, port: int) -> Path:
         "--enforce-eager",
         "--served-model-name",
         "tiny",
+        *KV_CACHE_ARGS,
     ]
     shm = tmp_path / "shm"
     shm.mkdir(exist_ok=True)
@@ -114,6 +115,10 @@ def test_ready_serves_and_stops_with_no_orphan(tmp_path: Path, vllm_bin: Path, t
             if "Starting vLLM server on" in line or "Application startup complete." in line
         ]
         assert started, "vLLM never said it started"
+        # The worker allocated the KV cache the argv asked for (KV_CACHE_ARGS), not a GiB: an environment variable
+        # (VLLM_CPU_KVCACHE_SPACE) would override the flag without a word.
+        kv = [line for line in lines if "GiB for KV cache" in line]
+        assert kv and f"Explicitly set ({round(KV_CACHE_BYTES / 2**30, 2)}/" in kv[0], kv
         statuses = [f["STATUS"] for f in run.notify.fields() if "STATUS" in f]
         phases = ("starting engine", "loading weights", "weights loaded", "profiling KV cache")
         assert any(s.startswith(f"starting: {p}") for s in statuses for p in phases), statuses

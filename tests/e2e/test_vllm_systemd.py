@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kimi_supervisor.systemd import unit
-from testkit.vllm_serve import VENV
+from testkit.vllm_serve import KV_CACHE_ARGS, VENV
 from tests.nspawn import checkout
 from tests.nspawn.nspawn import NspawnMachine, available
 
@@ -36,13 +36,13 @@ def test_real_vllm_under_systemd(vllm_bin: Path, tiny_model: Path) -> None:
         "--max-model-len",
         "256",
         "--enforce-eager",
+        *KV_CACHE_ARGS,
     ]
     cfg = "\n".join(
         [
             "[child]",
             "argv = [" + ", ".join(f'"{a}"' for a in argv) + "]",
-            'env = { VLLM_CPU_KVCACHE_SPACE = "1", HF_HUB_OFFLINE = "1", VLLM_NO_USAGE_STATS = "1",'
-            ' VLLM_HOST_IP = "127.0.0.1" }',
+            'env = { HF_HUB_OFFLINE = "1", VLLM_NO_USAGE_STATS = "1", VLLM_HOST_IP = "127.0.0.1" }',
             "[preflight]",
             "gpus = []",
             "[readiness]",

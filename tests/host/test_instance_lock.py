@@ -17,8 +17,8 @@ from kimi_supervisor.cli import entry as cli
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.exitcodes import AnotherInstance, ExitCode, RuntimeDirectoryError
-from kimi_supervisor.files.atomic import write_atomic
 from kimi_supervisor.host import instance_lock
+from testkit.fakes.gpu_cli import write_gpu_file
 from testkit.fakes.log import RecordingLog
 from testkit.harness import Run, fake_config, fake_tree_of
 from tests.conftest import REPO, ProcSpawner, wait_for
@@ -122,11 +122,7 @@ def gpu_file(path: Path, occupants: dict[int, int], count: int = 1) -> Path:
     gpus: list[dict[str, Any]] = [{"total_mib": 97887, "occupants": {}} for _ in range(count)]
     for i, (pid, mib) in enumerate(occupants.items()):
         gpus[i % count]["occupants"][str(pid)] = mib
-    # Replaced whole (a new file renamed over the old), never rewritten in place: the running supervisor's fake
-    # probe re-reads it on every call, and a read between write_text's truncate and its write saw an empty file
-    # (JSONDecodeError inside the operator view: `operator_view.error` on a loaded machine).
-    write_atomic(path, json.dumps(gpus).encode())
-    return path
+    return write_gpu_file(path, gpus)  # replaced whole: the running supervisor's fake probe reads it any time
 
 
 def test_gpu_file_is_replaced_whole_never_rewritten_in_place(tmp_path: Path) -> None:
@@ -359,3 +355,44 @@ def test_a_holder_on_another_deployments_engine_gpus_is_refused(tmp_path: Path) 
     finally:
         engine.send_signal(signal.SIGKILL)
         engine.wait()
+
+
+# Inside a PID namespace of the test's own: the lock's holder (this test, outside) is invisible, so /proc/locks
+# lists no locker and the refusal can only go by the record in the file.  PID 1 there is this script.
+FROM_ANOTHER_NAMESPACE = (
+    "import sys\nfrom pathlib import Path\nfrom kimi_supervisor.host import instance_lock\n"
+    "try:\n"
+    "    instance_lock.acquire(Path(sys.argv[1]), [0], 8140, 'b.toml')\n"
+    "except instance_lock.AnotherInstance as exc:\n"
+    "    print(exc.message)\n"
+)
+
+
+def test_a_recorded_pid_that_names_another_process_now_is_not_named_as_the_owner(tmp_path: Path) -> None:
+    """A supervisor that is PID 1 of its container records PID 1; where /proc/locks cannot show the locker (another
+    PID namespace), the refusal went by that record and named PID 1 of this namespace, another process, and its
+    unit. The record carries the writer's start time, and a PID whose process started at another time is
+    "PID unknown"."""
+    if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], check=False).returncode != 0:
+        pytest.skip("no PID namespaces here (unshare --pid failed)")
+    run_dir = tmp_path / "run"
+    lock = instance_lock.acquire(run_dir, [0], 8139, "a.toml")  # held by this process, outside the namespace
+    try:
+        record = json.loads((run_dir / "gpu-0.lock").read_text())
+        assert record["pid"] == os.getpid()
+        # What a supervisor that is its container's PID 1 writes: PID 1, and (now) its start time.
+        (run_dir / "gpu-0.lock").write_text(json.dumps({**record, "pid": 1}) + "\n")
+        done = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", FROM_ANOTHER_NAMESPACE, str(run_dir)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            timeout=60,
+            check=False,
+        )
+    finally:
+        lock.close()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("another kimi-supervisor (PID unknown) owns GPU 0, serving GPUs [0], port 8139"), (
+        done.stdout
+    )

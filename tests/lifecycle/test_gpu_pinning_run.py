@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from testkit.fakes.gpu_cli import idle_gpus, write_gpu_file
 from testkit.harness import REPO, Run, fake_config
 from tests.conftest import wait_for
 from tests.host.test_instance_lock import hold_lock
@@ -20,9 +21,7 @@ NAMES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NCCL_RAS_ADDR")
 
 
 def gpu_file(tmp_path: Path, count: int) -> Path:
-    path = tmp_path / "gpus.json"
-    path.write_text(json.dumps([{"total_mib": 97887, "occupants": {}} for _ in range(count)]))
-    return path
+    return write_gpu_file(tmp_path / "gpus.json", idle_gpus(count))
 
 
 def environ_of(pid: int) -> dict[str, str]:

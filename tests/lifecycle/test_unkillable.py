@@ -2,26 +2,23 @@
 
 The fake world's child (testkit/fakes/lifecycle.py) stays alive after SIGKILL as a process in D state does; what
 /proc says of it comes from the fake process table (real-format reading: tests/host/test_procstate.py).  The
-real-process counterpart: a real child whose SIGKILL the test withholds, read from the real /proc.
+real-process counterpart, the real CLI with a worker the test freezes: tests/lifecycle/test_unkillable_frozen.py.
 """
 
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 from kimi_supervisor.config.timeouts import SIGKILL_WAIT_S
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.host.procstate import ProcState
-from kimi_supervisor.host.proctable import PsutilProcessTable
-from kimi_supervisor.lifecycle.stopping import unkillable
+from kimi_supervisor.host.proctable import ProcInfo
 from kimi_supervisor.states import State
+from testkit.fakes.clock import T0
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from testkit.fakes.lifecycle import FakeChild
 from testkit.fakes.lifecycle_world import HEALTH_LINE, World, serving_world
-from testkit.fakes.log import RecordingLog
 
 STUCK = ProcState(
     4242, "VLLM::EngineCor", "D (disk sleep)", "uvm_spin_loop", ("uvm_spin_loop+0x9c/0x1d0 [nvidia_uvm]",)
@@ -66,19 +63,23 @@ def test_a_member_that_outlives_sigkill_ends_the_run_with_22_naming_gpu_process_
     assert w.clock.t >= t_kill + SIGKILL_WAIT_S
 
 
-def test_a_real_member_whose_sigkill_never_arrives_is_read_from_the_real_proc() -> None:
-    # The test withholds the SIGKILL (the stopper never reaches it): from the supervisor's side, the same survivor.
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-    try:
-        log = RecordingLog()
-        probe = FakeGpuProbe([FakeGpu(occupants={proc.pid: 1000})], alive=lambda pid: True)
-        err = unkillable((proc.pid,), PsutilProcessTable(), probe, (0,), log, "engine wedged")
-        assert err is not None and err.exit_code == ExitCode.GPU_NEEDS_RESET
-        assert err.message.startswith("GPU 0 needs a reset or the host a reboot: 1 process(es)")
-        assert f"PID {proc.pid} (python" in err.message and err.message.endswith("(stopping for: engine wedged)")
-        assert log.events("stop.unkillable")[0]["pid"] == proc.pid
-    finally:
-        proc.kill()
-        proc.wait()
-    # Gone (reaped): nothing is stuck, the run ends as it would have.
-    assert unkillable((proc.pid,), PsutilProcessTable(), FakeGpuProbe([]), (), RecordingLog(), "x") is None
+def test_a_survivor_whose_pid_names_a_newcomer_when_it_is_read_is_not_stuck(tmp_path: Path) -> None:
+    """A member alive at the end of the SIGKILL wait that goes right after (the driver let it go at 5.01 s) frees
+    its PID; in a container's small PID namespace a newcomer can hold it when /proc is read. That newcomer's
+    state is not the survivor's: exit 22 (not restarted on, "GPU needs a reset") would be wrong. The survivor is
+    (PID, start time): the table's process on that PID started 10 s later, so nothing is stuck and the stop goes
+    on to the GPU wait."""
+    w = stuck_world(tmp_path)
+
+    def newcomer_on_the_pid() -> None:  # during the SIGKILL wait, once the member was listed as a survivor
+        child = w.child
+        assert child is not None
+        stranger = ProcInfo(child.pid, 1, "bash", ("bash",), 0, 1, T0 + 10.0)
+        w.table.add(stranger, lambda: True)
+        w.table.states[child.pid] = ProcState(child.pid, "bash", "S (sleeping)", "do_wait", None)
+
+    w.clock.at(3.0 + 2.0 + SIGKILL_WAIT_S - 0.05, newcomer_on_the_pid)  # the stop at 3 s, 2 s grace, then SIGKILL
+    rc = w.run()
+    assert not w.events("stop.unkillable")
+    assert rc != ExitCode.GPU_NEEDS_RESET, w.error
+    assert w.events("stop.survivors")  # the member was a survivor when the wait ended: the premise

@@ -107,7 +107,7 @@ def test_every_rule_has_a_runbook_url_whose_section_exists() -> None:
     assert sorted(urls) == sorted(alerts()), "a rule without runbook_url"
     for name, url in urls.items():
         path, _, anchor = url.partition("#")
-        assert path == "file:///usr/share/doc/kimi-supervisor/operators-view.md", url
+        assert path == "file:///opt/kimi-supervisor/share/doc/kimi-supervisor/docs/operators-view.md", url
         assert anchor == name.lower() and anchor in anchors, f"{name}: no section #{anchor} in {doc.name}"
     # The check can fail: a heading that is not there is not found.
     assert "kimisupervisornosuchalert" not in anchors and "runbooks" in anchors

@@ -28,21 +28,32 @@ stuck_in_a_known_function()
 """
 
 
-def record(store: IncidentStore, dumper: object, procs: list[tuple[int, str]], log: RecordingLog, **kw: object) -> str:
+def record(
+    store: IncidentStore,
+    dumper: object,
+    procs: list[tuple[int, str]],
+    log: RecordingLog,
+    budget_s: float = forensics.BUDGET_S,
+    ras: tuple[str, int] | None = None,
+) -> str:
     clock = FakeClock()
+    scene = forensics.Scene(
+        "vLLM answers /health but its engine is wedged",
+        17,
+        procs,
+        FakeGpuProbe([FakeGpu(base_used_mib=70000)]),
+        (0,),
+        (clock.monotonic() - 2.5, 3.0),
+        ras,
+    )
     path = forensics.record(
         store,
-        reason="vLLM answers /health but its engine is wedged",
-        exit_code=17,
-        procs=procs,
-        dumper=lambda: (dumper, "test dumper"),  # type: ignore[arg-type,return-value]
-        probe=FakeGpuProbe([FakeGpu(base_used_mib=70000)]),
-        gpus=(0,),
-        metrics=(clock.monotonic() - 2.5, 3.0),
+        scene,
+        lambda: (dumper, "test dumper"),  # type: ignore[arg-type,return-value]
         clock=clock.monotonic,
         wall=clock.time,
         log=log,
-        **kw,  # type: ignore[arg-type]
+        budget_s=budget_s,
     )
     assert path is not None
     return path

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
+import psutil
 import pytest
 
-from kimi_supervisor.opsview.statefile import validate_state
+from kimi_supervisor.opsview.statefile import validate_state, writer_alive
 from kimi_supervisor.untrusted_json import Untrusted
 
 
@@ -33,3 +36,19 @@ def test_a_holders_checkpoint_record_is_accepted() -> None:
 def test_a_wrong_checkpoint_record_is_refused_naming_the_field(checkpoint: object, where: str) -> None:
     with pytest.raises(Untrusted, match=where.replace(".", r"\.")):
         validate_state(doc(checkpoint))
+
+
+def test_the_writer_is_alive_only_while_its_pid_names_the_process_that_wrote_it() -> None:
+    """`status` and an engine waiting on its holder ask whether a state file's writer still runs. In a
+    container's small PID namespace a process started a fraction of a second after the writer can hold its PID
+    (a restarted unit's supervisor): that is another process, as it is for every kill (host/procident.py)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        started = psutil.Process(proc.pid).create_time()
+        assert writer_alive({"supervisor": {"pid": proc.pid, "start_time": started}})
+        for off_by in (0.3, -0.3, 0.02):
+            writer = {"supervisor": {"pid": proc.pid, "start_time": started + off_by}}
+            assert not writer_alive(writer), f"a process started {off_by:+} s from the writer counted as it"
+    finally:
+        proc.kill()
+        proc.wait()

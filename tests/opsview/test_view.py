@@ -16,6 +16,7 @@ from kimi_supervisor.cli.status import gather, render_text
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.load import parse_config
 from kimi_supervisor.config.model import Config
+from kimi_supervisor.host.gpu import GpuMemory, GpuUnavailable
 from kimi_supervisor.host.nvml import NvmlProbe
 from kimi_supervisor.lifecycle.machine import StateMachine
 from kimi_supervisor.liveness.health_probe import HealthResult
@@ -219,3 +220,49 @@ def test_the_views_elapsed_eta_and_uptime_follow_the_injected_clock(tmp_path: Pa
     assert "Uptime: ready for 30s, load took 12s" in " ".join(rendered[42.0].split()), rendered[42.0]
     (run,) = load_history(layout.of(w.cfg).state / HISTORY_FILE).runs
     assert run.start == WALL_T0 and run.load_s == pytest.approx(ready - spawned, abs=1e-3)
+
+
+class FlakyGpuProbe(FakeGpuProbe):
+    """NVML that fails with `error` on memory() while it is set, as a transient driver error does."""
+
+    error: str | None = None
+
+    def memory(self, index: int) -> GpuMemory:
+        if self.error is not None:
+            raise GpuUnavailable(self.error)
+        return super().memory(index)
+
+
+def test_a_transient_nvml_error_is_one_warning_with_its_words_and_one_record_when_it_clears(tmp_path: Path) -> None:
+    """The state file's `gpu_error` is replaced at the next refresh that works: without a record the journal would
+    keep no trace of the error. One warning per kind of error when an outage begins (never error level, never per
+    refresh: the view only reports), one info record when NVML answers again; a second outage of the same kind
+    (NVML flapping) adds nothing."""
+    probe = FlakyGpuProbe([FakeGpu(), FakeGpu()])
+    cfg = config(tmp_path)
+    clock = FakeClock()
+    log = RecordingLog()
+    view = OperatorView(cfg, probe, log, ReadinessTracker(cfg.readiness), None, wall=clock.time, mono=clock.monotonic)
+    sm = StateMachine(view.tap(type("N", (), {"send": lambda self, **f: None})()), log, observer=view)
+    sm.enter_initial("preflight")
+    sm.to(State.STARTING, "starting", pid=sys.maxsize)
+    state = tmp_path / "run" / "k" / "state.json"
+
+    def refresh(error: str | None) -> dict[str, Any]:
+        probe.error = error
+        clock.now += 2.5  # past the starting refresh interval: this tick refreshes
+        view.tick()
+        return dict(json.loads(state.read_text()))
+
+    lost = "GPU 1 memory: Unknown Error"
+    for _ in range(3):
+        assert refresh(lost)["gpu_error"] == lost
+    assert refresh(None)["gpu_error"] is None
+    refresh(lost)  # the same kind again: nothing new in the journal
+    refresh(None)
+    refresh("GPU 0 memory: GPU is lost")  # another kind: its own warning
+    assert [(level, event, fields) for level, event, fields in log.records if event.startswith("operator_view")] == [
+        ("warning", "operator_view.gpu_unreadable", {"error": lost}),
+        ("info", "operator_view.gpu_readable", {"error": lost, "failed_refreshes": 3}),
+        ("warning", "operator_view.gpu_unreadable", {"error": "GPU 0 memory: GPU is lost"}),
+    ]

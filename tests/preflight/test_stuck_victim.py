@@ -5,6 +5,7 @@ the stuck one's signals and reads its /proc from real-format files (tests/host/t
 from __future__ import annotations
 
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,39 @@ def test_a_victim_stuck_in_d_state_fails_the_preflight_with_22_at_once(
     assert clock.t < cfg.preflight.deadline_s  # grace 1 s + SIGKILL wait 5 s, not the 20 s deadline
     assert other.wait(5) is not None  # the rest of the reap happened
     assert log.events("preflight.unkillable")[0]["pid"] == stuck.pid
+
+
+class GoneWhenReadTable(StuckTable):
+    """The stuck victim finally goes while its /proc is read, and what was read (D state) is a newcomer's that
+    got its PID: in a container's small PID namespace the next process can get it at once."""
+
+    def __init__(self, stuck: subprocess.Popen[bytes], proc_files: Path) -> None:
+        super().__init__(stuck.pid, proc_files)
+        self.victim = stuck
+
+    def state(self, pid: int) -> ProcState | None:
+        read = super().state(pid)
+        if pid == self.stuck and self.victim.poll() is None:
+            self.victim.kill()
+            self.victim.wait()
+        return read
+
+
+def test_a_d_state_read_from_a_newcomer_on_the_victims_pid_is_not_a_stuck_victim(
+    tmp_path: Path, spawner: ProcSpawner
+) -> None:
+    """Exit 22 is not restarted on, so the stuck process must be the victim itself: a state read after the victim
+    went and a newcomer took its PID says nothing of the victim (was: exit 22, "GPU 1 needs a reset"). The
+    victim did outlive the reap's wait, so the preflight still fails, with 10, which systemd restarts."""
+    stuck = spawner.sleeper(title="VLLM::EngineCore")
+    fake_proc(tmp_path / "proc", stuck.pid, "D (disk sleep)", "uvm_spin_loop", UVM_STACK)
+    probe = FakeGpuProbe([FakeGpu(), FakeGpu(occupants={stuck.pid: 70000})])
+    clock, log = FakeClock(), RecordingLog()
+    cfg = make_cfg(tmp_path, gpus=[0, 1])
+    table = GoneWhenReadTable(stuck, tmp_path / "proc")
+    pf = Preflight(cfg, probe, table, clock, log)
+    with pytest.raises(PreflightError) as info:  # it was a survivor of the reap's wait: exit 10, restarted
+        pf.run(dry_run=False)
+    assert info.value.exit_code == ExitCode.PREFLIGHT_FAILED and "reap: survived SIGKILL" in info.value.message
+    assert not log.events("preflight.unkillable")
+    assert stuck.poll() is not None  # the premise: it was a survivor until its state was read

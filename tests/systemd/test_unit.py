@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,9 @@ def test_the_shipped_front_template_is_the_rendered_one_and_outlives_its_engine(
     for binding in ("BindsTo", "PartOf", "Requires", "Requisite"):
         assert binding not in d, binding
     assert d["CapabilityBoundingSet"] == "CAP_DAC_OVERRIDE CAP_NET_BIND_SERVICE"
+    # docs/front.md as the README's venv install lays it out (pyproject's data-files), beside the README the
+    # engine's units name: not a /usr/share/doc file nothing installs.
+    assert d["Documentation"] == (unit.DEFAULT_DOC.parent / "docs" / "front.md").as_uri()
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
@@ -220,6 +224,10 @@ def test_install_unit_of_a_front_config_writes_the_front_template(tmp_path: Path
     written = units / unit.FRONT_TEMPLATE_NAME
     assert done.stdout.strip() == f"wrote {written}; now: systemctl enable --now kimi-supervisor-front@kimi-a.service"
     assert f"--config {tmp_path}/%i.front.toml" in directives(written.read_text())["ExecStart"]
+    # This checkout's own docs/front.md (an editable install installs no data files; unit.installed_doc).
+    documented = directives(written.read_text())["Documentation"]
+    assert documented.startswith("file:///") and documented.endswith("/docs/front.md"), documented
+    assert Path(urllib.parse.unquote(urllib.parse.urlparse(documented).path)).is_file(), documented
     assert sorted(p.name for p in units.iterdir()) == [unit.FRONT_TEMPLATE_NAME]
     wrong = tmp_path / "other.front.toml"
     wrong.write_text(config.read_text())
