@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -168,17 +169,13 @@ def test_signal_tree_never_touches_unrelated_processes() -> None:
         close_pipes(child)
 
 
-def test_a_member_on_a_pid_an_earlier_member_had_is_still_signalled() -> None:
-    """The tree remembers each member as (PID, start time). A member that exits and is reaped leaves its PID
-    free; in a container's small PID namespace the tree's next process can get it. That new member is ours
-    and must be signalled: with the old start time kept for the PID it was not (the pidfd check refused a
-    process that is not the remembered one), and a member outside the child's session then outlived the
-    SIGTERM. The reuse is made in a PID namespace this test creates (tests/child/pid_reuse_scenario.py)."""
+def in_a_new_pid_namespace(*args: str) -> dict[str, Any]:
+    """tests/child/pid_reuse_scenario.py run as PID 1 of a PID namespace made for it; its last line's JSON."""
     if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], check=False).returncode != 0:
         pytest.skip("no PID namespaces here (unshare --pid failed)")
     scenario = Path(__file__).with_name("pid_reuse_scenario.py")
     done = subprocess.run(
-        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(scenario)],
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(scenario), *args],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -186,7 +183,17 @@ def test_a_member_on_a_pid_an_earlier_member_had_is_still_signalled() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.splitlines()[-1])
+    got: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return got
+
+
+def test_a_member_on_a_pid_an_earlier_member_had_is_still_signalled() -> None:
+    """The tree remembers each member as (PID, start time). A member that exits and is reaped leaves its PID
+    free; in a container's small PID namespace the tree's next process can get it. That new member is ours
+    and must be signalled: with the old start time kept for the PID it was not (the pidfd check refused a
+    process that is not the remembered one), and a member outside the child's session then outlived the
+    SIGTERM. The reuse is made in a PID namespace this test creates (tests/child/pid_reuse_scenario.py)."""
+    got = in_a_new_pid_namespace()
     assert got["first"] == got["second"]  # the premise: the new member has the old one's PID
     assert got["listed"]
     assert got["ended"], "the member on the reused PID outlived signal_tree(SIGTERM)"
@@ -197,19 +204,7 @@ def test_a_stranger_on_the_mains_pid_and_session_id_after_the_tree_went_is_never
     PID: once the whole tree is gone and reaped, a process that gets the number and calls setsid() (every
     service systemd starts does) leads a session of that id, and a later stop's scan took it for a member and
     signalled it. Made in a PID namespace this test creates (ns_last_pid)."""
-    if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], check=False).returncode != 0:
-        pytest.skip("no PID namespaces here (unshare --pid failed)")
-    scenario = Path(__file__).with_name("pid_reuse_scenario.py")
-    done = subprocess.run(
-        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(scenario), "session"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.splitlines()[-1])
+    got = in_a_new_pid_namespace("session")
     assert got["main"] == got["stranger"] == got["sid"]  # the premise: the main's PID and its session id
     assert not got["listed"], "a stranger leading a session of the main's id was listed as a member"
     assert not got["signalled"], "signal_tree reached a stranger"

@@ -6,11 +6,9 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 
 from kimi_supervisor.lifecycle.machine import StateMachine
 from kimi_supervisor.logs.catalog import MESSAGE_IDS, state_events
@@ -21,14 +19,6 @@ from testkit.fakes.journal_socket import JournalSocket
 
 REPO = Path(__file__).resolve().parents[2]
 CATALOG = REPO / "packaging" / "journal" / "kimi-supervisor.catalog"
-
-
-@pytest.fixture
-def journal(tmp_path: Path) -> Iterator[JournalSocket]:
-    j = JournalSocket(tmp_path)
-    yield j
-    j.close()
-    structlog.reset_defaults()
 
 
 def catalog_entries() -> dict[str, str]:

@@ -5,10 +5,8 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import structlog
 
 from kimi_supervisor.logs.journal import (
@@ -20,14 +18,6 @@ from kimi_supervisor.logs.journal import (
     resolve_format,
 )
 from testkit.fakes.journal_socket import JournalSocket, decode
-
-
-@pytest.fixture
-def journal(tmp_path: Path) -> Iterator[JournalSocket]:
-    j = JournalSocket(tmp_path)
-    yield j
-    j.close()
-    structlog.reset_defaults()
 
 
 def test_encode_round_trip_with_newlines() -> None:
