@@ -19,6 +19,7 @@ import os
 import platform
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -119,15 +120,41 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def _wait_http(url: str, sock: str | None, ok: Any) -> None:
+def _get(port: int | None, sock: str | None, path: str) -> bytes | None:
+    """GET PATH on 127.0.0.1:PORT or the Unix socket SOCK: the body of a 200, else None (stdlib: no curl there)."""
+    try:
+        with socket.socket(socket.AF_UNIX if sock else socket.AF_INET) as conn:
+            conn.settimeout(2)
+            conn.connect(sock if sock else ("127.0.0.1", port))
+            conn.sendall(f"GET {path} HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n".encode())
+            answer = b""
+            while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < _length(answer):
+                piece = conn.recv(65536)
+                if not piece:
+                    break
+                answer += piece
+    except OSError:
+        return None
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return body if head.startswith(b"HTTP/1.1 200") else None
+
+
+def _length(answer: bytes) -> int:
+    for line in answer.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 1 << 30  # no length: read to the end
+
+
+def _wait_http(port: int | None, sock: str | None, path: str, ok: Any) -> None:
     deadline = time.monotonic() + BOUND_S
-    argv = ["curl", "-sf", "--max-time", "2", *(["--unix-socket", sock] if sock else []), url]
     while True:
-        run = subprocess.run(argv, capture_output=True)
-        if run.returncode == 0 and ok(run.stdout):
+        body = _get(port, sock, path)
+        if body is not None and ok(body):
             return
         if time.monotonic() > deadline:
-            raise SystemExit(f"bench_front: {url} did not answer within {BOUND_S:.0f}s")
+            raise SystemExit(f"bench_front: {path} on {sock or port} did not answer 200 within {BOUND_S:.0f}s")
         time.sleep(0.05)  # polling an HTTP answer: no event to wait on across processes
 
 
@@ -183,10 +210,8 @@ class Bench:
             f"front{self.starts}.log",
             front_env,
         )
-        _wait_http("http://e/health", str(sock), lambda _: True)
-        _wait_http(
-            f"http://127.0.0.1:{port}/front/health", None, lambda out: json.loads(out).get("engine_serving") is True
-        )
+        _wait_http(None, str(sock), "/health", lambda _: True)
+        _wait_http(port, None, "/front/health", lambda out: json.loads(out).get("engine_serving") is True)
         said = (self.work / f"front{self.starts}.log").read_text()
         if f'"loop": "{loop}"' not in said and f"loop={loop}" not in said:
             raise SystemExit(f"bench_front: the front did not say it runs {loop}'s loop: {said[-400:]}")
