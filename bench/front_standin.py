@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import importlib
 import json
 import multiprocessing
 import os
@@ -39,7 +38,6 @@ from testkit.harness import write_config  # noqa: E402
 from testkit.procutil import free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "front_h200.md"
-NO_UVLOOP = ROOT / "bench" / "no_uvloop"  # first on the front's PYTHONPATH: asyncio's loop though uvloop is installed
 BOUND_S = 120.0  # every wait for a process to come up
 CLIENTS_MAX = 4
 
@@ -181,15 +179,13 @@ class Bench:
         os.sched_setaffinity(proc.pid, {core})
         return proc
 
-    def start(self, pace: float, port: int, loop: str) -> tuple[int, int, str]:
-        """The stand-in (unpaced or paced) and a front before it (its event loop: LOOP); their pids and the
-        engine's socket."""
+    def start(self, pace: float, port: int) -> tuple[int, int, str]:
+        """The stand-in (unpaced or paced) and a front before it; their pids and the engine's socket."""
         self.starts += 1
         runtime = self.work / f"run{self.starts}"
         sock = runtime / "kimi-b" / "front" / "engine.sock"
         sock.parent.mkdir(parents=True)
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        front_env = {**env, "PYTHONPATH": str(NO_UVLOOP) + os.pathsep + env["PYTHONPATH"]} if loop == "asyncio" else env
         engine = self._spawn(
             [sys.executable, "-m", "testkit.fakes.stream_engine", "--socket", str(sock), "--pace-tok-s", str(pace)],
             self.engine_core,
@@ -208,13 +204,10 @@ class Bench:
             [sys.executable, "-m", "kimi_supervisor", "--config", str(config)],
             self.front_core,
             f"front{self.starts}.log",
-            front_env,
+            env,
         )
         _wait_http(None, str(sock), "/health", lambda _: True)
         _wait_http(port, None, "/front/health", lambda out: json.loads(out).get("engine_serving") is True)
-        said = (self.work / f"front{self.starts}.log").read_text()
-        if f'"loop": "{loop}"' not in said and f"loop={loop}" not in said:
-            raise SystemExit(f"bench_front: the front did not say it runs {loop}'s loop: {said[-400:]}")
         return engine.pid, front.pid, str(sock)
 
     def stop(self) -> None:
@@ -264,9 +257,9 @@ class Bench:
         span = max(r[1] for r in results) - min(r[0] for r in results)
         return {"tok_s": tokens / span, "tokens": tokens, "front_cpu_s": cpu, "rss": peak}
 
-    def measure(self, pace: float, short: bool, loop: str) -> dict[str, Any]:
+    def measure(self, pace: float, short: bool) -> dict[str, Any]:
         port = free_port()
-        _, front_pid, sock = self.start(pace, port, loop)
+        _, front_pid, sock = self.start(pace, port)
         targets = {"direct": ("unix", sock), "front": ("tcp", f"http://127.0.0.1:{port}")}
         clients = self.clients(targets)
         try:
@@ -303,10 +296,9 @@ def _cpu_per_1k(result: dict[str, Any]) -> float:
 
 
 def rows(results: dict[str, dict[str, Any]], args: argparse.Namespace, max_tokens: int) -> list[Row]:
-    """RESULTS: "LOOP unpaced" (with the short requests) per loop, and "LOOP paced" for the front's own loop."""
+    """RESULTS: "unpaced" (with the short requests) and "paced"."""
     out = []
-    for key, result in results.items():
-        loop, kind = key.split()
+    for kind, result in results.items():
         streams = f"{args.streams} streams x {max_tokens if kind == 'unpaced' else args.paced_tokens} tokens"
         if "short" in result:
             short = result["short"]
@@ -315,7 +307,7 @@ def rows(results: dict[str, dict[str, Any]], args: argparse.Namespace, max_token
             n = len(short["front"])
             out.append(
                 Row(
-                    f"[{loop}] added latency, short non-streamed request (max_tokens 1), p50, n={n} each, alternated",
+                    f"added latency, short non-streamed request (max_tokens 1), p50, n={n} each, alternated",
                     "p50 <= 1 ms",
                     f"{added50:+.3f} ms ({pct(short['direct'], 0.5):.3f} -> {pct(short['front'], 0.5):.3f} ms)",
                     added50 <= 1.0,
@@ -323,7 +315,7 @@ def rows(results: dict[str, dict[str, Any]], args: argparse.Namespace, max_token
             )
             out.append(
                 Row(
-                    f"[{loop}] same, p99",
+                    "same, p99",
                     "-",
                     f"{added99:+.3f} ms ({pct(short['direct'], 0.99):.3f} -> {pct(short['front'], 0.99):.3f} ms)",
                     None,
@@ -333,7 +325,7 @@ def rows(results: dict[str, dict[str, Any]], args: argparse.Namespace, max_token
         pace = "unpaced: as fast as CPU allows" if kind == "unpaced" else f"paced: {args.pace_tok_s:g} tok/s per stream"
         out.append(
             Row(
-                f"[{loop}] {streams}, {pace}; tokens/s front vs direct, {args.rounds} runs each, alternated",
+                f"{streams}, {pace}; tokens/s front vs direct, {args.rounds} runs each, alternated",
                 ">= 0.98x direct",
                 f"{ratio:.3f}x (direct {', '.join(f'{r:.0f}' for r in direct)}; "
                 f"front {', '.join(f'{r:.0f}' for r in front)})",
@@ -343,7 +335,7 @@ def rows(results: dict[str, dict[str, Any]], args: argparse.Namespace, max_token
         rss = max(r["rss"] for r in result["runs"]["front"]) / (1 << 20)
         out.append(
             Row(
-                f"[{loop}] the front's CPU per 1000 streamed tokens, and its peak RSS ({kind})",
+                f"the front's CPU per 1000 streamed tokens, and its peak RSS ({kind})",
                 "-",
                 f"{_cpu_per_1k(result):.1f} ms CPU; {rss:.1f} MiB",
                 None,
@@ -362,33 +354,26 @@ def cpu_model() -> str:
 def main(args: argparse.Namespace) -> int:
     bench = Bench(args)
     started = time.monotonic()
-    try:
-        importlib.import_module("uvloop")
-        loops = ["uvloop", "asyncio"]  # the front's own choice first, then with uvloop hidden from it
-    except ImportError:
-        loops = ["asyncio"]
     results: dict[str, dict[str, Any]] = {}
     try:
-        for loop in loops:
-            results[f"{loop} unpaced"] = bench.measure(0.0, short=True, loop=loop)
+        results["unpaced"] = bench.measure(0.0, short=True)
         bench.max_tokens, unpaced_tokens = args.paced_tokens, bench.max_tokens
-        results[f"{loops[0]} paced"] = bench.measure(args.pace_tok_s, short=False, loop=loops[0])
+        results["paced"] = bench.measure(args.pace_tok_s, short=False)
         bench.max_tokens = unpaced_tokens
     finally:
         bench.stop()
         shutil.rmtree(bench.work, ignore_errors=True)
     result = rows(results, args, bench.max_tokens)
-    loop = "uvloop installed" if len(loops) == 2 else "uvloop not installed"
     facts = [
         f"- command: `{' '.join(['python3', 'bench/bench_front.py', *sys.argv[1:]])}` (from the repository root), "
         f"{time.monotonic() - started:.0f} s in all",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- machine: nproc {os.cpu_count()}, {cpu_model()}, Linux {platform.release()}; "
-        f"python {platform.python_version()}, aiohttp {aiohttp.__version__}, {loop}",
+        f"python {platform.python_version()}, aiohttp {aiohttp.__version__}",
         f"- cores: stand-in {bench.engine_core}, front {bench.front_core}, clients {bench.client_cores} "
         + ("(disjoint)" if bench.disjoint else "(NOT disjoint: fewer than 3 cores)"),
         f"- {bench.max_tokens} tokens per stream unpaced, {args.paced_tokens} paced; direct = the clients on the "
-        "stand-in's Unix socket, front = loopback TCP to the front, then the socket; [LOOP] = the front's event loop",
+        "stand-in's Unix socket, front = loopback TCP to the front, then the socket",
     ]
     text = "# The front's own limits (engine stand-in)\n\n" + "\n".join(facts) + "\n\n" + table(result) + "\n"
     out: Path = args.out or RESULTS

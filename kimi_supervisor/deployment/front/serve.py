@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import signal
-import sys
-from collections.abc import Callable
 
 from aiohttp import web
 
@@ -41,8 +38,7 @@ async def serve(cfg: FrontConfig, log: Logger, notifier: Notifier, watchdog_s: f
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        loop_name = "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
-        log.info("front.listening", host=cfg.host, port=cfg.port, engine_socket=str(cfg.engine_socket), loop=loop_name)
+        log.info("front.listening", host=cfg.host, port=cfg.port, engine_socket=str(cfg.engine_socket))
         said = front.headline()
         notifier.send(READY=1, STATUS=said)
         period = min(TICK_S, watchdog_s / 2) if watchdog_s else TICK_S
@@ -64,21 +60,6 @@ async def serve(cfg: FrontConfig, log: Logger, notifier: Notifier, watchdog_s: f
         front.write_state("stopped", exit_code=0)
 
 
-def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop when it is installed (the `[uvloop]` extra; docs/front.md, The HTTP stack), else None:
-    asyncio's own.  bench/results/front_h200.md measures the front on both."""
-    try:
-        module = importlib.import_module("uvloop")
-    except ImportError:
-        return None
-    factory: Callable[[], asyncio.AbstractEventLoop] = module.new_event_loop
-    return factory
-
-
 def run(cfg: FrontConfig, log: Logger, notifier: Notifier, watchdog_s: float | None) -> ExitCode:
-    if sys.version_info >= (3, 11):
-        with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            runner.run(serve(cfg, log, notifier, watchdog_s))
-    else:  # no Runner (no loop factory) before 3.11: asyncio's loop
-        asyncio.run(serve(cfg, log, notifier, watchdog_s))
+    asyncio.run(serve(cfg, log, notifier, watchdog_s))
     return ExitCode.OK
