@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from testkit.harness import PRIVATE_SHM, write_config  # noqa: E402
 from testkit.procutil import free_port  # noqa: E402
-from testkit.vllm_serve import MAX_LEN, MODEL_DIR, VENV, VLLM_ENV  # noqa: E402
+from testkit.vllm_serve import KV_CACHE_ARGS, MAX_LEN, MODEL_DIR, VENV, VLLM_ENV  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "front.md"
 
@@ -173,7 +173,9 @@ def main() -> None:
         },
     )
     argv = [str(VENV / "bin" / "vllm"), "serve", str(MODEL_DIR), "--uds", str(sock), "--dtype", "float32"]
-    argv += ["--max-model-len", str(MAX_LEN), "--enforce-eager", "--served-model-name", "tiny"]
+    # The tests' 64 MiB KV cache (testkit/vllm_serve.py): without it vLLM sizes one from the machine's free memory
+    # and does not start beside another suite.
+    argv += ["--max-model-len", str(MAX_LEN), "--enforce-eager", "--served-model-name", "tiny", *KV_CACHE_ARGS]
     argv += ["--hf-overrides", json.dumps({"max_position_embeddings": MAX_LEN}), "--enable-scale-out"]
     wrapper = ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM, "sh"]
     with (work / "vllm.log").open("wb") as log:
@@ -191,7 +193,9 @@ def main() -> None:
     try:
         deadline = time.monotonic() + 600
         while subprocess.run(["curl", "-sf", "--unix-socket", str(sock), "http://e/health"]).returncode != 0:
-            assert time.monotonic() < deadline and vllm.poll() is None, "vllm did not start"
+            if time.monotonic() > deadline or vllm.poll() is not None:
+                tail = (work / "vllm.log").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"bench_front: vllm did not start ({vllm.poll()}):\n{tail}")
             time.sleep(1)
         result = asyncio.run(measure(sock, port, psutil.Process(front.pid), psutil.Process(vllm.pid), args))
     finally:

@@ -449,7 +449,7 @@ class Front:
                         continue
                     raw = record.observe_raw(data) if b'"error"' not in data else None
                     if raw is None:
-                        if out:  # the events before an error chunk are the client's whatever it means
+                        if out:  # kept as sent (record.sent_ids): out before an error chunk can end this send
                             await client.write(b"".join(out), headers)
                             out = []
                         chunk = await self._chunk(data)
@@ -483,7 +483,7 @@ class Front:
                     if data == sse.DONE:
                         out.append(sse.event(data))
                         break
-                    if b'"error"' in data and out:  # what came before an error chunk is the client's already
+                    if b'"error"' in data and out:  # kept as sent: out before an error chunk can end this send
                         await client.write(b"".join(out), headers)
                         out = []
                     chunk = await self._chunk(data)
