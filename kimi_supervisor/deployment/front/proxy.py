@@ -395,17 +395,22 @@ class Front:
         await client.response.write_eof()
         return client.response
 
-    async def _events(self, answer: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        """The answer's SSE data, one event at a time, up to [DONE]; EngineBroke when it ends before."""
+    async def _batches(self, answer: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+        """The answer's SSE data, the events of each read together (the client gets them in one write), up to
+        [DONE] (the last of its batch); EngineBroke when the answer ends before it."""
         splitter = sse.EventSplitter()
         async for chunk in answer.content.iter_any():
+            batch = []
             for event in splitter.feed(chunk):
                 data = sse.data_of(event)
                 if data is None:
                     continue
-                yield data
+                batch.append(data)
                 if data == sse.DONE:
+                    yield batch
                     return
+            if batch:
+                yield batch
         raise EngineBroke
 
     async def _chunk(self, data: bytes) -> object:
@@ -430,21 +435,30 @@ class Front:
                 self.metrics.finished(_outcome(request, "forwarded"))
                 return web.Response(status=answer.status, body=data, headers=_headers(answer.headers))
             headers = _headers(answer.headers)
-            async for data in self._events(answer):
-                if data == sse.DONE:
-                    await client.write(sse.event(data), headers)
-                    break
-                if record.why_not is not None and not record.ids_asked and b'"error"' not in data:
-                    await client.write(sse.event(data), headers)  # sent as it came: nothing to keep
+            # The events that came in one read go out in one write: under load (a slow client, a busy front)
+            # several wait in one read, and one write per event was a send(2) and an HTTP chunk each.
+            async for batch in self._batches(answer):
+                out: list[bytes] = []
+                for data in batch:
+                    if data == sse.DONE:
+                        out += (b"data: ", data, b"\n\n")
+                        break
+                    if record.why_not is not None and not record.ids_asked and b'"error"' not in data:
+                        out += (b"data: ", data, b"\n\n")  # sent as it came: nothing to keep
+                        record.events_sent += 1
+                        continue
+                    raw = record.observe_raw(data) if b'"error"' not in data else None
+                    if raw is None:
+                        if out:  # kept as sent (record.sent_ids): out before an error chunk can end this send
+                            await client.write(b"".join(out), headers)
+                            out = []
+                        chunk = await self._chunk(data)
+                        kept = record.observe(chunk) if isinstance(chunk, dict) else chunk
+                        raw = data if kept is chunk else json.dumps(kept).encode()
+                    out += (b"data: ", raw, b"\n\n")
                     record.events_sent += 1
-                    continue
-                raw = record.observe_raw(data) if b'"error"' not in data else None
-                if raw is None:
-                    chunk = await self._chunk(data)
-                    out = record.observe(chunk) if isinstance(chunk, dict) else chunk
-                    raw = data if out is chunk else json.dumps(out).encode()
-                await client.write(sse.event(raw), headers)
-                record.events_sent += 1
+                if out:
+                    await client.write(b"".join(out), headers)
         return None
 
     async def _continue(self, client: _Client, body: dict[str, Any], record: StreamRecord) -> None:
@@ -463,13 +477,20 @@ class Front:
                     raise EngineBroke
                 raise NotResumable(f"the token-in route answered {answer.status}: {data[:200]!r}")
             headers = {"Content-Type": "text/event-stream"}
-            async for data in self._events(answer):
-                if data == sse.DONE:
-                    await client.write(sse.event(data), headers)
-                    break
-                chunk = await self._chunk(data)
-                if isinstance(chunk, dict) and "error" in chunk:
-                    raise NotResumable(f"the token-in route failed: {data[:200]!r}")
-                if isinstance(chunk, dict):
-                    await client.write(sse.event(json.dumps(record.translate(chunk)).encode()), headers)
-                    record.events_sent += 1
+            async for batch in self._batches(answer):
+                out: list[bytes] = []
+                for data in batch:
+                    if data == sse.DONE:
+                        out.append(sse.event(data))
+                        break
+                    if b'"error"' in data and out:  # kept as sent: out before an error chunk can end this send
+                        await client.write(b"".join(out), headers)
+                        out = []
+                    chunk = await self._chunk(data)
+                    if isinstance(chunk, dict) and "error" in chunk:
+                        raise NotResumable(f"the token-in route failed: {data[:200]!r}")
+                    if isinstance(chunk, dict):
+                        out.append(sse.event(json.dumps(record.translate(chunk)).encode()))
+                        record.events_sent += 1
+                if out:
+                    await client.write(b"".join(out), headers)

@@ -132,8 +132,10 @@ class StreamRecord:
 
     def _keep(self, ids: list[int], shown: bool) -> None:
         if shown:
-            self.sent_ids += self.held_ids + ids
-            self.held_ids = []
+            if self.held_ids:
+                self.sent_ids += self.held_ids
+                self.held_ids = []
+            self.sent_ids += ids
         else:
             self.held_ids += ids
 

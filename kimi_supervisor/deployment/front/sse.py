@@ -12,7 +12,7 @@ class EventSplitter:
         self._buf = b""
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        self._buf += chunk.replace(b"\r\n", b"\n")
+        self._buf += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
         *events, self._buf = self._buf.split(b"\n\n")
         return [e for e in events if e.strip()]
 
@@ -24,6 +24,8 @@ class EventSplitter:
 
 def data_of(event: bytes) -> bytes | None:
     """The event's data (its `data:` lines joined), or None for a comment or an event without data."""
+    if event.startswith(b"data: ") and b"\n" not in event:  # vLLM's every event: one line
+        return event[6:]
     lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
     return b"\n".join(lines) if lines else None
 

@@ -83,6 +83,7 @@ class FakeEngine:
         self.crash_before_answer = False  # a non-streamed request kills it before its answer
         self.error_chunk_on_crash = False  # vLLM's EngineDeadError chunk, /health failing, then the exit
         self.hold_after_first: asyncio.Event | None = None  # a stream waits for it after its first token
+        self.burst = False  # a stream's events in one write: what a reader that fell behind finds waiting
         self.aborted = asyncio.Event()  # a stream's client went away before the stream ended
         self.crashes = 0
         self._runner: web.AppRunner | None = None
@@ -157,6 +158,7 @@ class FakeEngine:
         self._transports.add(request.transport)
         head = {"id": "chatcmpl-7" if chat else "cmpl-7", "created": 1700000000, "model": "tiny"}
         obj = "chat.completion.chunk" if chat else "text_completion"
+        burst: list[bytes] = []
         try:
             if chat:
                 first: dict[str, Any] = {
@@ -189,10 +191,13 @@ class FakeEngine:
                 chunk: dict[str, Any] = {**head, "object": obj, "choices": [choice]}
                 if ids and not chat and n == 0:
                     chunk["prompt_token_ids"] = prompt
+                if self.burst:
+                    burst.append(sse(chunk))
+                    continue
                 await response.write(sse(chunk))
                 if n == 0 and self.hold_after_first is not None:
                     await self.hold_after_first.wait()
-            await response.write(b"data: [DONE]\n\n")
+            await response.write(b"".join(burst) + b"data: [DONE]\n\n")
             await response.write_eof()
         except (asyncio.CancelledError, ConnectionResetError):
             self.aborted.set()

@@ -30,6 +30,7 @@ class Harness:
     engine: FakeEngine
     client: aiohttp.ClientSession
     log: RecordingLog
+    port: int  # the front's, on 127.0.0.1
 
 
 async def until(condition: Callable[[], bool], what: str) -> None:
@@ -65,7 +66,7 @@ async def running(engine_up: bool = True, **settings: Any) -> AsyncIterator[Harn
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as client:
             if engine_up:
                 await until(lambda: front.gate.serving, "the front sees the engine serving")
-            yield Harness(front, engine, client, log)
+            yield Harness(front, engine, client, log, port)
     finally:
         await runner.cleanup()
         await engine.stop()

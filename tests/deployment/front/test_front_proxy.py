@@ -318,3 +318,47 @@ def test_a_stream_that_cannot_be_resumed_ends_with_an_error_chunk_that_says_why(
             assert "/inference/v1/generate" not in [p for p, _ in h.engine.seen]
 
     run(scenario)
+
+
+async def _http_chunks(port: int, path: str, body: dict[str, Any]) -> list[bytes]:
+    """POST over a raw connection; the response body's HTTP/1.1 chunks as they were framed (one per write)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: front\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+    writer.write(head.encode() + b"Connection: close\r\n\r\n" + data)
+    try:
+        status = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND_S)
+        assert status.startswith(b"HTTP/1.1 200") and b"chunked" in status.lower(), status
+        chunks = []
+        while True:
+            size = int((await asyncio.wait_for(reader.readuntil(b"\r\n"), BOUND_S)).strip(), 16)
+            if size == 0:
+                return chunks
+            chunks.append(await asyncio.wait_for(reader.readexactly(size + 2), BOUND_S))
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_events_that_arrive_together_reach_the_client_in_one_write(path: str) -> None:
+    """An engine's events read at once (it wrote them together, or the front fell behind) go out in one write:
+    one HTTP chunk, one send(2), not one per token; the text is the uninterrupted run's."""
+
+    async def scenario() -> None:
+        async with running() as h:
+            h.engine.burst = True
+            body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+            chunks = await _http_chunks(h.port, path, body)
+        events = [e for c in chunks for e in c.split(b"\n\n") if e.startswith(b"data: ")]
+        first = 1 if path == "/v1/chat/completions" else 0  # the chat role chunk, written before the burst
+        assert len(events) == first + 8 + 1 and events[-1] == b"data: [DONE]"
+        # The burst (8 tokens and [DONE]) in the last chunk; the role chunk, read with it or before it, too or not.
+        assert chunks[-1].count(b"data: ") >= 8 + 1 and len(chunks) <= first + 1, [c[:40] for c in chunks]
+        text = "".join(
+            (c.get("text") or (c.get("delta") or {}).get("content") or "")
+            for e in events[:-1]
+            for c in json.loads(e[6:])["choices"]
+        )
+        assert text == text_of_run(generate(prompt_ids(path, body), 8))
+
+    run(scenario)
