@@ -35,6 +35,8 @@ class FrontConfig:
     engine_state_file: Path | None = None
     # The engine supervisor's history: its last successful load sets hold_s when the config does not.
     engine_history_file: Path | None = None
+    # The weight holder's state file (docs/weight-holder.md): an outage ended while it was ready is holder-assisted.
+    engine_holder_state_file: Path | None = None
     # Its own state file, which `kimi-supervisor status NAME` shows beside the engine's; None: none written.
     state_file: Path | None = None
     queue_max: int = 1024  # requests held at once; the next is answered 503 at once
@@ -87,6 +89,7 @@ def parse_front(t: Table, runtime_directory: Path, state_directory: Path, name: 
         engine_socket=engine_socket(runtime_directory, name),
         engine_state_file=runtime_directory / name / "state.json",
         engine_history_file=state_directory / name / "history.json",
+        engine_holder_state_file=runtime_directory / name / f"state{Role.WEIGHTS.file_suffix}.json",
         state_file=runtime_directory / name / Role.FRONT.state_subdirectory / f"state{Role.FRONT.file_suffix}.json",
         queue_max=t.integer("queue_max", FrontConfig.queue_max, minimum=0, maximum=1 << 20),
         hold_s=hold if given_hold else None,
