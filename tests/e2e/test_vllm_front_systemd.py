@@ -32,6 +32,7 @@ CLIENTS = REPO / "tests" / "e2e" / "front_clients.py"
 
 
 ENGINE_STATE = "/run/kimi-supervisor/kimi-a/state.json"
+FRONT_STATE = "/run/kimi-supervisor/kimi-a/front-state/state.front.json"
 # The venv's interpreter lives under /root (0700): `nobody` runs the system's python3.11 (same ABI) on the venv's
 # packages, as tests/e2e/test_vllm_cache.py does.
 SYSTEM_PYTHON = "/usr/bin/python3.11"
@@ -133,6 +134,12 @@ def test_systemctl_restart_of_the_engine_with_streams_open_costs_no_client_anyth
         assert m.unit_property(FRONT, "MainPID") == front_pid  # the front was never restarted
         assert m.unit_property(ENGINE, "NRestarts") == engine_restarts  # a planned restart, not a failure
         metrics = m.run(["curl", "-s", f"http://127.0.0.1:{PORT}/front/metrics"], check=False).stdout
+        # The front's state file names the outage by how the engine's run ended (its history): a planned restart.
+        front_state = json.loads(m.run(["cat", FRONT_STATE], check=False).stdout)
+        outage = front_state["front"]["outages"][-1]
+        print("front_systemd.outage", json.dumps(outage))
+        assert (outage["kind"], outage["engine_exit_code"], outage["failed"]) == ("planned", 0, 0), outage
+        assert 'kimi_front_outages_ended_total{deployment="kimi-a",kind="planned"} 1.0' in metrics, metrics
         resumed = [line for line in metrics.splitlines() if 'outcome="resumed"' in line]
         assert resumed and float(resumed[0].split()[-1]) > 0, metrics
 

@@ -84,9 +84,13 @@ class FrontMetrics:
         record |= {"client_wait_s": 0.0, "held": 0, "retried": 0, "resumed": 0, "failed": 0}
         self.outages_seen = [*self.outages_seen[-(KEEP_OUTAGES - 1) :], record]
 
-    def outage_ended(self, at: float, kind: dict[str, object]) -> None:
-        """`kind`: outages.classify's (the kind, the engine's exit code, whether its holder helped)."""
+    def outage_ended(self, at: float, kind: dict[str, object] | None) -> None:
+        """`kind`: outages.classify's (the kind, the engine's exit code, whether its holder helped); None when no
+        outage was under way (the front's first sight of the engine serving)."""
         self.last_outage_wait.set(self.outage_wait_s)
+        self.outage_wait_s = 0.0
+        if kind is None:
+            return
         if self.outages_seen:
             latest = self.outages_seen[-1]
             latest["ended"] = at
@@ -94,7 +98,6 @@ class FrontMetrics:
                 value = kind.get(key)
                 latest[key] = value if isinstance(value, (int, str, bool)) or value is None else str(value)
         self._ended.labels(self._deployment, str(kind.get("kind"))).inc()
-        self.outage_wait_s = 0.0
 
     def text(self) -> bytes:
         return bytes(generate_latest(self.registry))

@@ -215,9 +215,9 @@ class Front:
     def _outage_ended(self, now: float) -> None:
         """Its kind from the engine's history (outages.py), read once per outage."""
         latest = self.metrics.outages_seen[-1] if self.metrics.outages_seen else None
-        began = latest.get("began") if latest is not None else None
-        if not isinstance(began, (int, float)):
-            self.metrics.outage_ended(now, {"kind": outages.UNKNOWN})
+        began = latest.get("began") if latest is not None and latest.get("ended") is None else None
+        if not isinstance(began, (int, float)):  # the first sight of the engine serving: no outage ends
+            self.metrics.outage_ended(now, None)
             return
         kind = outages.classify(began, now, self.cfg.engine_history_file, self.cfg.engine_holder_state_file)
         self.metrics.outage_ended(now, kind)
