@@ -75,8 +75,14 @@ def private_dir(parent: Path, name: str, uid: int, gid: int, *, create: bool = T
             raise Refused(f"{path} {_what_is(parent_fd, name)}; remove it (it is not ours to follow)") from None
         try:
             if made:
-                os.fchown(fd, uid, gid)
-                os.fchmod(fd, mode)  # the umask may have taken more than group and other
+                try:
+                    os.fchown(fd, uid, gid)
+                    os.fchmod(fd, mode)  # the umask may have taken more than group and other
+                except OSError:
+                    # Not left behind root's: the next start would refuse it (another owner) rather than try
+                    # again (a unit without CAP_CHOWN refuses the handover: docs/hardening.md).
+                    os.rmdir(name, dir_fd=parent_fd)
+                    raise
             st = os.fstat(fd)
         finally:
             os.close(fd)

@@ -116,7 +116,10 @@ def test_systemctl_restart_of_the_engine_with_streams_open_costs_no_client_anyth
         while m.run(["test", "-e", MARKER], check=False).returncode != 0:
             assert thread.is_alive() and time.monotonic() < deadline, out.get("run")
             time.sleep(0.5)
-        m.systemctl("restart", ENGINE, timeout=420)
+        restarted = m.systemctl("restart", ENGINE, timeout=420, check=False)
+        if restarted.returncode != 0:
+            print(m.journal(ENGINE)[-12000:])
+        assert restarted.returncode == 0, restarted.stderr
         thread.join(1500)
         run = out["run"]
         assert run.returncode == 0, run.stderr[-3000:]
