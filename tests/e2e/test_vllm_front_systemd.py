@@ -140,7 +140,7 @@ def test_systemctl_restart_of_the_engine_with_streams_open_costs_no_client_anyth
         # The front's state file names the outage by how the engine's run ended (its history): a planned restart.
         front_state = json.loads(m.run(["cat", FRONT_STATE], check=False).stdout)
         outage = front_state["front"]["outages"][-1]
-        print("front_systemd.outage", json.dumps(outage))
+        print("front_systemd.front", json.dumps(front_state["front"]))
         assert (outage["kind"], outage["engine_exit_code"], outage["failed"]) == ("planned", 0, 0), outage
         assert 'kimi_front_outages_ended_total{deployment="kimi-a",kind="planned"} 1.0' in metrics, metrics
         resumed = [line for line in metrics.splitlines() if 'outcome="resumed"' in line]
