@@ -137,14 +137,24 @@ def test_systemctl_restart_of_the_engine_with_streams_open_costs_no_client_anyth
         assert m.unit_property(FRONT, "MainPID") == front_pid  # the front was never restarted
         assert m.unit_property(ENGINE, "NRestarts") == engine_restarts  # a planned restart, not a failure
         metrics = m.run(["curl", "-s", f"http://127.0.0.1:{PORT}/front/metrics"], check=False).stdout
+        # The counter's own line (its `_created` twin, a timestamp, is always > 0).
+        resumed = [line for line in metrics.splitlines() if line.startswith("kimi_front_requests_total{")]
+        resumed = [line for line in resumed if 'outcome="resumed"' in line]
+        resumed_total = int(float(resumed[0].split()[-1])) if resumed else 0
+        assert resumed_total > 0, metrics
         # The front's state file names the outage by how the engine's run ended (its history): a planned restart.
-        front_state = json.loads(m.run(["cat", FRONT_STATE], check=False).stdout)
+        # It is rewritten at each probe (0.5 s): read until it counts the resumed streams the metrics count.
+        deadline = time.monotonic() + 30
+        while True:
+            front_state = json.loads(m.run(["cat", FRONT_STATE], check=False).stdout)
+            if front_state["front"]["requests"]["resumed"] == resumed_total or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert front_state["front"]["requests"]["resumed"] == resumed_total, front_state
         outage = front_state["front"]["outages"][-1]
         print("front_systemd.front", json.dumps(front_state["front"]))
         assert (outage["kind"], outage["engine_exit_code"], outage["failed"]) == ("planned", 0, 0), outage
         assert 'kimi_front_outages_ended_total{deployment="kimi-a",kind="planned"} 1.0' in metrics, metrics
-        resumed = [line for line in metrics.splitlines() if 'outcome="resumed"' in line]
-        assert resumed and float(resumed[0].split()[-1]) > 0, metrics
 
 
 def _summary(during: list[dict[str, Any]]) -> dict[str, Any]:
