@@ -39,6 +39,12 @@ class Role(enum.Enum):
         return {Role.WEIGHTS: ".weights", Role.FRONT: ".front"}.get(self, "")
 
     @property
+    def state_subdirectory(self) -> str:
+        """Below the deployment's runtime directory, where its state file is: the front's own directory (it
+        writes there after it drops root, docs/front.md "Who it runs as"); the others write beside the engine."""
+        return {Role.FRONT: "front-state"}.get(self, "")
+
+    @property
     def serves_api(self) -> bool:
         """Its child answers the OpenAI API (and /health) on child.vllm's port."""
         return self in (Role.ENGINE, Role.LEADER)

@@ -42,6 +42,7 @@ def test_every_config_key_is_documented() -> None:
         "front.engine_socket",
         "front.engine_state_file",
         "front.engine_history_file",
+        "front.engine_holder_state_file",
         "front.state_file",
     }
     documented = set(re.findall(r"^\| `([a-z_.]+)` \|", CONFIGURATION, re.MULTILINE))

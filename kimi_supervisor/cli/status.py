@@ -214,6 +214,9 @@ def render_front(front: Snapshot, now: float) -> str:
         last = outages[-1]
         began, ended = last.get("began"), last.get("ended")
         took = f"{ended - began:.1f}s" if isinstance(began, (int, float)) and isinstance(ended, (int, float)) else "on"
+        kind = last.get("kind")
+        if isinstance(kind, str):  # docs/front.md: how the engine's run ended, from its history
+            took += f" ({escape_unprintable(kind)}{', holder-assisted' if last.get('holder_assisted') is True else ''})"
         line += (
             f"; {len(outages)} outage(s), the last {took}: clients waited {float(last.get('client_wait_s') or 0):.1f}s,"
             f" held {last.get('held')}, retried {last.get('retried')}, resumed {last.get('resumed')},"

@@ -7,6 +7,7 @@ The engine's socket and state file are not settings: they are where the deployme
 from __future__ import annotations
 
 import dataclasses
+import pwd
 import re
 from pathlib import Path
 
@@ -34,6 +35,8 @@ class FrontConfig:
     engine_state_file: Path | None = None
     # The engine supervisor's history: its last successful load sets hold_s when the config does not.
     engine_history_file: Path | None = None
+    # The weight holder's state file (docs/weight-holder.md): an outage ended while it was ready is holder-assisted.
+    engine_holder_state_file: Path | None = None
     # Its own state file, which `kimi-supervisor status NAME` shows beside the engine's; None: none written.
     state_file: Path | None = None
     queue_max: int = 1024  # requests held at once; the next is answered 503 at once
@@ -45,6 +48,9 @@ class FrontConfig:
     allow_routes: tuple[str, ...] = ()  # control routes forwarded all the same (docs/front.md, Routes)
     probe_interval_s: float = 0.5
     probe_timeout_s: float = 2.0
+    # The account it serves as once its root-only work is done (docs/front.md, "Who it runs as"); None: the
+    # engine's child.user, read from NAME.toml when the front starts.
+    user: str | None = None
 
 
 def engine_socket(runtime_directory: Path, name: str) -> Path:
@@ -68,6 +74,12 @@ def parse_front(t: Table, runtime_directory: Path, state_directory: Path, name: 
     for i, route in enumerate(allow):
         if not _ROUTE.match(route):
             raise t.error(f"allow_routes[{i}]", f"expected a path starting with '/', got {route!r}")
+    user = t.string("user", None)
+    if user is not None:
+        try:
+            pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+        except (KeyError, OverflowError):
+            raise t.error("user", f"no such user {user!r} on this host") from None
     given_hold = t.has("hold_s")
     hold = t.number("hold_s", DEFAULT_HOLD_S, maximum=86400.0, zero_ok=True)
     cfg = FrontConfig(
@@ -77,7 +89,8 @@ def parse_front(t: Table, runtime_directory: Path, state_directory: Path, name: 
         engine_socket=engine_socket(runtime_directory, name),
         engine_state_file=runtime_directory / name / "state.json",
         engine_history_file=state_directory / name / "history.json",
-        state_file=runtime_directory / name / f"state{Role.FRONT.file_suffix}.json",
+        engine_holder_state_file=runtime_directory / name / f"state{Role.WEIGHTS.file_suffix}.json",
+        state_file=runtime_directory / name / Role.FRONT.state_subdirectory / f"state{Role.FRONT.file_suffix}.json",
         queue_max=t.integer("queue_max", FrontConfig.queue_max, minimum=0, maximum=1 << 20),
         hold_s=hold if given_hold else None,
         max_attempts=t.integer("max_attempts", FrontConfig.max_attempts, minimum=1, maximum=100),
@@ -85,6 +98,7 @@ def parse_front(t: Table, runtime_directory: Path, state_directory: Path, name: 
         allow_routes=allow,
         probe_interval_s=t.number("probe_interval_s", FrontConfig.probe_interval_s, maximum=60.0),
         probe_timeout_s=t.number("probe_timeout_s", FrontConfig.probe_timeout_s, maximum=60.0),
+        user=user,
     )
     t.done()
     return cfg

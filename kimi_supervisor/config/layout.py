@@ -42,7 +42,7 @@ class DeploymentDirectories:
 
     @property
     def state_file(self) -> Path:
-        return self.runtime / state_file_name(self.role)
+        return self.runtime / self.role.state_subdirectory / state_file_name(self.role)
 
     @property
     def history_file(self) -> Path:

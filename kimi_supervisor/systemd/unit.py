@@ -334,9 +334,10 @@ RuntimeDirectoryPreserve=yes
 StateDirectory=kimi-supervisor kimi-supervisor/%i
 StateDirectoryMode=0755
 
-# Hardening: a network proxy, no GPU, no child. It runs as root for the instance locks; the only capability
-# left is DAC_OVERRIDE, to enter the engine's socket directory (0700, the engine's child account's):
-# running it as that account is the next step (docs/front.md).
+# Hardening: a network proxy, no GPU, no child. It starts as root for the instance locks and the port, makes
+# the engine's socket directory and its own state directory for its account (CHOWN, then FOWNER for the mode
+# of what is no longer root's), then drops to that account (SETUID/SETGID: front.user, else the engine's
+# child.user) before it serves: every capability goes with root (docs/front.md, "Who it runs as").
 NoNewPrivileges=yes
 ProtectSystem=strict
 ProtectHome=read-only
@@ -357,7 +358,7 @@ LockPersonality=yes
 MemoryDenyWriteExecute=yes
 SystemCallArchitectures=native
 RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6
-CapabilityBoundingSet=CAP_DAC_OVERRIDE CAP_NET_BIND_SERVICE
+CapabilityBoundingSet=CAP_NET_BIND_SERVICE CAP_SETUID CAP_SETGID CAP_CHOWN CAP_FOWNER
 SystemCallFilter=@system-service
 SystemCallFilter=~@mount @reboot @swap @module @raw-io @obsolete @cpu-emulation @clock @debug
 SystemCallErrorNumber=EPERM

@@ -57,8 +57,8 @@ def test_the_front_line_says_what_the_last_outage_cost_clients() -> None:
 def test_the_fronts_state_file_is_found_beside_the_engines(tmp_path: Path) -> None:
     dirs = layout.directories(PathsConfig(tmp_path / "run", tmp_path / "state"), "kimi")
     assert front_of(dirs) is None
-    (tmp_path / "run" / "kimi").mkdir(parents=True)
-    (tmp_path / "run" / "kimi" / "state.front.json").write_text("{}")
+    (tmp_path / "run" / "kimi" / "front-state").mkdir(parents=True)
+    (tmp_path / "run" / "kimi" / "front-state" / "state.front.json").write_text("{}")
     found = front_of(dirs)
-    assert found is not None and found.state_file == tmp_path / "run" / "kimi" / "state.front.json"
+    assert found is not None and found.state_file == tmp_path / "run" / "kimi" / "front-state" / "state.front.json"
     assert front_of(found) is None  # only an engine's files name the supervisors beside it

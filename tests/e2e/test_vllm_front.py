@@ -136,12 +136,20 @@ async def _stream(client: aiohttp.ClientSession, i: int, seen: _Stream) -> str:
     return seen.text
 
 
+async def _timed(request: Any, into: list[float]) -> str:
+    began = time.monotonic()
+    answer = str(await request)
+    into.append(round(time.monotonic() - began, 3))
+    return answer
+
+
 def test_engine_core_sigkill_mid_generation_costs_no_client_anything(vllm_bin: Path, tiny_model: Path) -> None:
     directory = Path(tempfile.mkdtemp(prefix="kfront-", dir="/tmp"))
     sock = directory / "engine.sock"
     vllm = Vllm(serve_argv(vllm_bin, tiny_model, sock), directory / "vllm.log")
     cfg = FrontConfig(host="127.0.0.1", port=0, engine_socket=sock, engine_state_file=None, hold_s=START_BOUND_S)
     front = Front(cfg, RecordingLog())
+    waited: list[float] = []  # each request sent during the outage: seconds until its whole answer
 
     async def scenario() -> None:
         runner = front.runner()
@@ -164,7 +172,7 @@ def test_engine_core_sigkill_mid_generation_costs_no_client_anything(vllm_bin: P
             assert vllm.proc is not None
             await _until(lambda: vllm.proc.poll() is not None, "vllm serve exits after its EngineCore", 120)
             await _until(lambda: not front.gate.serving, "the front sees the engine gone", 60)
-            during = [asyncio.ensure_future(_plain(client, i)) for i in range(DURING)]
+            during = [asyncio.ensure_future(_timed(_plain(client, i), waited)) for i in range(DURING)]
             # vLLM 0.32 binds --uds without removing a dead socket (create_server_unix_socket in
             # vllm/entrypoints/launchers/launcher.py): whoever restarts it removes it first, as its supervisor does.
             sock.unlink()
@@ -183,6 +191,8 @@ def test_engine_core_sigkill_mid_generation_costs_no_client_anything(vllm_bin: P
         counts = front.metrics.counts
         assert in_flight > 0 and counts["resumed"] == in_flight, (in_flight, counts)
         assert counts["failed_restart"] == counts["rejected_timeout"] == counts["rejected_full"] == 0, counts
+        # What clients saw (docs/front.md, "What clients saw"): the outage as the front recorded it.
+        print("front_crash.outage", json.dumps(front.metrics.outages_seen[-1]), "during_latency_s", sorted(waited))
 
     try:
         asyncio.run(asyncio.wait_for(scenario(), 4 * START_BOUND_S))

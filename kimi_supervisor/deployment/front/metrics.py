@@ -41,6 +41,10 @@ class FrontMetrics:
             registry=r,
         ).labels(deployment)
         self.outages = Counter("kimi_front_outages", "The engine stopped serving", d, registry=r).labels(deployment)
+        # Counted when an outage ends: its kind is learnt from the engine's history then (outages.py).
+        self._ended = Counter(
+            "kimi_front_outages_ended", "Outages that ended, by kind of restart", [*d, "kind"], registry=r
+        )
         self.last_outage_wait = Gauge(
             "kimi_front_last_outage_client_wait_seconds",
             "Seconds clients waited, summed, in the last outage",
@@ -54,7 +58,7 @@ class FrontMetrics:
         self.outage_wait_s = 0.0  # summed over the outage now under way
         # The last outages (the engine not serving, from the front's view), newest last: when each began and
         # ended, the seconds clients waited, and what became of the requests it touched (docs/front.md).
-        self.outages_seen: list[dict[str, float | int | None]] = []
+        self.outages_seen: list[dict[str, float | int | str | bool | None]] = []
 
     def finished(self, outcome: str) -> None:
         self._requests.labels(self._deployment, outcome).inc()
@@ -76,14 +80,24 @@ class FrontMetrics:
 
     def outage_began(self, at: float) -> None:
         self.outages.inc()
-        record = {"began": at, "ended": None, "client_wait_s": 0.0, "held": 0, "retried": 0, "resumed": 0, "failed": 0}
+        record: dict[str, float | int | str | bool | None] = {"began": at, "ended": None, "kind": None}
+        record |= {"client_wait_s": 0.0, "held": 0, "retried": 0, "resumed": 0, "failed": 0}
         self.outages_seen = [*self.outages_seen[-(KEEP_OUTAGES - 1) :], record]
 
-    def outage_ended(self, at: float) -> None:
+    def outage_ended(self, at: float, kind: dict[str, object] | None) -> None:
+        """`kind`: outages.classify's (the kind, the engine's exit code, whether its holder helped); None when no
+        outage was under way (the front's first sight of the engine serving)."""
         self.last_outage_wait.set(self.outage_wait_s)
-        if self.outages_seen:
-            self.outages_seen[-1]["ended"] = at
         self.outage_wait_s = 0.0
+        if kind is None:
+            return
+        if self.outages_seen:
+            latest = self.outages_seen[-1]
+            latest["ended"] = at
+            for key in ("kind", "engine_exit_code", "holder_assisted"):
+                value = kind.get(key)
+                latest[key] = value if isinstance(value, (int, str, bool)) or value is None else str(value)
+        self._ended.labels(self._deployment, str(kind.get("kind"))).inc()
 
     def text(self) -> bytes:
         return bytes(generate_latest(self.registry))

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from kimi_supervisor import __version__
 from kimi_supervisor.config.front import FrontConfig, hold_from_history
-from kimi_supervisor.deployment.front import sse
+from kimi_supervisor.deployment.front import outages, sse
 from kimi_supervisor.deployment.front.gate import EngineGate, QueueFull, last_load_s
 from kimi_supervisor.deployment.front.metrics import FrontMetrics
 from kimi_supervisor.deployment.front.resume import (
@@ -206,11 +206,22 @@ class Front:
         if not self.gate.set_serving(serving):
             return
         if serving:
-            self.metrics.outage_ended(time.time())
+            self._outage_ended(time.time())
             self.log.info("front.engine_serving", held=self.gate.held)
         else:
             self.metrics.outage_began(time.time())
             self.log.warning("front.engine_unavailable", socket=str(self.cfg.engine_socket))
+
+    def _outage_ended(self, now: float) -> None:
+        """Its kind from the engine's history (outages.py), read once per outage."""
+        latest = self.metrics.outages_seen[-1] if self.metrics.outages_seen else None
+        began = latest.get("began") if latest is not None and latest.get("ended") is None else None
+        if not isinstance(began, (int, float)):  # the first sight of the engine serving: no outage ends
+            self.metrics.outage_ended(now, None)
+            return
+        kind = outages.classify(began, now, self.cfg.engine_history_file, self.cfg.engine_holder_state_file)
+        self.metrics.outage_ended(now, kind)
+        self.log.info("front.outage_ended", seconds=round(now - began, 3), **kind)
 
     def _engine_broke(self) -> None:
         """A request met a broken engine: hold new ones now, and probe at once rather than at the next tick."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kimi_supervisor.checks import Check, Verdict
+from kimi_supervisor.child.spawnplan import Identity, Unresolvable, account, resolve_identity
 from kimi_supervisor.config.front import HOLD_MARGIN_S, hold_from_history
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.config.model import Config
@@ -53,7 +54,47 @@ class FrontRole(Deployment):
         # Imported here: only the front's host needs aiohttp (the [front] extra).
         from kimi_supervisor.deployment.front import serve
 
-        return serve.run(self.front, deps.log, deps.notifier, deps.watchdog_s)
+        engine = self._engine_for_start()
+        return serve.run(self.front, deps.log, deps.notifier, deps.watchdog_s, self._identity(engine))
+
+    def _engine_path(self) -> Path:
+        return self.cfg.path.parent / f"{self.cfg.deployment.name}.toml"
+
+    def _engine_for_start(self) -> Config | None:
+        """Its engine's config when there is one: a start with an engine that cannot be reached through the socket
+        (no --uds there) or cannot resume (no --enable-scale-out) is refused, exit 78, naming the file and the flag."""
+        path = self._engine_path()
+        if not path.exists():
+            return None
+        engine = load_config(path)
+        missing = self._missing_flags(engine)
+        if missing:
+            raise ConfigError(
+                f"{path}: child.argv lacks {' and '.join(missing)}, which its front needs (docs/front.md)"
+            )
+        return engine
+
+    def _identity(self, engine: Config | None) -> Identity | None:
+        """The account the front serves as (docs/front.md, "Who it runs as"): front.user, else its engine's
+        child.user; it must be the engine child's own: vLLM binds the socket 0700 under the unit's UMask=0077 in a
+        0700 directory, both that account's."""
+        try:
+            if self.front.user is not None:
+                mine = resolve_identity(self.front.user, None)
+            elif engine is not None:
+                mine = resolve_identity(engine.child.user, engine.child.group)
+            else:
+                return None
+            if engine is not None:
+                theirs = account(resolve_identity(engine.child.user, engine.child.group))
+                if account(mine) != theirs:
+                    raise ConfigError(
+                        f"{self.cfg.path}: front.user: {account(mine)[0]!r} cannot reach the engine's socket, which is "
+                        f"{self._engine_path()}'s child account's alone ({theirs[0]!r}): make them the same"
+                    )
+        except Unresolvable as exc:
+            raise ConfigError(f"{self.cfg.path}: front.user: {exc.message}") from None
+        return mine
 
     def dry_run(self, checks: list[Check], gpu_count: int) -> None:
         checks.insert(0, self._engine_check())
@@ -82,20 +123,23 @@ class FrontRole(Deployment):
             ),
         )
 
-    def _engine_check(self) -> Check:
-        """Its engine's config, NAME.toml beside this one: vLLM on the socket the front reaches, and the
-        token-in route a resume needs (without --enable-scale-out vLLM 0.32 answers it 403)."""
-        name = self.cfg.deployment.name
-        path = self.cfg.path.parent / f"{name}.toml"
-        try:
-            engine = load_config(path)
-        except SupervisorError as exc:
-            return Check("front_engine", Verdict.WARN, f"its engine's config: {exc.message}")
+    def _missing_flags(self, engine: Config) -> list[str]:
         wrong = []
         if engine.child.vllm.uds != str(self.front.engine_socket):
             wrong.append(f"--uds {self.front.engine_socket}")
         if "--enable-scale-out" not in engine.child.argv:
             wrong.append("--enable-scale-out (a broken stream's resume needs /inference/v1/generate)")
+        return wrong
+
+    def _engine_check(self) -> Check:
+        """Its engine's config, NAME.toml beside this one: vLLM on the socket the front reaches, and the
+        token-in route a resume needs (without --enable-scale-out vLLM 0.32 answers it 403)."""
+        path = self._engine_path()
+        try:
+            engine = load_config(path)
+        except SupervisorError as exc:
+            return Check("front_engine", Verdict.WARN, f"its engine's config: {exc.message}")
+        wrong = self._missing_flags(engine)
         if wrong:  # the front starts all the same (the engine's config may change first): a warning
             return Check("front_engine", Verdict.WARN, f"{path}: child.argv lacks {' and '.join(wrong)}")
         return Check("front_engine", Verdict.OK, f"{path}: vLLM serves on {self.front.engine_socket}, scale-out on")

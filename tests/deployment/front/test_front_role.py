@@ -142,7 +142,7 @@ def test_the_cli_runs_the_front_ready_once_it_listens_and_stops_on_sigterm(tmp_p
                 assert (await answer.json())["choices"][0]["text"]
             # An outage: the request sent during it is held, and the front's state file (which `status` shows)
             # counts it against that outage.
-            state_file = tmp_path / "run" / "kimi-a" / "state.front.json"
+            state_file = tmp_path / "run" / "kimi-a" / "front-state" / "state.front.json"
             await engine.crash()
             await until(lambda: _front_doc(state_file).get("engine_serving") is False, "the outage in the state file")
             async with aiohttp.ClientSession() as client:
