@@ -23,6 +23,9 @@ class Role(enum.Enum):
     # `vllm preload`: one process per GPU holding the weights, mapped by the engine of the same deployment
     # (`--load-format ipc_cache`) so that an engine restart does not read 540 GB again.
     WEIGHTS = "weights"
+    # The deployment's front (docs/front.md): owns the public port, forwards to its engine's --uds socket, holds
+    # and resumes requests across the engine's restarts.  No child, no GPU.
+    FRONT = "front"
 
     @property
     def in_group(self) -> bool:
@@ -33,7 +36,13 @@ class Role(enum.Enum):
     def file_suffix(self) -> str:
         """Added to its state and history file names: only the holder is a second supervisor of the same
         deployment on one host; the others keep the names they had before it existed."""
-        return ".weights" if self is Role.WEIGHTS else ""
+        return {Role.WEIGHTS: ".weights", Role.FRONT: ".front"}.get(self, "")
+
+    @property
+    def state_subdirectory(self) -> str:
+        """Below the deployment's runtime directory, where its state file is: the front's own directory (it
+        writes there after it drops root, docs/front.md "Who it runs as"); the others write beside the engine."""
+        return {Role.FRONT: "front-state"}.get(self, "")
 
     @property
     def serves_api(self) -> bool:

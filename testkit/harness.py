@@ -158,8 +158,9 @@ class Run:
         entry: list[str] | None = None,
         private_shm: bool = False,
         netns: str | None = None,
+        notify_mode: int | None = None,
     ) -> None:
-        self.notify = NotifySocket(tmp_path)
+        self.notify = NotifySocket(tmp_path, mode=notify_mode)
         full_env = {**os.environ, "NOTIFY_SOCKET": self.notify.path, "PYTHONPATH": str(REPO), **(env or {})}
         command = [*(entry or ["-m", "kimi_supervisor"]), "--config", str(config), "--log-format", "json"]
         # private_shm: the supervisor and its tree in a mount namespace of their own with a fresh tmpfs on

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from kimi_supervisor.config.front import FrontConfig
 from kimi_supervisor.config.load import effective_config, parse_config
 from kimi_supervisor.exitcodes import ExitCode
 
@@ -32,9 +33,18 @@ def test_every_config_key_is_documented() -> None:
     # child.vllm is parsed from child.argv; child.cache_directory is paths.cache_directory, handed to the spawn.
     # weights: None here; its table's keys (the holder's and the engine's: config/load.py _parse_weights) are
     # these, the rest of WeightsConfig is derived (the socket dir from [paths], the key from child.argv).
-    derived = ("child.vllm", "child.cache_directory", "weights")
+    # front: None here; its keys are a front's [front] (config/front.py), less what it derives from [paths].
+    derived = ("child.vllm", "child.cache_directory", "weights", "front")
     keys = {k for k in flat_keys(effective_config(cfg)) if k != "path" and not k.startswith(derived)}
     keys |= {"weights.holder", "weights.wait_s", "weights.health_port"}
+    keys |= {f"front.{f}" for f in FrontConfig.__dataclass_fields__} - {
+        "front.deployment",
+        "front.engine_socket",
+        "front.engine_state_file",
+        "front.engine_history_file",
+        "front.engine_holder_state_file",
+        "front.state_file",
+    }
     documented = set(re.findall(r"^\| `([a-z_.]+)` \|", CONFIGURATION, re.MULTILINE))
     assert keys == documented
 

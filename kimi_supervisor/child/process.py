@@ -30,6 +30,7 @@ from kimi_supervisor.child.spawnplan import (
     identity_environment,
     resolve_executable,
     resolve_identity,
+    switch_to,
 )
 from kimi_supervisor.config.model import SpawnSpec
 from kimi_supervisor.exitcodes import SpawnError
@@ -105,12 +106,6 @@ def prepare_spawn(spec: SpawnSpec, parent_env: Mapping[str, str], *, create: boo
             note = str(exc)
     executable = resolve_executable(spec.argv[0], env, spec.working_directory, identity)
     return PreparedSpawn(identity, executable, env, note)
-
-
-def _switch_to(identity: Identity | None) -> Identity | None:
-    if identity is None or (identity.uid == os.geteuid() != 0):
-        return None  # already that user (an unprivileged supervisor could not setgroups anyway)
-    return identity
 
 
 class LineSplitter:
@@ -261,7 +256,7 @@ class ChildProcess:
                 prepared = prepare_spawn(spec, os.environ if parent_env is None else parent_env)
             except Unresolvable as exc:
                 raise SpawnError(f"cannot start child: child.{exc.key}: {exc.message}") from None
-        ident = _switch_to(prepared.identity)
+        ident = switch_to(prepared.identity)
         try:
             # Popen drops privileges between fork and exec in C (setgroups, setregid, setreuid): no preexec_fn.
             popen = subprocess.Popen(

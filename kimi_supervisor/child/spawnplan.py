@@ -82,6 +82,25 @@ def uid_gid(identity: Identity | None) -> tuple[int, int]:
     return (os.geteuid(), os.getegid()) if identity is None else (identity.uid, identity.gid)
 
 
+def switch_to(identity: Identity | None) -> Identity | None:
+    """The identity to drop to, or None when there is nothing to drop: none asked for, or already that user (an
+    unprivileged process could not setgroups anyway)."""
+    if identity is None or (identity.uid == os.geteuid() != 0):
+        return None
+    return identity
+
+
+def become(identity: Identity) -> None:
+    """This process drops to `identity` for good, as the child's spawn does between fork and exec (setgroups,
+    then the gid, then the uid: after setuid a process may no longer change its groups); every uid and gid
+    (real, effective, saved) is the account's, so root cannot be taken back.  OSError when refused."""
+    os.setgroups(list(identity.groups))
+    os.setresgid(identity.gid, identity.gid, identity.gid)
+    os.setresuid(identity.uid, identity.uid, identity.uid)
+    if identity.uid != 0 and os.getresuid() != (identity.uid,) * 3:
+        raise PermissionError(f"still uid {os.getresuid()} after dropping to {identity.user!r}")
+
+
 def identity_environment(identity: Identity | None) -> dict[str, str]:
     """HOME/USER/LOGNAME for the child's user (child.env still wins)."""
     if identity is None:

@@ -30,7 +30,7 @@ from kimi_supervisor.host.nvml import NvmlProbe
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.logs.journal import ChildSink, close_outputs, configure, get_logger, resolve_format
 from kimi_supervisor.preflight.report import render_json, render_text
-from kimi_supervisor.preflight.run import Preflight
+from kimi_supervisor.preflight.run import Preflight, PreflightReport
 from kimi_supervisor.redact import redact_argv, redact_env, redact_text, secrets_in_argv, secrets_of
 from kimi_supervisor.systemd import show, unit
 from kimi_supervisor.systemd.notify import RedactingNotifier, notifier_from_env, watchdog_interval
@@ -66,6 +66,10 @@ def _unit_stop_check(cfg: Config) -> Check | None:
 
 def _install_unit(cfg: Config, args: argparse.Namespace) -> int:
     config = args.config.resolve()
+    own = for_config(cfg).install_own_unit(config, args.unit_dir, reload=not args.no_reload)
+    if own is not None:  # a front's template (docs/front.md): a unit of its own, not the engine's pair
+        print(f"wrote {own}; now: systemctl enable --now {layout.unit_name(cfg.deployment.name, cfg.role)}.service")
+        return ExitCode.OK
     instance = args.instance
     if instance is not None:
         # One name for the instance, its config file, its files, its journal identifier and metrics label.
@@ -141,14 +145,20 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
         owner = instance_lock.find_owner(
             cfg.paths.runtime_directory,
             configured_gpus(probe, cfg.preflight.gpus),
-            cfg.child.vllm.port,
+            role.serving_port,
             cfg.deployment.name,
             cfg.metrics.textfile,
             role.lock_suffix,
             role.status_port,
             role.ras_port,
         )
-        report = Preflight(cfg, probe, PsutilProcessTable(), SystemClock(), log).run(dry_run=True)
+        # A role without a child (a front) has no preflight: nothing of its own on the GPUs, shm or a model.
+        table, clock = PsutilProcessTable(), SystemClock()
+        report = (
+            Preflight(cfg, probe, table, clock, log).run(dry_run=True)
+            if role.has_child
+            else PreflightReport(dry_run=True)
+        )
         gpu_count = _gpu_count(cfg, probe)
         child = pin_configured_gpus(cfg.child, cfg.preflight.gpus, probe)
     finally:
@@ -158,7 +168,8 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
         report.checks.append(stop)
     role.dry_run(report.checks, gpu_count)  # a group's checks, a weight holder's, or an engine's view of it
     try:
-        prepare_spawn(cfg.child, os.environ, create=False)  # a dry run makes and chowns nothing
+        if role.has_child:  # a front has none (docs/front.md)
+            prepare_spawn(cfg.child, os.environ, create=False)  # a dry run makes and chowns nothing
     except Unresolvable as exc:
         # A real start stops here (exit 78) before the preflight acts; the report says so first.
         report.checks.insert(0, Check("child", Verdict.FAIL, f"child.{exc.key}: {exc.message}"))
@@ -201,7 +212,7 @@ def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
             lock = instance_lock.acquire(
                 cfg.paths.runtime_directory,
                 configured_gpus(probe, cfg.preflight.gpus),
-                cfg.child.vllm.port,
+                role.serving_port,
                 str(cfg.path),
                 deployment=cfg.deployment.name,
                 textfile=cfg.metrics.textfile,

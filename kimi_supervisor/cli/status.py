@@ -174,11 +174,55 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
 
 def holder_of(dirs: DeploymentDirectories) -> DeploymentDirectories | None:
     """The weight holder's files, when the deployment has one (docs/weight-holder.md): its state file or history."""
-    # role branch: status reads files, not a config (no deployment/ object): only an engine's files name a holder
+    return _beside(dirs, Role.WEIGHTS)
+
+
+def front_of(dirs: DeploymentDirectories) -> DeploymentDirectories | None:
+    """The front's files, when the deployment has one (docs/front.md): its state file."""
+    return _beside(dirs, Role.FRONT)
+
+
+def _beside(dirs: DeploymentDirectories, role: Role) -> DeploymentDirectories | None:
+    # role branch: status reads files, not a config (no deployment/ object): only an engine's files name the
+    # supervisors beside it (its weight holder, its front)
     if dirs.role is not Role.ENGINE:
         return None
-    holder = dataclasses.replace(dirs, role=Role.WEIGHTS)
-    return holder if holder.state_file.exists() or holder.history_file.exists() else None
+    other = dataclasses.replace(dirs, role=role)
+    return other if other.state_file.exists() or other.history_file.exists() else None
+
+
+def front_summary(front: Snapshot) -> dict[str, Any]:
+    """What the front saw of the engine's restarts: its requests by outcome, and per outage (newest last) how
+    long it lasted, the seconds clients waited, and the requests held, retried, resumed and failed."""
+    s = (front.state or {}).get("front") or {}
+    return {
+        "phase": (front.state or {}).get("phase") if front.running else "not running",
+        "engine_serving": s.get("engine_serving") if front.running else None,
+        "held_now": s.get("held") if front.running else None,
+        "requests": s.get("requests") or {},
+        "outages": s.get("outages") or [],
+    }
+
+
+def render_front(front: Snapshot, now: float) -> str:
+    summary = front_summary(front)
+    line = f"{'Front':>12}: {escape_unprintable(str(summary['phase']))}"
+    if front.running:
+        line += f", engine {'serving' if summary['engine_serving'] else 'not serving'}, {summary['held_now']} held now"
+    outages = [o for o in summary["outages"] if isinstance(o, dict)]
+    if outages:
+        last = outages[-1]
+        began, ended = last.get("began"), last.get("ended")
+        took = f"{ended - began:.1f}s" if isinstance(began, (int, float)) and isinstance(ended, (int, float)) else "on"
+        kind = last.get("kind")
+        if isinstance(kind, str):  # docs/front.md: how the engine's run ended, from its history
+            took += f" ({escape_unprintable(kind)}{', holder-assisted' if last.get('holder_assisted') is True else ''})"
+        line += (
+            f"; {len(outages)} outage(s), the last {took}: clients waited {float(last.get('client_wait_s') or 0):.1f}s,"
+            f" held {last.get('held')}, retried {last.get('retried')}, resumed {last.get('resumed')},"
+            f" failed {last.get('failed')}"
+        )
+    return line + "\n"
 
 
 def holder_summary(holder: Snapshot, engine: Snapshot, now: float) -> dict[str, Any]:
@@ -506,6 +550,7 @@ def run_status(
     # A node of a multi-node group: its role, rank and peers as this node sees them (deployment/group/view.py).
     cluster = _cluster_for(config if config is not None else config_dir / f"{dirs.name}.toml")
     holder_dirs = holder_of(dirs)
+    front_dirs = front_of(dirs)
     while True:
         snap = gather(dirs)
         group = fetch_group(cluster) if cluster is not None and snap.running else (None, "not running")
@@ -514,6 +559,8 @@ def run_status(
             if holder_dirs is not None:
                 held = gather(holder_dirs)
                 doc["weights_holder"] = to_json(held) | {"summary": holder_summary(held, snap, now())}
+            if front_dirs is not None:
+                doc["front"] = front_summary(gather(front_dirs))
             # One shape always: an array of deployment objects, one or several (docs/operators-view.md).
             out.write(json.dumps([doc], indent=2) + "\n")
         else:
@@ -522,6 +569,8 @@ def run_status(
             out.write(render_text(snap, now(), color))
             if holder_dirs is not None:  # the deployment's weight holder, its own unit (docs/weight-holder.md)
                 out.write(render_holder(gather(holder_dirs), snap, now(), color))
+            if front_dirs is not None:  # the deployment's front, its own unit (docs/front.md)
+                out.write(render_front(gather(front_dirs), now()))
             if cluster is not None:
                 out.write("\n".join(group_lines(cluster, *group)) + "\n")
         out.flush()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from kimi_supervisor.config import role_spec
 from kimi_supervisor.config.model import Config, PathsConfig
 from kimi_supervisor.roles import Role
 
@@ -41,7 +42,7 @@ class DeploymentDirectories:
 
     @property
     def state_file(self) -> Path:
-        return self.runtime / state_file_name(self.role)
+        return self.runtime / self.role.state_subdirectory / state_file_name(self.role)
 
     @property
     def history_file(self) -> Path:
@@ -56,16 +57,14 @@ def history_file_name(role: Role) -> str:
     return f"history{role.file_suffix}.json"
 
 
-HOLDER_UNIT = f"{PLAIN}-weights"  # the weight holder's template: kimi-supervisor-weights@NAME.service
-
-
 def unit_name(name: str, role: Role = Role.ENGINE) -> str:
     """The unit that runs deployment `name` (without `.service`): the plain unit runs the deployment of
     /etc/kimi-supervisor/kimi-supervisor.toml, the template `kimi-supervisor@.service` every other one, and
     `kimi-supervisor-weights@.service` a deployment's weight holder (NAME.weights.toml).
     Also its journal's SYSLOG_IDENTIFIER and the title `status` gives it."""
-    if role is Role.WEIGHTS:  # role branch: the units are systemd's names, read here by cli and the holder's engine
-        return f"{HOLDER_UNIT}@{name}"
+    template = role_spec.of(role).unit_template
+    if template is not None:
+        return f"{template}@{name}"
     return PLAIN if name == PLAIN else f"{PLAIN}@{name}"
 
 

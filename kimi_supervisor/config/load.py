@@ -21,6 +21,7 @@ from typing import Any
 
 from kimi_supervisor.config import role_spec
 from kimi_supervisor.config.file import read_config_bytes
+from kimi_supervisor.config.front import FrontConfig, parse_front
 from kimi_supervisor.config.gpu_pinning import PinningError, pinned_env, ras_env
 from kimi_supervisor.config.model import (
     GPU_HEALTH_POLICIES,
@@ -254,10 +255,14 @@ def _parse_preflight(t: Table, child_user: str | None = None) -> PreflightConfig
     return PreflightConfig(gpus, threshold, poll, deadline, busy_log, check_model, check_port, reap, shm)
 
 
+# http+unix://%2Frun%2F...%2Fengine.sock/health: vLLM on its --uds socket (config/vllm_args.py).
+_URL = r"^(https?|http\+unix)://[^/\s]+(/\S*)?$"
+
+
 def _parse_readiness(t: Table, vllm: VllmArgs) -> ReadinessConfig:
     url = t.string("health_url", "") or vllm.health_url
-    if not re.match(r"^https?://[^/\s]+(/\S*)?$", url):
-        raise t.error("health_url", f"expected an http:// or https:// URL, got {url!r}")
+    if not re.match(_URL, url):
+        raise t.error("health_url", f"expected an http://, https:// or http+unix:// URL, got {url!r}")
     cfg = ReadinessConfig(
         started_patterns=t.patterns("started_patterns", DEFAULT_STARTED_PATTERNS),
         fatal_patterns=_fatal_rules(t),
@@ -331,8 +336,8 @@ def _parse_liveness(t: Table, vllm: VllmArgs) -> LivenessConfig:
     if when not in ("idle", "always"):
         raise t.error("when", f'expected "idle" or "always", got {when!r}')
     metrics_url = t.string("metrics_url", "") or vllm.api_url("/metrics")
-    if not re.match(r"^https?://[^/\s]+(/\S*)?$", metrics_url):
-        raise t.error("metrics_url", f"expected an http:// or https:// URL, got {metrics_url!r}")
+    if not re.match(_URL, metrics_url):
+        raise t.error("metrics_url", f"expected an http://, https:// or http+unix:// URL, got {metrics_url!r}")
     cfg = LivenessConfig(
         canary_interval_s=t.number("canary_interval_s", 60.0, maximum=86400, zero_ok=True),
         canary_timeout_s=t.number("canary_timeout_s", 10.0, maximum=600),
@@ -596,23 +601,49 @@ def _role_defaults(
     return readiness, liveness
 
 
+# A role without a child (config/role_spec.py has_child): a front (docs/front.md).  Its run never spawns it;
+# the values only keep Config's shape, and every reader of child.argv meets an empty one.
+NO_CHILD = ChildConfig((), {}, False, None, None, vllm=parse_vllm_args(["none"]))
+
+
+def _no_child(root: Table, role: Role) -> ChildConfig:
+    if root.has("child"):
+        raise root.error("child", f"deployment.role = {role.value!r} runs no child (docs/front.md): remove [child]")
+    return NO_CHILD
+
+
+def _parse_front(root: Table, reads: bool, deployment: DeploymentConfig, paths: PathsConfig) -> FrontConfig | None:
+    """[front] exactly for a front (config/role_spec.py reads_front)."""
+    if not reads:
+        if root.has("front"):
+            raise root.error(
+                "front", f'[front] is for a front\'s config (deployment.role = "front"), not {deployment.role.value!r}'
+            )
+        return None
+    return parse_front(root.table("front"), paths.runtime_directory, paths.state_directory, deployment.name)
+
+
 def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     """Build a Config from parsed TOML; raises ConfigError naming file and key."""
     root = Table(data, "", path)
     if not data:
         raise ConfigError(f"{path}: the file is empty; required key 'child.argv' is missing")
-    child = _parse_child(root.table("child"))
+    deployment = _parse_deployment(root.table("deployment"), path)
+    spec = role_spec.of(deployment.role)
+    child = _parse_child(root.table("child")) if spec.has_child else _no_child(root, deployment.role)
     if child.vllm.config_file is not None and ("cluster" in data or "weights" in data):
         # Their rank and weight-cache flags are checked, and written, in child.argv's own words.
         raise ConfigError(
             f"{path}: child.argv: --config {child.vllm.config_file}: a multi-node or weight-holder deployment "
             "keeps every vLLM flag in child.argv, where the supervisor checks its rank and weight-cache flags"
         )
-    deployment = _parse_deployment(root.table("deployment"), path)
     paths = _parse_paths(root.table("paths"), path)
+    front = _parse_front(root, spec.reads_front, deployment, paths)
     # Before readiness and liveness: a holder's /health is on the port its argv gets here.
     weights, child = _parse_weights(root.table("weights"), "weights" in data, deployment, child, paths, path)
     preflight = _parse_preflight(root.table("preflight"), child.user)
+    if not spec.has_child:
+        preflight = dataclasses.replace(preflight, gpus=())  # no child: nothing of it runs on a GPU
     child = _own_devices(child, preflight, deployment.role, path)
     readiness = _parse_readiness(root.table("readiness"), child.vllm)
     health = _parse_health(root.table("health"))
@@ -649,6 +680,7 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
         cluster,
         readahead,
         weights,
+        front,
     )
 
 

@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from kimi_supervisor.config.front import FrontConfig
 from kimi_supervisor.config.vllm_args import VllmArgs
 from kimi_supervisor.roles import Role
 
@@ -229,6 +230,7 @@ class Config:
     cluster: ClusterConfig | None = None  # None: one node
     readahead: ReadaheadConfig = ReadaheadConfig()
     weights: WeightsConfig | None = None  # None: no weight holder in this deployment
+    front: FrontConfig | None = None  # a front's [front] (docs/front.md); None for every other role
 
     @property
     def role(self) -> Role:

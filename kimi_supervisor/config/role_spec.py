@@ -50,6 +50,13 @@ class RoleSpec:
     # holder's also records the checkpoint it loads, which its engines compare before they start.
     weights_side: str = "engine"
     records_checkpoint: bool = False
+    # It spawns a child (`[child]` required) and may hold GPUs; a front does neither: its [child] is refused and
+    # its preflight GPUs are none.
+    has_child: bool = True
+    # Its config's `[front]` table (config/front.py): required for a front, refused elsewhere.
+    reads_front: bool = False
+    # Its systemd template, `TEMPLATE@NAME` (config/layout.py); None: the engine's own units.
+    unit_template: str | None = None
 
 
 # The holder has no OpenAI API: no canary, no token progress to watch; ready on vLLM's READY line and /health.
@@ -67,6 +74,7 @@ _HOLDER = RoleSpec(
     liveness_defaults={"canary_interval_s": 0.0, "stuck_after_s": 0.0},
     weights_side="holder",
     records_checkpoint=True,
+    unit_template="kimi-supervisor-weights",
 )
 
 SPECS: Mapping[Role, RoleSpec] = {
@@ -81,6 +89,15 @@ SPECS: Mapping[Role, RoleSpec] = {
         opens_port=False,
     ),
     Role.WEIGHTS: _HOLDER,
+    Role.FRONT: RoleSpec(
+        node_ranks=None,
+        node_ranks_text="",
+        read_weights=refusing_holder_table,
+        opens_port=False,  # it binds its port itself, in its run: no child's port to check before a spawn
+        has_child=False,
+        reads_front=True,
+        unit_template="kimi-supervisor-front",
+    ),
 }
 
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import urllib.parse
 
 # vLLM's own defaults (vllm/engine/arg_utils.py; the memory fraction is CacheConfig's in vllm/config/cache.py,
 # 0.92 in 0.32: tests/e2e/test_vllm_yaml_parser.py asks vLLM's parser).
 DEFAULT_HOST = "0.0.0.0"
 DEFAULT_PORT = 8000
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+# A URL of a server on a Unix socket: the socket's path, percent-encoded, as the host (liveness/http.py).
+UNIX_SCHEME = "http+unix"
 
 _VALUE_OPTIONS = {
     "--model": "model",
@@ -33,6 +36,9 @@ _VALUE_OPTIONS = {
     # vLLM >= 0.32: on SIGTERM, reject new requests and let in-flight ones finish for up to this many
     # seconds (0, the default, aborts them at once).
     "--shutdown-timeout": "shutdown_timeout",
+    # vLLM's API server on a Unix socket instead of host:port (entrypoints/launchers/launcher.py): an engine
+    # behind its front (docs/front.md); the supervisor's own requests go there too (liveness/http.py).
+    "--uds": "uds",
 }
 
 
@@ -60,6 +66,7 @@ class VllmArgs:
     shutdown_timeout: int = 0
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    uds: str | None = None  # --uds PATH: the API is on this Unix socket, not on host:port
     config_file: str | None = None  # vLLM's own `--config FILE`, whose flags are in the values above
 
     @property
@@ -88,6 +95,8 @@ class VllmArgs:
         return self.api_url("/health")
 
     def api_url(self, path: str) -> str:
+        if self.uds is not None:
+            return f"{UNIX_SCHEME}://{urllib.parse.quote(self.uds, safe='')}{path}"
         # A wildcard bind answers on loopback; probe there, never elsewhere.
         host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
         if ":" in host:
@@ -156,7 +165,10 @@ def parse_vllm_args(argv: list[str] | tuple[str, ...]) -> VllmArgs:
     if drain < 0:
         raise ValueError(f"--shutdown-timeout expects >= 0 seconds, got {drain}")
     host = found.get("host", DEFAULT_HOST)
-    return VllmArgs(model, host, port, tp, util, found.get("served_name"), drain, pp, dp)
+    uds = found.get("uds")
+    if uds is not None and not uds.startswith("/"):
+        raise ValueError(f"--uds expects an absolute path, got {uds!r}")
+    return VllmArgs(model, host, port, tp, util, found.get("served_name"), drain, pp, dp, uds)
 
 
 _SIZE_FLAGS = (("tp", "--tensor-parallel-size"), ("pp", "--pipeline-parallel-size"), ("dp", "--data-parallel-size"))

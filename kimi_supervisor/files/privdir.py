@@ -50,8 +50,8 @@ def _what_is(parent_fd: int, name: str) -> str:
     return "is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a directory"
 
 
-def private_dir(parent: Path, name: str, uid: int, gid: int, *, create: bool = True) -> PrivateDir:
-    """`parent/name`, a directory of `uid`'s alone (made 0700 when missing and `create`).
+def private_dir(parent: Path, name: str, uid: int, gid: int, *, create: bool = True, mode: int = 0o700) -> PrivateDir:
+    """`parent/name`, a directory only `uid` may write (made `mode`, 0700 unless told, when missing and `create`).
 
     Raises Refused for a link, a non-directory, another owner or a group/other-writable mode; OSError when
     `parent` is missing or the directory cannot be made (EACCES, EROFS)."""
@@ -75,8 +75,14 @@ def private_dir(parent: Path, name: str, uid: int, gid: int, *, create: bool = T
             raise Refused(f"{path} {_what_is(parent_fd, name)}; remove it (it is not ours to follow)") from None
         try:
             if made:
-                os.fchown(fd, uid, gid)
-                os.fchmod(fd, 0o700)  # the umask may have taken more than group and other
+                try:
+                    os.fchown(fd, uid, gid)
+                    os.fchmod(fd, mode)  # the umask may have taken more than group and other
+                except OSError:
+                    # Not left behind root's: the next start would refuse it (another owner) rather than try
+                    # again (a unit without CAP_CHOWN refuses the handover: docs/hardening.md).
+                    os.rmdir(name, dir_fd=parent_fd)
+                    raise
             st = os.fstat(fd)
         finally:
             os.close(fd)

@@ -141,7 +141,7 @@ def partner_suffix(suffix: str) -> str:
 
 def resources(
     gpus: Sequence[int],
-    port: int,
+    port: int | None,
     deployment: str | None = None,
     textfile: Path | None = None,
     suffix: str = "",
@@ -154,7 +154,8 @@ def resources(
     those files: it is refused like one on the same GPU."""
     what = " (weight holder)" if suffix == WEIGHTS_SUFFIX else ""
     found = [Resource(f"GPU {i}{what}", f"gpu-{i}{suffix}.lock") for i in sorted(set(gpus))]
-    found.append(Resource(f"port {port}", f"port-{port}.lock"))
+    if port is not None:  # None: an engine on vLLM's --uds socket binds no TCP port (its front does, docs/front.md)
+        found.append(Resource(f"port {port}", f"port-{port}.lock"))
     if deployment is not None:
         found.append(Resource(f"deployment {deployment}{what}", f"deployment-{deployment}{suffix}.lock"))
     if textfile is not None:
@@ -277,7 +278,7 @@ def foreign_partner(directory: Path, gpus: Sequence[int], deployment: str | None
 def find_owner(
     directory: Path,
     gpus: Sequence[int],
-    port: int,
+    port: int | None,
     deployment: str | None = None,
     textfile: Path | None = None,
     suffix: str = "",
@@ -474,7 +475,7 @@ def own_files(
 def acquire(
     directory: Path,
     gpus: Sequence[int],
-    port: int,
+    port: int | None,
     config: str,
     log: Logger | None = None,
     *,

@@ -134,10 +134,12 @@ class NvmlProbe:
             return nvml_counters.NvmlEventWatch(handles)
 
     def close(self) -> None:
-        import pynvml
-
         with self._lock:
             if self._initialised:
+                # Imported only when NVML was used: a front that dropped root (docs/front.md) never loaded it and
+                # may not be allowed to read it now.
+                import pynvml
+
                 with contextlib.suppress(pynvml.NVMLError):
                     pynvml.nvmlShutdown()
                 self._initialised = False

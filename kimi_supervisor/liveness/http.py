@@ -22,6 +22,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Protocol
 
+from kimi_supervisor.config.vllm_args import UNIX_SCHEME
 from kimi_supervisor.quoting import escape_unprintable
 
 MAX_HEAD = 64 * 1024  # a status line and headers longer than this are not an answer
@@ -86,12 +87,17 @@ def request(
     sock: socket.socket | None = None
     try:
         parts = urllib.parse.urlsplit(url)
-        host = parts.hostname or "127.0.0.1"
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        sock = socket.create_connection((host, port), timeout=_left(deadline))
+        if parts.scheme == UNIX_SCHEME:  # vLLM's --uds: the host is the socket's percent-encoded path
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(_left(deadline))
+            sock.connect(urllib.parse.unquote(parts.netloc))
+        else:
+            host = parts.hostname or "127.0.0.1"
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            sock = socket.create_connection((host, port), timeout=_left(deadline))
         if parts.scheme == "https":
             sock.settimeout(_left(deadline))
-            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=parts.hostname)
         sock.settimeout(_left(deadline))
         sock.sendall(_request_bytes(method, parts, body, headers))
         reader = _Reader(sock, deadline)
@@ -144,7 +150,8 @@ def _request_bytes(
     method: str, parts: urllib.parse.SplitResult, body: bytes | None, headers: Mapping[str, str] | None
 ) -> bytes:
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close"]
+    host = "localhost" if parts.scheme == UNIX_SCHEME else parts.netloc
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}", "Connection: close"]
     fields = {"User-Agent": "kimi-supervisor", **(headers or {})}
     if body is not None:
         fields["Content-Length"] = str(len(body))

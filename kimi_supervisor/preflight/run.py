@@ -149,7 +149,8 @@ class Preflight:
         # none.  The holder's /health port is checked as an API port: taken, vLLM's health thread dies while its
         # READY line still comes, and a squatter answering 200 would pass for the holder (preload.py:81-100 runs
         # uvicorn in a daemon thread and never looks back).
-        if self._pf.check_port and role_spec.of(self._cfg.role).opens_port:
+        # vLLM on its --uds socket binds no TCP port: the public one is its front's (docs/front.md).
+        if self._pf.check_port and role_spec.of(self._cfg.role).opens_port and self._cfg.child.vllm.uds is None:
             add(self._port(plan, dry_run))
         if gpus:
             # A dry run killed nothing: count what the victims hold as free, as a real start would see it.

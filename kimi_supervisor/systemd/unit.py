@@ -296,6 +296,109 @@ def installed_doc() -> Path | None:
     return checkout if (checkout.parent / "pyproject.toml").is_file() and checkout.is_file() else None
 
 
+FRONT_TEMPLATE_NAME = "kimi-supervisor-front@.service"  # a deployment's front (docs/front.md)
+FRONT_STOP_S = 30  # its own stop closes connections within 10 s (deployment/front/serve.py SHUTDOWN_S)
+
+FRONT_TEXT = """\
+# kimi-supervisor's front (docs/front.md): kimi-supervisor-front@NAME.service runs {config_dir}/NAME.front.toml.
+# It owns deployment NAME's public port and forwards to its engine's Unix socket; it is bound to nothing, so
+# the engine's restarts (kimi-supervisor@NAME: a crash, the watchdog, systemctl restart) leave it running,
+# holding new requests and resuming those in flight.
+# Rendered by `kimi-supervisor install-unit --config {config_dir}/NAME.front.toml`; edit the config, not this file.
+[Unit]
+Description=kimi-supervisor front (the public port; requests held and resumed across engine restarts), deployment %i
+{documentation}After=network-online.target
+Wants=network-online.target
+StartLimitIntervalSec=600
+StartLimitBurst=10
+
+[Service]
+# READY=1 once it listens, whatever the engine is doing; WATCHDOG=1 from its event loop.
+Type=notify
+NotifyAccess=main
+ExecStart={command}
+TimeoutStartSec=30
+TimeoutStopSec={stop_s}
+WatchdogSec=30
+Restart=on-failure
+# Every second without it is a second of refused connections: come back at once.
+RestartSec=1
+RestartPreventExitStatus={config_exit}
+SyslogIdentifier=kimi-supervisor-front@%i
+LimitNOFILE=1048576
+# /run/kimi-supervisor: the host's instance locks (its port's among them); /run/kimi-supervisor/%i: the
+# engine's state file it reads and the engine's socket directory, front/, which the engine's unit makes.
+RuntimeDirectory=kimi-supervisor kimi-supervisor/%i
+RuntimeDirectoryMode=0755
+RuntimeDirectoryPreserve=yes
+StateDirectory=kimi-supervisor kimi-supervisor/%i
+StateDirectoryMode=0755
+
+# Hardening: a network proxy, no GPU, no child. It starts as root for the instance locks and the port, makes
+# the engine's socket directory and its own state directory for its account (CHOWN, then FOWNER for the mode
+# of what is no longer root's), then drops to that account (SETUID/SETGID: front.user, else the engine's
+# child.user) before it serves: every capability goes with root (docs/front.md, "Who it runs as").
+NoNewPrivileges=yes
+ProtectSystem=strict
+ProtectHome=read-only
+PrivateTmp=yes
+PrivateDevices=yes
+PrivateMounts=yes
+ProtectProc=invisible
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectKernelLogs=yes
+ProtectControlGroups=yes
+ProtectClock=yes
+ProtectHostname=yes
+RestrictRealtime=yes
+RestrictSUIDSGID=yes
+RestrictNamespaces=yes
+LockPersonality=yes
+MemoryDenyWriteExecute=yes
+SystemCallArchitectures=native
+RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6
+CapabilityBoundingSet=CAP_NET_BIND_SERVICE CAP_SETUID CAP_SETGID CAP_CHOWN CAP_FOWNER
+SystemCallFilter=@system-service
+SystemCallFilter=~@mount @reboot @swap @module @raw-io @obsolete @cpu-emulation @clock @debug
+SystemCallErrorNumber=EPERM
+UMask=0077
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def render_front(
+    exec_argv: Sequence[str] | str = (DEFAULT_EXEC,),
+    config_dir: Path = DEFAULT_PATH.parent,
+    doc: Path | None = DEFAULT_DOC,
+) -> str:
+    """The front's template: instance NAME runs `<config_dir>/NAME.front.toml` (docs/front.md).  `doc`: the
+    installed README; Documentation= names docs/front.md beside it (None: no line)."""
+    if isinstance(exec_argv, str):
+        exec_argv = [exec_argv]
+    words = [systemd_quote(exec_argv[0], executable=True)] + [systemd_quote(w) for w in exec_argv[1:]]
+    marker = "KIMIINSTANCEMARKER"
+    words += ["--config", systemd_quote(str(config_dir / f"{marker}.front.toml")).replace(marker, "%i")]
+    return FRONT_TEXT.format(
+        config_dir=config_dir,
+        command=" ".join(words),
+        stop_s=FRONT_STOP_S,
+        config_exit=int(ExitCode.CONFIG),
+        documentation=f"Documentation={(doc.parent / 'docs' / 'front.md').as_uri()}\n" if doc is not None else "",
+    )
+
+
+def install_front(config_path: Path, unit_dir: Path = DEFAULT_UNIT_DIR, reload: bool = True) -> Path:
+    """Write the front's template for `config_path`'s directory and reload systemd."""
+    target = unit_dir / FRONT_TEMPLATE_NAME
+    _write(target, render_front(running_executable(), config_path.parent, installed_doc()))
+    if reload:
+        _reload(target)
+    return target
+
+
 def writable_paths(cfg: Config) -> list[Path]:
     """The directories `cfg` writes that ProtectSystem=strict would leave read-only: the metrics textfile's,
     [paths] moved off the unit's own directories, and child.user's home when not under /root or /home (vLLM's
@@ -411,16 +514,20 @@ def install(
             instance_dropin(stop_s, writable, holder_unit, credentials),
         )
     if reload:
-        try:
-            result = subprocess.run(["systemctl", "daemon-reload"], capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise ServiceUnavailable(f"wrote {target}, but systemctl daemon-reload could not run: {exc}") from None
-        if result.returncode != 0:
-            why = " ".join(result.stderr.split()) or f"exit status {result.returncode}"
-            denied = ("Access denied", "Permission denied", "Interactive authentication required")
-            error = NoPermission if any(d in why for d in denied) else ServiceUnavailable
-            raise error(f"wrote {target}, but systemctl daemon-reload failed: {why}")
+        _reload(target)
     return target
+
+
+def _reload(target: Path) -> None:
+    try:
+        result = subprocess.run(["systemctl", "daemon-reload"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ServiceUnavailable(f"wrote {target}, but systemctl daemon-reload could not run: {exc}") from None
+    if result.returncode != 0:
+        why = " ".join(result.stderr.split()) or f"exit status {result.returncode}"
+        denied = ("Access denied", "Permission denied", "Interactive authentication required")
+        error = NoPermission if any(d in why for d in denied) else ServiceUnavailable
+        raise error(f"wrote {target}, but systemctl daemon-reload failed: {why}")
 
 
 def _write(target: Path, text: str) -> None:

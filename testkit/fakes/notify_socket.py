@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -9,10 +10,12 @@ from pathlib import Path
 
 
 class NotifySocket:
-    def __init__(self, directory: Path, name: str = "notify.sock") -> None:
+    def __init__(self, directory: Path, name: str = "notify.sock", mode: int | None = None) -> None:
         self.path = str(directory / name)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.path)
+        if mode is not None:  # a sender that drops root (the front, docs/front.md) still reaches it, as systemd's
+            os.chmod(self.path, mode)
         self.sock.settimeout(0.1)
         self.datagrams: list[tuple[float, str]] = []
         self._stop = threading.Event()

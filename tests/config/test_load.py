@@ -142,7 +142,7 @@ def error_of(path: Path) -> str:
         ),
         (
             MINIMAL + '[readiness]\nhealth_url = "localhost:8000"\n',
-            "{p}: readiness.health_url: expected an http:// or https:// URL, got 'localhost:8000'",
+            "{p}: readiness.health_url: expected an http://, https:// or http+unix:// URL, got 'localhost:8000'",
         ),
         (
             '[child]\nargv = ["vllm", "serve", "/m", "--port", "abc"]\n',
@@ -195,6 +195,17 @@ def test_defaults_from_minimal(tmp_path: Path) -> None:
     assert cfg.preflight.shm.globs == ("psm_*", "sem.mp-*", "nccl-*")
     assert cfg.health.failures_tolerated == 3
     assert cfg.shutdown.grace_s == 30.0
+
+
+def test_an_engine_on_a_unix_socket_is_probed_there(tmp_path: Path) -> None:
+    """`--uds PATH` (an engine behind its front, docs/front.md): /health, /metrics and the canary go to the socket."""
+    argv = '[child]\nargv = ["vllm", "serve", "/m", "--uds", "/run/k/NAME/front/engine.sock"]\n'
+    cfg = load_config(write(tmp_path, argv))
+    assert cfg.readiness.health_url == "http+unix://%2Frun%2Fk%2FNAME%2Ffront%2Fengine.sock/health"
+    assert cfg.liveness.metrics_url == "http+unix://%2Frun%2Fk%2FNAME%2Ffront%2Fengine.sock/metrics"
+    relative = '[child]\nargv = ["vllm", "serve", "/m", "--uds", "engine.sock"]\n'
+    path = write(tmp_path, relative, "r.toml")
+    assert error_of(path) == f"{path}: child.argv: --uds expects an absolute path, got 'engine.sock'"
 
 
 def test_frozen(tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ def test_weights_role(tmp_path: Path) -> None:
     [
         (
             MINIMAL + '[deployment]\nrole = "head"\n',
-            "{p}: deployment.role: expected one of 'engine', 'leader', 'follower', 'weights', got 'head'",
+            "{p}: deployment.role: expected one of 'engine', 'leader', 'follower', 'weights', 'front', got 'head'",
         ),
         (
             MINIMAL + '[deployment]\nname = "../etc"\n',

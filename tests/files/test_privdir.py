@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kimi_supervisor.files.privdir import Refused, private_dir
+from testkit.harness import REPO
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
 NOBODY = pwd.getpwnam("nobody").pw_uid
@@ -56,3 +60,30 @@ def test_a_group_writable_directory_is_refused(tmp_path: Path) -> None:
 def test_without_create_nothing_is_made(tmp_path: Path) -> None:
     found = private_dir(tmp_path, "d", os.geteuid(), os.getegid(), create=False)
     assert not found.exists and not found.made and list(tmp_path.iterdir()) == []
+
+
+@ROOT_ONLY
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) drops a capability")
+def test_a_handover_refused_leaves_no_directory_behind(tmp_path: Path) -> None:
+    """Root without CAP_CHOWN (a unit whose CapabilityBoundingSet= lacks it) cannot hand the directory over: the
+    error is raised and the directory it made is gone, so the next start tries again instead of refusing a
+    directory of root's (was: exit 78 "is owned by user 'root'" on every start after the first)."""
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from kimi_supervisor.files.privdir import private_dir\n"
+        "try:\n"
+        f"    private_dir(Path(sys.argv[1]), 'd', {NOBODY}, {NOBODY})\n"
+        "except PermissionError as e:\n"
+        "    print('refused', e.strerror)\n"
+    )
+    done = subprocess.run(
+        ["setpriv", "--bounding-set", "-chown", "--inh-caps", "-chown", "--", sys.executable, "-c", script, tmp_path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        check=True,
+    )
+    assert done.stdout.strip() == "refused Operation not permitted", done.stderr
+    assert not (tmp_path / "d").exists()

@@ -102,3 +102,41 @@ def test_one_line_is_the_escaper_of_quoting_and_says_what_it_said_below_u0100() 
     # Above U+00FF its own `\x{code:02x}` was ambiguous (U+202E read as `\x202e`: \x20 then "2e"):
     # quoting's notation says `\u202e`, as `status` and the preflight report do.
     assert one_line("a\u202eb\u2028c") == "a\\u202eb\\u2028c" != _one_line_before("a\u202eb\u2028c")
+
+
+def test_an_engine_on_a_unix_socket_is_reached_through_its_uds_url(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """vLLM's --uds (an engine behind its front, docs/front.md): /health, the canary and /metrics go there."""
+    import socket
+    import tempfile
+    import threading
+
+    from kimi_supervisor.config.vllm_args import parse_vllm_args
+
+    directory = tempfile.mkdtemp(prefix="kuds-", dir="/tmp")  # a socket path has at most 107 bytes
+    path = f"{directory}/engine sock"  # a space: the URL carries the path percent-encoded
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    got: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(4096)
+            got.append(data)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = parse_vllm_args(["vllm", "serve", "m", "--uds", path]).api_url("/health")
+    assert url.startswith("http+unix://%2Ftmp%2Fkuds-") and url.endswith("engine%20sock/health")
+    a = request("GET", url, 10.0)
+    thread.join(10)
+    server.close()
+    import shutil
+
+    shutil.rmtree(directory)
+    assert (a.ok, a.http_status, a.body) == (True, 200, b"ok")
+    assert got[0].startswith(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")

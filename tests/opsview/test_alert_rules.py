@@ -37,6 +37,7 @@ def test_every_rule_has_a_firing_and_a_quiet_case() -> None:
             "KimiSupervisorStartRefused",
             "KimiSupervisorTextfileStale",
             "KimiSupervisorUnitFailed",
+            "KimiFrontRequestsFailedByRestart",
         }
     )
     for name in alerts():
@@ -64,6 +65,19 @@ def test_the_rules_use_only_metrics_the_textfile_writes() -> None:
     )
     written = set(re.findall(r"^(kimi_supervisor_\w+)[{ ]", render(full, "a", "engine", "a.prom").decode(), re.M))
     used = set(re.findall(r"\b(kimi_supervisor_[a-z_]+)\b", RULES.read_text()))
+    assert used and used <= written, used - written
+
+
+def test_the_front_rules_use_only_metrics_the_front_serves() -> None:
+    """Its rule reads /front/metrics (deployment/front/metrics.py): a renamed metric would never fire."""
+    from kimi_supervisor.deployment.front.metrics import FrontMetrics
+
+    metrics = FrontMetrics("a")
+    metrics.finished("failed_restart")
+    served = metrics.text().decode()
+    assert 'kimi_front_restart_failures_total{deployment="a"} 1.0' in served
+    written = set(re.findall(r"^(kimi_front_\w+)[{ ]", served, re.M))
+    used = set(re.findall(r"\b(kimi_front_[a-z_]+)\b", RULES.read_text()))
     assert used and used <= written, used - written
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -232,6 +233,19 @@ def test_port_in_use_names_the_listener(tmp_path: Path) -> None:
     port = next(c for c in report.checks if c.name == "port")
     assert port.verdict is Verdict.FAIL
     assert port.message.startswith(f"port {cfg.child.vllm.port} on 127.0.0.1 is already in use by PID {os.getpid()} (")
+
+
+def test_an_engine_on_its_uds_socket_leaves_the_port_to_its_front(tmp_path: Path) -> None:
+    """vLLM with --uds binds no TCP port: the front holding the public port is no reason to refuse its engine."""
+    cfg = make_cfg(tmp_path, tp=1)
+    vllm = dataclasses.replace(cfg.child.vllm, uds=str(tmp_path / "engine.sock"))
+    cfg = dataclasses.replace(cfg, child=dataclasses.replace(cfg.child, vllm=vllm))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", cfg.child.vllm.port))  # the front's
+        s.listen()
+        report = run(cfg, FakeGpuProbe([FakeGpu()]), dry=True)
+    assert [c for c in report.checks if c.name == "port"] == []
+    assert report.proceed
 
 
 def test_cpu_deployment_skips_gpus(tmp_path: Path) -> None:

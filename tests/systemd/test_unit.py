@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,65 @@ def test_the_shipped_holder_template_is_the_rendered_one() -> None:
     shipped = REPO / "packaging" / "systemd" / unit.HOLDER_TEMPLATE_NAME
     assert shipped.read_text() == unit.render(holder=True)
     assert "Wants=kimi-supervisor@%i.service" in shipped.read_text()
+
+
+FRONT = REPO / "packaging" / "systemd" / unit.FRONT_TEMPLATE_NAME
+
+
+def test_the_shipped_front_template_is_the_rendered_one_and_outlives_its_engine() -> None:
+    """The front (docs/front.md): its own template, bound to nothing, so `systemctl restart kimi-supervisor@NAME`
+    (or the engine's crash) leaves it running."""
+    text = FRONT.read_text()
+    assert text == unit.render_front()
+    d = directives(text)
+    assert d["ExecStart"] == f"{unit.DEFAULT_EXEC} --config /etc/kimi-supervisor/%i.front.toml"
+    assert (d["Type"], d["NotifyAccess"], d["Restart"], d["RestartSec"]) == ("notify", "main", "on-failure", "1")
+    for binding in ("BindsTo", "PartOf", "Requires", "Requisite"):
+        assert binding not in d, binding
+    # It serves as an unprivileged account (docs/front.md, "Who it runs as"): no capability to read past a
+    # directory's mode, only what the start needs before the drop (the port, the drop, its directories).
+    caps = d["CapabilityBoundingSet"].split()
+    assert "CAP_DAC_OVERRIDE" not in caps and "CAP_DAC_READ_SEARCH" not in caps
+    assert sorted(caps) == ["CAP_CHOWN", "CAP_FOWNER", "CAP_NET_BIND_SERVICE", "CAP_SETGID", "CAP_SETUID"]
+    # docs/front.md as the README's venv install lays it out (pyproject's data-files), beside the README the
+    # engine's units name: not a /usr/share/doc file nothing installs.
+    assert d["Documentation"] == (unit.DEFAULT_DOC.parent / "docs" / "front.md").as_uri()
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_systemd_analyze_verify_accepts_a_front_instance(tmp_path: Path) -> None:
+    template = tmp_path / unit.FRONT_TEMPLATE_NAME
+    template.write_text(unit.render_front(sys.executable, tmp_path))
+    instance = tmp_path / "kimi-supervisor-front@kimi-a.service"
+    instance.symlink_to(template.name)
+    result = subprocess.run(["systemd-analyze", "verify", str(instance)], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
+
+
+def test_install_unit_of_a_front_config_writes_the_front_template(tmp_path: Path) -> None:
+    from tests.cli.test_entry import cli
+
+    config = tmp_path / "kimi-a.front.toml"
+    config.write_text(
+        '[deployment]\nname = "kimi-a"\nrole = "front"\n[front]\nport = 8123\n'
+        f'[paths]\nruntime_directory = "{tmp_path}/run"\nstate_directory = "{tmp_path}/state"\n'
+    )
+    units = tmp_path / "units"
+    done = cli("install-unit", "--config", str(config), "--unit-dir", str(units), "--no-reload")
+    assert done.returncode == 0, done.stderr
+    written = units / unit.FRONT_TEMPLATE_NAME
+    assert done.stdout.strip() == f"wrote {written}; now: systemctl enable --now kimi-supervisor-front@kimi-a.service"
+    assert f"--config {tmp_path}/%i.front.toml" in directives(written.read_text())["ExecStart"]
+    # This checkout's own docs/front.md (an editable install installs no data files; unit.installed_doc).
+    documented = directives(written.read_text())["Documentation"]
+    assert documented.startswith("file:///") and documented.endswith("/docs/front.md"), documented
+    assert Path(urllib.parse.unquote(urllib.parse.urlparse(documented).path)).is_file(), documented
+    assert sorted(p.name for p in units.iterdir()) == [unit.FRONT_TEMPLATE_NAME]
+    wrong = tmp_path / "other.front.toml"
+    wrong.write_text(config.read_text())
+    refused = cli("install-unit", "--config", str(wrong), "--unit-dir", str(units), "--no-reload")
+    assert refused.returncode == 78
+    assert refused.stderr.strip() == (
+        f"kimi-supervisor: config error: {wrong}: kimi-supervisor-front@kimi-a runs {tmp_path}/kimi-a.front.toml: "
+        "name the front's config after its deployment"
+    )

@@ -1,0 +1,103 @@
+"""What clients saw of the engine's restarts (docs/front.md, Metrics and status): the front's /front/metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+OUTCOMES = (
+    "forwarded",  # answered by the engine at the first try
+    "held",  # waited for the engine, then answered
+    "retried",  # a non-streamed request sent again after a restart, then answered
+    "resumed",  # a stream continued through the token-in route after a restart
+    "failed_restart",  # a restart broke it and it could not be completed (the alert's input)
+    "refused_route",  # a control route not in front.allow_routes
+    "rejected_full",  # queue_max requests held already
+    "rejected_timeout",  # the engine was not back within hold_s
+)
+RESTART_FAILURES = ("failed_restart", "rejected_full", "rejected_timeout")
+KEEP_OUTAGES = 10  # in the state file
+
+
+class FrontMetrics:
+    """Every series carries `deployment`, as the engine supervisor's textfile does: one alert rule covers every
+    deployment (packaging/prometheus/kimi-supervisor.rules.yml)."""
+
+    def __init__(self, deployment: str = "kimi-supervisor") -> None:
+        self.registry = r = CollectorRegistry()
+        d = ["deployment"]
+        self._requests = Counter("kimi_front_requests", "Requests the front finished", [*d, "outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self._requests.labels(deployment, outcome)
+        self._deployment = deployment
+        self.serving = Gauge("kimi_front_engine_serving", "1 while the engine serves", d, registry=r).labels(deployment)
+        self.held = Gauge("kimi_front_held_requests", "Requests waiting for the engine now", d, registry=r).labels(
+            deployment
+        )
+        self.hold_seconds = Histogram(
+            "kimi_front_hold_seconds",
+            "How long a request waited for the engine",
+            d,
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900),
+            registry=r,
+        ).labels(deployment)
+        self.outages = Counter("kimi_front_outages", "The engine stopped serving", d, registry=r).labels(deployment)
+        # Counted when an outage ends: its kind is learnt from the engine's history then (outages.py).
+        self._ended = Counter(
+            "kimi_front_outages_ended", "Outages that ended, by kind of restart", [*d, "kind"], registry=r
+        )
+        self.last_outage_wait = Gauge(
+            "kimi_front_last_outage_client_wait_seconds",
+            "Seconds clients waited, summed, in the last outage",
+            d,
+            registry=r,
+        ).labels(deployment)
+        self.restart_failures = Counter(
+            "kimi_front_restart_failures", "Requests that failed because of an engine restart", d, registry=r
+        ).labels(deployment)
+        self.counts = dict.fromkeys(OUTCOMES, 0)  # the same numbers for the state file and the tests
+        self.outage_wait_s = 0.0  # summed over the outage now under way
+        # The last outages (the engine not serving, from the front's view), newest last: when each began and
+        # ended, the seconds clients waited, and what became of the requests it touched (docs/front.md).
+        self.outages_seen: list[dict[str, float | int | str | bool | None]] = []
+
+    def finished(self, outcome: str) -> None:
+        self._requests.labels(self._deployment, outcome).inc()
+        self.counts[outcome] += 1
+        if outcome in RESTART_FAILURES:
+            self.restart_failures.inc()
+        # Held, retried, resumed or failed requests end during or just after an outage: the latest one's.
+        key = "failed" if outcome in RESTART_FAILURES else outcome
+        if self.outages_seen and key in ("held", "retried", "resumed", "failed"):
+            latest = self.outages_seen[-1]
+            latest[key] = int(latest[key] or 0) + 1
+
+    def waited(self, seconds: float) -> None:
+        self.hold_seconds.observe(seconds)
+        self.outage_wait_s += seconds
+        if self.outages_seen:
+            latest = self.outages_seen[-1]
+            latest["client_wait_s"] = float(latest["client_wait_s"] or 0.0) + seconds
+
+    def outage_began(self, at: float) -> None:
+        self.outages.inc()
+        record: dict[str, float | int | str | bool | None] = {"began": at, "ended": None, "kind": None}
+        record |= {"client_wait_s": 0.0, "held": 0, "retried": 0, "resumed": 0, "failed": 0}
+        self.outages_seen = [*self.outages_seen[-(KEEP_OUTAGES - 1) :], record]
+
+    def outage_ended(self, at: float, kind: dict[str, object] | None) -> None:
+        """`kind`: outages.classify's (the kind, the engine's exit code, whether its holder helped); None when no
+        outage was under way (the front's first sight of the engine serving)."""
+        self.last_outage_wait.set(self.outage_wait_s)
+        self.outage_wait_s = 0.0
+        if kind is None:
+            return
+        if self.outages_seen:
+            latest = self.outages_seen[-1]
+            latest["ended"] = at
+            for key in ("kind", "engine_exit_code", "holder_assisted"):
+                value = kind.get(key)
+                latest[key] = value if isinstance(value, (int, str, bool)) or value is None else str(value)
+        self._ended.labels(self._deployment, str(kind.get("kind"))).inc()
+
+    def text(self) -> bytes:
+        return bytes(generate_latest(self.registry))

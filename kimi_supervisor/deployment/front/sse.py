@@ -1,0 +1,34 @@
+"""Server-sent events as vLLM writes them (`data: {...}\n\n`, `data: [DONE]\n\n`): cut a byte stream into events."""
+
+from __future__ import annotations
+
+DONE = b"[DONE]"
+
+
+class EventSplitter:
+    """Feed bytes as they come; get whole events (each without its blank-line terminator)."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self._buf += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
+        *events, self._buf = self._buf.split(b"\n\n")
+        return [e for e in events if e.strip()]
+
+    @property
+    def pending(self) -> bytes:
+        """What came after the last whole event (a half event when the connection broke)."""
+        return self._buf
+
+
+def data_of(event: bytes) -> bytes | None:
+    """The event's data (its `data:` lines joined), or None for a comment or an event without data."""
+    if event.startswith(b"data: ") and b"\n" not in event:  # vLLM's every event: one line
+        return event[6:]
+    lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
+def event(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"

