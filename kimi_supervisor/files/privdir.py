@@ -18,6 +18,7 @@ import stat
 from pathlib import Path
 
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_OPEN_LOOK = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC  # fstat only
 
 
 class Refused(Exception):
@@ -66,7 +67,10 @@ def private_dir(parent: Path, name: str, uid: int, gid: int, *, create: bool = T
             except FileExistsError:
                 pass
         try:
-            fd = os.open(name, _OPEN_DIR | os.O_NOFOLLOW, dir_fd=parent_fd)
+            # One we made is root's to chown; one that exists is only looked at, through O_PATH, which needs no
+            # read permission on it: root without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH (the front's unit) could not
+            # open the child's 0700 directory otherwise, and called it "not a directory".
+            fd = os.open(name, (_OPEN_DIR if made else _OPEN_LOOK) | os.O_NOFOLLOW, dir_fd=parent_fd)
         except FileNotFoundError:
             if create:
                 raise

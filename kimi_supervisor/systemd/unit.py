@@ -129,10 +129,12 @@ RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
 # KILL: reap stale workers of any user; SETUID/SETGID: child.user; SYS_PTRACE/DAC_READ_SEARCH: read
 # other processes' /proc fds and maps; FOWNER: remove others' files in sticky /dev/shm; DAC_OVERRIDE: a
 # root child reads model files and caches whatever their mode; LEASE: the write-lease probe answers for shm
-# files of other users whose openers /proc does not show. No IPC_LOCK: LimitMEMLOCK=infinity already lets
-# vLLM lock what it pins.
+# files of other users whose openers /proc does not show; CHOWN: child.user gets the directories made for it
+# (its cache home, the holder's and the front's socket directories: files/privdir.py), without which its
+# compile caches were lost at every start. No IPC_LOCK: LimitMEMLOCK=infinity already lets vLLM lock what it
+# pins.
 CapabilityBoundingSet=CAP_KILL CAP_SETUID CAP_SETGID CAP_SYS_PTRACE CAP_DAC_READ_SEARCH CAP_FOWNER \\
-    CAP_DAC_OVERRIDE CAP_LEASE
+    CAP_DAC_OVERRIDE CAP_LEASE CAP_CHOWN
 # Allow-list of the syscalls ordinary services use, minus groups vLLM never needs; a blocked call
 # fails with EPERM instead of killing the server. (@resources stays: torch sets CPU affinity.)
 SystemCallFilter=@system-service

@@ -33,6 +33,7 @@ CLIENTS = REPO / "tests" / "e2e" / "front_clients.py"
 
 ENGINE_STATE = "/run/kimi-supervisor/kimi-a/state.json"
 FRONT_STATE = "/run/kimi-supervisor/kimi-a/front-state/state.front.json"
+CACHE_DIRECTORY = "/var/cache/kimi-supervisor"  # the units' CacheDirectory=
 # The venv's interpreter lives under /root (0700): `nobody` runs the system's python3.11 (same ABI) on the venv's
 # packages, as tests/e2e/test_vllm_cache.py does.
 SYSTEM_PYTHON = "/usr/bin/python3.11"
@@ -92,8 +93,14 @@ def test_systemctl_restart_of_the_engine_with_streams_open_costs_no_client_anyth
             unit.TEMPLATE_NAME, unit.render(launcher, Path("/etc/kimi-supervisor/kimi-a.toml"), template=True)
         )
         m.install_unit(unit.FRONT_TEMPLATE_NAME, unit.render_front(launcher, Path("/etc/kimi-supervisor")))
-        m.systemctl("start", FRONT, timeout=60)  # first: it holds until its engine serves
+        # The engine first: as root it makes the front's socket directory and its child's cache home, and hands
+        # both to its child, nobody (CAP_CHOWN in the unit: without it the start failed, exit 77).
         m.systemctl("start", ENGINE, timeout=420)
+        started = m.systemctl("start", FRONT, timeout=60, check=False)
+        assert started.returncode == 0, m.journal(FRONT)[-3000:]
+        cache_home = CACHE_DIRECTORY + "/uid-" + m.run(["id", "-u", "nobody"]).stdout.strip()
+        home_before = m.run(["stat", "-c", "%U %a %i", "--", cache_home], check=False).stdout.split()
+        assert home_before[:2] == ["nobody", "700"], (cache_home, home_before)
         front_pid = m.unit_property(FRONT, "MainPID")
         # The front serves as the engine child's account, nobody, with no group of root's.
         ids = m.run(["grep", "-E", "^(Uid|Gid|Groups):", f"/proc/{front_pid}/status"], check=False).stdout
@@ -136,6 +143,8 @@ def test_systemctl_restart_of_the_engine_with_streams_open_costs_no_client_anyth
         assert [(r["status"], r["errors"], r["done"]) for r in during] == [(200, [], True)] * len(during), during
         assert m.unit_property(FRONT, "MainPID") == front_pid  # the front was never restarted
         assert m.unit_property(ENGINE, "NRestarts") == engine_restarts  # a planned restart, not a failure
+        # The restarted engine kept its child's cache home (was dropped at every start without CAP_CHOWN).
+        assert m.run(["stat", "-c", "%U %a %i", "--", cache_home]).stdout.split() == home_before
         metrics = m.run(["curl", "-s", f"http://127.0.0.1:{PORT}/front/metrics"], check=False).stdout
         # The counter's own line (its `_created` twin, a timestamp, is always > 0).
         resumed = [line for line in metrics.splitlines() if line.startswith("kimi_front_requests_total{")]

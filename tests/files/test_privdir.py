@@ -87,3 +87,30 @@ def test_a_handover_refused_leaves_no_directory_behind(tmp_path: Path) -> None:
     )
     assert done.stdout.strip() == "refused Operation not permitted", done.stderr
     assert not (tmp_path / "d").exists()
+
+
+@ROOT_ONLY
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) drops a capability")
+def test_root_without_dac_capabilities_accepts_the_accounts_own_private_directory(tmp_path: Path) -> None:
+    """The front's unit has no CAP_DAC_OVERRIDE or CAP_DAC_READ_SEARCH: its root start checks the socket directory
+    that the engine made 0700 for the child's account (the engine started first).  It is that account's and
+    private: accepted (was: refused as "not a directory", exit 78, since root could not open it)."""
+    (tmp_path / "d").mkdir(mode=0o700)
+    os.chown(tmp_path / "d", NOBODY, NOBODY)
+    tmp_path.chmod(0o755)
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from kimi_supervisor.files.privdir import private_dir\n"
+        f"found = private_dir(Path(sys.argv[1]), 'd', {NOBODY}, {NOBODY})\n"
+        "print(found.exists, found.made)\n"
+    )
+    drop = "-dac_override,-dac_read_search"
+    done = subprocess.run(
+        ["setpriv", "--bounding-set", drop, "--inh-caps", drop, "--", sys.executable, "-c", script, tmp_path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "True False"), done.stderr[-2000:]

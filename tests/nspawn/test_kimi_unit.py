@@ -176,10 +176,10 @@ def test_journal_priorities_and_fields(m: NspawnMachine) -> None:
     assert "state.starting" in by_event and "Loading safetensors" not in by_event
 
 
-def test_security_exposure_at_most_3(m: NspawnMachine) -> None:
+def test_security_exposure_at_most_3_2(m: NspawnMachine) -> None:
     # The loaded unit, as the running systemd sees it (the drop-ins included); tests/systemd/test_unit.py
     # scores the shipped files offline, and test_instances.py runs the template's instances under the same.
     out = m.run(["systemd-analyze", "security", "--no-pager", UNIT], check=False).stdout
     line = next(x for x in out.splitlines() if "Overall exposure level" in x)
     score = float(line.split(":")[1].split()[0])
-    assert score <= 3.0, line
+    assert score <= 3.2, line  # docs/hardening.md: 3.0 plus CAP_CHOWN

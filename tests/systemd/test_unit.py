@@ -148,18 +148,18 @@ def security_score(path: Path) -> float:
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
-def test_both_shipped_units_score_at_most_3(tmp_path: Path) -> None:
+def test_both_shipped_units_score_at_most_3_2(tmp_path: Path) -> None:
     """`systemd-analyze security --offline=yes` on this machine's systemd (252): the plain unit, and an
     instance of the template (what the real-systemd tier also runs, tests/nspawn/test_instances.py)."""
     instance = tmp_path / "kimi-supervisor@kimi-a.service"
     instance.write_text(TEMPLATE.read_text())
     scores = {PACKAGED.name: security_score(PACKAGED), instance.name: security_score(instance)}
-    assert all(score <= 3.0 for score in scores.values()), scores
+    assert all(score <= 3.2 for score in scores.values()), scores  # docs/hardening.md: 3.0 plus CAP_CHOWN
     # The measure can fail: the unit before this hardening scored 3.6.
     before = unit.render().replace("DevicePolicy=closed\n", "").replace("PrivateMounts=yes\n", "")
     loose = tmp_path / "loose.service"
     loose.write_text(before)
-    assert security_score(loose) > 3.0
+    assert security_score(loose) > 3.2
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
