@@ -323,13 +323,16 @@ def rows(results: dict[str, dict[str, Any]], args: argparse.Namespace, max_token
             )
         ratio, direct, front = _ratio(result)
         pace = "unpaced: as fast as CPU allows" if kind == "unpaced" else f"paced: {args.pace_tok_s:g} tok/s per stream"
+        # Unpaced, the stand-in outruns any proxy in one Python process: that row is the front's ceiling, to read
+        # against the paced load, not a target it could meet (a row that always fails would say nothing).
+        paced = kind != "unpaced"
         out.append(
             Row(
                 f"{streams}, {pace}; tokens/s front vs direct, {args.rounds} runs each, alternated",
-                ">= 0.98x direct",
+                ">= 0.98x direct" if paced else "- (the front's ceiling)",
                 f"{ratio:.3f}x (direct {', '.join(f'{r:.0f}' for r in direct)}; "
                 f"front {', '.join(f'{r:.0f}' for r in front)})",
-                ratio >= 0.98,
+                ratio >= 0.98 if paced else None,
             )
         )
         rss = max(r["rss"] for r in result["runs"]["front"]) / (1 << 20)
