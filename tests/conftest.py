@@ -179,31 +179,34 @@ HEAVY_LANE_PREFIX = "heavy-"
 # what its tests share).  A file not named here counts DEFAULT_HEAVY_S; a wrong number only makes one lane end
 # later, never a wrong result.
 HEAVY_FILE_S = {
-    "test_vllm_multinode_systemd.py": 380,
-    "test_vllm_multinode.py": 325,
-    "test_vllm_multinode_systemd_leader_first.py": 285,
-    "test_vllm_drain.py": 240,
-    "test_vllm_cache.py": 170,
-    "test_vllm_front_systemd.py": 122,
-    "test_vllm_front.py": 116,
-    "test_flood.py": 82,
-    "test_vllm_serving.py": 50,
-    "test_vllm_incident.py": 43,
-    "test_status_unit.py": 30,
-    "test_kimi_unit.py": 26,
-    "test_vllm_cpu.py": 25,
-    "test_holder_units.py": 19,
-    "test_vllm_weight_cache.py": 18,
-    "test_vllm_socketdir.py": 13,
-    "test_harness.py": 10,
+    "test_vllm_multinode_systemd_leader_first.py": 420,
+    "test_vllm_multinode_systemd.py": 405,
+    "test_vllm_multinode.py": 346,
+    "test_vllm_drain.py": 182,
+    "test_vllm_front_systemd.py": 135,
+    "test_vllm_cache.py": 131,
+    "test_vllm_front.py": 95,
+    "test_flood.py": 84,
+    "test_vllm_serving.py": 36,
+    "test_vllm_incident.py": 32,
+    "test_status_unit.py": 31,
+    "test_kimi_unit.py": 29,
+    "test_vllm_weight_cache.py": 21,
+    "test_vllm_cpu.py": 20,
+    "test_vllm_socketdir.py": 17,
+    "test_holder_units.py": 17,
+    "test_harness.py": 11,
+    "test_vllm_yaml_parser.py": 10,
     "test_vllm_checkpoint.py": 10,
-    "test_vllm_yaml_parser.py": 8,
 }
 DEFAULT_HEAVY_S = 6
 # The unit tier mostly waits on child processes, sockets and timers, not on the CPU: more workers than cores
-# pay off.  Measured on 2 cores (docs/test-tiers.md): 3 workers 80 s, 4: 74 s, 6: 52 s, 8: 49 s (by then the
-# two cores are ~90% busy).  Capped: past that, many cores only add start-up (each worker collects the suite).
-WORKERS_PER_CORE = 4
+# pay off.  Measured on 2 cores alone (docs/test-tiers.md): 3 workers 80 s, 4: 74 s, 6: 52 s, 8: 49 s.  Beside the
+# three lanes (which take three of the workers) the suite is CPU-bound, and each worker costs ~5 s of CPU to start
+# and collect the suite (pytest rewrites every test module's asserts again where PYTHONDONTWRITEBYTECODE is set):
+# 3 per core leaves the unit tier 3 workers on 2 cores, done well before the lanes.  Capped: past that, many cores
+# only add start-up.
+WORKERS_PER_CORE = 3
 MAX_WORKERS = 16
 
 
