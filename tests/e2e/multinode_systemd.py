@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -220,6 +220,24 @@ def reporting(name: str, measured: dict[str, float]) -> Iterator[None]:
     yield
     measured["tier_s"] = time.monotonic() - t0
     print(f"multinode systemd measured ({name}):", json.dumps({k: round(v, 2) for k, v in measured.items()}))
+
+
+def module_fixtures(subnet: str, prefix: str) -> tuple[Any, Any, dict[str, float]]:
+    """A test file's `group` (its two machines, booted once for the file) and its autouse `report`, and the dict
+    of bounds its tests measure: `group, report, measured = module_fixtures(SUBNET, PREFIX)` at module level."""
+    measured: dict[str, float] = {}
+
+    @pytest.fixture(scope="module")
+    def group(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
+        with boot_group(tiny_model, tmp_path_factory, subnet, prefix) as nodes:
+            yield nodes
+
+    @pytest.fixture(scope="module", autouse=True)
+    def report() -> Iterator[None]:
+        with reporting(prefix, measured):
+            yield
+
+    return group, report, measured
 
 
 def wait_serving(*nodes: Node, timeout: float = GROUP_READY_S) -> float:

@@ -16,8 +16,6 @@ Four group starts (two clean starts, two restarts after a fault): the least thes
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -28,29 +26,16 @@ from tests.e2e.multinode_systemd import (
     UNIT,
     Node,
     assert_group_serving,
-    boot_group,
     ensure_group,
     follower_fault_restarts_both,
-    reporting,
+    module_fixtures,
     wait_serving,
 )
 
 pytestmark = [pytest.mark.multinode, pytest.mark.systemd]
 
-SUBNET, PREFIX = "10.78.0", "s"  # the other file's group has its own: both can run at once
-measured: dict[str, float] = {}
-
-
-@pytest.fixture(scope="module")
-def group(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
-    with boot_group(tiny_model, tmp_path_factory, SUBNET, PREFIX) as nodes:
-        yield nodes
-
-
-@pytest.fixture(scope="module", autouse=True)
-def report() -> Iterator[None]:
-    with reporting(PREFIX, measured):
-        yield
+# The other file's group has its own subnet and names: both can run at once.
+group, report, measured = module_fixtures("10.78.0", "s")
 
 
 def test_follower_first_then_leader_stopped(group: tuple[Node, Node]) -> None:

@@ -18,8 +18,6 @@ Four group starts (one clean start, three restarts after a fault): the least the
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -33,29 +31,16 @@ from tests.e2e.multinode_systemd import (
     UNIT,
     Node,
     assert_group_serving,
-    boot_group,
     ensure_group,
     follower_fault_restarts_both,
-    reporting,
+    module_fixtures,
     wait_serving,
 )
 
 pytestmark = [pytest.mark.multinode, pytest.mark.systemd]
 
-SUBNET, PREFIX = "10.79.0", "t"  # the other file's group has its own: both can run at once
-measured: dict[str, float] = {}
-
-
-@pytest.fixture(scope="module")
-def group(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
-    with boot_group(tiny_model, tmp_path_factory, SUBNET, PREFIX) as nodes:
-        yield nodes
-
-
-@pytest.fixture(scope="module", autouse=True)
-def report() -> Iterator[None]:
-    with reporting(PREFIX, measured):
-        yield
+# The other file's group has its own subnet and names: both can run at once.
+group, report, measured = module_fixtures("10.79.0", "t")
 
 
 def test_leader_first_then_a_follower_worker_killed(group: tuple[Node, Node]) -> None:
