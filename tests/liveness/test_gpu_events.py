@@ -168,6 +168,7 @@ class FakeNvmlEvents:
         self.handles = [ctypes.c_void_p(0x1000), ctypes.c_void_p(0x2000)]
         self.registered: list[tuple[int, int]] = []
         self.queue: list[Any] = []
+        self.waits_ms: list[int] = []  # each nvmlEventSetWait_v2's timeout
         self.freed = False
         xid, dbe = pynvml.nvmlEventTypeXidCriticalError, pynvml.nvmlEventTypeDoubleBitEccError
         supported = {0x1000: xid | dbe | pynvml.nvmlEventTypePState, 0x2000: xid}
@@ -180,6 +181,7 @@ class FakeNvmlEvents:
             self.registered.append((h.value or 0, mask))
 
         def wait(event_set: str, timeout_ms: int) -> Any:
+            self.waits_ms.append(timeout_ms)
             if not self.queue:
                 time.sleep(timeout_ms / 1000)
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
@@ -205,9 +207,8 @@ def test_nvml_registers_what_each_gpu_supports_and_maps_events_back(monkeypatch:
         (0x1000, pynvml.nvmlEventTypeDoubleBitEccError),
         (0x2000, pynvml.nvmlEventTypeXidCriticalError),
     ]
-    start = time.monotonic()
     assert watch.wait(0.05) is None
-    assert time.monotonic() - start < 0.5
+    assert nv.waits_ms == [50]  # NVML's own wait, bounded by the caller's timeout (not a wall-clock bound here)
     nv.queue += [
         types.SimpleNamespace(device=nv.handles[1], eventType=pynvml.nvmlEventTypeXidCriticalError, eventData=79),
         types.SimpleNamespace(device=nv.handles[0], eventType=pynvml.nvmlEventTypeDoubleBitEccError, eventData=0),
@@ -231,12 +232,20 @@ class Notes:
         self.sent.append((time.monotonic(), fields))
 
 
-def test_xid_while_serving_stops_the_tree_and_exits_18_within_a_second(tmp_path: Path) -> None:
+# After READY the /health probe runs every HEALTH_S: a verdict that waited for a probe would come HEALTH_S after the
+# event; from the event it comes at the event's own wake-up (liveness/gpu_events.py) or the loop's one-second
+# heartbeat at the latest.  BOUND_S tells the two apart on any machine not stalled for BOUND_S; how soon within it
+# is a benchmark's question, not a unit test's (issue 39: a 0.5 s bound here failed beside a second suite).
+HEALTH_S, BOUND_S = 60.0, 20.0
+
+
+def test_xid_while_serving_stops_the_tree_and_exits_18_without_waiting_for_a_probe(tmp_path: Path) -> None:
     cfg = load_config(
         fake_config(
             tmp_path,
             [],
             preflight={"gpus": [0, 1]},
+            health={"interval_s": HEALTH_S},
             liveness={"canary_interval_s": 0, "stuck_after_s": 0},
         )
     )
@@ -244,12 +253,13 @@ def test_xid_while_serving_stops_the_tree_and_exits_18_within_a_second(tmp_path:
     log = RecordingLog()
     notes = Notes()
     devnull = open(os.devnull, "w")  # noqa: SIM115
-    sup = Supervisor(cfg, Deps(probe, PsutilProcessTable(), notes, log, ConsoleChildSink(devnull), watchdog_s=0.4))
+    sup = Supervisor(
+        cfg, Deps(probe, PsutilProcessTable(), notes, log, ConsoleChildSink(devnull), watchdog_s=4 * HEALTH_S)
+    )
     injected: list[float] = []
 
     def inject() -> None:
         wait_for(lambda: sup.state.state is State.READY and log.events("gpu.events_watching"), timeout=30)
-        time.sleep(0.5)  # serving, pinging the watchdog
         injected.append(time.monotonic())
         probe.inject(GpuEvent(1, "xid", 95))
 
@@ -262,14 +272,13 @@ def test_xid_while_serving_stops_the_tree_and_exits_18_within_a_second(tmp_path:
         devnull.close()
     assert info.value.exit_code == 18
     stopping = next(at for at, f in notes.sent if f.get("STOPPING") == 1)
-    assert stopping - injected[0] < 0.5, stopping - injected[0]  # the verdict: at once
-    assert took < 1.0, took  # the verdict plus stopping the (fake) tree
+    assert stopping - injected[0] < BOUND_S, stopping - injected[0]  # from the event, not the next probe
+    assert took < BOUND_S, took  # the verdict plus stopping the (fake) tree
     assert "GPU 1: XID 95: uncontained ECC error" in info.value.message
     crit = [r for r in log.records if r[1] == "gpu.xid"]
     assert crit and crit[0][0] == "critical" and crit[0][2]["xid"] == 95
     assert sup.state.history[-2:] == [State.STOPPING, State.FAILED]
-    pings = [at for at, f in notes.sent if f.get("WATCHDOG") == 1]
-    assert pings and max(pings) < injected[0] + 0.3  # none after the verdict (loop latency aside)
+    assert not [at for at, f in notes.sent if f.get("WATCHDOG") == 1 and at > stopping]  # none after the verdict
     assert fake_tree_of(str(tmp_path)) == []
     assert probe.watches[0].closed  # the event set is freed once the thread is done
 
