@@ -82,9 +82,9 @@ def completion(port: int) -> dict[str, Any]:
         return result
 
 
-def health_status(port: int) -> int | None:
+def health_status(port: int, timeout: float = 2) -> int | None:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=timeout) as resp:
             return int(resp.status)
     except OSError:
         return None

@@ -54,7 +54,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, vllm_bin: Path, tiny_model:
     def watch() -> None:  # from outside, as a client would, until the supervisor said READY
         while not ready.is_set() and run.proc.poll() is None:
             sent = run.notify.first("READY", "1") is not None  # read before the probe: a READY sent after it
-            before_ready.append((health_status(port), sent))  # ... cannot be charged to a 503 it saw
+            # ... cannot be charged to a 503 it saw; a slow answer on a loaded machine is still an answer.
+            before_ready.append((health_status(port, timeout=30), sent))
             time.sleep(0.5)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -63,7 +64,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, vllm_bin: Path, tiny_model:
         run.wait_event("state.ready", timeout=300)
         wait_for(lambda: run.notify.first("READY", "1"), timeout=10)  # the record and the datagram travel apart
         ready.set()
-        watcher.join(timeout=10)
+        watcher.join(timeout=60)  # its last probe may wait up to 30 s
         yield Served(run, port, tmp_path, before_ready)
     finally:
         ready.set()
