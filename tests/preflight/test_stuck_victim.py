@@ -17,13 +17,16 @@ from kimi_supervisor.preflight.run import Preflight
 from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from testkit.fakes.log import RecordingLog
-from tests.conftest import ProcSpawner
+from tests.conftest import ProcSpawner, wait_for
 from tests.host.test_procstate import UVM_STACK, fake_proc
 from tests.preflight.test_preflight import make_cfg
 
 
 class StuckTable(PsutilProcessTable):
-    """The real table, but `stuck`'s signals never land and its kernel state comes from `proc_files`."""
+    """The real table, but `stuck`'s signals never land and its kernel state comes from `proc_files`.  Every other
+    victim is killable, and dies within the preflight's SIGKILL wait: that wait runs on the fake clock, so the
+    table gives a SIGKILLed victim the real time it takes to go (issue 39: beside a second suite one was still
+    freeing its memory, in D state, when the fake 5 s had passed)."""
 
     def __init__(self, stuck: int, proc_files: Path) -> None:
         super().__init__()
@@ -33,7 +36,10 @@ class StuckTable(PsutilProcessTable):
     def signal(self, proc: ProcInfo, sig: signal.Signals) -> bool:
         if proc.pid == self.stuck:
             return self.alive(proc)  # delivered, as to a process in D state: pending, never acted on
-        return super().signal(proc, sig)
+        delivered = super().signal(proc, sig)
+        if delivered and sig == signal.SIGKILL:
+            wait_for(lambda: not self.alive(proc), timeout=60, interval=0.01)
+        return delivered
 
     def state(self, pid: int) -> ProcState | None:
         return read_state(pid, str(self.proc_files)) if pid == self.stuck else super().state(pid)
