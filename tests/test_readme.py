@@ -4,11 +4,17 @@ they name exists."""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 from kimi_supervisor.config.front import FrontConfig
 from kimi_supervisor.config.load import effective_config, parse_config
 from kimi_supervisor.exitcodes import ExitCode
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
@@ -95,3 +101,92 @@ def test_every_test_the_readme_names_exists() -> None:
         if source is None or (name and not re.search(rf"^\s*(?:def|class) {name}\b", source, re.MULTILINE)):
             missing.append(f"{path}::{name}" if name else path)
     assert missing == []
+
+
+# -- the Layout table is the import-linter layers contract, in its order ----------------------------------------
+
+LAYOUT_ROW = re.compile(r"^\| (?P<name>[^|]+?) \| +(?P<layer>\d+) \| (?P<what>.*) \|$")
+
+
+def contract_layers(pyproject: str) -> list[list[str]]:
+    """The layers contract of pyproject's `[tool.importlinter]`, top first: each layer's names under the package
+    (`cli`, `exitcodes`), siblings split on `|` (independent) or `:`."""
+    contracts = tomllib.loads(pyproject)["tool"]["importlinter"]["contracts"]
+    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+    return [[m.strip().removeprefix("kimi_supervisor.") for m in re.split(r"[|:]", layer)] for layer in layers]
+
+
+def layout_rows(readme: str) -> list[tuple[int, list[str]]]:
+    """The README's Layout table, in its order: (layer, the names it shows) per row; a subpackage's row is named
+    `` `cli/` ``, a row of top-level modules names each as `` `exitcodes.py` `` in its text."""
+    section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        m = LAYOUT_ROW.match(line)
+        if m is None:
+            continue
+        package = re.fullmatch(r"`(\w+)/`", m["name"])
+        names = [package[1]] if package else re.findall(r"`(\w+)\.py`", m["what"])
+        rows.append((int(m["layer"]), names))
+    return rows
+
+
+def layout_problems(readme: str, pyproject: str) -> list[str]:
+    layers = contract_layers(pyproject)
+    want = {name: n for n, layer in enumerate(layers, 1) for name in layer}
+    rows = layout_rows(readme)
+    shown = {name: n for n, names in rows for name in names}
+    problems = [
+        f"{name}: layer {n} in the contract, not in the README's Layout"
+        for name, n in want.items()
+        if name not in shown
+    ]
+    problems += [
+        f"{name}: layer {n} in the README's Layout, not in the contract"
+        for name, n in shown.items()
+        if name not in want
+    ]
+    problems += [
+        f"{name}: layer {shown[name]} in the README's Layout, {n} in the contract"
+        for name, n in want.items()
+        if name in shown and shown[name] != n
+    ]
+    order = [n for n, _ in rows]
+    if order != sorted(order):
+        problems.append(f"the README's Layout rows are not in the contract's layer order: {order}")
+    return problems
+
+
+def test_the_readmes_layout_is_the_import_linter_layers_in_their_order() -> None:
+    assert layout_problems(README, (REPO / "pyproject.toml").read_text()) == []
+
+
+def test_every_subpackage_and_top_level_module_is_in_a_layer() -> None:
+    package = REPO / "kimi_supervisor"
+    tree = {p.name for p in package.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    tree |= {p.stem for p in package.glob("*.py")} - {"__init__", "__main__"}
+    layered = {name for layer in contract_layers((REPO / "pyproject.toml").read_text()) for name in layer}
+    assert tree == layered
+
+
+def test_the_layout_check_fails_on_a_missing_row_and_on_rows_out_of_order() -> None:
+    pyproject = (REPO / "pyproject.toml").read_text()
+    lines = README.splitlines(keepends=True)
+    (deployment,) = [i for i, line in enumerate(lines) if line.startswith("| `deployment/` |")]
+    without = "".join(lines[:deployment] + lines[deployment + 1 :])
+    assert layout_problems(without, pyproject) == ["deployment: layer 2 in the contract, not in the README's Layout"]
+    swapped = "".join([*lines[: deployment - 1], lines[deployment], lines[deployment - 1], *lines[deployment + 1 :]])
+    assert layout_problems(swapped, pyproject) == [
+        "the README's Layout rows are not in the contract's layer order: [2, 1, 3, 4, 4, 5, 5, 6, 6, 6, 7, 7, 8, 9]"
+    ]
+    renumbered = README.replace("| `cli/` | 1 |", "| `cli/` | 2 |")
+    assert layout_problems(renumbered, pyproject) == ["cli: layer 2 in the README's Layout, 1 in the contract"]
+    reordered = pyproject.replace(
+        '"kimi_supervisor.cli",\n    "kimi_supervisor.deployment",',
+        '"kimi_supervisor.deployment",\n    "kimi_supervisor.cli",',
+    )
+    assert reordered != pyproject
+    assert layout_problems(README, reordered) == [
+        "deployment: layer 2 in the README's Layout, 1 in the contract",
+        "cli: layer 1 in the README's Layout, 2 in the contract",
+    ]
