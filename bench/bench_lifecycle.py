@@ -9,11 +9,9 @@ Rows 10 and 11 side by side with another checkout of the supervisor (the same fa
 
 from __future__ import annotations
 
-import compileall
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +21,8 @@ from typing import Any
 import psutil
 
 from bench.common import Row, median, ms, ready_lags, spread, table
-from testkit.harness import REPO, Run, fake_config, fake_tree_of
+from testkit.checkout_start import bare_start, checkout_entry, spawn_times
+from testkit.harness import Run, fake_config, fake_tree_of
 
 READY_RUNS = 10
 STOP_RUNS = 5
@@ -140,18 +139,10 @@ def idle_rows() -> list[Row]:
     ]
 
 
-def _entry(tree: Path | None) -> list[str] | None:
-    """The supervisor of checkout `tree` (None: this one); `-m` would put the working directory first."""
-    if tree is None:
-        return None
-    code = f"import sys; sys.path.insert(0, {str(tree)!r}); from kimi_supervisor.cli import main; sys.exit(main())"
-    return ["-c", code]
-
-
 def _crash_once(tmp: Path, tree: Path | None, after_ready_s: float) -> tuple[float, int]:
     """Seconds from SIGKILL to vLLM's main (its workers live on, holding the pipes: --orphan-workers) to the
     supervisor's exit, and its exit status.  /health every 5 s: no probe result hurries the notice."""
-    run = Run(fake_config(tmp, ["--orphan-workers"], health={"interval_s": 5}), tmp, entry=_entry(tree))
+    run = Run(fake_config(tmp, ["--orphan-workers"], health={"interval_s": 5}), tmp, entry=checkout_entry(tree))
     try:
         run.wait_event("state.ready", timeout=60)
         time.sleep(after_ready_s)  # a random phase against the loop's own wake-ups
@@ -164,16 +155,6 @@ def _crash_once(tmp: Path, tree: Path | None, after_ready_s: float) -> tuple[flo
         run.kill()
 
 
-def _bare_start(runs: int = 5) -> float:
-    """The median seconds of `python3 -c pass` here: the machine's pace beside the crash row."""
-    took = []
-    for _ in range(runs):
-        t0 = time.monotonic()
-        subprocess.run([sys.executable, "-c", "pass"], check=True)
-        took.append(time.monotonic() - t0)
-    return median(took)
-
-
 def crash_rows(trees: tuple[Path | None, ...] = (None,)) -> list[Row]:
     rng = random.Random(10)
     took: dict[Path | None, list[float]] = {t: [] for t in trees}
@@ -184,7 +165,7 @@ def crash_rows(trees: tuple[Path | None, ...] = (None,)) -> list[Row]:
                 seconds, rc = _crash_once(Path(tmp), tree, rng.uniform(0.0, 1.0))
             took[tree].append(seconds)
             codes[tree].add(rc)
-    bare = _bare_start()
+    bare = bare_start()
     rows = []
     for tree in trees:
         label = "" if tree is None else f" [{tree}]"
@@ -199,40 +180,10 @@ def crash_rows(trees: tuple[Path | None, ...] = (None,)) -> list[Row]:
     return rows
 
 
-def _spawn_once(tmp: Path, tree: Path | None) -> float:
-    """Seconds from the supervisor's exec to the fake vLLM's: both create times, on one clock (boot ticks)."""
-    run = Run(fake_config(tmp), tmp, entry=_entry(tree), env={"PYTHONDONTWRITEBYTECODE": "1"})
-    try:
-        run.wait_event("state.starting", timeout=60)
-        took = psutil.Process(run.child_pid).create_time() - psutil.Process(run.proc.pid).create_time()
-        run.signal()
-        run.wait(timeout=30)
-        return took
-    finally:
-        run.kill()
-
-
-def compile_tree(tree: Path | None) -> Path:
-    """The checkout's kimi_supervisor/ compiled to bytecode, as an installed package has it (pip compiles on
-    install); its directory.  The runs below set PYTHONDONTWRITEBYTECODE=1, so a fresh checkout (the device's
-    copy) would otherwise import from source in every run: on the H200, 480 ms against 305 ms compiled
-    (bench/results/issue35_gpu.md)."""
-    package = (tree or REPO) / "kimi_supervisor"
-    if not compileall.compile_dir(str(package), quiet=1):
-        raise RuntimeError(f"{package}: compileall failed")
-    return package
-
-
 def spawn_rows(trees: tuple[Path | None, ...] = (None,), compile_first: bool = True) -> list[Row]:
     """`compile_first=False`: the trees as they are (gpuaccept/gpu_incident.py compares one without bytecode)."""
-    for tree in trees if compile_first else ():
-        compile_tree(tree)
-    took: dict[Path | None, list[float]] = {t: [] for t in trees}
-    for _ in range(SPAWN_RUNS):
-        for tree in trees:  # interleaved, as row 10
-            with tempfile.TemporaryDirectory(prefix="kimi-bench-spawn-") as tmp:
-                took[tree].append(_spawn_once(Path(tmp), tree))
-    bare = _bare_start()
+    took = spawn_times(trees, SPAWN_RUNS, compile_first)
+    bare = bare_start()
     return [
         Row(
             f"11. supervisor start -> spawn, fake vLLM, process create times"

@@ -24,9 +24,9 @@ VLLM_ENV = {
 }
 
 # The KV cache every test's `vllm serve` asks for: 64 MiB, where VLLM_CPU_KVCACHE_SPACE=1 gave 1 GiB (each worker
-# allocates and touches it at every start: docs/test-tiers.md, "Where the time goes", for what it cost).  The tiny
-# model takes 2 KiB a token (1 GiB held 524,288), so 64 MiB holds 32,768 tokens: two of MAX_LEN's generations,
-# 128 of the 256-token ones.  Explicit, so vLLM sizes nothing from the machine's free memory either.
+# allocates and touches it at every start: docs/history/test-suite-speed.md, "One vLLM start", for what it
+# cost).  The tiny model takes 2 KiB a token (1 GiB held 524,288), so 64 MiB holds 32,768 tokens: two of MAX_LEN's
+# generations, 128 of the 256-token ones.  Explicit, so vLLM sizes nothing from the machine's free memory either.
 KV_CACHE_BYTES = 64 * 2**20
 KV_CACHE_ARGS = ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
 

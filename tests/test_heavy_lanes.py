@@ -1,4 +1,4 @@
-"""The heavy tiers' xdist lanes (tests/conftest.py, docs/test-tiers.md "Where the time goes"): each heavy file whole
+"""The heavy tiers' xdist lanes (tests/conftest.py, docs/test-tiers.md "Lanes"): each heavy file whole
 in one lane, the lanes balanced by the files' measured length, handed out before the unit tests, every list's own
 order kept."""
 

@@ -1,6 +1,6 @@
 """Every `vllm serve` the real-vLLM tiers start asks for the small KV cache (testkit/vllm_serve.py, KV_CACHE_ARGS)
 and nothing in its environment overrides it: VLLM_CPU_KVCACHE_SPACE, when set, wins over --kv-cache-memory-bytes
-(vllm/platforms/cpu.py) and allocates whole GiB at each start (docs/test-tiers.md, "Where the time goes")."""
+(vllm/platforms/cpu.py) and allocates whole GiB at each start (docs/history/test-suite-speed.md, "One vLLM start")."""
 
 from __future__ import annotations
 

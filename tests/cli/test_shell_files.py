@@ -84,4 +84,10 @@ def test_the_package_installs_them_where_bash_zsh_and_man_look() -> None:
         # What Documentation= and runbook_url name: tests/systemd/test_install_venv.py
         "share/doc/kimi-supervisor": ["README.md"],
         "share/doc/kimi-supervisor/docs": ["docs/*.md"],
+        # Every folder of docs/ too: the fault matrix's areas, the history its reference pages link to.
+        **{
+            f"share/doc/kimi-supervisor/docs/{d.name}": [f"docs/{d.name}/*.md"]
+            for d in sorted((REPO / "docs").iterdir())
+            if d.is_dir() and any(d.glob("*.md"))
+        },
     }

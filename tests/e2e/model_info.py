@@ -3,8 +3,8 @@
 Unless `$VLLM_CACHE_ROOT/modelinfos/` holds the answer for the model file's hash, vLLM 0.32 inspects the model
 class in a Python of its own (vllm/model_executor/models/registry.py, `_LazyRegisteredModel.inspect_model_cls` and
 `_run_in_subprocess`): one more interpreter importing torch, vLLM and the model, 8-16 s of CPU on 2 cores
-(docs/test-tiers.md, "One vLLM start").  A host keeps that answer across restarts and reboots in the unit's
-`CacheDirectory=`; a test container boots with an empty /var/cache, so its first start would pay for an
+(docs/history/test-suite-speed.md, "One vLLM start").  A host keeps that answer across restarts and reboots in the
+unit's `CacheDirectory=`; a test container boots with an empty /var/cache, so its first start would pay for an
 inspection that no real host repeats.  The copy is the host's own answer (root's vLLM cache, written by any local
 vLLM start; where there is none yet, the container's start inspects, as vLLM does).  vLLM checks the hash it
 stores, so a stale copy is a miss, never a wrong answer.

@@ -8,7 +8,7 @@ so NRestarts, exit statuses and "no restart consumed" are systemd's own.
 Two test files boot a group each (tests/e2e/test_vllm_multinode_systemd.py: the follower first and both together;
 tests/e2e/test_vllm_multinode_systemd_leader_first.py: the leader first): each file's scenarios share its
 machines and chain their group starts, and the two files, each with its own subnet, namespaces and veth pair,
-can run side by side in two lanes (docs/test-tiers.md).
+can run side by side in two lanes (docs/test-tiers.md, "Lanes").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ exits after it; without, vLLM aborts it.  Both under the real systemd with the s
 by install-unit's renderer), which also proves real vLLM under the shipped, hardened unit: READY with the status
 text, vLLM's process prefixes as journal fields, the tree gone at the stop; the drain once more with the supervisor
 run directly, whose STATUS= datagrams the test reads.  Each vLLM start here serves more than one claim
-(docs/test-tiers.md, "Where the time goes")."""
+(docs/history/test-suite-speed.md, "Round 3")."""
 
 from __future__ import annotations
 

