@@ -1,4 +1,5 @@
-"""The bounded wait of requests that arrive while no engine serves, and how long it is (docs/front.md, Holding).
+"""The bounded wait of requests that arrive while no engine serves (docs/front.md, Holding); how long it is, is
+records.py's hold_bound.
 
 One object per front, used only from the front's event loop (asyncio: no locks).  Which engine serves is the
 pool's (engine.py); the gate counts who waits for it and turns them away past `queue_max`.
@@ -7,27 +8,8 @@ pool's (engine.py); the gate counts who waits for it and turns them away past `q
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
 
-from kimi_supervisor.config.front import HOLD_MARGIN_S, FrontConfig, hold_from_history
-from kimi_supervisor.deployment.front.records import EngineRecords
-
-if TYPE_CHECKING:  # engine.py imports aiohttp; role.py's dry run imports hold_bound from here on any host
-    from kimi_supervisor.deployment.front.engine import EnginePool
-
-
-class HoldBound(NamedTuple):
-    seconds: float
-    whence: str  # where the number came from (`--dry-run` says it)
-
-
-def hold_bound(cfg: FrontConfig) -> HoldBound:
-    """How long a request waits for the engine: front.hold_s, else the engine's last load plus a margin."""
-    if cfg.hold_s is not None:
-        return HoldBound(cfg.hold_s, "front.hold_s")
-    last = EngineRecords.of(cfg).last_load_s()
-    whence = f"the engine's last load {last:g}s + {HOLD_MARGIN_S:g}s" if last is not None else "no engine history yet"
-    return HoldBound(hold_from_history(last), whence)
+from kimi_supervisor.deployment.front.engine import EnginePool
 
 
 class QueueFull(Exception):

@@ -15,9 +15,9 @@ from kimi_supervisor.deployment.front.context import JSON_DEPTH, FrontContext, e
 from kimi_supervisor.deployment.front.engine import Engine, EnginePool
 from kimi_supervisor.deployment.front.failure import Failures
 from kimi_supervisor.deployment.front.forward import Forwarder
-from kimi_supervisor.deployment.front.gate import EngineGate, hold_bound
+from kimi_supervisor.deployment.front.gate import EngineGate
 from kimi_supervisor.deployment.front.metrics import FrontMetrics
-from kimi_supervisor.deployment.front.records import EngineRecords
+from kimi_supervisor.deployment.front.records import EngineRecords, hold_bound
 from kimi_supervisor.deployment.front.routes import RESUMABLE, Route, route_of
 from kimi_supervisor.deployment.front.streams import Streams
 from kimi_supervisor.deployment.front.watch import EngineWatch

@@ -1,17 +1,19 @@
 """The engine's records as the front reads them (docs/front.md): its supervisor's state file (phase, load ETA), its
 history (the last load; the runs that ended in a window) and its weight holder's state file (ready, since when).
 
-The one reader of them in the front: the watch (engine.py's probe), the hold bound (gate.py) and an outage's kind
-(outages.py) ask here.  A state file counts only while its writer runs (opsview/statefile.py read_live_state); the
-history is read without setting a corrupt file aside, as it is the engine supervisor's file, not the front's.
+The one reader of them in the front: the watch (engine.py's probe), the hold bound (hold_bound here, for the gate
+and for role.py's `--dry-run`) and an outage's kind (outages.py) ask here; nothing here imports aiohttp.  A state
+file counts only while its writer runs (opsview/statefile.py read_live_state); the history is read without setting
+a corrupt file aside, as it is the engine supervisor's file, not the front's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import NamedTuple
 
-from kimi_supervisor.config.front import FrontConfig
+from kimi_supervisor.config.front import HOLD_MARGIN_S, FrontConfig, hold_from_history
 from kimi_supervisor.opsview.history import RunRecord, load_history
 from kimi_supervisor.opsview.statefile import read_live_state
 
@@ -68,3 +70,17 @@ class EngineRecords:
             return False
         ready = doc.get("ready_at")
         return isinstance(ready, (int, float)) and ready <= at
+
+
+class HoldBound(NamedTuple):
+    seconds: float
+    whence: str  # where the number came from (`--dry-run` says it)
+
+
+def hold_bound(cfg: FrontConfig) -> HoldBound:
+    """How long a request waits for the engine: front.hold_s, else the engine's last load plus a margin."""
+    if cfg.hold_s is not None:
+        return HoldBound(cfg.hold_s, "front.hold_s")
+    last = EngineRecords.of(cfg).last_load_s()
+    whence = f"the engine's last load {last:g}s + {HOLD_MARGIN_S:g}s" if last is not None else "no engine history yet"
+    return HoldBound(hold_from_history(last), whence)

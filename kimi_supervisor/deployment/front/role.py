@@ -14,7 +14,7 @@ from kimi_supervisor.child.spawnplan import Identity, Unresolvable, account, res
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.deployment.base import Deployment
-from kimi_supervisor.deployment.front.gate import hold_bound
+from kimi_supervisor.deployment.front.records import hold_bound
 from kimi_supervisor.exitcodes import ConfigError, ExitCode, SupervisorError
 from kimi_supervisor.lifecycle.deps import Deps
 from kimi_supervisor.systemd import unit

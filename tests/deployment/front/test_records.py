@@ -1,6 +1,6 @@
 """The front's one reader of its engine's records (kimi_supervisor/deployment/front/records.py): a state file counts
 only while its writer runs; the phase and load ETA, the last load, the runs that ended in a window, the holder's
-readiness; and the hold bound that the front and `--dry-run` both take from it (gate.py hold_bound)."""
+readiness; and the hold bound that the front and `--dry-run` both take from it (hold_bound)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 from kimi_supervisor.config.front import FrontConfig
-from kimi_supervisor.deployment.front.gate import HoldBound, hold_bound
-from kimi_supervisor.deployment.front.records import EnginePhase, EngineRecords
+from kimi_supervisor.deployment.front.records import EnginePhase, EngineRecords, HoldBound, hold_bound
 from kimi_supervisor.opsview.history import HistoryData, RunRecord, dump_history
 from kimi_supervisor.opsview.statefile import StateFile, process_start_time
 from testkit.fakes.log import RecordingLog
