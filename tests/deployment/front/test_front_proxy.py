@@ -1,5 +1,6 @@
-"""The front's proxy against a stand-in engine on a Unix socket (docs/front.md): forwarding, streaming,
-refused routes, client disconnects, holding, retry and stream resume."""
+"""The front's proxy (FrontServer) against a stand-in engine on a Unix socket (docs/front.md), end to end through
+its modules: forwarding, streaming, refused routes, client disconnects, holding, retry and stream resume.  Their
+seams alone: test_failure.py, test_engine.py, test_records.py, test_resume.py, test_sse.py."""
 
 from __future__ import annotations
 
