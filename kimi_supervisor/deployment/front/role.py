@@ -11,11 +11,10 @@ from pathlib import Path
 
 from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.child.spawnplan import Identity, Unresolvable, account, resolve_identity
-from kimi_supervisor.config.front import HOLD_MARGIN_S, hold_from_history
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.deployment.base import Deployment
-from kimi_supervisor.deployment.front.gate import last_load_s
+from kimi_supervisor.deployment.front.records import hold_bound
 from kimi_supervisor.exitcodes import ConfigError, ExitCode, SupervisorError
 from kimi_supervisor.lifecycle.deps import Deps
 from kimi_supervisor.systemd import unit
@@ -101,17 +100,7 @@ class FrontRole(Deployment):
         front = self.front
         socket = front.engine_socket
         there = "there" if socket.exists() else "not there yet (the engine makes it when it starts)"
-        last = last_load_s(front.engine_history_file)
-        hold = front.hold_s if front.hold_s is not None else hold_from_history(last)
-        whence = (
-            "front.hold_s"
-            if front.hold_s is not None
-            else (
-                f"the engine's last load {last:g}s + {HOLD_MARGIN_S:g}s"
-                if last is not None
-                else "no engine history yet"
-            )
-        )
+        hold, whence = hold_bound(front)
         checks.insert(
             0,
             Check(

@@ -9,7 +9,9 @@ import enum
 import re
 
 
-class Kind(enum.Enum):
+class Route(enum.Enum):
+    """How the front treats a path."""
+
     FORWARD = "forward"  # held while the engine is not serving; 502 if the engine breaks under it
     RESUMABLE = "resumable"  # held, and sent again or resumed when a restart breaks it
     PROBE = "probe"  # the engine's own view of itself (/health, /metrics): at once, never held
@@ -44,18 +46,18 @@ _V1_REFUSED = re.compile(r"^/v1/((un)?load_lora_adapter|.*/(de)?render)$")
 _ODD = re.compile(r"//|/\.\.?(/|$)|%")
 
 
-def classify(raw_path: str, allow: tuple[str, ...] = ()) -> Kind:
+def route_of(raw_path: str, allow: tuple[str, ...] = ()) -> Route:
     """`raw_path` as the client sent it (percent-escapes included), without the query."""
     if _ODD.search(raw_path):
-        return Kind.REFUSED
+        return Route.REFUSED
     if raw_path in FRONT_OWN:
-        return Kind.FRONT
+        return Route.FRONT
     if raw_path in PROBES:
-        return Kind.PROBE
+        return Route.PROBE
     if raw_path in RESUMABLE:
-        return Kind.RESUMABLE
+        return Route.RESUMABLE
     if raw_path in allow or raw_path in PUBLIC:
-        return Kind.FORWARD
+        return Route.FORWARD
     if raw_path.startswith("/v1/") and not _V1_REFUSED.match(raw_path):
-        return Kind.FORWARD
-    return Kind.REFUSED
+        return Route.FORWARD
+    return Route.REFUSED

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from kimi_supervisor.child.spawnplan import Identity, become, switch_to
 from kimi_supervisor.config.front import FrontConfig
-from kimi_supervisor.deployment.front.proxy import Front
+from kimi_supervisor.deployment.front.proxy import FrontServer
 from kimi_supervisor.exitcodes import ConfigError, ExitCode, NoPermission, PreflightError
 from kimi_supervisor.files import privdir
 from kimi_supervisor.files.atomic import ensure_directory
@@ -62,7 +62,7 @@ def prepare_for(cfg: FrontConfig, identity: Identity) -> None:
 async def serve(
     cfg: FrontConfig, log: Logger, notifier: Notifier, watchdog_s: float | None, listening: socket.socket
 ) -> None:
-    front = Front(cfg, log)
+    front = FrontServer(cfg, log)
     runner = front.runner(shutdown_timeout=SHUTDOWN_S)
     stopped = False
     await runner.setup()
@@ -73,7 +73,7 @@ async def serve(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         log.info("front.listening", host=cfg.host, port=cfg.port, engine_socket=str(cfg.engine_socket))
-        said = front.headline()
+        said = front.watch.headline()
         notifier.send(READY=1, STATUS=said)
         period = min(TICK_S, watchdog_s / 2) if watchdog_s else TICK_S
         while not stop.is_set():
@@ -81,7 +81,7 @@ async def serve(
                 await asyncio.wait_for(stop.wait(), period)
             if watchdog_s:
                 notifier.send(WATCHDOG=1)
-            now = front.headline()
+            now = front.watch.headline()
             if now != said:
                 notifier.send(STATUS=now)
                 said = now
@@ -91,7 +91,7 @@ async def serve(
     finally:
         await runner.cleanup()  # stops listening, then closes the open connections within SHUTDOWN_S
     if stopped:
-        front.write_state("stopped", exit_code=0)
+        front.watch.write_state("stopped", exit_code=0)
 
 
 def run(

@@ -17,7 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from kimi_supervisor.config.front import FrontConfig
-from kimi_supervisor.deployment.front.proxy import Front
+from kimi_supervisor.deployment.front.proxy import FrontServer
 from testkit.fakes.log import RecordingLog
 from tests.deployment.front.fake_engine import FakeEngine
 
@@ -26,7 +26,7 @@ BOUND_S = 30.0  # every wait of these tests: a bound on an event, never a pause
 
 @dataclasses.dataclass
 class Harness:
-    front: Front
+    front: FrontServer
     engine: FakeEngine
     client: aiohttp.ClientSession
     log: RecordingLog
@@ -56,7 +56,7 @@ async def running(engine_up: bool = True, **settings: Any) -> AsyncIterator[Harn
         **{"probe_interval_s": 0.1, "engine_state_file": None, **settings},
     )
     log = RecordingLog()
-    front = Front(cfg, log)
+    front = FrontServer(cfg, log)
     runner = front.runner()
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -65,7 +65,7 @@ async def running(engine_up: bool = True, **settings: Any) -> AsyncIterator[Harn
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as client:
             if engine_up:
-                await until(lambda: front.gate.serving, "the front sees the engine serving")
+                await until(lambda: front.engines.serving, "the front sees the engine serving")
             yield Harness(front, engine, client, log, port)
     finally:
         await runner.cleanup()

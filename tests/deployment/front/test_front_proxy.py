@@ -1,5 +1,6 @@
-"""The front's proxy against a stand-in engine on a Unix socket (docs/front.md): forwarding, streaming,
-refused routes, client disconnects, holding, retry and stream resume."""
+"""The front's proxy (FrontServer) against a stand-in engine on a Unix socket (docs/front.md), end to end through
+its modules: forwarding, streaming, refused routes, client disconnects, holding, retry and stream resume.  Their
+seams alone: test_failure.py, test_engine.py, test_records.py, test_resume.py, test_sse.py."""
 
 from __future__ import annotations
 
@@ -139,13 +140,13 @@ def test_while_the_engines_supervisor_stops_it_new_requests_wait_then_eta_gives_
         phase("ready")
         async with running(hold_s=BOUND_S, engine_state_file=state) as h:
             phase("stopping")
-            await until(lambda: not h.front.gate.serving, "the front holds while the engine drains")
+            await until(lambda: not h.front.engines.serving, "the front holds while the engine drains")
             sent = asyncio.ensure_future(h.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}))
             await until(lambda: h.front.gate.held == 1, "the request is held, the engine's /health still 200")
             assert h.engine.seen == []
             phase("starting", eta_s=41.2)
-            await until(lambda: h.front.gate.eta_s == 41.2, "the front reads the load ETA")
-            assert h.front.gate.retry_after_s(h.front.hold_s) == 42
+            await until(lambda: h.front.engines.eta_s == 41.2, "the front reads the load ETA")
+            assert h.front.gate.retry_after_s() == 42
             phase("ready")
             async with await asyncio.wait_for(sent, BOUND_S) as answer:
                 assert answer.status == 200

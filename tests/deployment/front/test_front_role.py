@@ -194,7 +194,7 @@ def test_without_front_hold_s_the_hold_is_the_engines_last_load_plus_30_s(
 ) -> None:
     """docs/front.md, Holding: the engine's expected restart from its own history, at least 60 s, at most 900 s;
     120 s without a history.  front.hold_s, when given, wins."""
-    from kimi_supervisor.deployment.front.proxy import Front
+    from kimi_supervisor.deployment.front.proxy import FrontServer
     from kimi_supervisor.opsview.history import HistoryData, RunRecord, dump_history
     from testkit.fakes.log import RecordingLog
 
@@ -205,6 +205,6 @@ def test_without_front_hold_s_the_hold_is_the_engines_last_load_plus_30_s(
     if load_s is not None:
         history.parent.mkdir(parents=True)
         history.write_bytes(dump_history(HistoryData([RunRecord(start=0.0, pid=1, ready=1.0, load_s=load_s)])))
-    assert Front(cfg.front, RecordingLog()).hold_s == hold_s
+    assert FrontServer(cfg.front, RecordingLog()).gate.hold_s == hold_s
     given = load_config(_front_config(tmp_path, 8000, hold_s=45))
-    assert given.front is not None and Front(given.front, RecordingLog()).hold_s == 45.0
+    assert given.front is not None and FrontServer(given.front, RecordingLog()).gate.hold_s == 45.0

@@ -52,7 +52,7 @@ def test_an_outage_is_named_by_how_the_engines_run_ended(
     async def scenario() -> None:
         async with running(engine_history_file=history, engine_holder_state_file=holder_state) as h:
             await h.engine.crash()
-            await until(lambda: not h.front.gate.serving, "the outage")
+            await until(lambda: not h.front.engines.serving, "the outage")
             [outage] = h.front.metrics.outages_seen
             began = float(outage["began"] or 0)
             if exit_code is not None:  # the engine's supervisor records how its run ended; a new run starts
@@ -62,7 +62,7 @@ def test_an_outage_is_named_by_how_the_engines_run_ended(
             if holder:
                 _holder_ready(holder_state, began - 50)
             await h.engine.restart()
-            await until(lambda: h.front.gate.serving, "the engine back")
+            await until(lambda: h.front.engines.serving, "the engine back")
             [outage] = h.front.metrics.outages_seen
             expected = kind if kind is not None else "no restart"
             assert (outage["kind"], outage["engine_exit_code"], outage["holder_assisted"]) == (
@@ -87,9 +87,9 @@ def test_without_the_engines_history_the_kind_is_unknown(tmp_path: Path) -> None
     async def scenario() -> None:
         async with running(engine_history_file=tmp_path / "none.json") as h:
             await h.engine.crash()
-            await until(lambda: not h.front.gate.serving, "the outage")
+            await until(lambda: not h.front.engines.serving, "the outage")
             await h.engine.restart()
-            await until(lambda: h.front.gate.serving, "the engine back")
+            await until(lambda: h.front.engines.serving, "the engine back")
             assert [o["kind"] for o in h.front.metrics.outages_seen] == ["unknown"]
 
     run(scenario)

@@ -42,7 +42,7 @@ def test_the_bytes_path_keeps_what_parsing_keeps_and_strips_the_ids(fmt: str, ch
             out = json.dumps(fast.observe(json.loads(data))).encode()
         sent.append(json.loads(out))
         slow.observe(json.loads(data))
-    keep = ("sent_ids", "held_ids", "prompt_ids", "id", "created", "model", "finished")
+    keep = ("sent_ids", "unshown_ids", "prompt_ids", "id", "created", "model", "finished")
     assert [getattr(fast, k) for k in keep] == [getattr(slow, k) for k in keep]
     assert fast.prompt_ids is not None and fast.id
     for chunk in sent:
@@ -50,9 +50,9 @@ def test_the_bytes_path_keeps_what_parsing_keeps_and_strips_the_ids(fmt: str, ch
         assert all("token_ids" not in c and c.get("prompt_token_ids") is None for c in chunk["choices"])
     if fmt == "completion":
         # The third token showed no text yet (half a character): its id is held, a resume makes it again.
-        assert (fast.sent_ids, fast.held_ids, fast.finished) == ([355, 546], [192], False)
+        assert (fast.sent_ids, fast.unshown_ids, fast.finished) == ([355, 546], [192], False)
     else:
-        assert (fast.sent_ids, fast.held_ids, fast.finished) == ([486, 637], [], True)
+        assert (fast.sent_ids, fast.unshown_ids, fast.finished) == ([486, 637], [], True)
 
 
 def test_a_client_that_asked_for_the_ids_keeps_them() -> None:

@@ -1,0 +1,133 @@
+"""The engines the front forwards to (docs/front.md), and which of them serves now.
+
+An `Engine` is one upstream: HTTP over its Unix socket (vLLM's --uds) through aiohttp's client, its /health probe,
+its records (records.py) and whether it serves.  The `EnginePool` lists them, the preferred first, and answers
+"which engine serves now" and "does any": a request goes to the first that serves, and the gate (gate.py) waits
+until any does.  Today the list holds one engine, the one FrontConfig names; a second (a hot spare) is one more
+entry, not another code path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+
+from kimi_supervisor.deployment.front.records import EngineRecords
+
+# What a broken engine connection raises: refused or missing socket, reset, a body cut short.
+BROKEN = (aiohttp.ClientError, ConnectionError, OSError)
+BASE = "http://engine"  # the host is the socket: this name only fills the request line's Host
+# The engine supervisor's phases in which new requests wait: it is draining, or not up yet.
+HOLDING_PHASES = frozenset({"preflight", "starting", "stopping", "stopped", "failed"})
+
+
+class Engine:
+    def __init__(self, name: str, socket: Path, probe_timeout_s: float, records: EngineRecords) -> None:
+        self.name = name  # for logs: "main" for the one FrontConfig names
+        self.socket = socket
+        self.records = records
+        self.serving = False  # as the last probe, or a request that saw it break, left it (EnginePool.mark)
+        self.eta_s: float | None = None  # its load's ETA, as its supervisor's state file last said
+        self._probe_timeout_s = probe_timeout_s
+        self._probe_timeout = aiohttp.ClientTimeout(total=probe_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    def open(self) -> None:
+        """The client session, made inside the running loop (aiohttp binds a session to its loop)."""
+        # No pool limit (vLLM queues requests itself), no decompression (bytes pass through as they are), no
+        # total timeout (a stream lasts as long as it generates); connecting is bounded by the probe's timeout.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.UnixConnector(path=str(self.socket), limit=0),
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._probe_timeout_s),
+        )
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "the engine's session is not open"
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def healthy(self) -> bool:
+        """GET /health answered 200 within the probe's timeout."""
+        try:
+            async with self.session.get(BASE + "/health", timeout=self._probe_timeout) as answer:
+                await answer.read()
+                return answer.status == 200
+        except (*BROKEN, asyncio.TimeoutError):
+            return False
+
+    async def probe(self) -> bool:
+        """Whether it serves: /health answers, and its supervisor (while its writer lives) neither drains it nor
+        brings it up.  The state file is read only after /health answered; its ETA is kept as last read."""
+        if not await self.healthy():
+            return False
+        view = self.records.phase()
+        if view is None:
+            return True
+        self.eta_s = view.eta_s
+        return view.phase not in HOLDING_PHASES
+
+
+class EnginePool:
+    """The engines, preferred first; used only from the front's event loop (asyncio: no locks)."""
+
+    def __init__(self, engines: list[Engine]) -> None:
+        assert engines, "a front forwards to at least one engine"
+        self.engines = engines
+        self._any = asyncio.Event()  # set while any engine serves
+        self.probe_now = asyncio.Event()  # a request saw an engine break: the watch probes at once
+        # Called with the new answer to "does any engine serve" when it changes (watch.py: outages, logs).
+        self.on_change: Callable[[bool], None] | None = None
+
+    @property
+    def main(self) -> Engine:
+        return self.engines[0]
+
+    @property
+    def serving(self) -> bool:
+        """Any engine serves now."""
+        return self._any.is_set()
+
+    def pick(self) -> Engine:
+        """The first engine that serves; the main one when none does (a probe, or a request the hold let through
+        just before the engine stopped, goes to it and meets what it meets)."""
+        return next((e for e in self.engines if e.serving), self.main)
+
+    @property
+    def eta_s(self) -> float | None:
+        """The soonest load ETA an engine's supervisor gave."""
+        etas = [e.eta_s for e in self.engines if e.eta_s is not None]
+        return min(etas) if etas else None
+
+    def mark(self, engine: Engine, serving: bool) -> None:
+        engine.serving = serving
+        now = any(e.serving for e in self.engines)
+        if now == self.serving:
+            return
+        if now:
+            self._any.set()
+        else:
+            self._any.clear()
+        if self.on_change is not None:
+            self.on_change(now)
+
+    def broke(self, engine: Engine) -> None:
+        """A request met this engine broken: no new request goes to it, and the watch probes it at once rather
+        than at its next tick."""
+        self.mark(engine, False)
+        self.probe_now.set()
+
+    async def until_serving(self, timeout_s: float) -> bool:
+        """True once any engine serves (at once if one does), False after `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._any.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False

@@ -1,0 +1,205 @@
+"""A streamed completion through engine restarts (docs/front.md, Resume): the engine's stream relayed with what a
+resume needs kept (resume.py's StreamRecord), and after a break the stream continued on the engine that serves,
+through its render route and then the token-in route, under the same id, to one [DONE].
+
+What counts as a break is failure.py's; a stream that cannot go on ends with one error chunk that says why.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kimi_supervisor.deployment.front import sse
+from kimi_supervisor.deployment.front.context import (
+    JSON_DEPTH,
+    FrontContext,
+    error_response,
+    outcome,
+    passed_headers,
+)
+from kimi_supervisor.deployment.front.engine import BASE, Engine
+from kimi_supervisor.deployment.front.failure import EngineBroke, Failures
+from kimi_supervisor.deployment.front.resume import (
+    GENERATE_PATH,
+    RENDER_PATHS,
+    NotResumable,
+    StreamRecord,
+    upstream_body,
+)
+from kimi_supervisor.untrusted_json import parse_json
+
+_EVENT_STREAM = {"Content-Type": "text/event-stream"}
+
+
+class _Client:
+    """One client's streamed answer, prepared with the first event the engine sends (a break before it leaves
+    the client nothing to see yet)."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    async def write(self, data: bytes, headers: dict[str, str]) -> None:
+        if self.response is None:
+            self.response = web.StreamResponse(status=200, headers=headers)
+            await self.response.prepare(self.request)
+        await self.response.write(data)
+
+
+class Streams:
+    def __init__(self, ctx: FrontContext, failures: Failures) -> None:
+        self.ctx = ctx
+        self.failures = failures
+
+    async def stream(self, request: web.Request, fmt: str, body: dict[str, Any]) -> web.StreamResponse:
+        """Relay the engine's stream; after each break, hold until an engine serves and continue it there."""
+        ctx = self.ctx
+        record = StreamRecord.of(fmt, body)
+        client = _Client(request)
+        resumed = False
+        for _attempt in range(ctx.cfg.max_attempts):
+            refused = await ctx.hold(client.request)
+            if refused is not None:
+                if client.response is None:
+                    return refused
+                return await self._end(client, record, "the engine did not come back within the hold bound")
+            engine = ctx.engines.pick()
+            try:
+                async with self.failures.connection(engine):
+                    if client.response is None:
+                        record.ids_asked = record.why_not is None and not record.wants_ids
+                        sent = upstream_body(body) if record.why_not is None else body
+                        reply = await self._relay(engine, client, sent, record)
+                        if reply is not None:
+                            return reply
+                    elif record.why_not is not None:
+                        return await self._end(client, record, record.why_not)
+                    else:
+                        resumed = True
+                        await self._continue(engine, client, body, record)
+                    ctx.metrics.finished(outcome(request, "resumed" if resumed else "forwarded"))
+                    assert client.response is not None
+                    await client.response.write_eof()
+                    return client.response
+            except EngineBroke as exc:
+                ctx.log.warning("front.stream_broken", path=request.path, sent=record.generated, why=exc.why)
+            except NotResumable as exc:
+                return await self._end(client, record, str(exc))
+        if client.response is None:
+            ctx.metrics.finished("failed_restart")
+            return error_response(503, f"the engine broke this request {ctx.cfg.max_attempts} times", "engine_restart")
+        return await self._end(client, record, f"the engine broke it {ctx.cfg.max_attempts} times")
+
+    async def _batches(self, engine: Engine, answer: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+        """The answer's SSE data, the events of each read together (the client gets them in one write), up to
+        [DONE] (the last of its batch); EngineBroke when the answer ends before it."""
+        splitter = sse.EventSplitter()
+        async for chunk in answer.content.iter_any():
+            batch = []
+            for event in splitter.feed(chunk):
+                data = sse.data_of(event)
+                if data is None:
+                    continue
+                batch.append(data)
+                if data == sse.DONE:
+                    yield batch
+                    return
+            if batch:
+                yield batch
+        raise self.failures.cut_short(engine)
+
+    async def _end(self, client: _Client, record: StreamRecord, why: str) -> web.StreamResponse:
+        """The stream's last words: one error chunk that says why it cannot go on, then [DONE]."""
+        self.ctx.metrics.finished("failed_restart")
+        self.ctx.log.warning("front.stream_failed", path=client.request.path, why=why)
+        await client.write(sse.frame([json.dumps(record.error_chunk(why)).encode()]), _EVENT_STREAM)
+        await client.write(sse.frame([sse.DONE]), _EVENT_STREAM)
+        assert client.response is not None
+        await client.response.write_eof()
+        return client.response
+
+    async def _relay(
+        self, engine: Engine, client: _Client, body: dict[str, Any], record: StreamRecord
+    ) -> web.Response | None:
+        """The first send: the engine's own stream, each chunk kept (record.observe) and passed on.  An answer
+        that is not a stream (a 400 for a bad request) is returned as it is."""
+        request = client.request
+        async with engine.session.post(
+            BASE + request.raw_path, json=body, headers=passed_headers(request.headers)
+        ) as answer:
+            if answer.status != 200 or not answer.content_type.startswith("text/event-stream"):
+                data = await answer.read()
+                await self.failures.answer(engine, answer.status)
+                self.ctx.metrics.finished(outcome(request, "forwarded"))
+                return web.Response(status=answer.status, body=data, headers=passed_headers(answer.headers))
+            headers = passed_headers(answer.headers)
+            # The events that came in one read go out in one write: under load (a slow client, a busy front)
+            # several wait in one read, and one write per event was a send(2) and an HTTP chunk each.
+            async for batch in self._batches(engine, answer):
+                out = await self._kept(engine, client, headers, batch, record)
+                if out:
+                    await client.write(sse.frame(out), headers)
+        return None
+
+    async def _kept(
+        self, engine: Engine, client: _Client, headers: dict[str, str], batch: list[bytes], record: StreamRecord
+    ) -> list[bytes]:
+        """One read's events as the client gets them, each kept for a resume; the events before one that must be
+        parsed go out first, so that what the record holds as sent was sent if that event ends this send."""
+        out: list[bytes] = []
+        for data in batch:
+            if data == sse.DONE:
+                out.append(data)
+                break
+            if record.why_not is not None and not record.ids_asked and b'"error"' not in data:
+                out.append(data)  # sent as it came: nothing to keep
+                continue
+            raw = record.observe_raw(data) if b'"error"' not in data else None
+            if raw is None:
+                if out:
+                    await client.write(sse.frame(out), headers)
+                    out = []
+                chunk = await self.failures.chunk(engine, data)
+                kept = record.observe(chunk) if isinstance(chunk, dict) else chunk
+                raw = data if kept is chunk else json.dumps(kept).encode()
+            out.append(raw)
+        return out
+
+    async def _continue(self, engine: Engine, client: _Client, body: dict[str, Any], record: StreamRecord) -> None:
+        """A resume: the prompt's ids from the render route, then the token-in route from the ids sent."""
+        continuation = await self._continuation(engine, body, record)
+        async with engine.session.post(BASE + GENERATE_PATH, json=continuation) as answer:
+            if answer.status != 200:
+                data = await answer.read()
+                await self.failures.answer(engine, answer.status)
+                raise NotResumable(f"the token-in route answered {answer.status}: {data[:200]!r}")
+            async for batch in self._batches(engine, answer):
+                out: list[bytes] = []
+                for data in batch:
+                    if data == sse.DONE:
+                        out.append(data)
+                        break
+                    if b'"error"' in data and out:  # kept as sent: out before an error chunk can end this send
+                        await client.write(sse.frame(out), _EVENT_STREAM)
+                        out = []
+                    chunk = await self.failures.chunk(engine, data)
+                    if isinstance(chunk, dict) and "error" in chunk:
+                        raise NotResumable(f"the token-in route failed: {data[:200]!r}")
+                    if isinstance(chunk, dict):
+                        out.append(json.dumps(record.translate(chunk)).encode())
+                if out:
+                    await client.write(sse.frame(out), _EVENT_STREAM)
+
+    async def _continuation(self, engine: Engine, body: dict[str, Any], record: StreamRecord) -> dict[str, Any]:
+        """The token-in request that continues the stream, from the render route's answer for the client's body."""
+        async with engine.session.post(BASE + RENDER_PATHS[record.fmt], json=body) as answer:
+            data = await answer.read()
+            if answer.status != 200:
+                await self.failures.answer(engine, answer.status)
+                raise NotResumable(f"the render route answered {answer.status}: {data[:200]!r}")
+            return record.generate_body(parse_json(data, JSON_DEPTH))

@@ -1,0 +1,103 @@
+"""The front's view of its engines (docs/front.md, Metrics and status): a task of the front's loop that probes
+each engine (engine.py) every probe interval, or at once after a request saw one break; the outages it sees
+begin and end (their kind from the engine's records, outages.py); the front's headline and its state file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from typing import Any
+
+from kimi_supervisor import __version__
+from kimi_supervisor.deployment.front import outages
+from kimi_supervisor.deployment.front.context import FrontContext
+from kimi_supervisor.opsview.statefile import StateFile, process_start_time
+
+
+class EngineWatch:
+    def __init__(self, ctx: FrontContext) -> None:
+        self.ctx = ctx
+        ctx.engines.on_change = self._serving_changed  # its one listener: outages begin and end here
+        path = ctx.cfg.state_file
+        self._state = None if path is None else StateFile(path.parent, ctx.log, path.name)
+        pid = os.getpid()
+        self._writer = {"pid": pid, "start_time": process_start_time(pid), "version": __version__, "config": ""}
+        self._started = time.time()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        engines = self.ctx.engines
+        while True:
+            for engine in engines.engines:
+                engines.mark(engine, await engine.probe())
+            self.write_state()
+            engines.probe_now.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(engines.probe_now.wait(), self.ctx.cfg.probe_interval_s)
+
+    def _serving_changed(self, serving: bool) -> None:
+        ctx = self.ctx
+        if serving:
+            self._outage_ended(time.time())
+            ctx.log.info("front.engine_serving", held=ctx.gate.held)
+        else:
+            ctx.metrics.outage_began(time.time())
+            ctx.log.warning("front.engine_unavailable", socket=str(ctx.engines.main.socket))
+
+    def _outage_ended(self, now: float) -> None:
+        """Its kind from the engine's records (outages.py), read once per outage."""
+        metrics = self.ctx.metrics
+        latest = metrics.outages_seen[-1] if metrics.outages_seen else None
+        began = latest.get("began") if latest is not None and latest.get("ended") is None else None
+        if not isinstance(began, (int, float)):  # the first sight of the engine serving: no outage ends
+            metrics.outage_ended(now, None)
+            return
+        kind = outages.outage_kind(began, now, self.ctx.engines.main.records)
+        metrics.outage_ended(now, kind)
+        self.ctx.log.info("front.outage_ended", seconds=round(now - began, 3), **kind)
+
+    def headline(self) -> str:
+        """The front's one line (systemd's STATUS=, its state file's `status`)."""
+        ctx = self.ctx
+        if ctx.engines.serving:
+            return f"serving: engine up, {ctx.cfg.host}:{ctx.cfg.port}"
+        eta = f", ETA ~{ctx.gate.retry_after_s()}s" if ctx.engines.eta_s is not None else ""
+        return f"holding {ctx.gate.held} request(s): engine not serving{eta}"
+
+    def write_state(self, phase: str = "ready", exit_code: int | None = None) -> None:
+        """Its state file for `status` (opsview/statefile.py's schema; the front's numbers under `front`)."""
+        if self._state is None:
+            return
+        ctx = self.ctx
+        now = time.time()
+        doc: dict[str, Any] = {
+            "schema": 1,
+            "supervisor": self._writer,
+            "phase": phase,
+            "status": self.headline() if phase == "ready" else phase,
+            "since": self._started,
+            "started_at": self._started,
+            "updated_at": now,
+            "ended_at": now if phase == "stopped" else None,
+            "exit_code": exit_code,
+            "front": {
+                "engine_serving": ctx.engines.serving,
+                "held": ctx.gate.held,
+                "hold_s": ctx.gate.hold_s,
+                "requests": dict(ctx.metrics.counts),
+                "outages": list(ctx.metrics.outages_seen),
+            },
+        }
+        self._state.write(doc)
