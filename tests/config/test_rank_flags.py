@@ -1,4 +1,5 @@
-"""The rank flags in child.argv, written from [cluster] or checked against it; the group's bounds in the config."""
+"""The rank flags in child.argv, written from [cluster] or checked against it (config/rank_flags.py); the config's side,
+the group's bounds included, is tests/config/test_cluster.py's."""
 
 from __future__ import annotations
 
