@@ -105,7 +105,7 @@ _HOLDER = RoleSpec(
 SPECS: Mapping[Role, RoleSpec] = {
     Role.ENGINE: RoleSpec(node_ranks=None, node_ranks_text="", read_weights=engine_table),
     # Node 0 is the leader by vLLM's --node-rank; the follower's readiness and shutdown defaults follow from its
-    # rank too (config/load.py), since they need its leader's status URL.
+    # rank too (config/cluster.py), since they need its leader's status URL.
     Role.LEADER: RoleSpec(node_ranks=(0, 0), node_ranks_text="0 (the leader)", read_weights=refusing_holder_table),
     Role.FOLLOWER: RoleSpec(
         node_ranks=(1, 1023),
