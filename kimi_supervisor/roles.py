@@ -38,6 +38,21 @@ class Role(enum.Enum):
         deployment on one host; the others keep the names they had before it existed."""
         return {Role.WEIGHTS: ".weights", Role.FRONT: ".front"}.get(self, "")
 
+    def config_name(self, name: str) -> str:
+        """Its config file's name in deployment `name`: the engine's NAME.toml, beside it NAME.weights.toml and
+        NAME.front.toml (each role's unit runs the one of its instance's name)."""
+        return f"{name}{self.file_suffix}.toml"
+
+    @property
+    def state_file_name(self) -> str:
+        """Its live state file's name (config/layout.py: in the deployment's runtime directory)."""
+        return f"state{self.file_suffix}.json"
+
+    @property
+    def history_file_name(self) -> str:
+        """Its run history's name (config/layout.py: in the deployment's state directory)."""
+        return f"history{self.file_suffix}.json"
+
     @property
     def state_subdirectory(self) -> str:
         """Below the deployment's runtime directory, where its state file is: the front's own directory (it

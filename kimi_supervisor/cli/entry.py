@@ -20,7 +20,7 @@ from kimi_supervisor.clock import SystemClock
 from kimi_supervisor.config import layout, timeouts
 from kimi_supervisor.config.load import effective_config, load_config
 from kimi_supervisor.config.model import Config
-from kimi_supervisor.deployment.base import Deployment
+from kimi_supervisor.deployment.base import Deployment, RunContext
 from kimi_supervisor.deployment.choose import for_config
 from kimi_supervisor.exitcodes import ConfigError, DeploymentUnknown, ExitCode, SupervisorError, exit_outcome
 from kimi_supervisor.files import dirtrust
@@ -54,7 +54,8 @@ def _record_refused_start(cfg: Config, err: SupervisorError, probe: GpuProbe) ->
     from kimi_supervisor.cli.prerun import record_failed_start  # only a refused start pays for the view
 
     reason = redact_text(err.message, secret_values(cfg))
-    record_failed_start(cfg, int(err.exit_code), reason, probe, get_logger(), for_config(cfg).lock_suffix)
+    own = for_config(cfg).lock_resources(())  # its own files' locks alone are asked (instance_lock.own_files)
+    record_failed_start(cfg, int(err.exit_code), reason, probe, get_logger(), own)
 
 
 def _unit_stop_check(cfg: Config) -> Check | None:
@@ -142,16 +143,7 @@ def _dry_run(cfg: Config, as_json: bool) -> int:
     probe = NvmlProbe()
     try:
         # Never takes the lock (a real start beside us must not refuse because of a dry run): only reads it.
-        owner = instance_lock.find_owner(
-            cfg.paths.runtime_directory,
-            configured_gpus(probe, cfg.preflight.gpus),
-            role.serving_port,
-            cfg.deployment.name,
-            cfg.metrics.textfile,
-            role.lock_suffix,
-            role.status_port,
-            role.ras_port,
-        )
+        owner = instance_lock.find_owner(role.lock_resources(configured_gpus(probe, cfg.preflight.gpus)))
         # A role without a child (a front) has no preflight: nothing of its own on the GPUs, shm or a model.
         table, clock = PsutilProcessTable(), SystemClock()
         report = (
@@ -209,17 +201,7 @@ def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
             dirtrust.prepare_directories(cfg)
             # Before any preflight action: a second supervisor must change nothing (exit 16).  Without NVML no
             # GPU is locked: the preflight fails on NVML before touching anything, and the port lock still holds.
-            lock = instance_lock.acquire(
-                cfg.paths.runtime_directory,
-                configured_gpus(probe, cfg.preflight.gpus),
-                role.serving_port,
-                str(cfg.path),
-                deployment=cfg.deployment.name,
-                textfile=cfg.metrics.textfile,
-                suffix=role.lock_suffix,
-                status_port=role.status_port,
-                ras_port=role.ras_port,
-            )
+            lock = instance_lock.acquire(role.lock_resources(configured_gpus(probe, cfg.preflight.gpus)), str(cfg.path))
         except SupervisorError as err:  # refused before the run: still failed, where the operator looks
             _record_refused_start(cfg, err, probe)
             raise
@@ -232,24 +214,18 @@ def _run(cfg: Config, sink: ChildSink, probe: GpuProbe) -> int:
 
 
 def _supervise(role: Deployment, sink: ChildSink, probe: GpuProbe) -> int:
-    # Imported here: a refused second instance (exit 16) should not pay for the whole lifecycle.
-    from kimi_supervisor.child.process import become_subreaper
-    from kimi_supervisor.lifecycle.deps import Deps
-    from kimi_supervisor.lifecycle.signals import SignalRecorder
-
+    """What every run has (RunContext); the role's run builds the rest (a supervised child's: the lifecycle's
+    Deps, deployment/supervised.py)."""
     cfg = role.cfg
     log = get_logger()
-    if not become_subreaper():
-        log.warning("subreaper.unavailable", why="orphaned workers will be reparented to PID 1")
-    signals = SignalRecorder()
-    deps = Deps(
-        probe=probe,
-        table=PsutilProcessTable(),
-        notifier=RedactingNotifier(notifier_from_env(log=log), secret_values(cfg)),
+    secrets = secret_values(cfg)
+    ctx = RunContext(
         log=log,
-        sink=sink,
+        notifier=RedactingNotifier(notifier_from_env(log=log), secrets),
         watchdog_s=watchdog_interval(),
-        signals=signals,  # the clock: the reactor's (Deps builds it over these signals)
+        secrets=secrets,
+        probe=probe,
+        sink=sink,
     )
     log.info(
         "supervisor.start",
@@ -257,7 +233,7 @@ def _supervise(role: Deployment, sink: ChildSink, probe: GpuProbe) -> int:
         config=str(cfg.path),
         pid=os.getpid(),
         argv=" ".join(redact_argv(cfg.child.argv)),
-        watchdog_s=deps.watchdog_s,
+        watchdog_s=ctx.watchdog_s,
     )
     stop = _unit_stop_check(cfg)
     if stop is not None and stop.verdict is Verdict.WARN:
@@ -265,7 +241,7 @@ def _supervise(role: Deployment, sink: ChildSink, probe: GpuProbe) -> int:
     in_argv = argv_secret_warning(cfg)
     if in_argv is not None:
         log.warning("config.secret_in_argv", why=in_argv)
-    return role.run(deps, secret_values(cfg))
+    return role.run(ctx)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

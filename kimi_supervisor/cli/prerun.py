@@ -44,9 +44,12 @@ def _trusted(cfg: Config, *directories: tuple[Path, str]) -> bool:
 
 # Why nothing was recorded is logged at debug only: a refused start says one line (its error names the directory,
 # the lock or the running supervisor), never more.
-def record_failed_start(cfg: Config, code: int, reason: str, probe: GpuProbe, log: Logger, lock_suffix: str) -> bool:
+def record_failed_start(
+    cfg: Config, code: int, reason: str, probe: GpuProbe, log: Logger, resources: instance_lock.Resources
+) -> bool:
     """Record a start that failed with `code` (`reason`: its one line, secrets redacted) as this deployment's
-    start and failure; False (and why, logged) where it must not."""
+    start and failure; False (and why, logged) where it must not.  `resources`: its role's locks (of which
+    its own files' alone are taken)."""
     own = layout.of(cfg)
     paths = cfg.paths
     ours = [
@@ -59,9 +62,7 @@ def record_failed_start(cfg: Config, code: int, reason: str, probe: GpuProbe, lo
         log.debug("start.unrecorded", exit_code=code, why="the runtime or state directory failed its check")
         return False
     try:
-        guard = instance_lock.own_files(
-            paths.runtime_directory, cfg.deployment.name, cfg.metrics.textfile, lock_suffix, log
-        )
+        guard = instance_lock.own_files(resources, log)
     except SupervisorError as exc:
         log.debug("start.unrecorded", exit_code=code, why=exc.message)
         return False

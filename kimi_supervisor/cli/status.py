@@ -475,16 +475,14 @@ def _running_under(root: Path, known: set[str], err: TextIO) -> list[DeploymentD
     directories from the config its state file names, else ROOT/NAME and the default state directory."""
     try:
         names = sorted(
-            p.name
-            for p in root.iterdir()
-            if p.name not in known and (p / layout.state_file_name(Role.ENGINE)).is_file()
+            p.name for p in root.iterdir() if p.name not in known and (p / Role.ENGINE.state_file_name).is_file()
         )
     except OSError:
         return []
     out = []
     for name in names:
         try:
-            state = read_state(root / name / layout.state_file_name(Role.ENGINE)) or {}
+            state = read_state(root / name / Role.ENGINE.state_file_name) or {}
         except (OSError, ValueError):
             state = {}
         config = (state.get("supervisor") or {}).get("config")

@@ -42,19 +42,11 @@ class DeploymentDirectories:
 
     @property
     def state_file(self) -> Path:
-        return self.runtime / self.role.state_subdirectory / state_file_name(self.role)
+        return self.runtime / self.role.state_subdirectory / self.role.state_file_name
 
     @property
     def history_file(self) -> Path:
-        return self.state / history_file_name(self.role)
-
-
-def state_file_name(role: Role) -> str:
-    return f"state{role.file_suffix}.json"
-
-
-def history_file_name(role: Role) -> str:
-    return f"history{role.file_suffix}.json"
+        return self.state / self.role.history_file_name
 
 
 def unit_name(name: str, role: Role = Role.ENGINE) -> str:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
-import ipaddress
 import os
 import re
 import sys
@@ -20,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from kimi_supervisor.config import role_spec
+from kimi_supervisor.config.cluster import GroupNode, apply_cluster, parse_cluster
 from kimi_supervisor.config.file import read_config_bytes
 from kimi_supervisor.config.front import FrontConfig, parse_front
 from kimi_supervisor.config.gpu_pinning import PinningError, pinned_env, ras_env
 from kimi_supervisor.config.model import (
     GPU_HEALTH_POLICIES,
     ChildConfig,
-    ClusterConfig,
     Config,
     DeploymentConfig,
     FatalRule,
@@ -43,13 +41,11 @@ from kimi_supervisor.config.model import (
     ShutdownConfig,
     WeightsConfig,
 )
-from kimi_supervisor.config.rank_flags import RankFlagError, group_argv, strip_rank_flags
 from kimi_supervisor.config.table import MISSING, Table, describe, short_repr
 from kimi_supervisor.config.vllm_args import VllmArgs, parse_vllm_args
 from kimi_supervisor.config.vllm_yaml import expand
 from kimi_supervisor.config.weights import WeightsArgError, socket_dir
 from kimi_supervisor.exitcodes import ConfigError
-from kimi_supervisor.redact import redact_argv
 from kimi_supervisor.roles import ROLE_NAMES, Role
 
 if sys.version_info >= (3, 11):
@@ -384,17 +380,6 @@ def _parse_gpu_health(t: Table) -> GpuHealthConfig:
 # A deployment's name goes into file names, unit instance names and a metrics label: no path separators,
 # nothing a shell or systemd's specifier syntax would read, bounded.
 _DEPLOYMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_STATUS_URL = re.compile(r"^http://[^/\s]+(/\S*)?$")
-# The group's bounds (docs/multi-node.md): a follower lost ends the leader's run within PEER_LOST_WITHIN_S, a
-# leader lost has each follower's tree gone within LEADER_LOST_KILL_WITHIN_S, of which detection may take
-# DETECT_WITHIN_S (the rest is the SIGKILL and the reap).
-PEER_LOST_WITHIN_S = 30.0
-LEADER_LOST_KILL_WITHIN_S = 10.0
-DETECT_WITHIN_S = 8.0
-LEADER_CANARY_INTERVAL_S = 15.0
-_HOSTNAME = re.compile(
-    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
-)
 
 
 def _parse_deployment(t: Table, path: Path) -> DeploymentConfig:
@@ -420,141 +405,6 @@ def _parse_deployment(t: Table, path: Path) -> DeploymentConfig:
     return DeploymentConfig(name=name, role=Role(role))
 
 
-def _parse_cluster(t: Table, present: bool, role: Role, child: ChildConfig) -> ClusterConfig | None:
-    """[cluster] exactly when the role is a group node; its rank agrees with the role (config/role_spec.py)."""
-    ranks = role_spec.of(role).node_ranks
-    if not present:
-        if ranks is not None:
-            raise t.error(
-                "nnodes", f"deployment.role = {role.value!r} needs a [cluster] table (nnodes, node_rank, master_addr)"
-            )
-        return None
-    if ranks is None:
-        raise t.error(
-            "nnodes",
-            f"[cluster] is for a multi-node group, but deployment.role is {role.value!r}: "
-            'set role = "leader" (node_rank 0) or "follower", or remove [cluster]',
-        )
-    nnodes = t.integer("nnodes", MISSING, minimum=2, maximum=1024)  # type: ignore[arg-type]
-    node_rank = t.integer("node_rank", MISSING, minimum=0, maximum=1023)  # type: ignore[arg-type]
-    if node_rank >= nnodes:
-        raise t.error("node_rank", f"expected 0 <= node_rank < nnodes ({nnodes}), got {node_rank}")
-    if not ranks[0] <= node_rank <= ranks[1]:
-        want = role_spec.of(role).node_ranks_text
-        raise t.error("node_rank", f"deployment.role is {role.value!r}, so node_rank must be {want}, got {node_rank}")
-    addr = t.string("master_addr", MISSING) or ""
-    try:
-        ipaddress.ip_address(addr)
-    except ValueError:
-        if not _HOSTNAME.match(addr):
-            raise t.error(
-                "master_addr", f"expected the leader's IP address or host name, got {short_repr(addr)}"
-            ) from None
-    status_port = t.integer("status_port", 29599, minimum=1, maximum=65535)
-    # The status endpoint listens on this node's cluster address (its VLLM_HOST_IP) unless told otherwise.
-    status_address = t.string("status_address", child.env.get("VLLM_HOST_IP", "127.0.0.1")) or ""
-    try:
-        ipaddress.ip_address(status_address)
-    except ValueError:
-        raise t.error(
-            "status_address", f"expected an IP address of this node, got {short_repr(status_address)}"
-        ) from None
-    # Node 0 is the group's leader (vLLM's --node-rank), and the role agrees with the rank (checked above).
-    leader = node_rank == 0
-    host = f"[{addr}]" if ":" in addr else addr
-    leader_url = t.string("leader_status_url", "" if leader else f"http://{host}:{status_port}/") or ""
-    if leader and leader_url:
-        raise t.error("leader_status_url", "is for a follower (it names its leader's status endpoint); remove it")
-    if leader_url and not _STATUS_URL.match(leader_url):
-        raise t.error("leader_status_url", f"expected an http:// URL, got {short_repr(leader_url)}")
-    peers = t.strings("peers", MISSING if leader else [])
-    if not leader and peers:
-        raise t.error("peers", "is for the leader (each follower's status URL); a follower watches only its leader")
-    if leader:
-        if len(peers) != nnodes - 1 or len(set(peers)) != len(peers):
-            raise t.error(
-                "peers", f"expected {nnodes - 1} distinct follower status URLs (nnodes - 1), got {len(peers)}"
-            )
-        for i, url in enumerate(peers):
-            if not _STATUS_URL.match(url):
-                raise t.error(f"peers[{i}]", f"expected an http:// URL, got {short_repr(url)}")
-    cfg = ClusterConfig(
-        nnodes=nnodes,
-        node_rank=node_rank,
-        master_addr=addr,
-        master_port=t.integer("master_port", 29501, minimum=1, maximum=65535),
-        status_address=status_address,
-        status_port=status_port,
-        leader_status_url=leader_url,
-        peers=peers,
-        probe_interval_s=t.number("probe_interval_s", 1.0, maximum=60),
-        probe_timeout_s=t.number("probe_timeout_s", 1.0, maximum=60),
-        failures_tolerated=t.integer("failures_tolerated", 3, minimum=1, maximum=100),
-        leader_wait_s=t.number("leader_wait_s", 3600.0, maximum=7 * 86400),
-        execute_model_timeout_s=t.integer(
-            "execute_model_timeout_s", 20, minimum=1, maximum=int(PEER_LOST_WITHIN_S) - 1
-        ),
-    )
-    if cfg.detect_within_s > DETECT_WITHIN_S:
-        raise t.error(
-            "failures_tolerated",
-            f"failures_tolerated x (probe_interval_s + probe_timeout_s) = {cfg.detect_within_s:g}s, expected at most "
-            f"{DETECT_WITHIN_S:g}s (a lost leader's tree must be gone within {LEADER_LOST_KILL_WITHIN_S:g}s)",
-        )
-    t.done()
-    return cfg
-
-
-# A follower's own last line before the group forms (research 1.4): the worker's KV-cache line, logged only
-# after the rendezvous.  vllm/v1/worker/cpu_worker.py; gpu_worker.py (info_once, local rank 0 of each node).
-FOLLOWER_STARTED_PATTERNS = (r"\) GiB for KV cache on node \d+\.", r"Available KV cache memory: ")
-FOLLOWER_GRACE_S = 2.0
-
-
-def _follower_defaults(
-    data: Mapping[str, Any], readiness: ReadinessConfig, shutdown: ShutdownConfig, cluster: ClusterConfig
-) -> tuple[ReadinessConfig, ShutdownConfig]:
-    """A follower has no API: it is ready on its own KV-cache line plus its leader's status, not on /health."""
-    given_r, given_s = data.get("readiness", {}), data.get("shutdown", {})
-    if "started_patterns" not in given_r:
-        readiness = dataclasses.replace(
-            readiness, started_patterns=tuple(re.compile(p) for p in FOLLOWER_STARTED_PATTERNS)
-        )
-    readiness = dataclasses.replace(readiness, health_url=cluster.leader_status_url)
-    if "grace_s" not in given_s:
-        # Its workers ignore SIGTERM while blocked on the leader's queue (vLLM's own stop takes 12 s and ends
-        # in SIGKILL, research F5), and it serves no request of its own: a lost leader's tree goes in seconds.
-        shutdown = dataclasses.replace(shutdown, grace_s=FOLLOWER_GRACE_S)
-    return readiness, shutdown
-
-
-def _apply_cluster(
-    cfg: ClusterConfig, child: ChildConfig, liveness: LivenessConfig, preflight: PreflightConfig, path: Path
-) -> tuple[ClusterConfig, ChildConfig]:
-    """The rank flags written into (or checked in) child.argv, vLLM's execute-model bound in its env."""
-    try:
-        group = group_argv(child.argv, cfg, headless=cfg.node_rank > 0)
-    except RankFlagError as exc:
-        raise ConfigError(f"{path}: child.argv: {exc.flag}: {exc}") from None
-    if preflight.gpus and len(preflight.gpus) < group.local_world_size:
-        raise ConfigError(
-            f"{path}: preflight.gpus: {len(preflight.gpus)} GPUs, but this node's share of the group needs "
-            f"{group.local_world_size} (world size {group.world_size} / nnodes {cfg.nnodes})"
-        )
-    if cfg.node_rank == 0 and liveness.canary_interval_s == 0:
-        raise ConfigError(
-            f"{path}: liveness.canary_interval_s: 0 (off), but a leader needs its canary: /health stays 200 with a "
-            "dead or wedged follower until a request hangs (docs/multi-node.md)"
-        )
-    env = dict(child.env)
-    env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(cfg.execute_model_timeout_s))
-    # Published on the status endpoint: over the redacted argv, so no guess at a secret (`--api-key X`) can be
-    # checked against it offline; every node redacts alike, so the digests still agree.
-    digest = hashlib.sha256("\0".join(redact_argv(strip_rank_flags(group.argv))).encode()).hexdigest()
-    cfg = dataclasses.replace(cfg, local_world_size=group.local_world_size, argv_digest=digest)
-    return cfg, dataclasses.replace(child, argv=group.argv, env=env)
-
-
 def _own_devices(child: ChildConfig, preflight: PreflightConfig, role: Role, path: Path) -> ChildConfig:
     """The child's GPUs pinned to preflight.gpus and its own NCCL RAS endpoint (config/gpu_pinning.py)."""
     try:
@@ -566,7 +416,7 @@ def _own_devices(child: ChildConfig, preflight: PreflightConfig, role: Role, pat
 
 
 def _check_world_size(child: ChildConfig, preflight: PreflightConfig, path: Path) -> None:
-    """One node's vLLM takes TP x PP x DP GPUs (a group node's share is checked by _apply_cluster)."""
+    """One node's vLLM takes TP x PP x DP GPUs (a group node's share is checked by config/cluster.py)."""
     vllm = child.vllm
     if preflight.gpus and len(preflight.gpus) < vllm.world_size:
         raise ConfigError(
@@ -601,8 +451,13 @@ def _role_defaults(
     return readiness, liveness
 
 
-# A role without a child (config/role_spec.py has_child): a front (docs/front.md).  Its run never spawns it;
-# the values only keep Config's shape, and every reader of child.argv meets an empty one.
+# The child of a role without one (config/role_spec.py has_child): a front (docs/front.md), whose run never reads
+# it.  Kept, not `Config.child: ChildConfig | None`, because code that runs for every config before or without
+# asking the role reads cfg.child: cli/entry.py (the secret values it scrubs from every event, the child.argv
+# secret warning, check-config's effective config, the dry run's environment report, the supervisor.start
+# event's argv) and this parse's own steps after this one (_parse_weights, _parse_preflight's reap users,
+# _own_devices, the readiness and liveness URLs from child.vllm, parse_cluster): a None there would be a check in
+# each.  Every such reader meets an empty argv, environment and credentials, so a front's config says nothing.
 NO_CHILD = ChildConfig((), {}, False, None, None, vllm=parse_vllm_args(["none"]))
 
 
@@ -610,6 +465,18 @@ def _no_child(root: Table, role: Role) -> ChildConfig:
     if root.has("child"):
         raise root.error("child", f"deployment.role = {role.value!r} runs no child (docs/front.md): remove [child]")
     return NO_CHILD
+
+
+def _refuse_tables(root: Table, data: Mapping[str, Any], role: Role) -> None:
+    """A table its role's config does not have (config/role_spec.py tables), e.g. a front's [readiness]: refused
+    rather than read and ignored."""
+    allowed = role_spec.of(role).tables
+    for name in data:
+        if name in role_spec.TABLES and name not in allowed:
+            have = ", ".join(f"[{t}]" for t in sorted(allowed))
+            raise root.error(
+                name, f"deployment.role = {role.value!r} does not read [{name}] (its config has {have}): remove it"
+            )
 
 
 def _parse_front(root: Table, reads: bool, deployment: DeploymentConfig, paths: PathsConfig) -> FrontConfig | None:
@@ -639,6 +506,7 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
         )
     paths = _parse_paths(root.table("paths"), path)
     front = _parse_front(root, spec.reads_front, deployment, paths)
+    _refuse_tables(root, data, deployment.role)
     # Before readiness and liveness: a holder's /health is on the port its argv gets here.
     weights, child = _parse_weights(root.table("weights"), "weights" in data, deployment, child, paths, path)
     preflight = _parse_preflight(root.table("preflight"), child.user)
@@ -652,16 +520,13 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     liveness = _parse_liveness(root.table("liveness"), child.vllm)
     gpu_health = _parse_gpu_health(root.table("gpu_health"))
     readiness, liveness = _role_defaults(data, deployment.role, readiness, liveness)
-    cluster = _parse_cluster(root.table("cluster"), "cluster" in data, deployment.role, child)
+    cluster = parse_cluster(root.table("cluster"), "cluster" in data, deployment.role, child)
     readahead = _parse_readahead(root.table("readahead"))
     if cluster is not None:
-        if cluster.node_rank == 0 and "canary_interval_s" not in data.get("liveness", {}):
-            # A group's idle canary is what sees a wedged follower; 60 s (one node's default) is past the bound.
-            liveness = dataclasses.replace(liveness, canary_interval_s=LEADER_CANARY_INTERVAL_S)
-        cluster, child = _apply_cluster(cluster, child, liveness, preflight, path)
-        if cluster.node_rank > 0:
-            readiness, shutdown = _follower_defaults(data, readiness, shutdown, cluster)
-    if cluster is None:
+        node = apply_cluster(GroupNode(cluster, child, readiness, liveness, shutdown), data, preflight, path)
+        cluster, child, readiness = node.cluster, node.child, node.readiness
+        liveness, shutdown = node.liveness, node.shutdown
+    else:
         _check_world_size(child, preflight, path)
     root.done()
     child = dataclasses.replace(child, cache_directory=paths.cache_directory)

@@ -27,6 +27,26 @@ from kimi_supervisor.config.weights_table import (
 )
 from kimi_supervisor.roles import Role
 
+# The top-level tables of a config (config/load.py reads each): those every role's config may have, and those of
+# a supervised child (its spawn, its checks, its stop, its textfile, its group and its weights).
+SHARED_TABLES = frozenset({"deployment", "paths"})
+CHILD_TABLES = frozenset(
+    {
+        "child",
+        "preflight",
+        "readiness",
+        "health",
+        "shutdown",
+        "metrics",
+        "liveness",
+        "gpu_health",
+        "cluster",
+        "readahead",
+        "weights",
+    }
+)
+TABLES = SHARED_TABLES | CHILD_TABLES | {"front"}
+
 
 @dataclasses.dataclass(frozen=True)
 class RoleSpec:
@@ -57,6 +77,11 @@ class RoleSpec:
     reads_front: bool = False
     # Its systemd template, `TEMPLATE@NAME` (config/layout.py); None: the engine's own units.
     unit_template: str | None = None
+    # The top-level tables its config may have; another of TABLES is refused, naming it (config/load.py), where
+    # it would otherwise be read and mean nothing.  [child], [front] and [cluster] have rules of their own above
+    # (has_child, reads_front, node_ranks), which refuse them first in their own words: a supervised role's row
+    # lists [cluster] for node_ranks to judge.
+    tables: frozenset[str] = SHARED_TABLES | CHILD_TABLES
 
 
 # The holder has no OpenAI API: no canary, no token progress to watch; ready on vLLM's READY line and /health.
@@ -80,7 +105,7 @@ _HOLDER = RoleSpec(
 SPECS: Mapping[Role, RoleSpec] = {
     Role.ENGINE: RoleSpec(node_ranks=None, node_ranks_text="", read_weights=engine_table),
     # Node 0 is the leader by vLLM's --node-rank; the follower's readiness and shutdown defaults follow from its
-    # rank too (config/load.py), since they need its leader's status URL.
+    # rank too (config/cluster.py), since they need its leader's status URL.
     Role.LEADER: RoleSpec(node_ranks=(0, 0), node_ranks_text="0 (the leader)", read_weights=refusing_holder_table),
     Role.FOLLOWER: RoleSpec(
         node_ranks=(1, 1023),
@@ -97,6 +122,9 @@ SPECS: Mapping[Role, RoleSpec] = {
         has_child=False,
         reads_front=True,
         unit_template="kimi-supervisor-front",
+        # No child: its checks, stop, textfile (its own metrics are at /front/metrics), group and weights are its
+        # engine's config's (docs/front.md).
+        tables=SHARED_TABLES | {"front"},
     ),
 }
 

@@ -1,31 +1,50 @@
-"""What every role answers: the lifecycle's part (lifecycle.deps.RolePart) and cli's (locks, dry run, units).
-
-The defaults are a plain engine's: one host, `vllm serve`, the API on its port.
+"""What every deployment answers, a front's as much as a supervised child's: its instance locks, its units, its
+dry run and its run (cli/entry.py asks it).  What a supervised child adds, the lifecycle's part
+(lifecycle.deps.RolePart), is supervised.py's; a front (front/role.py) is a peer of it, not a kind of engine.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 from kimi_supervisor.checks import Check
-from kimi_supervisor.child.engine_socket import prepare_engine_socket
-from kimi_supervisor.child.process import PreparedSpawn
-from kimi_supervisor.config import layout, role_spec
-from kimi_supervisor.config.gpu_pinning import ras_port
+from kimi_supervisor.config import role_spec
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import ExitCode
-from kimi_supervisor.lifecycle.deps import Deps, RolePart
+from kimi_supervisor.host import instance_lock
+from kimi_supervisor.host.gpu import GpuProbe
+from kimi_supervisor.logs.journal import ChildSink
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.systemd import unit
+from kimi_supervisor.systemd.notify import Notifier
 
 
-class Deployment(RolePart):
-    # Added to the names of its instance locks (host/instance_lock.py): "" takes the deployment's own.
-    lock_suffix = ""
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+    """What every run has, built by cli before it: the log, systemd's notifier (secrets redacted) and watchdog
+    interval, the secret values to scrub, and what cli opened for the instance lock (the GPU probe, which it
+    closes after the run, and the journal sink of the child's output)."""
 
+    log: Logger
+    notifier: Notifier
+    watchdog_s: float | None
+    secrets: tuple[str, ...]
+    probe: GpuProbe
+    sink: ChildSink
+
+
+class Deployment(abc.ABC):
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+
+    @property
+    def lock_suffix(self) -> str:
+        """Added to the names of its instance locks (host/instance_lock.py): its role's file suffix (roles.py), ""
+        for the deployment's own."""
+        return self.cfg.role.file_suffix
 
     @property
     def status_port(self) -> int | None:
@@ -38,32 +57,34 @@ class Deployment(RolePart):
         return role_spec.of(self.cfg.role).has_child
 
     @property
+    @abc.abstractmethod
     def serving_port(self) -> int | None:
-        """The TCP port it serves on, locked host-wide; None: vLLM on its --uds socket, whose front owns the public
-        port (docs/front.md)."""
-        vllm = self.cfg.child.vllm
-        return None if vllm.uds is not None else vllm.port
+        """The TCP port it serves on, locked host-wide; None: none of its own."""
 
     @property
+    @abc.abstractmethod
     def ras_port(self) -> int | None:
-        """Its child's NCCL RAS port (config/gpu_pinning.py): host-wide like its serving port, locked with the
-        rest.  None: the config gives the child none (a deployment without GPUs)."""
-        return ras_port(self.cfg.child.env)
+        """A child's NCCL RAS port (config/gpu_pinning.py), host-wide like its serving port; None: no NCCL here."""
 
-    def prepare_child(self, cfg: Config, prepared: PreparedSpawn | None, log: Logger) -> None:
-        """An engine on vLLM's --uds socket (behind its front, docs/front.md): its directory, no dead socket."""
-        if cfg.child.vllm.uds is not None:
-            identity = prepared.identity if prepared is not None else None
-            prepare_engine_socket(Path(cfg.child.vllm.uds), layout.of(cfg).runtime, identity, log)
+    def lock_resources(self, gpus: Sequence[int]) -> instance_lock.Resources:
+        """What its start locks (and its dry run looks at) on the host: `gpus`, those of its config NVML found."""
+        cfg = self.cfg
+        return instance_lock.Resources(
+            cfg.paths.runtime_directory,
+            tuple(gpus),
+            self.serving_port,
+            cfg.deployment.name,
+            cfg.metrics.textfile,
+            self.lock_suffix,
+            self.status_port,
+            self.ras_port,
+        )
 
-    def run(self, deps: Deps, secrets: tuple[str, ...]) -> ExitCode:
-        """Supervise until a stop request (0) or a failure (its SupervisorError)."""
-        # Imported here: a refused second instance (exit 16) should not pay for the whole lifecycle.
-        from kimi_supervisor.lifecycle.supervisor import Supervisor
+    @abc.abstractmethod
+    def run(self, ctx: RunContext) -> ExitCode:
+        """Run until a stop request (0) or a failure (its SupervisorError); its locks are held."""
 
-        return Supervisor(self.cfg, dataclasses.replace(deps, role=self), secrets).run()
-
-    def dry_run(self, checks: list[Check], gpu_count: int) -> None:
+    def dry_run(self, checks: list[Check], gpu_count: int) -> None:  # noqa: B027 - a hook a plain engine leaves empty
         """Add what the dry run shows of this role to its report's checks."""
 
     def install_own_unit(self, config: Path, unit_dir: Path, reload: bool) -> Path | None:

@@ -10,7 +10,7 @@ from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.config import timeouts
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.config.model import Config
-from kimi_supervisor.deployment.base import Deployment
+from kimi_supervisor.deployment.supervised import SupervisedDeployment
 from kimi_supervisor.deployment.weights import cuda_ipc_check
 from kimi_supervisor.exitcodes import ConfigError, SupervisorError
 from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable, gpu_processes
@@ -22,7 +22,7 @@ from kimi_supervisor.roles import Role
 from kimi_supervisor.systemd import unit
 
 
-class Engine(Deployment):
+class Engine(SupervisedDeployment):
     """One host's engine, its own weights loaded by vLLM."""
 
 
@@ -30,7 +30,7 @@ class HeldWeightsEngine(Engine):
     """An engine that maps the weights its deployment's weight holder keeps (`--load-format ipc_cache`)."""
 
     def before_preflight(self, run: Run) -> None:
-        from kimi_supervisor.lifecycle.supervisor import EXTEND_MARGIN_S, usec  # a run's (see base.run)
+        from kimi_supervisor.lifecycle.supervisor import EXTEND_MARGIN_S, usec  # a run's (see supervised.py)
 
         weights = run.cfg.weights
         assert weights is not None
@@ -41,7 +41,7 @@ class HeldWeightsEngine(Engine):
 
     def own_memory(self, cfg: Config, table: ProcessTable, probe: GpuProbe, gpus: tuple[int, ...]) -> dict[int, int]:
         # The weight holder outlives its engine by design: what it holds is not the engine's to wait for.
-        from kimi_supervisor.preflight.run import holder_memory  # a run's (see base.run)
+        from kimi_supervisor.preflight.run import holder_memory  # a run's (see supervised.py)
 
         try:
             return holder_memory(cfg, table, gpu_processes(probe, gpus))[1]
@@ -80,7 +80,7 @@ class HeldWeightsEngine(Engine):
             raise ConfigError(
                 f"{config}: weights.holder: true needs the unit pair: install-unit --instance {cfg.deployment.name}"
             )
-        holder_config = config.parent / f"{instance}.weights.toml"
+        holder_config = config.parent / Role.WEIGHTS.config_name(instance)
         holder = load_config(holder_config)
         if holder.role is not Role.WEIGHTS or holder.deployment.name != instance:
             raise ConfigError(

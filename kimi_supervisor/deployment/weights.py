@@ -11,15 +11,15 @@ from kimi_supervisor.child.process import PreparedSpawn
 from kimi_supervisor.child.socketdir import prepare_socket_dir
 from kimi_supervisor.child.spawnplan import Unresolvable, account, resolve_identity
 from kimi_supervisor.config.model import Config
-from kimi_supervisor.deployment.base import Deployment
+from kimi_supervisor.deployment.supervised import SupervisedDeployment
 from kimi_supervisor.exitcodes import ConfigError, SupervisorError
-from kimi_supervisor.host import checkpoint, instance_lock
+from kimi_supervisor.host import checkpoint
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.systemd import unit
 
 
-class WeightHolder(Deployment):
-    lock_suffix = instance_lock.WEIGHTS_SUFFIX  # its engine's GPUs under its own lock names
+class WeightHolder(SupervisedDeployment):
+    # Its engine's GPUs under its own lock names: its role's file suffix (base.py lock_suffix).
     drains = False  # it serves no requests (and has no /metrics)
 
     def prepare_child(self, cfg: Config, prepared: PreparedSpawn | None, log: Logger) -> None:

@@ -8,7 +8,7 @@ instead of reaping the serving tree's workers as stale.
 Per GPU, not per host: one file per NVML index (`gpu-<index>.lock`), plus one
 for the serving port (`port-<port>.lock`, which is all a CPU deployment with
 `preflight.gpus = []` locks; its child's NCCL RAS port takes a file of the same kind), one for the
-deployment's name and one for its metrics textfile (the files named after them are its own: `resources`).
+deployment's name and one for its metrics textfile (the files named after them are its own: `Resources`).
 All in one host-wide directory, since GPUs and ports are
 host-wide, whatever deployment's own files sit below it.  Two deployments on disjoint GPUs and ports run
 side by side; any overlap refuses.  flock is released by the kernel when the
@@ -53,12 +53,12 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 from kimi_supervisor.exitcodes import AnotherInstance, RuntimeDirectoryError
 from kimi_supervisor.host.procident import ProcIdent, identify, same_process
 from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.roles import Role
 from kimi_supervisor.untrusted_json import parse_json
 
 LOCKS = "/proc/locks"
@@ -130,46 +130,57 @@ def is_root_supervisor(pid: int, proc_root: str = "/proc") -> bool:
     return locker(pid, proc_root).is_root_supervisor
 
 
-WEIGHTS_SUFFIX = ".weights"  # the weight holder's locks, beside its engine's
+# The weight holder's locks, beside its engine's: its role's file suffix (roles.py), the one definition.
+_HOLDER = Role.WEIGHTS.file_suffix
 
 
 def partner_suffix(suffix: str) -> str:
     """The suffix of the one other supervisor that may share these GPUs: the engine's holder, or the holder's
     engine."""
-    return "" if suffix == WEIGHTS_SUFFIX else WEIGHTS_SUFFIX
+    return "" if suffix == _HOLDER else _HOLDER
 
 
-def resources(
-    gpus: Sequence[int],
-    port: int | None,
-    deployment: str | None = None,
-    textfile: Path | None = None,
-    suffix: str = "",
-    status_port: int | None = None,
-    ras_port: int | None = None,
-) -> list[Resource]:
-    """What one supervisor owns on the host: its GPUs and port, and (docs/configuration.md) its deployment's name, which
-    names its state file and history (config/layout.py), and its metrics textfile, which node_exporter reads
-    whoever writes it.  A second deployment of the same name, or one writing the same textfile, would share
-    those files: it is refused like one on the same GPU."""
-    what = " (weight holder)" if suffix == WEIGHTS_SUFFIX else ""
-    found = [Resource(f"GPU {i}{what}", f"gpu-{i}{suffix}.lock") for i in sorted(set(gpus))]
-    if port is not None:  # None: an engine on vLLM's --uds socket binds no TCP port (its front does, docs/front.md)
-        found.append(Resource(f"port {port}", f"port-{port}.lock"))
-    if deployment is not None:
-        found.append(Resource(f"deployment {deployment}{what}", f"deployment-{deployment}{suffix}.lock"))
-    if textfile is not None:
-        digest = hashlib.sha256(os.fsencode(os.path.abspath(textfile))).hexdigest()[:16]
-        found.append(Resource(f"metrics textfile {textfile}", f"textfile-{digest}.lock"))
-    if status_port is not None:
-        # A group node's status endpoint (docs/multi-node.md): two group deployments on one host with the default
-        # cluster.status_port refuse here (16), before either binds it.
-        found.append(Resource(f"status port {status_port}", f"status-port-{status_port}.lock"))
-    if ras_port is not None:
-        # NCCL's RAS endpoint (config/gpu_pinning.py) is a host-wide TCP port like the serving port: the same
-        # file, so it collides with another supervisor's serving port as well as with its RAS port.
-        found.append(Resource(f"port {ras_port}", f"port-{ras_port}.lock"))
-    return found
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """What one supervisor owns on the host, as its role names it (deployment/base.py `lock_resources`): the start
+    takes these locks (`acquire`), the dry run only looks at them (`find_owner`).
+
+    Its GPUs and port, and (docs/configuration.md) its deployment's name, which names its state file and history
+    (config/layout.py), and its metrics textfile, which node_exporter reads whoever writes it.  A second
+    deployment of the same name, or one writing the same textfile, would share those files: it is refused like
+    one on the same GPU.  `suffix`: its role's file suffix (roles.py), e.g. the weight holder's, which shares its
+    own deployment's engine's GPUs under names of its own."""
+
+    directory: Path  # paths.runtime_directory: host-wide, every deployment's locks
+    gpus: tuple[int, ...]
+    port: int | None  # None: an engine on vLLM's --uds socket binds no TCP port (its front does, docs/front.md)
+    deployment: str | None = None
+    textfile: Path | None = None
+    suffix: str = ""
+    # A group node's status endpoint (docs/multi-node.md): two group deployments on one host with the default
+    # cluster.status_port refuse here (16), before either binds it.
+    status_port: int | None = None
+    # NCCL's RAS endpoint (config/gpu_pinning.py) is a host-wide TCP port like the serving port: the same file,
+    # so it collides with another supervisor's serving port as well as with its RAS port.
+    ras_port: int | None = None
+
+    def locks(self) -> list[Resource]:
+        """One lock file per resource, in the order they are taken."""
+        what = " (weight holder)" if self.suffix == _HOLDER else ""
+        suffix = self.suffix
+        found = [Resource(f"GPU {i}{what}", f"gpu-{i}{suffix}.lock") for i in sorted(set(self.gpus))]
+        if self.port is not None:
+            found.append(Resource(f"port {self.port}", f"port-{self.port}.lock"))
+        if self.deployment is not None:
+            found.append(Resource(f"deployment {self.deployment}{what}", f"deployment-{self.deployment}{suffix}.lock"))
+        if self.textfile is not None:
+            digest = hashlib.sha256(os.fsencode(os.path.abspath(self.textfile))).hexdigest()[:16]
+            found.append(Resource(f"metrics textfile {self.textfile}", f"textfile-{digest}.lock"))
+        if self.status_port is not None:
+            found.append(Resource(f"status port {self.status_port}", f"status-port-{self.status_port}.lock"))
+        if self.ras_port is not None:
+            found.append(Resource(f"port {self.ras_port}", f"port-{self.ras_port}.lock"))
+        return found
 
 
 def unit_of(pid: int, proc_root: str = "/proc") -> str | None:
@@ -221,7 +232,7 @@ def lock_owners(directory: Path) -> set[int]:
 
 def weights_supervisor(directory: Path, deployment: str) -> int | None:
     """The live root kimi-supervisor of `deployment`'s weight holder (it holds `deployment-NAME.weights.lock`)."""
-    resource = resources((), 0, deployment, None, WEIGHTS_SUFFIX)[-1]
+    [resource] = Resources(directory, (), None, deployment, suffix=_HOLDER).locks()
     supervisors = _supervisors_holding(directory, resource)
     return min(supervisors) if supervisors else None
 
@@ -263,34 +274,26 @@ def _supervisors_holding(directory: Path, resource: Resource) -> set[int]:
     return {pid for pid in lockers if is_root_supervisor(pid)}
 
 
-def foreign_partner(directory: Path, gpus: Sequence[int], deployment: str | None, suffix: str) -> Owner | None:
-    """A supervisor holding one of these GPUs under the partner suffix that is not of `deployment`: the one
+def foreign_partner(resources: Resources) -> Owner | None:
+    """A supervisor holding one of these GPUs under the partner suffix that is not of this deployment: the one
     sharing that docs/weight-holder.md allows is a holder and an engine of the same deployment."""
-    for resource in resources(gpus, 0, None, None, partner_suffix(suffix))[:-1]:  # the GPUs, not the port
-        supervisors = _supervisors_holding(directory, resource)
+    partner = Resources(resources.directory, resources.gpus, None, suffix=partner_suffix(resources.suffix))
+    for resource in partner.locks():  # the GPUs alone
+        supervisors = _supervisors_holding(resources.directory, resource)
         if supervisors:
-            owner = _owner(directory, resource, supervisors)
-            if deployment is None or owner.deployment != deployment:
+            owner = _owner(resources.directory, resource, supervisors)
+            if resources.deployment is None or owner.deployment != resources.deployment:
                 return owner
     return None
 
 
-def find_owner(
-    directory: Path,
-    gpus: Sequence[int],
-    port: int | None,
-    deployment: str | None = None,
-    textfile: Path | None = None,
-    suffix: str = "",
-    status_port: int | None = None,
-    ras_port: int | None = None,
-) -> Owner | None:
+def find_owner(resources: Resources) -> Owner | None:
     """Which root kimi-supervisor holds any of these resources now, without taking a lock (the dry run)."""
-    for resource in resources(gpus, port, deployment, textfile, suffix, status_port, ras_port):
-        supervisors = _supervisors_holding(directory, resource)
+    for resource in resources.locks():
+        supervisors = _supervisors_holding(resources.directory, resource)
         if supervisors:
-            return _owner(directory, resource, supervisors)
-    return foreign_partner(directory, gpus, deployment, suffix)
+            return _owner(resources.directory, resource, supervisors)
+    return foreign_partner(resources)
 
 
 def refusal(owner: Owner, directory: Path) -> str:
@@ -447,16 +450,13 @@ def _take(directory: Path, resource: Resource, log: Logger | None) -> int:
         os.close(guard)
 
 
-def own_files(
-    directory: Path, deployment: str, textfile: Path | None, suffix: str = "", log: Logger | None = None
-) -> InstanceLock | None:
+def own_files(resources: Resources, log: Logger | None = None) -> InstanceLock | None:
     """The locks of a deployment's own files alone (its name's, which guards its state file and history, and its
     textfile's), or None when a root kimi-supervisor holds one: then those files are that running supervisor's.
     For a start refused before its run: it records its failure only where it clobbers no live one."""
+    directory = resources.directory
     _ensure_directory(directory)
-    own = [
-        r for r in resources((), 0, deployment, textfile, suffix) if r.filename.startswith(("deployment-", "textfile-"))
-    ]
+    own = [r for r in resources.locks() if r.filename.startswith(("deployment-", "textfile-"))]
     taken: list[int] = []
     try:
         for resource in own:
@@ -472,42 +472,32 @@ def own_files(
     return InstanceLock(directory, taken)
 
 
-def acquire(
-    directory: Path,
-    gpus: Sequence[int],
-    port: int | None,
-    config: str,
-    log: Logger | None = None,
-    *,
-    deployment: str | None = None,
-    textfile: Path | None = None,
-    suffix: str = "",
-    status_port: int | None = None,
-    ras_port: int | None = None,
-) -> InstanceLock:
+def acquire(resources: Resources, config: str, log: Logger | None = None) -> InstanceLock:
     """Take every lock, or none: raise AnotherInstance naming the root kimi-supervisor that holds one.
-    `suffix`: WEIGHTS_SUFFIX for a weight holder, which shares its own deployment's engine's GPUs."""
+    `config`: the config file's path, recorded in each lock file for whoever finds it held."""
     if log is None:
         from kimi_supervisor.logs.journal import get_logger  # not at import: a dry run only reads the locks
 
         log = get_logger()
+    directory = resources.directory
     _ensure_directory(directory)
     taken: list[int] = []
     try:
-        for resource in resources(gpus, port, deployment, textfile, suffix, status_port, ras_port):
+        for resource in resources.locks():
             taken.append(_take(directory, resource, log))
         me = identify(os.getpid())
-        record: dict[str, object] = {"pid": os.getpid(), "gpus": sorted(set(gpus)), "port": port, "config": config}
+        gpus = sorted(set(resources.gpus))
+        record: dict[str, object] = {"pid": os.getpid(), "gpus": gpus, "port": resources.port, "config": config}
         if me is not None:  # a PID is read back as ours only with this start time (_recorded_pid)
             record["start_time"] = me.create_time
-        if deployment is not None:
-            record["deployment"] = deployment
+        if resources.deployment is not None:
+            record["deployment"] = resources.deployment
         for fd in taken:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         # After our record is written (see the module's note on racing starts).
-        foreign = foreign_partner(directory, gpus, deployment, suffix)
+        foreign = foreign_partner(resources)
         if foreign is not None:
             raise AnotherInstance(partner_refusal(foreign, directory))
     except BaseException:

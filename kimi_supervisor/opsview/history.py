@@ -33,9 +33,10 @@ from kimi_supervisor.files.untrusted import integer, number, read_capped, string
 from kimi_supervisor.logs.types import Logger, Warns
 from kimi_supervisor.opsview.statefile import PID_MAX
 from kimi_supervisor.quoting import escape_unprintable
+from kimi_supervisor.roles import Role
 from kimi_supervisor.untrusted_json import parse_json
 
-FILE_NAME = "history.json"
+FILE_NAME = Role.ENGINE.history_file_name  # the engine's; another role's is named by config/layout.py
 KEEP = 20
 SCHEMA = 1
 COUNTERS = ("starts_total", "preflight_kills_total", "shm_removed_total")

@@ -32,10 +32,11 @@ from kimi_supervisor.files.untrusted import (
 from kimi_supervisor.host.procident import ProcIdent, same_process
 from kimi_supervisor.logs.types import Logger
 from kimi_supervisor.quoting import escape_unprintable
+from kimi_supervisor.roles import Role
 from kimi_supervisor.untrusted_json import Untrusted
 
 SCHEMA = 1
-FILE_NAME = "state.json"
+FILE_NAME = Role.ENGINE.state_file_name  # the engine's; another role's is named by config/layout.py
 # Every key a reader may rely on (the tests check the daemon writes exactly these).
 TOP_LEVEL_KEYS = (
     "schema",

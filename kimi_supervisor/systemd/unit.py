@@ -31,6 +31,7 @@ from pathlib import Path
 from kimi_supervisor.config.load import DEFAULT_PATH
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import ExitCode, NoPermission, ServiceUnavailable
+from kimi_supervisor.roles import Role
 
 UNIT_NAME = "kimi-supervisor.service"
 TEMPLATE_NAME = "kimi-supervisor@.service"
@@ -247,7 +248,7 @@ def render(
     if template:
         # The instance's name goes in as systemd's %i, after the path is quoted (which would make it %%i).
         marker = "KIMIINSTANCEMARKER"
-        config_name = f"{marker}.weights.toml" if holder else f"{marker}.toml"
+        config_name = (Role.WEIGHTS if holder else Role.ENGINE).config_name(marker)
         words += ["--config", systemd_quote(str(config_path.parent / config_name)).replace(marker, "%i")]
     else:
         words += [systemd_quote(w) for w in ["--config", str(config_path)]]
@@ -382,7 +383,7 @@ def render_front(
         exec_argv = [exec_argv]
     words = [systemd_quote(exec_argv[0], executable=True)] + [systemd_quote(w) for w in exec_argv[1:]]
     marker = "KIMIINSTANCEMARKER"
-    words += ["--config", systemd_quote(str(config_dir / f"{marker}.front.toml")).replace(marker, "%i")]
+    words += ["--config", systemd_quote(str(config_dir / Role.FRONT.config_name(marker))).replace(marker, "%i")]
     return FRONT_TEXT.format(
         config_dir=config_dir,
         command=" ".join(words),

@@ -91,7 +91,6 @@ def test_the_engine_makes_the_fronts_socket_directory_and_removes_a_dead_socket(
 def test_an_engine_on_its_socket_locks_no_tcp_port_so_its_front_can(short_dir: Path) -> None:
     """Both lock host-wide resources (host/instance_lock.py): the engine on --uds takes no port lock, so the
     front holding the public port (port-8000.lock) does not refuse it with exit 16."""
-    from kimi_supervisor.host import instance_lock
 
     base = {"paths": {"runtime_directory": str(short_dir / "run"), "state_directory": str(short_dir / "state")}}
     tcp = load_config(write_config(short_dir / "a.toml", {"child": {"argv": ["vllm", "serve", "/m"]}, **base}))
@@ -99,5 +98,5 @@ def test_an_engine_on_its_socket_locks_no_tcp_port_so_its_front_can(short_dir: P
     on_socket = load_config(write_config(short_dir / "b.toml", {"child": {"argv": uds}, **base}))
     assert for_config(tcp).serving_port == 8000
     assert for_config(on_socket).serving_port is None
-    names = [r.filename for r in instance_lock.resources((), for_config(on_socket).serving_port, "b")]
-    assert names == ["deployment-b.lock"]
+    names = [r.filename for r in for_config(on_socket).lock_resources(()).locks()]
+    assert "deployment-b.lock" in names and "port-8000.lock" not in names  # its child's NCCL RAS port is locked too

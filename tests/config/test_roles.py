@@ -1,4 +1,5 @@
-"""[deployment] and [cluster]: the role this supervisor's child plays, checked once when the config is built."""
+"""[deployment] and [cluster]: the role this supervisor's child plays, and the tables its config may have, checked once
+when the config is built."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kimi_supervisor.config import role_spec
 from kimi_supervisor.config.load import effective_config
 from kimi_supervisor.config.model import ClusterConfig
 from kimi_supervisor.roles import Role
@@ -108,3 +110,46 @@ def test_a_file_name_that_cannot_name_the_deployment(tmp_path: Path) -> None:
 def test_master_addr_forms(tmp_path: Path, addr: str) -> None:
     cfg = load(tmp_path, LEADER.replace('"10.77.0.1"', f'"{addr}"'))
     assert cfg.cluster is not None and cfg.cluster.master_addr == addr
+
+
+FRONT = '[deployment]\nrole = "front"\n[front]\nport = 8123\n'
+# Every table of a supervised child's config but [child], which has its own words (below); written here, not read
+# from config/role_spec.py, so that a row that lost one fails here.
+CHILD_ONLY = (
+    "preflight",
+    "readiness",
+    "health",
+    "shutdown",
+    "metrics",
+    "liveness",
+    "gpu_health",
+    "cluster",
+    "readahead",
+    "weights",
+)
+
+
+@pytest.mark.parametrize("table", [*CHILD_ONLY, "preflight.reap"])
+def test_a_fronts_config_with_a_child_only_table_is_refused_naming_it(tmp_path: Path, table: str) -> None:
+    """A front has no child (docs/front.md): its engine's settings in the front's file would be read and mean
+    nothing (was: accepted silently)."""
+    top = table.split(".")[0]
+    assert error_of(tmp_path, FRONT + f"[{table}]\nenabled = true\n", "kimi-a.front.toml") == (
+        f"{{p}}: {top}: deployment.role = 'front' does not read [{top}] (its config has [deployment], [front], "
+        "[paths]): remove it"
+    )
+
+
+def test_the_child_only_tables_are_the_role_specs() -> None:
+    assert set(CHILD_ONLY) | {"child"} == role_spec.CHILD_TABLES
+    assert role_spec.of(Role.FRONT).tables == {"deployment", "front", "paths"}
+
+
+def test_a_fronts_child_table_keeps_its_own_words_and_its_allowed_tables_are_read(tmp_path: Path) -> None:
+    assert error_of(tmp_path, FRONT + '[child]\nargv = ["vllm"]\n', "kimi-a.front.toml") == (
+        "{p}: child: deployment.role = 'front' runs no child (docs/front.md): remove [child]"
+    )
+    paths = f'[paths]\nruntime_directory = "{tmp_path}/run"\nstate_directory = "{tmp_path}/state"\n'
+    cfg = load(tmp_path, FRONT + paths, "kimi-a.front.toml")
+    assert cfg.role is Role.FRONT and cfg.front is not None and cfg.front.port == 8123
+    assert cfg.paths.runtime_directory == tmp_path / "run"

@@ -18,6 +18,8 @@ from kimi_supervisor.config import layout
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.exitcodes import AnotherInstance, ExitCode, RuntimeDirectoryError
 from kimi_supervisor.host import instance_lock
+from kimi_supervisor.host.instance_lock import Resources
+from kimi_supervisor.roles import Role
 from testkit.fakes.gpu_cli import write_gpu_file
 from testkit.fakes.log import RecordingLog
 from testkit.harness import Run, fake_config, fake_tree_of
@@ -35,10 +37,11 @@ def supervisor_entry(tmp_path: Path) -> list[str]:
 
 def hold_lock(directory: Path, gpus: list[int], port: int, options: str = "") -> subprocess.Popen[bytes]:
     """A real root process that looks like kimi-supervisor (its argv), takes the locks through the real code and
-    then just holds them: only such a holder's lock counts.  `options`: acquire's keyword arguments, as code."""
+    then just holds them: only such a holder's lock counts.  `options`: Resources' keyword arguments, as code."""
     code = (
         "import sys, time\nfrom pathlib import Path\nfrom kimi_supervisor.host import instance_lock\n"
-        f"lock = instance_lock.acquire(Path({str(directory)!r}), {gpus!r}, {port}, 'x.toml'{options})\n"
+        f"resources = instance_lock.Resources(Path({str(directory)!r}), tuple({gpus!r}), {port}{options})\n"
+        "lock = instance_lock.acquire(resources, 'x.toml')\n"
         "print('locked', flush=True)\ntime.sleep(600)\n"
     )
     # exec -a changes argv[0], and with it Python's idea of sys.executable: PYTHONHOME names the installation.
@@ -55,19 +58,19 @@ def test_a_sigkilled_owners_lock_never_blocks(tmp_path: Path) -> None:
     try:
         assert (run_dir.stat().st_mode & 0o777) == 0o755
         with pytest.raises(AnotherInstance) as info:
-            instance_lock.acquire(run_dir, [1, 2], 9000, "y.toml")
+            instance_lock.acquire(Resources(run_dir, (1, 2), 9000), "y.toml")
         assert info.value.message == (
             f"another kimi-supervisor (PID {owner.pid}) owns GPU 1, serving GPUs [0, 1], port 8123 "
             f"(lock {run_dir / 'gpu-1.lock'}); nothing was changed"
         )
         # Nothing of ours was left held: a disjoint set starts beside it.
-        instance_lock.acquire(run_dir, [2, 3], 9001, "z.toml").close()
+        instance_lock.acquire(Resources(run_dir, (2, 3), 9001), "z.toml").close()
         assert instance_lock.lock_owners(run_dir) == {owner.pid}
     finally:
         owner.send_signal(signal.SIGKILL)
         owner.wait()
     assert (run_dir / "gpu-1.lock").exists()  # the stale file stays; the kernel dropped the lock
-    lock = instance_lock.acquire(run_dir, [0, 1], 8123, "y.toml")
+    lock = instance_lock.acquire(Resources(run_dir, (0, 1), 8123), "y.toml")
     try:
         assert json.loads((run_dir / "gpu-0.lock").read_text())["pid"] == os.getpid()
     finally:
@@ -82,26 +85,30 @@ def test_a_second_deployment_of_the_same_name_or_textfile_is_refused(tmp_path: P
     owner = hold_lock(run_dir, [0], 8130, f", deployment='kimi-a', textfile=Path({str(prom)!r})")
     try:
         with pytest.raises(AnotherInstance) as info:
-            instance_lock.acquire(run_dir, [1], 8131, "b.toml", RecordingLog(), deployment="kimi-a")
+            instance_lock.acquire(Resources(run_dir, (1,), 8131, deployment="kimi-a"), "b.toml", RecordingLog())
         assert info.value.message == (
             f"another kimi-supervisor (PID {owner.pid}) owns deployment kimi-a, serving GPUs [0], port 8130 "
             f"(lock {run_dir / 'deployment-kimi-a.lock'}); nothing was changed"
         )
         with pytest.raises(AnotherInstance, match=rf"owns metrics textfile {prom}, serving GPUs \[0\], port 8130"):
-            instance_lock.acquire(run_dir, [1], 8131, "b.toml", RecordingLog(), deployment="kimi-b", textfile=prom)
-        owner_seen = instance_lock.find_owner(run_dir, [1], 8131, "kimi-a")
+            instance_lock.acquire(
+                Resources(run_dir, (1,), 8131, deployment="kimi-b", textfile=prom), "b.toml", RecordingLog()
+            )
+        owner_seen = instance_lock.find_owner(Resources(run_dir, (1,), 8131, deployment="kimi-a"))
         assert owner_seen is not None and owner_seen.pid == owner.pid  # the dry run sees it too
         # Another name, another textfile, disjoint GPUs and port: side by side.
         other = tmp_path / "textfile" / "kimi-b.prom"
-        instance_lock.acquire(run_dir, [1], 8131, "b.toml", RecordingLog(), deployment="kimi-b", textfile=other).close()
-        assert instance_lock.find_owner(run_dir, [1], 8131, "kimi-b", other) is None
+        instance_lock.acquire(
+            Resources(run_dir, (1,), 8131, deployment="kimi-b", textfile=other), "b.toml", RecordingLog()
+        ).close()
+        assert instance_lock.find_owner(Resources(run_dir, (1,), 8131, deployment="kimi-b", textfile=other)) is None
     finally:
         owner.send_signal(signal.SIGKILL)
         owner.wait()
 
 
 def test_lock_fds_are_not_inherited(tmp_path: Path) -> None:
-    lock = instance_lock.acquire(tmp_path, [0], 8124, "x.toml")
+    lock = instance_lock.acquire(Resources(tmp_path, (0,), 8124), "x.toml")
     try:
         child = subprocess.run(["ls", "-l", "/proc/self/fd/"], capture_output=True, text=True, close_fds=False)
         assert str(tmp_path) not in child.stdout
@@ -246,9 +253,9 @@ def test_a_lock_held_by_nobody_never_blocks_the_start(open_dir: Path, spawner: P
     nobody = flock_as_nobody(spawner, lock)
     assert instance_lock.flock_lockers(lock) == {nobody.pid}
     assert instance_lock.lock_owners(open_dir) == set()  # no supervisor: nothing to shield in the reaper
-    assert instance_lock.find_owner(open_dir, [0], 8200) is None  # the dry run does not refuse either
+    assert instance_lock.find_owner(Resources(open_dir, (0,), 8200)) is None  # the dry run does not refuse either
     log = RecordingLog()
-    held = instance_lock.acquire(open_dir, [0], 8200, "x.toml", log)
+    held = instance_lock.acquire(Resources(open_dir, (0,), 8200), "x.toml", log)
     try:
         [warning] = log.events("instance.foreign_lock")
         assert warning["lock"] == str(lock)
@@ -272,7 +279,7 @@ def test_a_root_supervisors_lock_still_refuses_beside_a_stranger(open_dir: Path,
     owner = hold_lock(open_dir, [0], 8201)
     try:
         with pytest.raises(AnotherInstance) as info:
-            instance_lock.acquire(open_dir, [0], 8201, "y.toml", RecordingLog())
+            instance_lock.acquire(Resources(open_dir, (0,), 8201), "y.toml", RecordingLog())
         assert f"another kimi-supervisor (PID {owner.pid})" in info.value.message
         assert instance_lock.lock_owners(open_dir) == {owner.pid}
     finally:
@@ -285,11 +292,11 @@ def test_existing_lock_files_are_repaired_to_0600_and_root(open_dir: Path) -> No
     lock.write_text("")
     lock.chmod(0o666)
     os.chown(lock, 65534, 65534)
-    instance_lock.acquire(open_dir, [], 8202, "x.toml", RecordingLog()).close()
+    instance_lock.acquire(Resources(open_dir, (), 8202), "x.toml", RecordingLog()).close()
     st = lock.stat()
     assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o600, 0, 0)
     fresh = open_dir / "gpu-3.lock"
-    instance_lock.acquire(open_dir, [3], 8203, "x.toml", RecordingLog()).close()
+    instance_lock.acquire(Resources(open_dir, (3,), 8203), "x.toml", RecordingLog()).close()
     assert fresh.stat().st_mode & 0o777 == 0o600
 
 
@@ -299,35 +306,37 @@ def test_a_link_or_a_fifo_at_a_lock_path_is_refused_and_left_alone(open_dir: Pat
     target.chmod(0o644)
     (open_dir / "gpu-0.lock").symlink_to(target)
     with pytest.raises(RuntimeDirectoryError, match=r"gpu-0\.lock"):
-        instance_lock.acquire(open_dir, [0], 8204, "x.toml", RecordingLog())
+        instance_lock.acquire(Resources(open_dir, (0,), 8204), "x.toml", RecordingLog())
     assert target.read_text() == "keep me" and target.stat().st_mode & 0o777 == 0o644
     os.link(target, open_dir / "gpu-1.lock")
     with pytest.raises(RuntimeDirectoryError, match="hard link"):
-        instance_lock.acquire(open_dir, [1], 8204, "x.toml", RecordingLog())
+        instance_lock.acquire(Resources(open_dir, (1,), 8204), "x.toml", RecordingLog())
     assert target.read_text() == "keep me" and target.stat().st_mode & 0o777 == 0o644
     os.mkfifo(open_dir / "gpu-2.lock")
     with pytest.raises(RuntimeDirectoryError, match="not a regular file"):
-        instance_lock.acquire(open_dir, [2], 8204, "x.toml", RecordingLog())
+        instance_lock.acquire(Resources(open_dir, (2,), 8204), "x.toml", RecordingLog())
 
 
 def test_one_holder_and_one_engine_of_one_deployment_share_gpus_and_nothing_else(tmp_path: Path) -> None:
     """docs/weight-holder.md: the holder takes its engine's GPUs under `.weights`; a second holder, a second engine,
     or either role of another deployment on those GPUs still refuses with 16."""
     run_dir = tmp_path / "run"
-    weights = instance_lock.WEIGHTS_SUFFIX
+    weights = Role.WEIGHTS.file_suffix
     holder = hold_lock(run_dir, [0, 1], 8099, f", deployment='kimi', suffix={weights!r}")
     try:
         # The engine of the same deployment on the same GPUs: allowed.
-        engine = instance_lock.acquire(run_dir, [0, 1], 8000, "kimi.toml", RecordingLog(), deployment="kimi")
+        engine = instance_lock.acquire(Resources(run_dir, (0, 1), 8000, deployment="kimi"), "kimi.toml", RecordingLog())
         assert (run_dir / "gpu-0.weights.lock").exists() and (run_dir / "gpu-0.lock").exists()
-        assert instance_lock.find_owner(run_dir, [0, 1], 8000, "kimi") is None
+        assert instance_lock.find_owner(Resources(run_dir, (0, 1), 8000, deployment="kimi")) is None
         engine.close()
         # A second holder of the same deployment: its own lock names are taken.
         with pytest.raises(AnotherInstance, match=r"owns GPU 0 \(weight holder\)"):
-            instance_lock.acquire(run_dir, [0], 8098, "k2.toml", RecordingLog(), deployment="kimi", suffix=weights)
+            instance_lock.acquire(
+                Resources(run_dir, (0,), 8098, deployment="kimi", suffix=weights), "k2.toml", RecordingLog()
+            )
         # An engine of another deployment on a holder's GPU: refused, and none of its locks left held.
         with pytest.raises(AnotherInstance) as info:
-            instance_lock.acquire(run_dir, [1, 2], 8001, "other.toml", RecordingLog(), deployment="other")
+            instance_lock.acquire(Resources(run_dir, (1, 2), 8001, deployment="other"), "other.toml", RecordingLog())
         assert info.value.exit_code == ExitCode.ANOTHER_INSTANCE
         assert info.value.message == (
             f"another kimi-supervisor (PID {holder.pid}) of deployment 'kimi' owns GPU 1 (weight holder), serving "
@@ -335,9 +344,11 @@ def test_one_holder_and_one_engine_of_one_deployment_share_gpus_and_nothing_else
             "of one deployment share GPUs; nothing was changed"
         )
         assert instance_lock.flock_lockers(run_dir / "gpu-2.lock") == set()
-        found = instance_lock.find_owner(run_dir, [1, 2], 8001, "other")  # the dry run says so too
+        found = instance_lock.find_owner(
+            Resources(run_dir, (1, 2), 8001, deployment="other")
+        )  # the dry run says so too
         assert found is not None and found.pid == holder.pid
-        instance_lock.acquire(run_dir, [2], 8001, "other.toml", RecordingLog(), deployment="other").close()
+        instance_lock.acquire(Resources(run_dir, (2,), 8001, deployment="other"), "other.toml", RecordingLog()).close()
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
@@ -347,11 +358,15 @@ def test_a_holder_on_another_deployments_engine_gpus_is_refused(tmp_path: Path) 
     run_dir = tmp_path / "run"
     engine = hold_lock(run_dir, [3], 8000, ", deployment='kimi-a'")
     try:
-        weights = instance_lock.WEIGHTS_SUFFIX
+        weights = Role.WEIGHTS.file_suffix
         with pytest.raises(AnotherInstance, match=r"of deployment 'kimi-a' owns GPU 3, serving GPUs \[3\]"):
-            instance_lock.acquire(run_dir, [3], 8099, "b.toml", RecordingLog(), deployment="kimi-b", suffix=weights)
+            instance_lock.acquire(
+                Resources(run_dir, (3,), 8099, deployment="kimi-b", suffix=weights), "b.toml", RecordingLog()
+            )
         assert instance_lock.flock_lockers(run_dir / "gpu-3.weights.lock") == set()
-        instance_lock.acquire(run_dir, [3], 8099, "a.toml", RecordingLog(), deployment="kimi-a", suffix=weights).close()
+        instance_lock.acquire(
+            Resources(run_dir, (3,), 8099, deployment="kimi-a", suffix=weights), "a.toml", RecordingLog()
+        ).close()
     finally:
         engine.send_signal(signal.SIGKILL)
         engine.wait()
@@ -362,7 +377,7 @@ def test_a_holder_on_another_deployments_engine_gpus_is_refused(tmp_path: Path) 
 FROM_ANOTHER_NAMESPACE = (
     "import sys\nfrom pathlib import Path\nfrom kimi_supervisor.host import instance_lock\n"
     "try:\n"
-    "    instance_lock.acquire(Path(sys.argv[1]), [0], 8140, 'b.toml')\n"
+    "    instance_lock.acquire(instance_lock.Resources(Path(sys.argv[1]), (0,), 8140), 'b.toml')\n"
     "except instance_lock.AnotherInstance as exc:\n"
     "    print(exc.message)\n"
 )
@@ -376,7 +391,9 @@ def test_a_recorded_pid_that_names_another_process_now_is_not_named_as_the_owner
     if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], check=False).returncode != 0:
         pytest.skip("no PID namespaces here (unshare --pid failed)")
     run_dir = tmp_path / "run"
-    lock = instance_lock.acquire(run_dir, [0], 8139, "a.toml")  # held by this process, outside the namespace
+    lock = instance_lock.acquire(
+        Resources(run_dir, (0,), 8139), "a.toml"
+    )  # held by this process, outside the namespace
     try:
         record = json.loads((run_dir / "gpu-0.lock").read_text())
         assert record["pid"] == os.getpid()

@@ -18,6 +18,7 @@ from kimi_supervisor.host.gpu import MIB
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight.reaper import plan_reap
 from kimi_supervisor.preflight.run import Preflight
+from kimi_supervisor.roles import Role
 from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from testkit.fakes.log import RecordingLog
@@ -93,8 +94,9 @@ def holder_supervisor(
     script = fake_vllm_script(tmp_path)
     code = (
         "import subprocess, sys, time\nfrom pathlib import Path\nfrom kimi_supervisor.host import instance_lock\n"
-        f"lock = instance_lock.acquire(Path({str(tmp_path / 'run')!r}), [0, 1], 8099, 'kimi.weights.toml', "
-        f"deployment={deployment!r}, suffix=instance_lock.WEIGHTS_SUFFIX)\n"
+        f"held = instance_lock.Resources(Path({str(tmp_path / 'run')!r}), (0, 1), 8099, {deployment!r}, "
+        f"suffix={Role.WEIGHTS.file_suffix!r})\n"
+        "lock = instance_lock.acquire(held, 'kimi.weights.toml')\n"
         f"child = subprocess.Popen([{sys.executable!r}, {str(script)!r}, 'preload', '--model', '/m'],\n"
         "    stdout=subprocess.PIPE)\n"
         "child.stdout.readline()\nprint(child.pid, flush=True)\ntime.sleep(600)\n"

@@ -181,7 +181,7 @@ def test_live_supervisor_trees_are_never_victims(tmp_path: Path, spawner: ProcSp
     run_dir = tmp_path / "run"
     lock_code = (
         "from pathlib import Path\nfrom kimi_supervisor.host import instance_lock\n"
-        f"lock = instance_lock.acquire(Path({str(run_dir)!r}), [0], 8555, 'x')\n" + named_code
+        f"lock = instance_lock.acquire(instance_lock.Resources(Path({str(run_dir)!r}), (0,), 8555), 'x')\n" + named_code
     )
     # Only a root kimi-supervisor's lock counts: the holder has kimi-supervisor's argv too.
     by_lock = spawner.start(

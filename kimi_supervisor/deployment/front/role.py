@@ -13,18 +13,16 @@ from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.child.spawnplan import Identity, Unresolvable, account, resolve_identity
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.config.model import Config
-from kimi_supervisor.deployment.base import Deployment
+from kimi_supervisor.deployment.base import Deployment, RunContext
 from kimi_supervisor.deployment.front.records import hold_bound
 from kimi_supervisor.exitcodes import ConfigError, ExitCode, SupervisorError
-from kimi_supervisor.lifecycle.deps import Deps
+from kimi_supervisor.roles import Role
 from kimi_supervisor.systemd import unit
 
-FRONT_SUFFIX = ".front"
 
-
-class FrontRole(Deployment):
-    lock_suffix = FRONT_SUFFIX
-    drains = False  # it has no child to drain
+class Front(Deployment):
+    """A peer of the supervised roles (deployment/supervised.py): no child, so no lifecycle to answer; its locks
+    carry its role's file suffix (base.py lock_suffix)."""
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
@@ -42,22 +40,23 @@ class FrontRole(Deployment):
     def install_own_unit(self, config: Path, unit_dir: Path, reload: bool) -> Path | None:
         """kimi-supervisor-front@NAME runs NAME.front.toml beside the engine's NAME.toml."""
         name = self.cfg.deployment.name
-        if config.name != f"{name}.front.toml":
+        own = Role.FRONT.config_name(name)
+        if config.name != own:
             raise ConfigError(
-                f"{config}: kimi-supervisor-front@{name} runs {config.parent}/{name}.front.toml: "
+                f"{config}: kimi-supervisor-front@{name} runs {config.parent}/{own}: "
                 "name the front's config after its deployment"
             )
         return unit.install_front(config, unit_dir, reload=reload)
 
-    def run(self, deps: Deps, secrets: tuple[str, ...]) -> ExitCode:
+    def run(self, ctx: RunContext) -> ExitCode:
         # Imported here: only the front's host needs aiohttp (the [front] extra).
         from kimi_supervisor.deployment.front import serve
 
         engine = self._engine_for_start()
-        return serve.run(self.front, deps.log, deps.notifier, deps.watchdog_s, self._identity(engine))
+        return serve.run(self.front, ctx.log, ctx.notifier, ctx.watchdog_s, self._identity(engine))
 
     def _engine_path(self) -> Path:
-        return self.cfg.path.parent / f"{self.cfg.deployment.name}.toml"
+        return self.cfg.path.parent / Role.ENGINE.config_name(self.cfg.deployment.name)
 
     def _engine_for_start(self) -> Config | None:
         """Its engine's config when there is one: a start with an engine that cannot be reached through the socket

@@ -16,7 +16,7 @@ from kimi_supervisor.config import layout
 from kimi_supervisor.config.front import engine_socket
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.deployment.choose import for_config
-from kimi_supervisor.deployment.front.role import FrontRole
+from kimi_supervisor.deployment.front.role import Front
 from kimi_supervisor.exitcodes import ConfigError
 from kimi_supervisor.roles import Role
 from testkit.harness import Run, write_config
@@ -46,7 +46,7 @@ def test_a_fronts_config_is_its_front_table_and_no_child(tmp_path: Path) -> None
     assert cfg.front.engine_socket == tmp_path / "run" / "kimi-a" / "front" / "engine.sock"
     assert cfg.front.engine_state_file == tmp_path / "run" / "kimi-a" / "state.json"
     role = for_config(cfg)
-    assert isinstance(role, FrontRole)
+    assert isinstance(role, Front)
     assert (role.serving_port, role.lock_suffix, role.ras_port) == (8000, ".front", None)
     assert layout.unit_name("kimi-a", Role.FRONT) == "kimi-supervisor-front@kimi-a"
     assert layout.of(cfg).state_file.name == "state.front.json"
