@@ -16,11 +16,6 @@ from kimi_supervisor.roles import Role
 
 SOCKET_DIR = "front"  # below the deployment's runtime directory: the engine's socket, reached by the front only
 SOCKET_NAME = "engine.sock"
-# A hold without history: a restart with the weight holder takes 5-7 s on the H200 with stand-ins, a minute or
-# more with the real model (docs/weight-holder.md); with a history, its last load decides (docs/front.md, Holding).
-DEFAULT_HOLD_S = 120.0
-HOLD_MARGIN_S = 30.0
-HOLD_BOUNDS_S = (60.0, 900.0)
 _ROUTE = re.compile(r"^/[A-Za-z0-9_./{}-]*$")
 
 
@@ -41,7 +36,7 @@ class FrontConfig:
     state_file: Path | None = None
     queue_max: int = 1024  # requests held at once; the next is answered 503 at once
     # The longest a request waits for the engine, then 503 with Retry-After; None: from the engine's history
-    # (hold_from_history).
+    # (deployment/front/records.py hold_bound).
     hold_s: float | None = None
     max_attempts: int = 3  # sends of one request to the engine (the first and the resumes)
     max_body_bytes: int = 32 << 20  # a resumable request's body is kept to be sent again
@@ -55,15 +50,6 @@ class FrontConfig:
 
 def engine_socket(runtime_directory: Path, name: str) -> Path:
     return runtime_directory / name / SOCKET_DIR / SOCKET_NAME
-
-
-def hold_from_history(last_load_s: float | None) -> float:
-    """hold_s when the config leaves it out: the engine's last successful load plus a margin, within bounds;
-    DEFAULT_HOLD_S without one."""
-    if last_load_s is None:
-        return DEFAULT_HOLD_S
-    low, high = HOLD_BOUNDS_S
-    return min(high, max(low, last_load_s + HOLD_MARGIN_S))
 
 
 def parse_front(t: Table, runtime_directory: Path, state_directory: Path, name: str) -> FrontConfig:
@@ -81,7 +67,7 @@ def parse_front(t: Table, runtime_directory: Path, state_directory: Path, name: 
         except (KeyError, OverflowError):
             raise t.error("user", f"no such user {user!r} on this host") from None
     given_hold = t.has("hold_s")
-    hold = t.number("hold_s", DEFAULT_HOLD_S, maximum=86400.0, zero_ok=True)
+    hold = t.number("hold_s", 0.0, maximum=86400.0, zero_ok=True)
     cfg = FrontConfig(
         deployment=name,
         host=host,

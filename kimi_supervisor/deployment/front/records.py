@@ -13,9 +13,15 @@ import dataclasses
 from pathlib import Path
 from typing import NamedTuple
 
-from kimi_supervisor.config.front import HOLD_MARGIN_S, FrontConfig, hold_from_history
+from kimi_supervisor.config.front import FrontConfig
 from kimi_supervisor.opsview.history import RunRecord, load_history
 from kimi_supervisor.opsview.statefile import read_live_state
+
+# A hold without history: a restart with the weight holder takes 5-7 s on the H200 with stand-ins, a minute or
+# more with the real model (docs/weight-holder.md); with a history, its last load decides (docs/front.md, Holding).
+DEFAULT_HOLD_S = 120.0
+HOLD_MARGIN_S = 30.0
+HOLD_BOUNDS_S = (60.0, 900.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +84,14 @@ class HoldBound(NamedTuple):
 
 
 def hold_bound(cfg: FrontConfig) -> HoldBound:
-    """How long a request waits for the engine: front.hold_s, else the engine's last load plus a margin."""
+    """How long a request waits for the engine: front.hold_s, else the engine's last successful load plus a margin,
+    within bounds; DEFAULT_HOLD_S without one."""
     if cfg.hold_s is not None:
         return HoldBound(cfg.hold_s, "front.hold_s")
     last = EngineRecords.of(cfg).last_load_s()
-    whence = f"the engine's last load {last:g}s + {HOLD_MARGIN_S:g}s" if last is not None else "no engine history yet"
-    return HoldBound(hold_from_history(last), whence)
+    if last is None:
+        return HoldBound(DEFAULT_HOLD_S, "no engine history yet")
+    low, high = HOLD_BOUNDS_S
+    return HoldBound(
+        min(high, max(low, last + HOLD_MARGIN_S)), f"the engine's last load {last:g}s + {HOLD_MARGIN_S:g}s"
+    )
