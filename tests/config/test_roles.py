@@ -145,6 +145,16 @@ def test_the_child_only_tables_are_the_role_specs() -> None:
     assert role_spec.of(Role.FRONT).tables == {"deployment", "front", "paths"}
 
 
+@pytest.mark.parametrize("role", list(Role))
+def test_each_rows_child_and_front_flags_agree_with_its_tables(role: Role) -> None:
+    """has_child and reads_front say, in their own words, what the row's `tables` says of [child] and [front]
+    (role_spec.py is values only, so neither is derived there): a row where they disagree would refuse a table
+    its parse reads, or read one it refuses."""
+    spec = role_spec.of(role)
+    assert spec.has_child == ("child" in spec.tables)
+    assert spec.reads_front == ("front" in spec.tables)
+
+
 def test_a_fronts_child_table_keeps_its_own_words_and_its_allowed_tables_are_read(tmp_path: Path) -> None:
     assert error_of(tmp_path, FRONT + '[child]\nargv = ["vllm"]\n', "kimi-a.front.toml") == (
         "{p}: child: deployment.role = 'front' runs no child (docs/front.md): remove [child]"
