@@ -1,4 +1,5 @@
-"""Row 1: preflight wall time on 8 clean (fake) GPUs vs the seeds' nvidia-smi bash loop, and its parts."""
+"""Row 1: preflight wall time on 8 clean (fake) GPUs vs the seeds' nvidia-smi bash loop, and its parts; and the
+largest config the loader accepts (1 MiB) parsed, whose time tests/config/test_load_fuzz.py leaves to this row."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 from bench.common import Row, median, ms, p95
 from kimi_supervisor.clock import SystemClock
-from kimi_supervisor.config.load import parse_config
+from kimi_supervisor.config.load import load_config, parse_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.host.gpu import busy_gpus, gpu_processes, wait_until_free
 from kimi_supervisor.host.proctable import PsutilProcessTable
@@ -20,12 +21,15 @@ from kimi_supervisor.preflight import checks
 from kimi_supervisor.preflight.reaper import plan_reap
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.preflight.shm import plan_shm
+from testkit.configs import largest_config
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from testkit.harness import free_port
 
 RUNS = 30
 BASH_RUNS = 20
 TARGET_S = 0.150
+BIG_CONFIG_RUNS = 5
+BIG_CONFIG_TARGET_S = 3.0  # one start's config: it must not cost what the preflight saves
 SEEDS_LOOP = (
     "for i in $(seq 1 30); do used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits "
     '| sort -n | tail -1); [ "$used" -lt 1000 ] && exit 0; sleep 1; done; exit 1'
@@ -101,6 +105,8 @@ def run() -> list[Row]:
             "/proc scan (open_paths)": _times(lambda: table.open_paths((str(shm) + "/",)), RUNS),
             "check_port": _times(lambda: checks.check_port(vllm.host, vllm.port), RUNS),
         }
+        big, _ = largest_config(tmp)
+        big_parse = _times(lambda: load_config(big), BIG_CONFIG_RUNS)
     nproc = sum(name.isdigit() for name in os.listdir("/proc"))
     rows = [
         Row(
@@ -119,4 +125,12 @@ def run() -> list[Row]:
         ),
     ]
     rows += [Row(f"1.   part: {name}", "-", f"median {ms(median(t))}", None) for name, t in parts.items()]
+    rows.append(
+        Row(
+            f"1. the largest accepted config (1 MiB, 262k strings) loaded ({BIG_CONFIG_RUNS} runs)",
+            f"median < {BIG_CONFIG_TARGET_S:g} s",
+            f"median {ms(median(big_parse))}, max {ms(max(big_parse))}",
+            median(big_parse) < BIG_CONFIG_TARGET_S,
+        )
+    )
     return rows

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import ConfigError
+from testkit.configs import CONFIG_CAP, largest_config
 from testkit.harness import REPO, write_config
 
 TOKENS = [
@@ -65,21 +66,16 @@ def test_any_bytes_give_a_config_or_one_config_error_in_bounded_time_and_memory(
         assert result.message.startswith(str(path)) and len(result.message.splitlines()) == 1
 
 
-def test_largest_accepted_file_parses_in_bounded_time_and_memory(tmp_path: Path) -> None:
-    # Just under 1 MiB (the cap) of a shape that builds many objects: a 262k-element array of strings.
-    head = b'[child]\nargv = ["vllm"]\n[preflight.reap]\nnames = ['
-    count = ((1 << 20) - len(head) - 2) // 4
-    path = tmp_path / "k.toml"
-    path.write_bytes(head + b'"a",' * count + b"]\n")
-    assert (1 << 20) - 4 < path.stat().st_size <= 1 << 20
+def test_largest_accepted_file_parses_in_bounded_memory(tmp_path: Path) -> None:
+    # Its time is bench row 1's: a bound here was this machine's speed (39.6 s beside a second suite, 1.9 s alone).
+    path, count = largest_config(tmp_path)
+    assert CONFIG_CAP - 4 < path.stat().st_size <= CONFIG_CAP
     tracemalloc.start()
-    start = time.monotonic()
     cfg = load_config(path)
-    elapsed = time.monotonic() - start
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert len(cfg.preflight.reap.names) == count
-    assert elapsed < 30 and peak < 256 << 20, (elapsed, peak >> 20)
+    assert peak < 256 << 20, peak >> 20
 
 
 def test_ctrl_c_during_dry_run_exits_130_without_a_traceback(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""A chatty child under the real systemd and journald: shared by the systemd test and bench row 6.
+"""A chatty child under the real systemd and journald: shared by the systemd test and bench row 8.
 
 The shipped unit (LogRateLimit* included) runs this checkout's supervisor (a wrapper in the container
 runs `python -m kimi_supervisor` from the bound checkout) around testkit/flood_child.py, which answers
@@ -43,7 +43,8 @@ class FloodResult:
     dropped: int  # reported in child.dropped records (journald's socket queue was full)
     missing: list[str]  # lifecycle records that did not reach the journal
     journald_suppressed: int  # messages journald itself dropped for the unit
-    watchdog_gaps: list[float]
+    watchdog_gaps: list[float]  # between the pings the watcher saw: a ping it missed doubles one
+    silences: list[float]  # per poll: how long before the poll's start the last ping came (seen, so proven)
     restarts: int
 
     @property
@@ -52,8 +53,11 @@ class FloodResult:
 
     @property
     def worst_lateness_s(self) -> float:
-        """How much later than WatchdogSec/2 the worst ping came."""
-        return max(self.watchdog_gaps, default=0.0) - WATCHDOG_S / 2
+        """How much later than WatchdogSec/2 a ping came, at least: the longest silence a poll saw.
+
+        Not the largest gap between the pings seen: the watcher runs `systemctl show` in the container, which a busy
+        host can delay past a ping, and a missed ping doubles a gap that was on time (CI saw 2.003 s so)."""
+        return max(self.silences, default=0.0) - WATCHDOG_S / 2
 
 
 def _config(lines: int, rate: int) -> str:
@@ -70,13 +74,20 @@ def run_flood(m: NspawnMachine, lines: int = 2_000_000, rate: int = 200_000) -> 
     since = now(m)
     time.sleep(1.0)  # "since" has a resolution of one second
     stamps: list[int] = []
+    silences: list[float] = []
     done = threading.Event()
 
     def watch() -> None:
+        # The container shares the host's CLOCK_MONOTONIC (no time namespace), which systemd's stamp is in.  A poll
+        # that starts at `asked` and reads ping `value` proves no ping came in (value, asked): a lower bound on the
+        # silence, whatever the poll's own delay.
         while not done.is_set():
+            asked = time.monotonic()
             value = m.unit_property(UNIT, "WatchdogTimestampMonotonic")
-            if value.isdigit() and int(value) and (not stamps or int(value) != stamps[-1]):
-                stamps.append(int(value))
+            if value.isdigit() and int(value):
+                silences.append(asked - int(value) / 1e6)
+                if not stamps or int(value) != stamps[-1]:
+                    stamps.append(int(value))
             time.sleep(0.1)
 
     m.systemctl("start", UNIT, timeout=60)
@@ -115,5 +126,6 @@ def run_flood(m: NspawnMachine, lines: int = 2_000_000, rate: int = 200_000) -> 
         missing=[e for e in LIFECYCLE if e not in events],
         journald_suppressed=journald_suppressed,
         watchdog_gaps=gaps,
+        silences=silences,
         restarts=restarts,
     )

@@ -24,7 +24,9 @@ def test_chatty_child_keeps_every_supervisor_record_and_the_watchdog_on_time(m: 
     assert r.journal_child_lines + r.suppressed + r.dropped >= r.lines * 0.99  # the rest: a summary in flight
     assert r.journald_suppressed == 0  # journald itself dropped nothing of ours
     assert len(r.watchdog_gaps) >= 8
-    assert max(r.watchdog_gaps) <= WATCHDOG_S / 2 + 0.1 * WATCHDOG_S, r.watchdog_gaps
+    # The defect this guards made pings 1.7 s late (journald's socket full, the loop blocked in a write).  The bound is
+    # half a period of slack, far from that and from a busy host's scheduling delay; bench row 8 reports the lateness.
+    assert r.worst_lateness_s < WATCHDOG_S / 4, (r.worst_lateness_s, r.watchdog_gaps)
 
 
 def test_hostile_request_paths_do_not_restart_the_unit(m: NspawnMachine) -> None:
