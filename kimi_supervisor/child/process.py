@@ -221,6 +221,19 @@ def _pidfd(pid: int) -> tuple[int | None, str | None]:
         return None, f"pidfd_open: {exc.strerror or exc}"
 
 
+def _our_helper(pid: int) -> bool:
+    """A process the supervisor ran itself (py-spy for an incident, systemctl), never a member of vLLM's tree.
+
+    The session tells them apart: vLLM's main starts a session of its own (start_new_session), and no process
+    can join an existing session, so nothing of vLLM's tree is ever in ours, while every helper we run without
+    a new session is.  Counted as the tree, a py-spy stuck in D state was SIGKILLed with it, outlived it, and
+    turned a restartable exit into 22 (issue 49)."""
+    try:
+        return os.getsid(pid) == os.getsid(0)
+    except OSError:  # gone: nothing to count either way
+        return False
+
+
 class ChildProcess:
     """A spawned child and its process tree."""
 
@@ -311,9 +324,10 @@ class ChildProcess:
         except psutil.NoSuchProcess:
             pass
         if self._owns_all:
-            # Our other children are the tree's orphans (we are a subreaper).
+            # Our other children are the tree's orphans (we are a subreaper), except our own helpers.
             for p in psutil.Process().children(recursive=True):
-                found.setdefault(p.pid, p)
+                if not _our_helper(p.pid):
+                    found.setdefault(p.pid, p)
         if scan_sessions and self._session_id_is_ours():
             # Members that called setsid() or lost their parent: a walk over every process.
             for p in psutil.process_iter():
@@ -381,7 +395,10 @@ class ChildProcess:
             if p.pid == self.pid:
                 continue
             try:
-                ours = self._owns_all or p.pid in self.known or os.getsid(p.pid) == self.sid
+                # A helper's zombie is its Popen's to reap: taken here, its wait() would read ECHILD as exit 0.
+                ours = (
+                    (self._owns_all and not _our_helper(p.pid)) or p.pid in self.known or os.getsid(p.pid) == self.sid
+                )
                 if ours and p.status() == psutil.STATUS_ZOMBIE:
                     os.waitpid(p.pid, os.WNOHANG)
             except (psutil.NoSuchProcess, ChildProcessError, OSError):

@@ -193,7 +193,8 @@ def _beside(dirs: DeploymentDirectories, role: Role) -> DeploymentDirectories | 
 
 def front_summary(front: Snapshot) -> dict[str, Any]:
     """What the front saw of the engine's restarts: its requests by outcome, and per outage (newest last) how
-    long it lasted, the seconds clients waited, and the requests held, retried, resumed and failed."""
+    long it lasted, the seconds clients waited, and the requests held, retried, resumed and failed.  Its state
+    file was checked when read (statefile.py); one that failed the check is `note`, and nothing of it is shown."""
     s = (front.state or {}).get("front") or {}
     return {
         "phase": (front.state or {}).get("phase") if front.running else "not running",
@@ -201,14 +202,21 @@ def front_summary(front: Snapshot) -> dict[str, Any]:
         "held_now": s.get("held") if front.running else None,
         "requests": s.get("requests") or {},
         "outages": s.get("outages") or [],
+        "note": front.note,
     }
 
 
 def render_front(front: Snapshot, now: float) -> str:
+    """One line; every value in it escaped (the front's account writes the file root's terminal shows)."""
     summary = front_summary(front)
-    line = f"{'Front':>12}: {escape_unprintable(str(summary['phase']))}"
+
+    def shown(value: object) -> str:
+        return escape_unprintable(str(value))
+
+    line = f"{'Front':>12}: {shown(summary['phase'])}"
     if front.running:
-        line += f", engine {'serving' if summary['engine_serving'] else 'not serving'}, {summary['held_now']} held now"
+        serving = "serving" if summary["engine_serving"] else "not serving"
+        line += f", engine {serving}, {shown(summary['held_now'])} held now"
     outages = [o for o in summary["outages"] if isinstance(o, dict)]
     if outages:
         last = outages[-1]
@@ -216,12 +224,15 @@ def render_front(front: Snapshot, now: float) -> str:
         took = f"{ended - began:.1f}s" if isinstance(began, (int, float)) and isinstance(ended, (int, float)) else "on"
         kind = last.get("kind")
         if isinstance(kind, str):  # docs/front.md: how the engine's run ended, from its history
-            took += f" ({escape_unprintable(kind)}{', holder-assisted' if last.get('holder_assisted') is True else ''})"
+            took += f" ({shown(kind)}{', holder-assisted' if last.get('holder_assisted') is True else ''})"
+        waited = last.get("client_wait_s")
         line += (
-            f"; {len(outages)} outage(s), the last {took}: clients waited {float(last.get('client_wait_s') or 0):.1f}s,"
-            f" held {last.get('held')}, retried {last.get('retried')}, resumed {last.get('resumed')},"
-            f" failed {last.get('failed')}"
+            f"; {len(outages)} outage(s), the last {took}: clients waited "
+            f"{float(waited) if isinstance(waited, (int, float)) else 0.0:.1f}s,"
+            + ",".join(f" {name} {shown(last.get(name))}" for name in ("held", "retried", "resumed", "failed"))
         )
+    if front.note:
+        line += f" ({shown(front.note)})"
     return line + "\n"
 
 

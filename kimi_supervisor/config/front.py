@@ -40,6 +40,8 @@ class FrontConfig:
     hold_s: float | None = None
     max_attempts: int = 3  # sends of one request to the engine (the first and the resumes)
     max_body_bytes: int = 32 << 20  # a resumable request's body is kept to be sent again
+    # Every kept body together (held while the engine restarts, or in flight): past it 503 with Retry-After.
+    max_held_bytes: int = 1 << 30
     allow_routes: tuple[str, ...] = ()  # control routes forwarded all the same (docs/front.md, Routes)
     probe_interval_s: float = 0.5
     probe_timeout_s: float = 2.0
@@ -82,6 +84,7 @@ def parse_front(t: Table, runtime_directory: Path, state_directory: Path, name: 
         hold_s=hold if given_hold else None,
         max_attempts=t.integer("max_attempts", FrontConfig.max_attempts, minimum=1, maximum=100),
         max_body_bytes=t.integer("max_body_bytes", FrontConfig.max_body_bytes, minimum=1024, maximum=1 << 30),
+        max_held_bytes=t.integer("max_held_bytes", FrontConfig.max_held_bytes, minimum=1024, maximum=1 << 40),
         allow_routes=allow,
         probe_interval_s=t.number("probe_interval_s", FrontConfig.probe_interval_s, maximum=60.0),
         probe_timeout_s=t.number("probe_timeout_s", FrontConfig.probe_timeout_s, maximum=60.0),

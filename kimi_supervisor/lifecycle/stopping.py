@@ -23,7 +23,7 @@ from kimi_supervisor.config.timeouts import SIGKILL_WAIT_S
 from kimi_supervisor.exitcodes import GpuNeedsReset
 from kimi_supervisor.host.gpu import GpuMemory, GpuProbe, GpuUnavailable, wait_until_free
 from kimi_supervisor.host.procident import ProcIdent, same_start
-from kimi_supervisor.host.procstate import needs_reset
+from kimi_supervisor.host.procstate import ProcState, needs_reset
 from kimi_supervisor.host.proctable import ProcessTable
 from kimi_supervisor.lifecycle.drain import Drain
 from kimi_supervisor.lifecycle.reactor import Reactor
@@ -121,13 +121,17 @@ def unkillable(
     log: Logger,
     why: str,
 ) -> GpuNeedsReset | None:
-    """The error that ends the run when members outlived SIGKILL_WAIT_S after SIGKILL; None once all are gone.
+    """The error that ends the run when members outlived SIGKILL_WAIT_S after SIGKILL and the GPU is why; None
+    once all are gone, or when nothing says a survivor is the GPU's.
 
-    A process that outlives SIGKILL is stuck in the kernel (an EngineCore in nvidia_uvm, as vLLM users have
-    seen): its GPUs stay held until a GPU reset or a reboot, so a restart would only wait out its preflight,
-    fail, and restart again.  Its exit code is in the unit's RestartPreventExitStatus= (systemd/unit.py).  The
-    GPUs named are the ones NVML lists it on; all of ours when NVML lists none of them (another PID namespace,
-    NVML gone).
+    A process that outlives SIGKILL in the NVIDIA driver (an EngineCore in nvidia_uvm, as vLLM users have seen)
+    holds its GPUs until a GPU reset or a reboot, so a restart would only wait out its preflight, fail, and
+    restart again.  Its exit code is in the unit's RestartPreventExitStatus= (systemd/unit.py), so it needs
+    evidence: NVML lists the survivor on one of our GPUs, or its wait channel or kernel stack is NVIDIA's.  A
+    survivor without it (a worker frozen, or waiting on a hung network mount of the model) may still go: the
+    run keeps its own, restartable, exit and the next start's preflight waits for it or reaps it, naming it.
+    The GPUs named are the ones NVML lists it on; all of ours when NVML lists none (another PID namespace, NVML
+    gone) and the driver is its wait.
     """
     stuck = []
     for ident in survivors:
@@ -141,14 +145,36 @@ def unkillable(
         return None
     pids = {s.pid for s in stuck}
     try:
-        held = tuple(sorted({p.gpu for i in gpus for p in probe.processes(i) if p.pid in pids}))
+        listed = [p for i in gpus for p in probe.processes(i) if p.pid in pids]
     except GpuUnavailable:
-        held = ()
+        listed = []
+    held = tuple(sorted({p.gpu for p in listed}))
+    on_gpus = {p.pid for p in listed}
+    evidence = {s.pid: _gpu_evidence(s, on_gpus) for s in stuck}
     for s in stuck:
         stack = " < ".join(s.stack or ())
-        log.error("stop.unkillable", pid=s.pid, name=s.name, state=s.state, wchan=s.wchan, stack=stack)
+        log.error(
+            "stop.unkillable", pid=s.pid, name=s.name, state=s.state, wchan=s.wchan, stack=stack, gpu=evidence[s.pid]
+        )
+    if not any(evidence.values()):
+        log.warning(
+            "stop.survivors_not_gpu",
+            pids=",".join(str(s.pid) for s in stuck),
+            why="NVML lists none on our GPUs and none waits in the NVIDIA driver: not exit 22; the next preflight "
+            "waits for or reaps what is left",
+        )
+        return None
     what = f"{len(stuck)} process(es) of vLLM's tree outlived SIGKILL by {SIGKILL_WAIT_S:g}s"
     return GpuNeedsReset(f"{needs_reset(held or gpus, stuck, what)} (stopping for: {why})"[:1000])
+
+
+def _gpu_evidence(state: ProcState, on_gpus: set[int]) -> str:
+    """Why this survivor is the GPU's business, or "" when nothing says so."""
+    if state.pid in on_gpus:
+        return "NVML lists it on our GPUs"
+    if state.in_nvidia_driver:
+        return "waits in the NVIDIA driver"
+    return ""
 
 
 def confirm_gpus_free(

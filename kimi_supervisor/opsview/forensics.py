@@ -22,15 +22,18 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.model import Config
@@ -83,23 +86,72 @@ class PySpyDumper:
 
     def dump(self, pid: int, timeout_s: float) -> tuple[str | None, str | None]:
         try:
-            done = subprocess.run(
+            proc = subprocess.Popen(
                 [self.path, "dump", "--nonblocking", "--pid", str(pid)],
-                capture_output=True,
-                timeout=timeout_s,
                 stdin=subprocess.DEVNULL,
-                check=False,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
             )
-        except subprocess.TimeoutExpired:  # run() killed it
-            return None, f"py-spy gave no answer within {timeout_s:g}s"
         except OSError as exc:
             return None, f"py-spy could not run: {exc}"
-        out = done.stdout.decode(errors="replace")[:MAX_STACK_BYTES]
-        if done.returncode != 0:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            abandon(proc)
+            return None, f"py-spy gave no answer within {timeout_s:g}s"
+        out = stdout.decode(errors="replace")[:MAX_STACK_BYTES]
+        if proc.returncode != 0:
             # Its error and the causes under it ("Failed to suspend process", "EPERM: ..."), on one line.
-            err = " ".join(w for w in (x.strip() for x in done.stderr.decode(errors="replace").splitlines()) if w)
-            return (out or None), f"py-spy exited {done.returncode}: {err or 'no message'}"[:500]
+            err = " ".join(w for w in (x.strip() for x in stderr.decode(errors="replace").splitlines()) if w)
+            return (out or None), f"py-spy exited {proc.returncode}: {err or 'no message'}"[:500]
         return out, None
+
+
+def abandon(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a helper past its time and leave it, never wait for it here.
+
+    `subprocess.run` waits without a bound for the process it killed on a timeout: a py-spy in D state (reading
+    a process stuck in the driver) never dies, so the dump, then the supervisor's exit, waited with it.  A daemon
+    thread reaps it whenever it goes; the interpreter's exit does not wait for that thread."""
+    with contextlib.suppress(OSError):
+        proc.kill()
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+    threading.Thread(target=proc.wait, name=f"forensics-reap-{proc.pid}", daemon=True).start()
+
+
+T = TypeVar("T")
+
+
+def detached(calls: list[Callable[[], T]], workers: int, name: str) -> list[concurrent.futures.Future[T]]:
+    """Each call in one of `workers` daemon threads; a future per call, in order.
+
+    Not a ThreadPoolExecutor: the interpreter's exit joins its threads, so one dump that never returns kept the
+    supervisor from exiting until systemd's own timeout.  A future still pending when its caller gives up is
+    cancelled by it and never started."""
+    futures: list[concurrent.futures.Future[T]] = [concurrent.futures.Future() for _ in calls]
+    pending: queue.SimpleQueue[tuple[concurrent.futures.Future[T], Callable[[], T]]] = queue.SimpleQueue()
+    for item in zip(futures, calls, strict=True):
+        pending.put(item)
+
+    def work() -> None:
+        while True:
+            try:
+                future, call = pending.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # the caller reads it from the future
+                future.set_exception(exc)
+
+    for i in range(max(1, min(workers, len(calls)))):
+        threading.Thread(target=work, name=f"{name}-{i}", daemon=True).start()
+    return futures
 
 
 def dump_stacks(
@@ -119,10 +171,10 @@ def dump_stacks(
         text, error = dumper.dump(pid, min(per_process_s, budget_s))
         return StackDump(pid, name, round(clock() - began, 3), text, error)
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(len(procs), 16), thread_name_prefix="forensics")
-    futures = [pool.submit(one, pid, name) for pid, name in procs]
+    futures = detached([functools.partial(one, pid, name) for pid, name in procs], 16, "forensics")
     concurrent.futures.wait(futures, timeout=budget_s)
-    pool.shutdown(wait=False, cancel_futures=True)  # a dumper that hangs is left behind, never waited for
+    for future in futures:
+        future.cancel()  # those not started; a dumper that hangs is left behind, never waited for
     dumps = []
     for (pid, name), future in zip(procs, futures, strict=True):
         if future.done() and not future.cancelled() and future.exception() is None:
@@ -201,9 +253,8 @@ def capture(
     began, start = time.monotonic(), clock()
     asking = None
     if ras is not None:
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-ras")
-        asking = pool.submit(ncclras.query, ras[0], ras[1], min(RAS_S, RAS_SHARE * budget_s))
-        pool.shutdown(wait=False)
+        query = functools.partial(ncclras.query, ras[0], ras[1], min(RAS_S, RAS_SHARE * budget_s))
+        [asking] = detached([query], 1, "forensics-ras")
     if dumper is None:
         stacks: list[StackDump] = []
         stacks_s = 0.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, cast
 
@@ -184,11 +185,39 @@ def validate_state(doc: dict[str, Any]) -> None:
     string(held.get("digest"), "weights.checkpoint.digest", optional=not held, longest=128)
     for name, value in mapping(held.get("shards"), "weights.checkpoint.shards").items():
         string(value, f"weights.checkpoint.shards.{escape_unprintable(name)[:40]}", optional=False, longest=128)
+    _validate_front(mapping(doc.get("front"), "front"))
     failure = mapping(doc.get("last_failure"), "last_failure")
     number(failure.get("at"), "last_failure.at")
     integer(failure.get("exit_code"), "last_failure.exit_code", lo=-255, hi=255)
     string(failure.get("root_cause"), "last_failure.root_cause")
     string(failure.get("incident"), "last_failure.incident", longest=4096)
+
+
+OUTAGE_COUNTS = ("held", "retried", "resumed", "failed")
+OUTCOME_WORD = re.compile(r"[a-z_]{1,40}")
+
+
+def _validate_front(front: dict[str, object]) -> None:
+    """The front's numbers (deployment/front/watch.py writes them): its file is written by the account that parses
+    every client's request, and root's `status` renders it, so it is checked like the engine's own."""
+    boolean(front.get("engine_serving"), "front.engine_serving")
+    integer(front.get("held"), "front.held")
+    number(front.get("hold_s"), "front.hold_s")
+    for outcome, count in mapping(front.get("requests"), "front.requests").items():
+        where = f"front.requests.{escape_unprintable(outcome)[:40]}"
+        if not OUTCOME_WORD.fullmatch(outcome):  # a key `--json` passes on: the front's outcomes are words
+            raise Untrusted(f"{where}: not an outcome's name (lowercase letters and _, at most 40)")
+        integer(count, where, optional=False)
+    for i, raw in enumerate(items(front.get("outages"), "front.outages", longest=64)):
+        outage = mapping(raw, f"front.outages[{i}]", optional=False)
+        number(outage.get("began"), f"front.outages[{i}].began")
+        number(outage.get("ended"), f"front.outages[{i}].ended")
+        number(outage.get("client_wait_s"), f"front.outages[{i}].client_wait_s")
+        for name in OUTAGE_COUNTS:
+            integer(outage.get(name), f"front.outages[{i}].{name}")
+        string(outage.get("kind"), f"front.outages[{i}].kind", longest=40)
+        integer(outage.get("engine_exit_code"), f"front.outages[{i}].engine_exit_code", lo=-255, hi=255)
+        boolean(outage.get("holder_assisted"), f"front.outages[{i}].holder_assisted")
 
 
 def writer_alive(doc: dict[str, Any]) -> bool:

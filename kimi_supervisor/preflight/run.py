@@ -338,13 +338,20 @@ class Preflight:
         self._raise_if_stuck(plan, outcome.survivors)
 
     def _raise_if_stuck(self, plan: ReapPlan, survivors: tuple[ProcInfo, ...]) -> None:
-        """A victim that outlived SIGKILL in D state is stuck in the kernel: its GPUs free only with a GPU reset or
-        a reboot, so say so now (the exit the unit does not restart on) instead of waiting preflight.deadline_s out.
-        A survivor in another state (another PID namespace, a signal refused) keeps the wait: it may still go."""
+        """A victim that outlived SIGKILL in D state on our GPUs is stuck in the kernel: its GPUs free only with a
+        GPU reset or a reboot, so say so now (the exit the unit does not restart on) instead of waiting
+        preflight.deadline_s out.  On our GPUs: NVML lists it, or it waits in the NVIDIA driver; a stale tree's
+        companion or parent in D state elsewhere (a hung network mount) may still go.  A survivor in another state
+        (another PID namespace, a signal refused) keeps the wait too."""
+        listed = {v.proc.pid for v in plan.victims if v.gpus}
         states = [(p, self._table.state(p.pid)) for p in survivors]
         # Alive asked after the state was read: a survivor that went since and left its PID to a newcomer in D
         # state (a container's small PID namespace) is not stuck, and exit 22 is not restarted on.
-        stuck = [s for p, s in states if s is not None and s.uninterruptible and self._table.alive(p)]
+        stuck = [
+            s
+            for p, s in states
+            if s is not None and s.uninterruptible and (s.pid in listed or s.in_nvidia_driver) and self._table.alive(p)
+        ]
         if not stuck:
             return
         pids = {s.pid for s in stuck}

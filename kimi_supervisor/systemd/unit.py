@@ -329,6 +329,12 @@ RestartSec=1
 RestartPreventExitStatus={config_exit}
 SyslogIdentifier=kimi-supervisor-front@%i
 LimitNOFILE=1048576
+# Its memory is what clients send it (docs/front.md, "Memory"): bounded in its own cgroup, so that past it the
+# kernel reclaims and then kills the front (restarted in 1 s), never vLLM; and the host's OOM killer, should it
+# run first, picks the front before vLLM. front.max_held_bytes (1 GiB) keeps it well under MemoryHigh.
+MemoryHigh=3G
+MemoryMax=4G
+OOMScoreAdjust=500
 # /run/kimi-supervisor: the host's instance locks (its port's among them); /run/kimi-supervisor/%i: the
 # engine's state file it reads and the engine's socket directory, front/, which the engine's unit makes.
 RuntimeDirectory=kimi-supervisor kimi-supervisor/%i

@@ -208,3 +208,25 @@ def test_a_stranger_on_the_mains_pid_and_session_id_after_the_tree_went_is_never
     assert got["main"] == got["stranger"] == got["sid"]  # the premise: the main's PID and its session id
     assert not got["listed"], "a stranger leading a session of the main's id was listed as a member"
     assert not got["signalled"], "signal_tree reached a stranger"
+
+
+def test_a_helper_the_supervisor_runs_itself_is_never_a_member_of_the_tree() -> None:
+    """In the supervisor every child of its own counts (orphans of vLLM's tree come back to it, a subreaper), but
+    not what it runs itself: a py-spy stuck in D state was SIGKILLed with the tree, outlived it and turned an exit
+    14 into 22. The helper is in the supervisor's session, where no member of vLLM's tree can ever be."""
+    child = ChildProcess.spawn(spec(sys.executable, "-c", "import time; time.sleep(600)"), owns_all_children=True)
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # as forensics runs py-spy
+    try:
+        assert helper.pid not in {p.pid for p in child.refresh_members()}
+        assert helper.pid not in {p.pid for p in child.alive_members()}
+        assert child.signal_tree(signal.SIGKILL) == 1  # vLLM's main only
+        wait_for(lambda: child.poll() is not None)
+        assert helper.poll() is None  # untouched
+        helper.kill()
+        wait_for(lambda: psutil.Process(helper.pid).status() == psutil.STATUS_ZOMBIE)
+        child.reap()
+        assert helper.wait(timeout=10) == -signal.SIGKILL  # its status was left to its own Popen (not ECHILD's 0)
+    finally:
+        helper.kill()
+        helper.wait()
+        close_pipes(child)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.cli.status import Snapshot, front_of, front_summary, render_front
+import pytest
+
+from kimi_supervisor.cli.status import Snapshot, front_of, front_summary, gather, render_front
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.model import PathsConfig
 from kimi_supervisor.opsview.history import HistoryData
+from kimi_supervisor.opsview.statefile import process_start_time
 from kimi_supervisor.roles import Role
 
 NOW = 1_000_000.0
@@ -62,3 +67,59 @@ def test_the_fronts_state_file_is_found_beside_the_engines(tmp_path: Path) -> No
     found = front_of(dirs)
     assert found is not None and found.state_file == tmp_path / "run" / "kimi" / "front-state" / "state.front.json"
     assert front_of(found) is None  # only an engine's files name the supervisors beside it
+
+
+def front_file(tmp_path: Path, front: object) -> Snapshot:
+    """The front's state file as a hostile front account could write it, its writer alive (this test), gathered."""
+    dirs = layout.directories(PathsConfig(tmp_path / "run", tmp_path / "state"), "kimi")
+    (tmp_path / "run" / "kimi" / "front-state").mkdir(parents=True)
+    (tmp_path / "run" / "kimi" / "front-state" / "state.front.json").write_text("{}")
+    found = front_of(dirs)
+    assert found is not None
+    me = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "version": "x", "config": ""}
+    doc = {"schema": 1, "supervisor": me, "phase": "ready", "status": "serving", "front": front}
+    found.state_file.write_text(json.dumps(doc))
+    return gather(found)
+
+
+ESC = "\x1b]0;owned\x07\x1b[2J"
+GOOD_OUTAGE = {"began": 1.0, "ended": 2.0, "client_wait_s": 1.0, "held": 1, "retried": 0, "resumed": 0, "failed": 0}
+
+
+@pytest.mark.parametrize(
+    ("front", "key"),
+    [
+        ("x", "front: expected an object, got str"),
+        ({"held": ESC}, "front.held: expected an integer, got str"),
+        ({"outages": [GOOD_OUTAGE | {"client_wait_s": "soon"}]}, "front.outages[0].client_wait_s: expected a number"),
+        ({"outages": [GOOD_OUTAGE | {"retried": ESC}]}, "front.outages[0].retried: expected an integer, got str"),
+        ({"outages": [GOOD_OUTAGE | {"kind": "k" * 41}]}, "front.outages[0].kind: longer than 40 characters"),
+        ({"outages": "soon"}, "front.outages: expected a list, got str"),
+        ({"requests": {ESC: 1}}, "front.requests."),
+    ],
+)
+def test_a_front_state_file_root_must_not_trust_is_refused_naming_the_key_and_nothing_of_it_shown(
+    tmp_path: Path, front: object, key: str
+) -> None:
+    """The front's file is written by the account that parses every client's request; root's `status NAME` reads
+    it. Checked like the engine's own (was: `"front": "x"` and `client_wait_s: "soon"` crashed status, exit 70, and an
+    escape sequence reached root's terminal); the note names the key, escaped."""
+    found = front_file(tmp_path, front)
+    assert not found.running and found.note is not None and key in found.note
+    line = render_front(found, NOW)
+    assert line.startswith("       Front: not running (state file unreadable: ") and key in line
+    assert "\x1b" not in line and "\x07" not in line
+    assert front_summary(found)["note"] == found.note
+
+
+def test_every_value_the_front_line_shows_is_escaped() -> None:
+    """Past the check, what is shown is escaped anyway: the phase, the kind, every count."""
+    state = {
+        "phase": "ready\x1b[2J",
+        "front": {"engine_serving": False, "held": 2, "outages": [GOOD_OUTAGE | {"kind": "crash\x1b]0;x\x07"}]},
+    }
+    line = render_front(snap(state), NOW)
+    assert "\x1b" not in line and "\x07" not in line
+    assert line.startswith(
+        "       Front: ready\\x1b[2J, engine not serving, 2 held now; 1 outage(s), the last 1.0s (crash"
+    )

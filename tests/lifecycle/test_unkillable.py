@@ -7,6 +7,7 @@ real-process counterpart, the real CLI with a worker the test freezes: tests/lif
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from pathlib import Path
 
@@ -83,3 +84,55 @@ def test_a_survivor_whose_pid_names_a_newcomer_when_it_is_read_is_not_stuck(tmp_
     assert not w.events("stop.unkillable")
     assert rc != ExitCode.GPU_NEEDS_RESET, w.error
     assert w.events("stop.survivors")  # the member was a survivor when the wait ended: the premise
+
+
+FROZEN = ProcState(4242, "VLLM::Worker_TP", "D (disk sleep)", "__refrigerator", ("__refrigerator+0x4f/0x150",))
+
+
+def evidence_world(tmp_path: Path, state: ProcState, listed: bool) -> World:
+    """A survivor in `state`, NVML listing it on GPU 1 or not; /health fails from 3 s on (exit 14, restarted)."""
+    gpus = [FakeGpu(), FakeGpu()]
+    probe = FakeGpuProbe(gpus, alive=lambda pid: True)
+    w = serving_world(tmp_path, preflight={"gpus": [0, 1]}, shutdown={"grace_s": 2}, probe=probe)
+
+    def stuck(child: FakeChild) -> None:
+        child.survives_sigkill, child.term_exit_after = True, None
+        w.table.states[child.pid] = dataclasses.replace(state, pid=child.pid)
+        if listed:
+            gpus[1].occupants[child.pid] = 70000
+
+    w.script = stuck
+    w.health = lambda t: 200 if 1.0 <= t < 3.0 else (None if t < 1.0 else 500)
+    w.say_at(2.0, HEALTH_LINE)
+    return w
+
+
+def test_a_survivor_nothing_ties_to_the_gpu_keeps_the_runs_restartable_exit(tmp_path: Path) -> None:
+    """A CPU-only worker frozen (or waiting on a hung network mount) past the SIGKILL wait: NVML lists it nowhere
+    and its wait is not NVIDIA's. It may still go, so no 22 (never restarted): the run keeps its exit 14, and the
+    survivor is named (was: exit 22 for any survivor)."""
+    w = evidence_world(tmp_path, FROZEN, listed=False)
+    assert w.run() == ExitCode.CHILD_UNHEALTHY
+    child = w.child
+    assert child is not None
+    assert [s for _, s in child.signals] == [signal.SIGTERM, signal.SIGKILL]  # the premise: it outlived SIGKILL
+    [event] = w.events("stop.unkillable")
+    assert (event["pid"], event["wchan"], event["gpu"]) == (child.pid, "__refrigerator", "")
+    assert w.events("stop.survivors_not_gpu")[0]["pids"] == str(child.pid)
+    assert not any("needs a reset" in str(f.get("STATUS")) for _, f in w.notes.sent)
+
+
+def test_a_survivor_nvml_lists_is_22_whatever_it_waits_in(tmp_path: Path) -> None:
+    w = evidence_world(tmp_path, FROZEN, listed=True)
+    assert w.run() == ExitCode.GPU_NEEDS_RESET
+    assert w.error is not None and w.error.message.startswith("GPU 1 needs a reset or the host a reboot")
+    assert w.events("stop.unkillable")[0]["gpu"] == "NVML lists it on our GPUs"
+
+
+def test_a_survivor_in_the_nvidia_driver_nvml_does_not_list_is_22_for_all_our_gpus(tmp_path: Path) -> None:
+    """Another PID namespace, or NVML gone: the wait channel and stack are the evidence, and every GPU of ours is
+    named, since NVML cannot say which."""
+    w = evidence_world(tmp_path, STUCK, listed=False)
+    assert w.run() == ExitCode.GPU_NEEDS_RESET
+    assert w.error is not None and w.error.message.startswith("GPUs 0, 1 need a reset or the host a reboot")
+    assert w.events("stop.unkillable")[0]["gpu"] == "waits in the NVIDIA driver"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from kimi_supervisor.opsview.forensics import Incident, IncidentStore, PySpyDump
 from testkit.fakes.clock import FakeClock
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from testkit.fakes.log import RecordingLog
+from tests.conftest import wait_for
 
 SLEEPER = """
 import sys, time
@@ -186,3 +189,51 @@ def test_py_spy_is_asked_not_to_pause_vllm_and_its_refusal_is_one_line(tmp_path:
     tool.write_text("#!/bin/sh\nexec sleep 30\n")
     text, error = PySpyDumper(str(tool)).dump(4242, 0.2)
     assert text is None and error == "py-spy gave no answer within 0.2s"
+
+
+def test_a_dump_that_never_returns_leaves_no_thread_the_interpreters_exit_would_join(tmp_path: Path) -> None:
+    """The dumps and the RAS query run in daemon threads: a ThreadPoolExecutor's are joined when the interpreter
+    exits, so one dump that never returned (py-spy on a process in D state) kept the supervisor from exiting."""
+    dumper = Hanging(hangs=2)
+    try:
+        log = RecordingLog()
+        record(IncidentStore(tmp_path / "i"), dumper, [(1, "api"), (2, "EngineCore")], log, 0.2, ("127.0.0.1", 1))
+        left = [t for t in threading.enumerate() if t.name.startswith("forensics") and t.is_alive()]
+        assert left, "the premise: the hanging dump's thread is still running"
+        assert all(t.daemon for t in left), [(t.name, t.daemon) for t in left]
+    finally:
+        dumper.release.set()
+
+
+def test_a_py_spy_that_outlives_sigkill_does_not_hold_the_dump(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A py-spy reading a process stuck in the NVIDIA driver can itself be stuck there: its SIGKILL stays pending.
+    Made here by not delivering SIGKILL at all; `subprocess.run` then waited for it without a bound after its
+    timeout.  The dump answers once its time is up and a daemon thread reaps the py-spy whenever it goes."""
+    tool = tmp_path / "py-spy"
+    tool.write_text("#!/bin/sh\nexec sleep 600\n")
+    tool.chmod(0o755)
+    real_kill = os.kill
+    withheld: list[int] = []
+
+    def kill(pid: int, sig: int) -> None:
+        if sig == signal.SIGKILL:
+            withheld.append(pid)  # stuck in the kernel: pending, never acted on
+            return
+        real_kill(pid, sig)
+
+    monkeypatch.setattr(os, "kill", kill)
+    answers: list[tuple[str | None, str | None]] = []
+    dumping = threading.Thread(target=lambda: answers.append(PySpyDumper(str(tool)).dump(4242, 0.2)), daemon=True)
+    dumping.start()
+    try:
+        wait_for(lambda: answers, timeout=30)  # the dump answered; without the fix it waits out the sleep
+        assert answers == [(None, "py-spy gave no answer within 0.2s")]
+        [pid] = withheld  # it was SIGKILLed, and the kill did not land
+        reaper = [t for t in threading.enumerate() if t.name == f"forensics-reap-{pid}"]
+        assert reaper and reaper[0].daemon
+    finally:
+        monkeypatch.undo()
+        for pid in withheld:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        dumping.join(30)

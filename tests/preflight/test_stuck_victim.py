@@ -4,10 +4,12 @@ the stuck one's signals and reads its /proc from real-format files (tests/host/t
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 
 from kimi_supervisor.exitcodes import ExitCode, GpuNeedsReset, PreflightError
@@ -107,3 +109,41 @@ def test_a_d_state_read_from_a_newcomer_on_the_victims_pid_is_not_a_stuck_victim
     assert info.value.exit_code == ExitCode.PREFLIGHT_FAILED and "reap: survived SIGKILL" in info.value.message
     assert not log.events("preflight.unkillable")
     assert stuck.poll() is not None  # the premise: it was a survivor until its state was read
+
+
+NFS_STACK = """[<0>] rpc_wait_bit_killable+0x1e/0xa0 [sunrpc]
+[<0>] __rpc_execute+0x11e/0x3e0 [sunrpc]
+[<0>] nfs4_do_call_sync+0x6e/0xb0 [nfsv4]
+"""
+
+
+def test_a_stale_companion_stuck_off_our_gpus_is_no_22_but_a_restartable_failure_naming_it(
+    tmp_path: Path, spawner: ProcSpawner
+) -> None:
+    """Exit 22 is not restarted on, so it needs evidence that the GPU is why: NVML lists the survivor, or it waits
+    in the NVIDIA driver. A stale tree's companion (its resource_tracker) in D state on a hung network mount has
+    neither: it may still go (was: exit 22, "this deployment's GPUs need a reset"). Exit 10, naming it."""
+    engine = spawner.python(
+        "import subprocess, sys, time\n"
+        "tracker = [sys.executable, '-c', 'import time; time.sleep(600)', 'multiprocessing.resource_tracker']\n"
+        "c = subprocess.Popen(tracker)\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(600)",
+        title="VLLM::EngineCore",
+    )
+    assert engine.stdout is not None
+    companion = psutil.Process(int(engine.stdout.readline()))
+    try:
+        fake_proc(tmp_path / "proc", companion.pid, "D (disk sleep)", "rpc_wait_bit_killable", NFS_STACK)
+        probe = FakeGpuProbe([FakeGpu(), FakeGpu(occupants={engine.pid: 70000})])
+        clock, log = FakeClock(), RecordingLog()
+        pf = Preflight(make_cfg(tmp_path, gpus=[0, 1]), probe, StuckTable(companion.pid, tmp_path / "proc"), clock, log)
+        with pytest.raises(PreflightError) as info:
+            pf.run(dry_run=False)
+        assert info.value.exit_code == ExitCode.PREFLIGHT_FAILED
+        assert f"reap: survived SIGKILL PID {companion.pid}" in info.value.message
+        assert not log.events("preflight.unkillable")
+        assert engine.poll() is not None  # the premise: the stale engine, NVML's, was reaped; its companion was not
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            companion.kill()

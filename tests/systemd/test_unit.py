@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kimi_supervisor.config import layout
+from kimi_supervisor.config.front import FrontConfig
 from kimi_supervisor.config.load import DEFAULT_PATH, parse_config
 from kimi_supervisor.exitcodes import ExitCode
 from kimi_supervisor.systemd import unit
@@ -202,6 +203,14 @@ def test_the_shipped_front_template_is_the_rendered_one_and_outlives_its_engine(
     # docs/front.md as the README's venv install lays it out (pyproject's data-files), beside the README the
     # engine's units name: not a /usr/share/doc file nothing installs.
     assert d["Documentation"] == (unit.DEFAULT_DOC.parent / "docs" / "front.md").as_uri()
+
+
+def test_the_fronts_unit_bounds_its_memory_so_that_its_clients_never_cost_vllm_its_process() -> None:
+    """What the front keeps is what clients send it (issue 49: 16 held gzip requests grew it by 512 MiB): bounded in
+    its own cgroup above front.max_held_bytes' default, and the host's OOM killer picks it before vLLM."""
+    d = directives(unit.render_front())
+    assert (d["MemoryHigh"], d["MemoryMax"], d["OOMScoreAdjust"]) == ("3G", "4G", "500")
+    assert FrontConfig.max_held_bytes * 2 < 3 << 30  # the held bodies and their parsed copies stay under MemoryHigh
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")

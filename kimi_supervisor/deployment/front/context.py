@@ -42,8 +42,19 @@ def outcome(request: web.Request, outcome: str) -> str:
 
 
 def passed_headers(headers: Any) -> dict[str, str]:
-    """The end-to-end headers, passed on as they are."""
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP}
+    """The end-to-end headers, passed on as they are: not the hop-by-hop ones, nor any the message's own
+    `Connection:` names (RFC 9110 7.6.1: they were for this hop only)."""
+    named = {n.strip().lower() for v in headers.getall("Connection", ()) for n in v.split(",")}
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP and k.lower() not in named}
+
+
+def request_headers(request: web.Request) -> dict[str, str]:
+    """What the engine gets of a client's headers: the end-to-end ones, and X-Forwarded-For set to the client's
+    address: the front is the edge, so a client's own X-Forwarded-For is a claim, never passed on."""
+    headers = {k: v for k, v in passed_headers(request.headers).items() if k.lower() != "x-forwarded-for"}
+    if request.remote:
+        headers["X-Forwarded-For"] = request.remote
+    return headers
 
 
 def error_response(status: int, message: str, error_type: str, retry_after: int | None = None) -> web.Response:

@@ -13,6 +13,9 @@ OUTCOMES = (
     "refused_route",  # a control route not in front.allow_routes
     "rejected_full",  # queue_max requests held already
     "rejected_timeout",  # the engine was not back within hold_s
+    "rejected_too_large",  # a completion's body past front.max_body_bytes (413)
+    "rejected_held_bytes",  # its body would pass front.max_held_bytes, all kept bodies together (503)
+    "refused_coding",  # a body with a Content-Encoding (415: bodies.py)
 )
 RESTART_FAILURES = ("failed_restart", "rejected_full", "rejected_timeout")
 KEEP_OUTAGES = 10  # in the state file

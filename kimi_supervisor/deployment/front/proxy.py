@@ -11,7 +11,8 @@ import json
 from aiohttp import web
 
 from kimi_supervisor.config.front import FrontConfig
-from kimi_supervisor.deployment.front.context import JSON_DEPTH, FrontContext, error_response
+from kimi_supervisor.deployment.front.bodies import HeldBodies, Parser, is_stream, read_kept, refused_coding
+from kimi_supervisor.deployment.front.context import FrontContext, error_response
 from kimi_supervisor.deployment.front.engine import Engine, EnginePool
 from kimi_supervisor.deployment.front.failure import Failures
 from kimi_supervisor.deployment.front.forward import Forwarder
@@ -22,7 +23,6 @@ from kimi_supervisor.deployment.front.routes import RESUMABLE, Route, route_of
 from kimi_supervisor.deployment.front.streams import Streams
 from kimi_supervisor.deployment.front.watch import EngineWatch
 from kimi_supervisor.logs.types import Logger
-from kimi_supervisor.untrusted_json import Untrusted, parse_json
 
 
 class FrontServer:
@@ -40,6 +40,8 @@ class FrontServer:
         self.watch = EngineWatch(ctx)
         self.forwarder = Forwarder(ctx, failures)
         self.streams = Streams(ctx, failures)
+        self.held_bodies = HeldBodies(cfg.max_held_bytes)
+        self.parser = Parser()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_bytes)
@@ -51,7 +53,14 @@ class FrontServer:
     def runner(self, shutdown_timeout: float = 10.0) -> web.AppRunner:
         # A client that disconnects cancels its handler: the engine's connection for it closes with it, and
         # vLLM aborts the request (its with_cancellation / StreamingResponse see the disconnect).
-        return web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
+        # auto_decompress=False: a coded body is refused, never decoded (bodies.py).
+        return web.AppRunner(
+            self.app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=shutdown_timeout,
+            auto_decompress=False,
+        )
 
     async def _start(self, _: web.Application) -> None:
         for engine in self.engines.engines:
@@ -77,6 +86,10 @@ class FrontServer:
             if raw == "/front/metrics":
                 return web.Response(body=self.metrics.text(), content_type="text/plain")
             return web.json_response({"engine_serving": self.engines.serving, "held": self.gate.held})
+        refused = refused_coding(request)
+        if refused is not None:
+            self.metrics.finished("refused_coding")
+            return refused
         if route is Route.RESUMABLE and request.method == "POST":
             return await self._resumable(request, RESUMABLE[raw])
         if route is not Route.PROBE:
@@ -86,18 +99,16 @@ class FrontServer:
         return await self.forwarder.forward(request, route)
 
     async def _resumable(self, request: web.Request, fmt: str) -> web.StreamResponse:
-        """A completion: streamed ones are resumed after a break (streams.py), the others sent again (forward.py)."""
-        body = await request.content.read(self.cfg.max_body_bytes + 1)
-        if len(body) > self.cfg.max_body_bytes or not request.content.at_eof():
-            return error_response(
-                413, f"the body exceeds front.max_body_bytes ({self.cfg.max_body_bytes})", "too_large"
-            )
-        if b'"stream"' not in body:  # the common short request: not parsed here (the engine parses it)
-            return await self.forwarder.retrying(request, body)
+        """A completion: streamed ones are resumed after a break (streams.py), the others sent again (forward.py).
+        Its body is kept, counted in `held_bodies`, until it is answered."""
+        body, refused = await read_kept(request, self.cfg.max_body_bytes, self.held_bodies, self.gate.retry_after_s())
+        if refused is not None:
+            self.metrics.finished("rejected_too_large" if refused.status == 413 else "rejected_held_bytes")
+            return refused
         try:
-            parsed = parse_json(body, JSON_DEPTH)
-        except Untrusted:
-            parsed = None
-        if isinstance(parsed, dict) and parsed.get("stream") is True:
-            return await self.streams.stream(request, fmt, parsed)
-        return await self.forwarder.retrying(request, body)
+            parsed = await self.parser.parse(body)
+            if parsed is not None and is_stream(parsed):
+                return await self.streams.stream(request, fmt, parsed)
+            return await self.forwarder.retrying(request, body)
+        finally:
+            self.held_bodies.give(len(body))

@@ -21,6 +21,7 @@ from kimi_supervisor.deployment.front.context import (
     error_response,
     outcome,
     passed_headers,
+    request_headers,
 )
 from kimi_supervisor.deployment.front.engine import BASE, Engine
 from kimi_supervisor.deployment.front.failure import EngineBroke, Failures
@@ -129,9 +130,7 @@ class Streams:
         """The first send: the engine's own stream, each chunk kept (record.observe) and passed on.  An answer
         that is not a stream (a 400 for a bad request) is returned as it is."""
         request = client.request
-        async with engine.session.post(
-            BASE + request.raw_path, json=body, headers=passed_headers(request.headers)
-        ) as answer:
+        async with engine.session.post(BASE + request.raw_path, json=body, headers=request_headers(request)) as answer:
             if answer.status != 200 or not answer.content_type.startswith("text/event-stream"):
                 data = await answer.read()
                 await self.failures.answer(engine, answer.status)

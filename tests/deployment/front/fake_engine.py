@@ -76,6 +76,7 @@ class FakeEngine:
     def __init__(self, socket: Path) -> None:
         self.socket = socket
         self.seen: list[tuple[str, dict[str, Any] | None]] = []  # (path, body) of every request but /health
+        self.headers: list[dict[str, str]] = []  # the headers of each of them, in the same order
         self.healthy = True
         self.crash_after: int | None = None  # tokens of a stream sent, then it dies
         self.crash_generate_after: int | None = None  # the same, in the token-in route's stream
@@ -128,6 +129,7 @@ class FakeEngine:
 
     async def _other(self, request: web.Request) -> web.Response:
         self.seen.append((request.path, None))
+        self.headers.append(dict(request.headers))
         return web.json_response({"path": request.path})
 
     async def _die_in(self, request: web.Request) -> None:
@@ -140,6 +142,7 @@ class FakeEngine:
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append((request.path, body))
+        self.headers.append(dict(request.headers))
         chat = request.path.startswith("/v1/chat/")
         prompt = prompt_ids(request.path, body)
         out = generate(prompt, int(body.get("max_tokens") or 16))
