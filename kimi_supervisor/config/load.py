@@ -383,7 +383,12 @@ _DEPLOYMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def _parse_deployment(t: Table, path: Path) -> DeploymentConfig:
-    stem = path.name.removesuffix(".toml")
+    role = t.string("role", Role.ENGINE.value)
+    if role not in ROLE_NAMES:
+        raise t.error("role", f"expected one of {', '.join(repr(r) for r in ROLE_NAMES)}, got {short_repr(role)}")
+    # NAME.front.toml and NAME.weights.toml are deployment NAME's (roles.py config_name), as their units run them:
+    # their role's suffix is no part of the name.
+    stem = path.name.removesuffix(".toml").removesuffix(Role(role).file_suffix)
     name = t.string("name", None)
     if name is None:
         if not _DEPLOYMENT_NAME.match(stem):
@@ -398,9 +403,6 @@ def _parse_deployment(t: Table, path: Path) -> DeploymentConfig:
             "name",
             f"expected letters, digits, '_', '.' or '-' (at most 64, not starting with a sign), got {short_repr(name)}",
         )
-    role = t.string("role", Role.ENGINE.value)
-    if role not in ROLE_NAMES:
-        raise t.error("role", f"expected one of {', '.join(repr(r) for r in ROLE_NAMES)}, got {short_repr(role)}")
     t.done()
     return DeploymentConfig(name=name, role=Role(role))
 

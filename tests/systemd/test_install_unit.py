@@ -278,3 +278,54 @@ def test_install_unit_refuses_a_holder_config_or_a_pair_without_instance(tmp_pat
     result = install_unit("--config", str(tmp_path / "kimi.weights.toml"), "--unit-dir", str(tmp_path / "u"))
     assert result.returncode == 78 and "install-unit takes the engine's config" in result.stderr
     assert not (tmp_path / "u").exists()
+
+
+FRONT_CONFIG = '[deployment]\nrole = "front"\n[front]\nport = 8000\n'  # no deployment.name: its file names it
+
+
+def test_install_unit_of_an_engine_writes_its_fronts_unit_too_when_it_has_one(tmp_path: Path) -> None:
+    """docs/front.md: one command for the deployment's units, as the holder's: the engine's config with NAME.front.toml
+    beside it writes the front's template too; without one, nothing of a front (nothing the operator did not ask
+    for); an engine the front could not reach (no --uds to its socket, no --enable-scale-out) is refused first."""
+    etc, units = tmp_path / "etc", tmp_path / "units"
+    etc.mkdir()
+    (etc / "kimi-a.toml").write_text(MINIMAL)
+    args = ("--instance", "kimi-a", "--config", str(etc / "kimi-a.toml"), "--unit-dir", str(units))
+    assert install_unit(*args).returncode == 0
+    assert sorted(p.name for p in units.iterdir()) == [unit.TEMPLATE_NAME, "kimi-supervisor@kimi-a.service.d"]
+    (etc / "kimi-a.front.toml").write_text(FRONT_CONFIG)
+    refused = install_unit(*args)
+    sock = "/run/kimi-supervisor/kimi-a/front/engine.sock"
+    assert (refused.returncode, refused.stderr) == (
+        78,
+        f"kimi-supervisor: config error: {etc}/kimi-a.toml: child.argv lacks --uds {sock} and --enable-scale-out (a "
+        f"broken stream's resume needs /inference/v1/generate), which its front {etc}/kimi-a.front.toml needs\n",
+    )
+    assert not (units / unit.FRONT_TEMPLATE_NAME).exists()
+    (etc / "kimi-a.toml").write_text(
+        f'[child]\nargv = ["vllm", "serve", "/m", "--uds", "{sock}", "--enable-scale-out"]\n'
+    )
+    done = install_unit(*args)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (
+        f"wrote {units / unit.FRONT_TEMPLATE_NAME} and {units / unit.TEMPLATE_NAME}; now: systemctl enable --now "
+        "kimi-supervisor@kimi-a.service kimi-supervisor-front@kimi-a.service\n"
+    )
+    front = directives((units / unit.FRONT_TEMPLATE_NAME).read_text())
+    assert front["ExecStart"] == f"{sys.executable} -m kimi_supervisor --config {etc}/%i.front.toml"
+
+
+def test_install_unit_of_a_front_honours_or_refuses_its_instance(tmp_path: Path) -> None:
+    """--instance is never ignored: the front's own name is honoured, another one refused with nothing written."""
+    (tmp_path / "kimi-a.front.toml").write_text(FRONT_CONFIG)
+    config = ("--config", str(tmp_path / "kimi-a.front.toml"), "--unit-dir", str(tmp_path / "u"))
+    refused = install_unit("--instance", "kimi-b", *config)
+    assert (refused.returncode, refused.stderr) == (
+        78,
+        f"kimi-supervisor: config error: install-unit --instance kimi-b: {tmp_path}/kimi-a.front.toml is the front of "
+        "deployment 'kimi-a' (kimi-supervisor-front@kimi-a): give --instance kimi-a, or the config of 'kimi-b'\n",
+    )
+    assert not (tmp_path / "u").exists()
+    done = install_unit("--instance", "kimi-a", *config)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith("now: systemctl enable --now kimi-supervisor-front@kimi-a.service\n")
