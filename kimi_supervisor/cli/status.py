@@ -150,7 +150,7 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
         lines.append(f"{'Config':>12}: {sup.get('config')}")
         lines += _tree(s.get("processes") or [])
         lines += _gpus(s)
-        lines += _probes(s, now, c)
+        lines += [] if "front" in s else _probes(s, now, c)  # a front probes its engine: its Front line says so
         lines += _uptime(s, now)
     else:
         dot = c("×", "red") if phase == "failed" else "○"
@@ -168,7 +168,10 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
         lines.append(f"{'Last load':>12}: {escape_unprintable(breakdown)}")
     if snap.note:
         lines.append(f"{'Note':>12}: {escape_unprintable(snap.note)}")
-    lines += _runs(snap.history, now)
+    if "front" in s:  # a front's own state file: no run history is kept, what it recorded is its outages
+        lines.append(render_front(snap, now).rstrip("\n"))
+    else:
+        lines += _runs(snap.history, now)
     return "\n".join(lines) + "\n"
 
 

@@ -481,7 +481,9 @@ def _refuse_tables(root: Table, data: Mapping[str, Any], role: Role) -> None:
             )
 
 
-def _parse_front(root: Table, reads: bool, deployment: DeploymentConfig, paths: PathsConfig) -> FrontConfig | None:
+def _parse_front(
+    root: Table, reads: bool, deployment: DeploymentConfig, paths: PathsConfig, path: Path
+) -> FrontConfig | None:
     """[front] exactly for a front (config/role_spec.py reads_front)."""
     if not reads:
         if root.has("front"):
@@ -489,7 +491,7 @@ def _parse_front(root: Table, reads: bool, deployment: DeploymentConfig, paths: 
                 "front", f'[front] is for a front\'s config (deployment.role = "front"), not {deployment.role.value!r}'
             )
         return None
-    return parse_front(root.table("front"), paths.runtime_directory, paths.state_directory, deployment.name)
+    return parse_front(root.table("front"), paths.runtime_directory, paths.state_directory, deployment.name, path)
 
 
 def parse_config(data: Mapping[str, Any], path: Path) -> Config:
@@ -507,7 +509,7 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
             "keeps every vLLM flag in child.argv, where the supervisor checks its rank and weight-cache flags"
         )
     paths = _parse_paths(root.table("paths"), path)
-    front = _parse_front(root, spec.reads_front, deployment, paths)
+    front = _parse_front(root, spec.reads_front, deployment, paths, path)
     _refuse_tables(root, data, deployment.role)
     # Before readiness and liveness: a holder's /health is on the port its argv gets here.
     weights, child = _parse_weights(root.table("weights"), "weights" in data, deployment, child, paths, path)

@@ -28,6 +28,7 @@ from kimi_supervisor.child.spawnplan import Unresolvable
 from kimi_supervisor.clock import Clock, format_duration
 from kimi_supervisor.config.gpu_pinning import ras_address
 from kimi_supervisor.config.model import Config
+from kimi_supervisor.config.vllm_args import served_at
 from kimi_supervisor.exitcodes import (
     ChildDied,
     ChildUnhealthy,
@@ -290,10 +291,9 @@ class Supervisor:
         self.tracker.serving = True  # from now on only fatal lines matter
         self.output.on_line = self.output.on_output = None
         took = format_duration(now - self._started_at)
-        url = self.cfg.readiness.health_url.rsplit("/health", 1)[0]
         self.state.to(
             State.READY,
-            f"ready: serving on {url} (started in {took})",
+            f"{self._serving_headline()} (started in {took})",
             notify={"READY": 1},
             startup_s=round(now - self._started_at, 3),
         )
@@ -510,7 +510,7 @@ class Supervisor:
     # -- helpers -----------------------------------------------------------------------
 
     def _serving_headline(self) -> str:
-        return f"ready: serving on {self.cfg.readiness.health_url.rsplit('/health', 1)[0]}"
+        return f"ready: serving on {served_at(self.cfg.readiness.health_url)}"
 
     def _root_cause(self) -> str:
         # vLLM's line, maybe holding a client's words: quoted and escaped, never the supervisor's own text.

@@ -247,3 +247,14 @@ def test_watchdog_pings_on_time_not_at_the_next_wake_up(tmp_path: Path) -> None:
     pings = w.notes.times("WATCHDOG", 1)
     gaps = [b - a for a, b in itertools.pairwise(pings)]
     assert len(gaps) >= 9 and all(abs(g - 1.0) < 1e-6 for g in gaps), gaps
+
+
+def test_the_headline_of_an_engine_on_its_uds_socket_shows_the_path_not_its_percent_encoding(tmp_path: Path) -> None:
+    """An engine behind its front (docs/front.md) serves on vLLM's --uds: `unix:/run/.../engine.sock`, as the
+    operator wrote it (was `http+unix://%2Frun%2F...`, the probes' URL)."""
+    sock = tmp_path / "run" / "kimi" / "front" / "engine.sock"
+    w = serving_world(tmp_path, child={"argv": ["vllm", "serve", "/models/m", "--uds", str(sock)]})
+    w.signal_at(3.0)
+    assert w.run() == 0
+    [ready] = [fields for _, fields in w.notes.sent if fields.get("READY") == 1]
+    assert str(ready["STATUS"]).startswith(f"ready: serving on unix:{sock} (started in ")

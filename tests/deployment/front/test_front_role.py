@@ -211,6 +211,14 @@ def test_the_cli_runs_the_front_ready_once_it_listens_and_stops_on_sigterm(tmp_p
             [outage] = _front_doc(state_file)["outages"]
             assert outage["ended"] >= outage["began"] and outage["held"] == 1 and outage["failed"] == 0
             assert outage["client_wait_s"] > 0
+            # Its own `status` pane (status --config NAME.front.toml): its config, ready since it listens, and its
+            # outages where an engine's runs would be (was: a blank Config, "not ready yet" under "Phase: ready",
+            # an engine's Health and Watchdog rows, "No runs recorded yet.").
+            pane = await asyncio.to_thread(_status_pane, config)
+            assert f"      Config: {config}\n" in pane and "ready for " in pane, pane
+            for wrong in ("not ready yet", "No runs recorded", "Health:", "Watchdog:"):
+                assert wrong not in pane, pane
+            assert "       Front: ready, engine serving, 0 held now; 1 outage(s), the last " in pane, pane
             run.signal(signal.SIGTERM)
             assert await asyncio.to_thread(run.wait, BOUND_S) == 0
             assert run.notify.first("STOPPING", "1") is not None
@@ -220,6 +228,16 @@ def test_the_cli_runs_the_front_ready_once_it_listens_and_stops_on_sigterm(tmp_p
             await engine.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), 4 * BOUND_S))
+
+
+def _status_pane(config: Path) -> str:
+    import io
+
+    from kimi_supervisor.cli.status import run_status
+
+    out = io.StringIO()
+    assert run_status(config, as_json=False, watch=False, out=out) == 0
+    return out.getvalue()
 
 
 def _front_doc(path: Path) -> dict[str, object]:
