@@ -15,7 +15,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from kimi_supervisor.cli.args import whole_parser  # noqa: E402
+from kimi_supervisor.cli.args import COMPLETE_DEPLOYMENTS, whole_parser  # noqa: E402
 
 OUTPUTS = {
     # Named as bash-completion and zsh look them up (by the command's name), installed as they are.
@@ -32,6 +32,39 @@ MAN_DATA = {
 }
 
 
+# `status NAME`: the names of the deployments configured in /etc/kimi-supervisor (NAME.toml, and its holder's and
+# front's NAME.weights.toml, NAME.front.toml) and of those with a state file under /run/kimi-supervisor, read from
+# the file names (no command runs at a Tab); KIMI_SUPERVISOR_CONFIG_DIR and KIMI_SUPERVISOR_RUNTIME_DIR move them.
+PREAMBLE = {
+    "bash": f"""\
+{COMPLETE_DEPLOYMENTS}() {{
+  local etc="${{KIMI_SUPERVISOR_CONFIG_DIR:-/etc/kimi-supervisor}}"
+  local run="${{KIMI_SUPERVISOR_RUNTIME_DIR:-/run/kimi-supervisor}}"
+  local f n names=()
+  for f in "$etc"/*.toml "$run"/*/state.json; do
+    [ -e "$f" ] || continue
+    case "$f" in
+      */state.json) n="${{f%/state.json}}"; n="${{n##*/}}" ;;
+      *) n="${{f##*/}}"; n="${{n%.toml}}"; n="${{n%.front}}"; n="${{n%.weights}}" ;;
+    esac
+    names+=("$n")
+  done
+  compgen -W "${{names[*]}}" -- "$1" | sort -u
+}}
+""",
+    "zsh": f"""\
+{COMPLETE_DEPLOYMENTS}() {{
+  local etc="${{KIMI_SUPERVISOR_CONFIG_DIR:-/etc/kimi-supervisor}}"
+  local run="${{KIMI_SUPERVISOR_RUNTIME_DIR:-/run/kimi-supervisor}}"
+  local -a names
+  names=("$etc"/*.toml(N:t:r) "$run"/*/state.json(N:h:t))
+  names=(${{(u)${{names%.weights}}%.front}})
+  compadd -a names
+}}
+""",
+}
+
+
 def render(kind: str) -> str:
     parser = whole_parser()
     if kind == "man":
@@ -42,7 +75,7 @@ def render(kind: str) -> str:
         return page if page.endswith("\n") else page + "\n"
     import shtab
 
-    return shtab.complete(parser, shell=kind)
+    return shtab.complete(parser, shell=kind, preamble=PREAMBLE[kind])
 
 
 def _body(text: str) -> str:

@@ -29,6 +29,7 @@ examples:
 
 
 COMMANDS = ("run", "check-config", "install-unit", "status")
+COMPLETE_DEPLOYMENTS = "_kimi_supervisor_deployments"  # the shell function that lists `status NAME`'s names
 # Options that take a value: their value is never mistaken for the command word (`--config status`).
 _VALUED = ("--config", "--log-format", "--log-level", "--unit-dir", "--instance")
 _DEFAULTS = {
@@ -107,7 +108,9 @@ def _command_parser(command: str) -> _Parser:
             metavar="PATH",
             help=f"TOML config file (default: every *.toml in {DEFAULT_PATH.parent}, one line each when several)",
         )
-        p.add_argument("name", nargs="?", default=None, metavar="NAME", help="the deployment to show (its name)")
+        name = p.add_argument("name", nargs="?", default=None, metavar="NAME", help="the deployment to show (its name)")
+        # shtab's hook (packaging/generate_shell_files.py defines the function): the deployments' names, completed.
+        name.complete = {"bash": COMPLETE_DEPLOYMENTS, "zsh": COMPLETE_DEPLOYMENTS}  # type: ignore[attr-defined]
     else:
         p.add_argument(
             "--config",

@@ -258,13 +258,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = get_logger()
     try:
         if args.command == "status":
-            from kimi_supervisor.cli.status import DEFAULT_RUNTIME_DIR, run_status  # only what reading files needs
+            # only what reading files (and the process table) needs
+            from kimi_supervisor.cli.status import DEFAULT_RUNTIME_DIR, run_status, running_configs
 
             if args.name is not None and args.config is not None:
                 raise ConfigError(f"status: give NAME ({args.name}) or --config ({args.config}), not both")
             try:
                 return run_status(
-                    args.config, args.json, args.watch, name=args.name, runtime_dirs=(DEFAULT_RUNTIME_DIR,)
+                    args.config,
+                    args.json,
+                    args.watch,
+                    name=args.name,
+                    runtime_dirs=(DEFAULT_RUNTIME_DIR,),
+                    running=running_configs,
                 )
             except DeploymentUnknown as err:  # a script's question, answered in one line as a config error is
                 print(f"kimi-supervisor: {err.message}", file=sys.stderr)

@@ -91,3 +91,23 @@ def test_the_package_installs_them_where_bash_zsh_and_man_look() -> None:
             if d.is_dir() and any(d.glob("*.md"))
         },
     }
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_bash_completes_status_with_the_deployments_names(tmp_path: Path) -> None:
+    """`kimi-supervisor status <Tab>`: each deployment configured (its engine's, holder's and front's files name it
+    once) and each with a state file under the runtime directory (was: nothing offered)."""
+    etc, run = tmp_path / "etc", tmp_path / "run"
+    for config in ("kimi-a.toml", "kimi-a.front.toml", "kimi-b.weights.toml", "other.toml"):
+        (etc / config).parent.mkdir(exist_ok=True)
+        (etc / config).write_text("")
+    (run / "kimi-c").mkdir(parents=True)
+    (run / "kimi-c" / "state.json").write_text("{}")
+    (run / "not-one").mkdir()  # a directory without a state file is no deployment
+    script = (
+        f"source {BASH}; COMP_WORDS=(kimi-supervisor status ki); COMP_CWORD=2; _shtab_kimi_supervisor; "
+        'printf "%s\\n" "${COMPREPLY[@]}"'
+    )
+    env = {"PATH": "/usr/bin:/bin", "KIMI_SUPERVISOR_CONFIG_DIR": str(etc), "KIMI_SUPERVISOR_RUNTIME_DIR": str(run)}
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, check=True, env=env)
+    assert sorted(done.stdout.split()) == ["kimi-a", "kimi-b", "kimi-c"]

@@ -62,3 +62,17 @@ def test_the_fronts_state_file_is_found_beside_the_engines(tmp_path: Path) -> No
     found = front_of(dirs)
     assert found is not None and found.state_file == tmp_path / "run" / "kimi" / "front-state" / "state.front.json"
     assert front_of(found) is None  # only an engine's files name the supervisors beside it
+
+
+def test_a_config_directory_with_an_engine_and_its_front_is_one_deployment_shown_as_its_engine(tmp_path: Path) -> None:
+    """NAME.front.toml is deployment NAME too (and sorts before NAME.toml): `status` shows the engine, its front's
+    line beside it (was: the front's files in the engine's place)."""
+    import io
+
+    from kimi_supervisor.cli.status import deployments
+
+    paths = f'[paths]\nruntime_directory = "{tmp_path}/run"\nstate_directory = "{tmp_path}/state"\n'
+    (tmp_path / "kimi.toml").write_text('[child]\nargv = ["vllm", "serve", "/m"]\n' + paths)
+    (tmp_path / "kimi.front.toml").write_text('[deployment]\nrole = "front"\n[front]\nport = 8123\n' + paths)
+    [found] = deployments(tmp_path, io.StringIO())
+    assert (found.name, found.role) == ("kimi", Role.ENGINE)
