@@ -111,3 +111,19 @@ def test_bash_completes_status_with_the_deployments_names(tmp_path: Path) -> Non
     env = {"PATH": "/usr/bin:/bin", "KIMI_SUPERVISOR_CONFIG_DIR": str(etc), "KIMI_SUPERVISOR_RUNTIME_DIR": str(run)}
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, check=True, env=env)
     assert sorted(done.stdout.split()) == ["kimi-a", "kimi-b", "kimi-c"]
+
+
+# Where journald reads catalogs (systemd 252 catalog.c: catalog_file_dirs); a venv's lib/systemd/catalog is not one.
+JOURNALD_CATALOG_DIRS = ("/usr/local/lib/systemd/catalog", "/usr/lib/systemd/catalog")
+
+
+def test_the_docs_venv_recipes_reach_man_and_journald() -> None:
+    """The README's venv install puts the man page and the catalog where neither man nor journald looks: the docs
+    say how, truly (was: `MANPATH=VENV/share/man`, which hides every system page, and `journalctl --update-catalog`
+    alone, which never reads the venv's catalog)."""
+    text = "".join((REPO / "docs" / page).read_text() for page in ("configuration.md", "operators-view.md"))
+    manpaths = re.findall(r"MANPATH=([^\s`]+)", text)
+    assert manpaths and all(m.endswith(":") for m in manpaths), manpaths
+    targets = re.findall(r"install -D -m 0644 -t (\S+) \S+/kimi-supervisor\.catalog", text)
+    assert targets and all(t.rstrip("/") in JOURNALD_CATALOG_DIRS for t in targets), targets
+    assert "journalctl --update-catalog" in text
