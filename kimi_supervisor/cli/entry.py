@@ -88,10 +88,12 @@ def _install_unit(cfg: Config, args: argparse.Namespace) -> int:
             )
     holder = role.holder_unit(config, instance)
     front = role.front_config(config)  # checked before anything is written
-    written = []
-    if front is not None:  # its template first: the engine's install below reloads systemd once for all
-        written.append(unit.install_front(front, args.unit_dir, reload=False))
-    target = unit.install(
+    if front is not None and instance is None:
+        # The front's template runs <dir>/NAME.front.toml beside the engine's template's NAME.toml.
+        raise ConfigError(
+            f"{front}: a deployment with a front needs the unit pair: install-unit --instance {cfg.deployment.name}"
+        )
+    written = unit.install(
         config,
         args.unit_dir,
         reload=not args.no_reload,
@@ -100,12 +102,12 @@ def _install_unit(cfg: Config, args: argparse.Namespace) -> int:
         writable=unit.writable_paths(cfg),
         holder=holder,
         credentials=sorted(set(cfg.child.credentials.values())),
+        serves=unit.serving(cfg),
+        front=front is not None,
     )
     services = [unit.UNIT_NAME if instance is None else f"kimi-supervisor@{instance}.service"]
     if holder is not None:
-        written.insert(0, args.unit_dir / unit.HOLDER_TEMPLATE_NAME)
         services.insert(0, layout.holder_service(cfg.deployment.name))
-    written.append(target)
     if front is not None:
         services.append(layout.unit_name(cfg.deployment.name, Role.FRONT) + ".service")
     listed = ", ".join(str(p) for p in written[:-1]) + " and " if len(written) > 1 else ""

@@ -106,4 +106,4 @@ class HeldWeightsEngine(Engine):
                 f'{holder_config}: deployment: expected role = "weights" and name = {instance!r} (the holder of '
                 f"kimi-supervisor@{instance}), got role {holder.role.value!r}, name {holder.deployment.name!r}"
             )
-        return unit.HolderUnit(timeouts.unit_timeout_stop_s(holder), unit.writable_paths(holder))
+        return unit.HolderUnit(timeouts.unit_timeout_stop_s(holder), unit.writable_paths(holder), unit.serving(holder))
