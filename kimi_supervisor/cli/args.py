@@ -13,18 +13,19 @@ from kimi_supervisor.exitcodes import DESCRIPTIONS, ExitCode
 from kimi_supervisor.logs.journal import FORMATS
 from kimi_supervisor.systemd import unit
 
+# (command, what it does): --help's examples, and the man page's EXAMPLES (packaging/generate_shell_files.py).
+EXAMPLES = (
+    ("kimi-supervisor --dry-run", "what a start would do now, changing nothing"),
+    ("kimi-supervisor check-config", "validate and print the effective config"),
+    ("kimi-supervisor status --watch", "loading progress and ETA until ready"),
+    ("systemctl start kimi-supervisor", "run it as the Type=notify unit"),
+    ("journalctl -u kimi-supervisor -p warning", "what went wrong"),
+)
 EPILOG = (
     "exit codes:\n"
     + "\n".join(f"  {int(c):>3}  {DESCRIPTIONS[c]}" for c in sorted(DESCRIPTIONS))
-    + """
-
-examples:
-  kimi-supervisor --dry-run                 what a start would do now, changing nothing
-  kimi-supervisor check-config              validate and print the effective config
-  kimi-supervisor status --watch            loading progress and ETA until ready
-  systemctl start kimi-supervisor           run it as the Type=notify unit
-  journalctl -u kimi-supervisor -p warning  what went wrong
-"""
+    + "\n\nexamples:\n"
+    + "".join(f"  {command:<40}  {what}\n" for command, what in EXAMPLES)
 )
 
 

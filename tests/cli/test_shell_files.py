@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 BASH = REPO / "packaging" / "completion" / "bash" / "kimi-supervisor"
 ZSH = REPO / "packaging" / "completion" / "zsh" / "_kimi-supervisor"
 MAN = REPO / "packaging" / "man" / "kimi-supervisor.1"
+MAN5 = REPO / "packaging" / "man" / "kimi-supervisor.toml.5"
 
 
 def options(command: str) -> set[str]:
@@ -80,6 +81,7 @@ def test_the_package_installs_them_where_bash_zsh_and_man_look() -> None:
         "share/bash-completion/completions": [str(BASH.relative_to(REPO))],
         "share/zsh/site-functions": [str(ZSH.relative_to(REPO))],
         "share/man/man1": [str(MAN.relative_to(REPO))],
+        "share/man/man5": [str(MAN5.relative_to(REPO))],
         "lib/systemd/catalog": ["packaging/journal/kimi-supervisor.catalog"],  # tests/logs/test_catalog.py
         # What Documentation= and runbook_url name: tests/systemd/test_install_venv.py
         "share/doc/kimi-supervisor": ["README.md"],
@@ -127,3 +129,22 @@ def test_the_docs_venv_recipes_reach_man_and_journald() -> None:
     targets = re.findall(r"install -D -m 0644 -t (\S+) \S+/kimi-supervisor\.catalog", text)
     assert targets and all(t.rstrip("/") in JOURNALD_CATALOG_DIRS for t in targets), targets
     assert "journalctl --update-catalog" in text
+
+
+def test_the_man_page_has_exit_status_files_and_see_also_and_the_config_file_a_page_of_its_own() -> None:
+    """man-pages(7)'s sections: the exit codes under EXIT STATUS (was: in a COMMENTS blob), FILES, SEE ALSO naming
+    kimi-supervisor.toml(5), whose page has every key docs/configuration.md documents."""
+    from kimi_supervisor.exitcodes import DESCRIPTIONS
+
+    page = MAN.read_text()
+    sections = re.findall(r"^\.SH (.+)$", page, re.M)
+    assert "COMMENTS" not in sections
+    assert sections[-4:] == ["EXIT STATUS", "EXAMPLES", "FILES", "SEE ALSO"]
+    exit_status = page.split(".SH EXIT STATUS\n")[1].split(".SH ")[0]
+    assert re.findall(r"^\.B (\d+)$", exit_status, re.M) == [str(int(c)) for c in sorted(DESCRIPTIONS)]
+    assert ".BR kimi\\-supervisor.toml (5)" in page.split(".SH SEE ALSO\n")[1]
+    config_page = MAN5.read_text()
+    assert config_page.startswith('.TH KIMI\\-SUPERVISOR.TOML "5" ')
+    documented = re.findall(r"^\| `([a-z_.]+)` \|", (REPO / "docs" / "configuration.md").read_text(), re.M)
+    keys = [k.replace("\\-", "-") for k in re.findall(r"^\.TP\n\.B (\S+)$", config_page, re.M)]
+    assert keys == documented and len(keys) > 50
