@@ -60,6 +60,12 @@ class Role(enum.Enum):
         return {Role.FRONT: "front-state"}.get(self, "")
 
     @property
+    def beside_engine(self) -> bool:
+        """A second supervisor of its engine's deployment (the weight holder, the front): `status` shows its files
+        beside the engine's, never as the deployment (NAME.front.toml and NAME.weights.toml name deployment NAME)."""
+        return self in (Role.WEIGHTS, Role.FRONT)
+
+    @property
     def serves_api(self) -> bool:
         """Its child answers the OpenAI API (and /health) on child.vllm's port."""
         return self in (Role.ENGINE, Role.LEADER)

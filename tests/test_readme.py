@@ -54,6 +54,7 @@ def test_every_config_key_is_documented() -> None:
         "front.engine_history_file",
         "front.engine_holder_state_file",
         "front.state_file",
+        "front.config_file",
     }
     documented = set(re.findall(r"^\| `([a-z_.]+)` \|", CONFIGURATION, re.MULTILINE))
     assert keys == documented

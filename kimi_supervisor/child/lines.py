@@ -121,3 +121,17 @@ class LineClassifier:
         if _EXCEPTION_LINE.match(stripped):
             return ChildLine(line, 3, fields, Kind.TRACEBACK)
         return ChildLine(line, self._default, fields, Kind.OTHER)
+
+
+# The end of uvicorn's access line: the status and its phrase after the client's quoted request
+# (`... "GET /health HTTP/1.1" 200 OK`); matched at the end, after whatever the client wrote inside the quotes.
+_ACCESS_STATUS = re.compile(r'" ([1-5]\d\d) [^"]*$')
+
+
+def answered_ok(line: ChildLine) -> bool:
+    """An access line of a request the server answered below 400: our own /health probes, mostly, which fill the
+    last lines of a run that failed while serving and explain nothing of the failure."""
+    if line.kind is not Kind.ACCESS:
+        return False
+    status = _ACCESS_STATUS.search(line.text.rstrip())
+    return status is not None and int(status.group(1)) < 400

@@ -13,22 +13,24 @@ from kimi_supervisor.exitcodes import DESCRIPTIONS, ExitCode
 from kimi_supervisor.logs.journal import FORMATS
 from kimi_supervisor.systemd import unit
 
+# (command, what it does): --help's examples, and the man page's EXAMPLES (packaging/generate_shell_files.py).
+EXAMPLES = (
+    ("kimi-supervisor --dry-run", "what a start would do now, changing nothing"),
+    ("kimi-supervisor check-config", "validate and print the effective config"),
+    ("kimi-supervisor status --watch", "loading progress and ETA until ready"),
+    ("systemctl start kimi-supervisor", "run it as the Type=notify unit"),
+    ("journalctl -u kimi-supervisor -p warning", "what went wrong"),
+)
 EPILOG = (
     "exit codes:\n"
     + "\n".join(f"  {int(c):>3}  {DESCRIPTIONS[c]}" for c in sorted(DESCRIPTIONS))
-    + """
-
-examples:
-  kimi-supervisor --dry-run                 what a start would do now, changing nothing
-  kimi-supervisor check-config              validate and print the effective config
-  kimi-supervisor status --watch            loading progress and ETA until ready
-  systemctl start kimi-supervisor           run it as the Type=notify unit
-  journalctl -u kimi-supervisor -p warning  what went wrong
-"""
+    + "\n\nexamples:\n"
+    + "".join(f"  {command:<40}  {what}\n" for command, what in EXAMPLES)
 )
 
 
 COMMANDS = ("run", "check-config", "install-unit", "status")
+COMPLETE_DEPLOYMENTS = "_kimi_supervisor_deployments"  # the shell function that lists `status NAME`'s names
 # Options that take a value: their value is never mistaken for the command word (`--config status`).
 _VALUED = ("--config", "--log-format", "--log-level", "--unit-dir", "--instance")
 _DEFAULTS = {
@@ -107,7 +109,9 @@ def _command_parser(command: str) -> _Parser:
             metavar="PATH",
             help=f"TOML config file (default: every *.toml in {DEFAULT_PATH.parent}, one line each when several)",
         )
-        p.add_argument("name", nargs="?", default=None, metavar="NAME", help="the deployment to show (its name)")
+        name = p.add_argument("name", nargs="?", default=None, metavar="NAME", help="the deployment to show (its name)")
+        # shtab's hook (packaging/generate_shell_files.py defines the function): the deployments' names, completed.
+        name.complete = {"bash": COMPLETE_DEPLOYMENTS, "zsh": COMPLETE_DEPLOYMENTS}  # type: ignore[attr-defined]
     else:
         p.add_argument(
             "--config",

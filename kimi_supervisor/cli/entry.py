@@ -32,6 +32,7 @@ from kimi_supervisor.logs.journal import ChildSink, close_outputs, configure, ge
 from kimi_supervisor.preflight.report import render_json, render_text
 from kimi_supervisor.preflight.run import Preflight, PreflightReport
 from kimi_supervisor.redact import redact_argv, redact_env, redact_text, secrets_in_argv, secrets_of
+from kimi_supervisor.roles import Role
 from kimi_supervisor.systemd import show, unit
 from kimi_supervisor.systemd.notify import RedactingNotifier, notifier_from_env, watchdog_interval
 
@@ -67,7 +68,8 @@ def _unit_stop_check(cfg: Config) -> Check | None:
 
 def _install_unit(cfg: Config, args: argparse.Namespace) -> int:
     config = args.config.resolve()
-    own = for_config(cfg).install_own_unit(config, args.unit_dir, reload=not args.no_reload)
+    role = for_config(cfg)
+    own = role.install_own_unit(config, args.unit_dir, reload=not args.no_reload, instance=args.instance)
     if own is not None:  # a front's template (docs/front.md): a unit of its own, not the engine's pair
         print(f"wrote {own}; now: systemctl enable --now {layout.unit_name(cfg.deployment.name, cfg.role)}.service")
         return ExitCode.OK
@@ -84,8 +86,14 @@ def _install_unit(cfg: Config, args: argparse.Namespace) -> int:
                 f"{config}: deployment.name: {cfg.deployment.name!r} is not the instance's name {instance!r} "
                 "(the unit's directories are named after the instance: remove deployment.name or make it match)"
             )
-    holder = for_config(cfg).holder_unit(config, instance)
-    target = unit.install(
+    holder = role.holder_unit(config, instance)
+    front = role.front_config(config)  # checked before anything is written
+    if front is not None and instance is None:
+        # The front's template runs <dir>/NAME.front.toml beside the engine's template's NAME.toml.
+        raise ConfigError(
+            f"{front}: a deployment with a front needs the unit pair: install-unit --instance {cfg.deployment.name}"
+        )
+    written = unit.install(
         config,
         args.unit_dir,
         reload=not args.no_reload,
@@ -94,16 +102,16 @@ def _install_unit(cfg: Config, args: argparse.Namespace) -> int:
         writable=unit.writable_paths(cfg),
         holder=holder,
         credentials=sorted(set(cfg.child.credentials.values())),
+        serves=unit.serving(cfg),
+        front=front is not None,
     )
-    service = unit.UNIT_NAME if instance is None else f"kimi-supervisor@{instance}.service"
+    services = [unit.UNIT_NAME if instance is None else f"kimi-supervisor@{instance}.service"]
     if holder is not None:
-        holder_service = layout.holder_service(cfg.deployment.name)
-        print(
-            f"wrote {args.unit_dir / unit.HOLDER_TEMPLATE_NAME} and {target}; "
-            f"now: systemctl enable --now {holder_service} {service}"
-        )
-    else:
-        print(f"wrote {target}; now: systemctl enable --now {service}")
+        services.insert(0, layout.holder_service(cfg.deployment.name))
+    if front is not None:
+        services.append(layout.unit_name(cfg.deployment.name, Role.FRONT) + ".service")
+    listed = ", ".join(str(p) for p in written[:-1]) + " and " if len(written) > 1 else ""
+    print(f"wrote {listed}{written[-1]}; now: systemctl enable --now {' '.join(services)}")
     return ExitCode.OK
 
 
@@ -252,13 +260,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = get_logger()
     try:
         if args.command == "status":
-            from kimi_supervisor.cli.status import DEFAULT_RUNTIME_DIR, run_status  # only what reading files needs
+            # only what reading files (and the process table) needs
+            from kimi_supervisor.cli.status import DEFAULT_RUNTIME_DIR, run_status, running_configs
 
             if args.name is not None and args.config is not None:
                 raise ConfigError(f"status: give NAME ({args.name}) or --config ({args.config}), not both")
             try:
                 return run_status(
-                    args.config, args.json, args.watch, name=args.name, runtime_dirs=(DEFAULT_RUNTIME_DIR,)
+                    args.config,
+                    args.json,
+                    args.watch,
+                    name=args.name,
+                    runtime_dirs=(DEFAULT_RUNTIME_DIR,),
+                    running=running_configs,
                 )
             except DeploymentUnknown as err:  # a script's question, answered in one line as a config error is
                 print(f"kimi-supervisor: {err.message}", file=sys.stderr)

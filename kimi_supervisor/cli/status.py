@@ -15,14 +15,18 @@ several are listed one line each (`status NAME` then shows one), 0 only when all
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
+
+import psutil
 
 from kimi_supervisor.clock import format_duration
 from kimi_supervisor.config import layout
@@ -150,7 +154,7 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
         lines.append(f"{'Config':>12}: {sup.get('config')}")
         lines += _tree(s.get("processes") or [])
         lines += _gpus(s)
-        lines += _probes(s, now, c)
+        lines += [] if "front" in s else _probes(s, now, c)  # a front probes its engine: its Front line says so
         lines += _uptime(s, now)
     else:
         dot = c("×", "red") if phase == "failed" else "○"
@@ -168,7 +172,10 @@ def render_text(snap: Snapshot, now: float, color: bool = False) -> str:
         lines.append(f"{'Last load':>12}: {escape_unprintable(breakdown)}")
     if snap.note:
         lines.append(f"{'Note':>12}: {escape_unprintable(snap.note)}")
-    lines += _runs(snap.history, now)
+    if "front" in s:  # a front's own state file: no run history is kept, what it recorded is its outages
+        lines.append(render_front(snap, now).rstrip("\n"))
+    else:
+        lines += _runs(snap.history, now)
     return "\n".join(lines) + "\n"
 
 
@@ -464,21 +471,80 @@ def deployment_of(config: Path, err: TextIO) -> DeploymentDirectories:
         return layout.of(parse_config({"child": {"argv": ["vllm"]}}, config))
 
 
-def deployments(config_dir: Path, err: TextIO, runtime_dirs: tuple[Path, ...] = ()) -> list[DeploymentDirectories]:
-    """Every deployment configured in `config_dir` (one `NAME.toml` each), and every one with a state file
-    under a runtime directory (theirs, and `runtime_dirs`): one started from a config elsewhere runs too."""
+def deployments(
+    config_dir: Path, err: TextIO, runtime_dirs: tuple[Path, ...] = (), running: Sequence[Path] = ()
+) -> list[DeploymentDirectories]:
+    """Every deployment configured in `config_dir` (one `NAME.toml` each, beside it its holder's and front's), every
+    one whose supervisor runs from a config in `running` (running_configs: one elsewhere, with its own [paths]),
+    and every one with a state file under a runtime directory (theirs, and `runtime_dirs`)."""
     try:
         configs = sorted(p for p in config_dir.iterdir() if p.suffix == ".toml" and not p.name.startswith("."))
     except OSError:
         configs = []
     found: dict[str, DeploymentDirectories] = {}
     for config in configs:
-        dirs = deployment_of(config, err)
-        found.setdefault(dirs.name, dirs)
+        _add(found, deployment_of(config, err))
+    for config in running:
+        try:
+            dirs = layout.of(load_config(config))
+        except ConfigError:
+            continue  # not readable by this user: its state may still be found under a runtime directory
+        _add(found, dirs)
     for root in sorted({*runtime_dirs, *(d.locks for d in found.values())}):
         for dirs in _running_under(root, set(found), err):
             found[dirs.name] = dirs
     return [found[name] for name in sorted(found)]
+
+
+def _add(found: dict[str, DeploymentDirectories], dirs: DeploymentDirectories) -> None:
+    # A deployment is shown as its engine's files, its holder's and front's beside them (holder_of, front_of):
+    # NAME.front.toml sorts before NAME.toml and is deployment NAME too.
+    have = found.get(dirs.name)
+    if have is None or (have.role.beside_engine and not dirs.role.beside_engine):
+        found[dirs.name] = dirs
+
+
+def running_configs() -> list[Path]:
+    """The config of every kimi-supervisor run on this host, from the process table: a deployment started from a
+    config outside the config directory with [paths] of its own (the demo's .demo-state/) keeps its state where
+    neither the config directory nor the default runtime directory leads.  A process whose command line or working
+    directory this user may not read is left out (its deployment is found by its state file, if at all)."""
+    found: set[Path] = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        config = run_config(proc.info["cmdline"] or [])
+        if config is None:
+            continue
+        if not config.is_absolute():
+            try:
+                config = Path(proc.cwd()) / config
+            except psutil.Error:
+                continue
+        found.add(config)
+    return sorted(found)
+
+
+def run_config(argv: Sequence[str]) -> Path | None:
+    """The config of a kimi-supervisor run's command line (its console script, `python3 .../bin/kimi-supervisor`
+    as its shebang runs it, or `python3 -m kimi_supervisor`); None for any other command, and for our own
+    `status`, `check-config`, `install-unit` and `--dry-run`, which run nothing."""
+    from kimi_supervisor.cli.args import parse_args
+
+    words = list(argv)
+    for i, word in enumerate(words[:3]):
+        if os.path.basename(word) == "kimi-supervisor":
+            rest = words[i + 1 :]
+            break
+        if word == "-m" and words[i + 1 : i + 2] == ["kimi_supervisor"]:
+            rest = words[i + 2 :]
+            break
+    else:
+        return None
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # a command line it cannot parse is not a run
+            args = parse_args(rest)
+    except SystemExit:
+        return None
+    return args.config if args.command == "run" and not args.dry_run else None
 
 
 def _running_under(root: Path, known: set[str], err: TextIO) -> list[DeploymentDirectories]:
@@ -508,13 +574,18 @@ def _running_under(root: Path, known: set[str], err: TextIO) -> list[DeploymentD
 
 
 def select(
-    config: Path | None, name: str | None, config_dir: Path, err: TextIO, runtime_dirs: tuple[Path, ...] = ()
+    config: Path | None,
+    name: str | None,
+    config_dir: Path,
+    err: TextIO,
+    runtime_dirs: tuple[Path, ...] = (),
+    running: Sequence[Path] = (),
 ) -> list[DeploymentDirectories]:
     """What `status` shows: the one config given, the NAME asked for, or every deployment configured here or
     running (the default config's when there is none).  DeploymentUnknown (exit 4) for a NAME none of them has."""
     if config is not None:
         return [deployment_of(config, err)]
-    found = deployments(config_dir, err, runtime_dirs)
+    found = deployments(config_dir, err, runtime_dirs, running)
     if name is not None:
         chosen = [d for d in found if d.name == name]
         if not chosen:
@@ -542,9 +613,12 @@ def run_status(
     name: str | None = None,
     config_dir: Path = DEFAULT_PATH.parent,
     runtime_dirs: tuple[Path, ...] = (),
+    running: Callable[[], Sequence[Path]] = tuple,
 ) -> int:
+    """`running`: the configs of the supervisors running here (cli passes running_configs; a test its own)."""
     out = out or sys.stdout
-    chosen = select(config, name, config_dir, sys.stderr, runtime_dirs)
+    lookup = running() if config is None else ()
+    chosen = select(config, name, config_dir, sys.stderr, runtime_dirs, lookup)
     tty = out.isatty()
     color = tty and not os.environ.get("NO_COLOR")
     if len(chosen) > 1:  # a host of several deployments: one line each (`status NAME` for one)

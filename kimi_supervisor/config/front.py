@@ -34,6 +34,8 @@ class FrontConfig:
     engine_holder_state_file: Path | None = None
     # Its own state file, which `kimi-supervisor status NAME` shows beside the engine's; None: none written.
     state_file: Path | None = None
+    # The file these settings were read from: its state file names it, as the engine's does (`status`' Config).
+    config_file: Path | None = None
     queue_max: int = 1024  # requests held at once; the next is answered 503 at once
     # The longest a request waits for the engine, then 503 with Retry-After; None: from the engine's history
     # (deployment/front/records.py hold_bound).
@@ -54,7 +56,9 @@ def engine_socket(runtime_directory: Path, name: str) -> Path:
     return runtime_directory / name / SOCKET_DIR / SOCKET_NAME
 
 
-def parse_front(t: Table, runtime_directory: Path, state_directory: Path, name: str) -> FrontConfig:
+def parse_front(
+    t: Table, runtime_directory: Path, state_directory: Path, name: str, config_file: Path | None = None
+) -> FrontConfig:
     """[front] of a front's config; ConfigError naming the file and key."""
     host = t.string("host", FrontConfig.host)
     assert host is not None
@@ -80,6 +84,7 @@ def parse_front(t: Table, runtime_directory: Path, state_directory: Path, name: 
         engine_history_file=state_directory / name / Role.ENGINE.history_file_name,
         engine_holder_state_file=runtime_directory / name / Role.WEIGHTS.state_file_name,
         state_file=runtime_directory / name / Role.FRONT.state_subdirectory / Role.FRONT.state_file_name,
+        config_file=config_file,
         queue_max=t.integer("queue_max", FrontConfig.queue_max, minimum=0, maximum=1 << 20),
         hold_s=hold if given_hold else None,
         max_attempts=t.integer("max_attempts", FrontConfig.max_attempts, minimum=1, maximum=100),

@@ -383,7 +383,12 @@ _DEPLOYMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def _parse_deployment(t: Table, path: Path) -> DeploymentConfig:
-    stem = path.name.removesuffix(".toml")
+    role = t.string("role", Role.ENGINE.value)
+    if role not in ROLE_NAMES:
+        raise t.error("role", f"expected one of {', '.join(repr(r) for r in ROLE_NAMES)}, got {short_repr(role)}")
+    # NAME.front.toml and NAME.weights.toml are deployment NAME's (roles.py config_name), as their units run them:
+    # their role's suffix is no part of the name.
+    stem = path.name.removesuffix(".toml").removesuffix(Role(role).file_suffix)
     name = t.string("name", None)
     if name is None:
         if not _DEPLOYMENT_NAME.match(stem):
@@ -398,9 +403,6 @@ def _parse_deployment(t: Table, path: Path) -> DeploymentConfig:
             "name",
             f"expected letters, digits, '_', '.' or '-' (at most 64, not starting with a sign), got {short_repr(name)}",
         )
-    role = t.string("role", Role.ENGINE.value)
-    if role not in ROLE_NAMES:
-        raise t.error("role", f"expected one of {', '.join(repr(r) for r in ROLE_NAMES)}, got {short_repr(role)}")
     t.done()
     return DeploymentConfig(name=name, role=Role(role))
 
@@ -479,7 +481,9 @@ def _refuse_tables(root: Table, data: Mapping[str, Any], role: Role) -> None:
             )
 
 
-def _parse_front(root: Table, reads: bool, deployment: DeploymentConfig, paths: PathsConfig) -> FrontConfig | None:
+def _parse_front(
+    root: Table, reads: bool, deployment: DeploymentConfig, paths: PathsConfig, path: Path
+) -> FrontConfig | None:
     """[front] exactly for a front (config/role_spec.py reads_front)."""
     if not reads:
         if root.has("front"):
@@ -487,7 +491,7 @@ def _parse_front(root: Table, reads: bool, deployment: DeploymentConfig, paths: 
                 "front", f'[front] is for a front\'s config (deployment.role = "front"), not {deployment.role.value!r}'
             )
         return None
-    return parse_front(root.table("front"), paths.runtime_directory, paths.state_directory, deployment.name)
+    return parse_front(root.table("front"), paths.runtime_directory, paths.state_directory, deployment.name, path)
 
 
 def parse_config(data: Mapping[str, Any], path: Path) -> Config:
@@ -505,7 +509,7 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
             "keeps every vLLM flag in child.argv, where the supervisor checks its rank and weight-cache flags"
         )
     paths = _parse_paths(root.table("paths"), path)
-    front = _parse_front(root, spec.reads_front, deployment, paths)
+    front = _parse_front(root, spec.reads_front, deployment, paths, path)
     _refuse_tables(root, data, deployment.role)
     # Before readiness and liveness: a holder's /health is on the port its argv gets here.
     weights, child = _parse_weights(root.table("weights"), "weights" in data, deployment, child, paths, path)

@@ -182,3 +182,11 @@ def _size(found: dict[str, str], key: str, flag: str) -> int:
     if size < 1:
         raise ValueError(f"{flag} expects >= 1, got {size}")
     return size
+
+
+def served_at(health_url: str) -> str:
+    """Where the API serves, as an operator reads it (the headline, `status`): the URL without /health, and vLLM's
+    --uds socket as its path, `unix:/run/.../engine.sock`, not the percent-encoded host the probes connect to."""
+    base = health_url.rsplit("/health", 1)[0]
+    parts = urllib.parse.urlsplit(base)
+    return f"unix:{urllib.parse.unquote(parts.netloc)}" if parts.scheme == UNIX_SCHEME else base

@@ -87,9 +87,15 @@ class Deployment(abc.ABC):
     def dry_run(self, checks: list[Check], gpu_count: int) -> None:  # noqa: B027 - a hook a plain engine leaves empty
         """Add what the dry run shows of this role to its report's checks."""
 
-    def install_own_unit(self, config: Path, unit_dir: Path, reload: bool) -> Path | None:
+    def install_own_unit(self, config: Path, unit_dir: Path, reload: bool, instance: str | None) -> Path | None:
         """A role with a unit of its own, not the engine's pair, writes it here (install-unit) and returns its
-        path; None: install-unit writes the engine's units."""
+        path; None: install-unit writes the engine's units.  `instance`: install-unit's --instance, honoured or
+        refused."""
+        return None
+
+    def front_config(self, config: Path) -> Path | None:
+        """The deployment's front config beside `config` (NAME.front.toml) whose unit install-unit writes with this
+        one's; None: no front (none written, so none asked for)."""
         return None
 
     def holder_unit(self, config: Path, instance: str | None) -> unit.HolderUnit | None:

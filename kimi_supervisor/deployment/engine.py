@@ -10,6 +10,7 @@ from kimi_supervisor.checks import Check, Verdict
 from kimi_supervisor.config import timeouts
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.config.model import Config
+from kimi_supervisor.deployment.front.role import Front
 from kimi_supervisor.deployment.supervised import SupervisedDeployment
 from kimi_supervisor.deployment.weights import cuda_ipc_check
 from kimi_supervisor.exitcodes import ConfigError, SupervisorError
@@ -24,6 +25,24 @@ from kimi_supervisor.systemd import unit
 
 class Engine(SupervisedDeployment):
     """One host's engine, its own weights loaded by vLLM."""
+
+    def front_config(self, config: Path) -> Path | None:
+        """NAME.front.toml beside the engine's config: its front, refused (exit 78) where the front's start would
+        refuse it (another deployment's, or this engine's argv without what the front needs)."""
+        name = self.cfg.deployment.name
+        path = config.parent / Role.FRONT.config_name(name)
+        if not path.exists():
+            return None
+        front = load_config(path)
+        if front.role is not Role.FRONT or front.deployment.name != name:
+            raise ConfigError(
+                f'{path}: deployment: expected role = "front" and name = {name!r} (the front of {config}), '
+                f"got role {front.role.value!r}, name {front.deployment.name!r}"
+            )
+        missing = Front(front).missing_flags(self.cfg)
+        if missing:
+            raise ConfigError(f"{config}: child.argv lacks {' and '.join(missing)}, which its front {path} needs")
+        return path
 
 
 class HeldWeightsEngine(Engine):
@@ -87,4 +106,4 @@ class HeldWeightsEngine(Engine):
                 f'{holder_config}: deployment: expected role = "weights" and name = {instance!r} (the holder of '
                 f"kimi-supervisor@{instance}), got role {holder.role.value!r}, name {holder.deployment.name!r}"
             )
-        return unit.HolderUnit(timeouts.unit_timeout_stop_s(holder), unit.writable_paths(holder))
+        return unit.HolderUnit(timeouts.unit_timeout_stop_s(holder), unit.writable_paths(holder), unit.serving(holder))

@@ -16,21 +16,20 @@ import collections
 import dataclasses
 from collections.abc import Callable, Iterable
 
+import psutil
+
 from kimi_supervisor.host.procident import ProcIdent
 
 RATE_WINDOW_S = 10.0
 
 
 def read_bytes(pid: int) -> int | None:
-    """`read_bytes` of `pid`, None when gone or not ours to read."""
+    """`read_bytes` of `pid` (psutil's io_counters, which reads `/proc/PID/io`), None when gone or not ours to
+    read."""
     try:
-        with open(f"/proc/{pid}/io", "rb") as f:
-            for line in f.read(4096).splitlines():
-                if line.startswith(b"read_bytes:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
+        return int(psutil.Process(pid).io_counters().read_bytes)
+    except (psutil.Error, OSError):
         return None
-    return None
 
 
 @dataclasses.dataclass(frozen=True)

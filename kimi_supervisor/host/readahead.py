@@ -29,6 +29,8 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import psutil
+
 CHUNK_BYTES = 16 << 20  # vLLM's own prefetch block size (config/load.py:12-13)
 RESERVE_FRACTION = 0.10
 POLL_S = 0.2  # how often a waiting read-ahead looks again at vLLM's progress and MemAvailable
@@ -47,14 +49,10 @@ class MemInfo:
     available: int
 
 
-def read_meminfo(path: str = "/proc/meminfo") -> MemInfo:
-    values: dict[str, int] = {}
-    with open(path, "rb") as f:
-        for line in f.read(16384).splitlines():
-            name, _, rest = line.partition(b":")
-            if name in (b"MemTotal", b"MemAvailable"):
-                values[name.decode()] = int(rest.split()[0]) * 1024
-    return MemInfo(values["MemTotal"], values["MemAvailable"])
+def read_meminfo() -> MemInfo:
+    """MemTotal and MemAvailable, as psutil reads /proc/meminfo (a dependency already: no parser of our own)."""
+    memory = psutil.virtual_memory()
+    return MemInfo(memory.total, memory.available)
 
 
 def read_chunk(path: Path, offset: int, buffer: bytearray) -> int:

@@ -212,14 +212,15 @@ class Drain:
     @property
     def outcome(self) -> str:
         """drained: vLLM's main exited by itself within its deadline; cut: past it (vLLM cut requests); aborted:
-        no drain (vLLM aborted every request at SIGTERM); killed: the main was still there at the SIGKILL;
-        died: a signal the supervisor never sent ended the main before the drain was seen to reach 0."""
+        no drain (vLLM aborted every request at SIGTERM); nothing_in_flight: no drain, and nothing was in flight at
+        SIGTERM to abort (was `aborted`, which read as lost requests); killed: the main was still there at the
+        SIGKILL; died: a signal the supervisor never sent ended the main before the drain was seen to reach 0."""
         if self._killed_at is not None and self._main_exited_at is None:
             return "killed"
         if self._died_of is not None:
             return "died"
         if self.timeout_s == 0:
-            return "aborted"
+            return "nothing_in_flight" if self.in_flight_at_sigterm == 0 else "aborted"
         return "drained" if self._drain_s() <= self.timeout_s else "cut"
 
     def _drain_s(self) -> float:
@@ -273,7 +274,7 @@ class Drain:
             # The whole tree went between two looks, so tick() never saw the main's exit: its status still says how.
             self._died_of = _foreign_signal(self._child.poll())
         outcome = self.outcome
-        drain_s = 0.0 if outcome == "aborted" else self._drain_s()
+        drain_s = 0.0 if outcome in ("aborted", "nothing_in_flight") else self._drain_s()
         self._log.info(
             "stop.drain",
             in_flight_at_sigterm=self.in_flight_at_sigterm,

@@ -23,6 +23,7 @@ import dataclasses
 import importlib.metadata
 import os
 import pwd
+import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from kimi_supervisor.config.load import DEFAULT_PATH
 from kimi_supervisor.config.model import Config
-from kimi_supervisor.exitcodes import ExitCode, NoPermission, ServiceUnavailable
+from kimi_supervisor.exitcodes import ConfigError, ExitCode, NoPermission, ServiceUnavailable
 from kimi_supervisor.roles import Role
 
 UNIT_NAME = "kimi-supervisor.service"
@@ -52,10 +53,10 @@ STATE_DIR = Path("/var/lib/kimi-supervisor")  # the unit's StateDirectory=
 DEFAULT_STOP_S = 360
 
 TEXT = """\
-# kimi-supervisor: vLLM serving Kimi-K2.5-NVFP4 (TP=8) as a Type=notify service.
+# kimi-supervisor: vLLM as a Type=notify service.
 {header}# Rendered by `kimi-supervisor install-unit{install_args}`; edit the config, not this file.
 [Unit]
-Description=vLLM Kimi-K2.5 NVFP4 (TP=8){what} supervised by kimi-supervisor{description}
+Description=vLLM{serves}{what} supervised by kimi-supervisor{description}
 {documentation}# The driver's persistence daemon keeps GPUs initialised; the API needs the network.
 After=network-online.target nvidia-persistenced.service
 Wants=network-online.target
@@ -234,8 +235,10 @@ def render(
     holder: bool = False,
     credentials: Sequence[str] = (),
     doc: Path | None = DEFAULT_DOC,
+    serves: str | None = None,
 ) -> str:
-    """The plain unit running `config_path`; `template=True`: the template unit, whose instance NAME runs
+    """The plain unit running `config_path`; `serves`: what its Description= says it serves (serving(cfg)), a
+    template's none (its instances' drop-ins say theirs); `template=True`: the template unit, whose instance NAME runs
     `<config_path's directory>/NAME.toml`.  `writable`: directories the config writes beyond the unit's own
     (ProtectSystem=strict leaves the rest read-only).  `credentials`: the systemd credentials child.credentials
     names (LoadCredential=).  `holder=True`: the weight holder's template, whose
@@ -265,6 +268,7 @@ def render(
     return TEXT.format(
         header=header,
         install_args=" --instance NAME" if template else "",
+        serves="" if serves is None or template else f" {serves}",
         what=" weight holder (vllm preload)" if holder else "",
         unit_extra=HOLDER_UNIT_LINES if holder else "",
         description=", deployment %i" if template else "",
@@ -402,6 +406,7 @@ def render_front(
 def install_front(config_path: Path, unit_dir: Path = DEFAULT_UNIT_DIR, reload: bool = True) -> Path:
     """Write the front's template for `config_path`'s directory and reload systemd."""
     target = unit_dir / FRONT_TEMPLATE_NAME
+    refuse_other_directory(target, config_path.parent)
     _write(target, render_front(running_executable(), config_path.parent, installed_doc()))
     if reload:
         _reload(target)
@@ -444,15 +449,31 @@ def credential_lines(credentials: Sequence[str]) -> str:
     return "# The child's secrets (child.credentials), into its environment only (docs/configuration.md).\n" + lines
 
 
+def serving(cfg: Config) -> str:
+    """What a unit's Description= says it serves, from its config: vLLM's served model name (else its model) and
+    its tensor-parallel size (was: "Kimi-K2.5 NVFP4 (TP=8)" for every config)."""
+    vllm = cfg.child.vllm
+    text = f"{vllm.served_name or vllm.model or 'a model'} (TP={vllm.tensor_parallel_size})"
+    # One line of a unit file, where `%` starts a specifier.
+    return "".join(c if c.isprintable() else "?" for c in text).replace("%", "%%")
+
+
 def instance_dropin(
-    stop_s: int, writable: Sequence[Path], holder_unit: str | None = None, credentials: Sequence[str] = ()
+    stop_s: int,
+    writable: Sequence[Path],
+    holder_unit: str | None = None,
+    credentials: Sequence[str] = (),
+    description: str | None = None,
 ) -> str:
     """What one instance's config adds to the template (install-unit --instance NAME); `holder_unit`: the
-    deployment's weight holder, which the engine maps (`[weights] holder = true`)."""
+    deployment's weight holder, which the engine maps (`[weights] holder = true`); `description`: its
+    Description= (the template's names no model: it serves every instance)."""
     bind = restart = ""
+    if description is not None:
+        bind = f"Description={description}\n"
     if holder_unit is not None:
-        bind = (
-            "[Unit]\n# This engine maps its weight holder's weights: started once the holder is ready, stopped\n"
+        bind += (
+            "# This engine maps its weight holder's weights: started once the holder is ready, stopped\n"
             "# (first) whenever the holder stops; its own restarts never touch the holder.\n"
             f"BindsTo={holder_unit}\nAfter={holder_unit}\n"
         )
@@ -461,6 +482,8 @@ def instance_dropin(
             f"# {TEMPLATE_RESTART_SEC} s would be most of it.  StartLimitBurst= still ends a crash loop.\n"
             f"RestartSec={HOLDER_ENGINE_RESTART_SEC}\n"
         )
+    if bind:
+        bind = "[Unit]\n" + bind
     return (
         "# Rendered by `kimi-supervisor install-unit --instance`: this instance's own settings, from its config.\n"
         f"{bind}[Service]\nTimeoutStopSec={int(stop_s)}\n{restart}{writable_lines(writable)}"
@@ -470,10 +493,12 @@ def instance_dropin(
 
 @dataclasses.dataclass(frozen=True)
 class HolderUnit:
-    """The weight holder's share of `install`: its own TimeoutStopSec= and writable paths, from its config."""
+    """The weight holder's share of `install`: its own TimeoutStopSec=, writable paths and Description=, from its
+    config."""
 
     stop_s: int
     writable: Sequence[Path] = ()
+    serves: str | None = None
 
 
 def running_executable(argv0: str | None = None, python: str | None = None) -> list[str]:
@@ -499,32 +524,88 @@ def install(
     writable: Sequence[Path] = (),
     holder: HolderUnit | None = None,
     credentials: Sequence[str] = (),
-) -> Path:
-    """Write the unit and reload systemd; returns the unit's path.  With `instance`: the template unit
-    (for `config_path`'s directory) and the instance's drop-in with its own TimeoutStopSec= and paths.
-    With `holder` (and `instance`): the weight holder's template and drop-in too, the engine bound to it."""
+    serves: str | None = None,
+    front: bool = False,
+) -> list[Path]:
+    """Write the units and reload systemd; returns the paths of the units written, the engine's last.  With
+    `instance`: the template unit (for `config_path`'s directory) and the instance's drop-in with its own
+    TimeoutStopSec=, paths and Description=.  With `holder` (and `instance`): the weight holder's template and
+    drop-in too, the engine bound to it; with `front`: the front's template (docs/front.md).  A template that
+    runs another directory's configs is refused before anything is written (its instances would be moved)."""
     argv = running_executable() if exec_argv is None else exec_argv
     doc = installed_doc()
+    config_dir = config_path.parent
     if instance is None:
         target = unit_dir / UNIT_NAME
-        _write(target, render(argv, config_path, stop_s, writable=writable, credentials=credentials, doc=doc))
-    else:
-        target = unit_dir / TEMPLATE_NAME
-        holder_unit = f"kimi-supervisor-weights@{instance}.service" if holder is not None else None
-        if holder is not None:
-            _write(unit_dir / HOLDER_TEMPLATE_NAME, render(argv, config_path, holder=True, doc=doc))
-            _write(
-                unit_dir / f"{holder_unit}.d" / DROPIN_NAME,
-                instance_dropin(holder.stop_s, holder.writable),
-            )
-        _write(target, render(argv, config_path, template=True, doc=doc))
         _write(
-            unit_dir / f"kimi-supervisor@{instance}.service.d" / DROPIN_NAME,
-            instance_dropin(stop_s, writable, holder_unit, credentials),
+            target,
+            render(argv, config_path, stop_s, writable=writable, credentials=credentials, doc=doc, serves=serves),
         )
+        if reload:
+            _reload(target)
+        return [target]
+    target = unit_dir / TEMPLATE_NAME
+    templates = [(target, render(argv, config_path, template=True, doc=doc))]
+    if holder is not None:
+        templates.insert(0, (unit_dir / HOLDER_TEMPLATE_NAME, render(argv, config_path, holder=True, doc=doc)))
+    if front:
+        templates.insert(-1, (unit_dir / FRONT_TEMPLATE_NAME, render_front(argv, config_dir, doc)))
+    for path, _ in templates:
+        refuse_other_directory(path, config_dir)
+    holder_unit = f"kimi-supervisor-weights@{instance}.service" if holder is not None else None
+    if holder is not None:
+        holder_says = None
+        if holder.serves is not None:
+            holder_says = f"vLLM {holder.serves} weight holder (vllm preload) supervised by kimi-supervisor"
+            holder_says += f", deployment {instance}"
+        _write(
+            unit_dir / f"{holder_unit}.d" / DROPIN_NAME,
+            instance_dropin(holder.stop_s, holder.writable, description=holder_says),
+        )
+    for path, text in templates:
+        _write(path, text)
+    engine_says = None if serves is None else f"vLLM {serves} supervised by kimi-supervisor, deployment {instance}"
+    _write(
+        unit_dir / f"kimi-supervisor@{instance}.service.d" / DROPIN_NAME,
+        instance_dropin(stop_s, writable, holder_unit, credentials, engine_says),
+    )
     if reload:
         _reload(target)
-    return target
+    return [path for path, _ in templates]
+
+
+def refuse_other_directory(template: Path, config_dir: Path) -> None:
+    """A template's instance NAME runs `<its directory>/NAME...toml`: one directory for every instance.  Written
+    again for a config of another directory, it would point the instances installed before at files that are not
+    there (was: rewritten silently, the first instance's next start failed); so it is refused, exit 78."""
+    try:
+        text = template.read_text()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise NoPermission(f"cannot read {template}: {exc.strerror}") from None
+    theirs = _config_directory(text)
+    if theirs is None or theirs == config_dir:
+        return
+    instances = sorted(p.name.removesuffix(".d") for p in template.parent.glob(template.name.replace("@", "@*") + ".d"))
+    which = f" ({', '.join(instances)})" if instances else ""
+    raise ConfigError(
+        f"{template} runs its instances' configs from {theirs}{which}, not {config_dir}: put this config in "
+        f"{theirs}, or remove {template} first if no instance runs from {theirs}"
+    )
+
+
+def _config_directory(text: str) -> Path | None:
+    """The directory a rendered template's ExecStart= reads its instances' configs from (`--config DIR/%i...`)."""
+    for line in text.splitlines():
+        if line.startswith("ExecStart="):
+            try:
+                words = shlex.split(line.removeprefix("ExecStart="))
+            except ValueError:
+                return None
+            if "--config" in words[:-1]:
+                return Path(words[words.index("--config") + 1].replace("%%", "%")).parent
+    return None
 
 
 def _reload(target: Path) -> None:

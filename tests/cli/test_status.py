@@ -454,7 +454,7 @@ def test_status_of_an_unknown_name_exits_4_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`kimi-supervisor status NOSUCH`: exit 4 (LSB "program or service status is unknown") and one line on
-    stderr naming the deployments there are; the host's directories are swapped for the test's."""
+    stderr naming the deployments there are; the host's directories and processes are swapped for the test's."""
     from kimi_supervisor import cli
     from kimi_supervisor.cli import status
 
@@ -462,7 +462,7 @@ def test_status_of_an_unknown_name_exits_4_in_one_line(
     real = status.run_status
 
     def on_test_dirs(*args: Any, **kwargs: Any) -> int:
-        return real(*args, **{**kwargs, "config_dir": tmp_path / "etc", "runtime_dirs": ()})
+        return real(*args, **{**kwargs, "config_dir": tmp_path / "etc", "runtime_dirs": (), "running": tuple})
 
     monkeypatch.setattr(status, "run_status", on_test_dirs)
     assert cli.main(["status", "NOSUCH"]) == 4

@@ -123,3 +123,17 @@ def test_every_value_the_front_line_shows_is_escaped() -> None:
     assert line.startswith(
         "       Front: ready\\x1b[2J, engine not serving, 2 held now; 1 outage(s), the last 1.0s (crash"
     )
+
+
+def test_a_config_directory_with_an_engine_and_its_front_is_one_deployment_shown_as_its_engine(tmp_path: Path) -> None:
+    """NAME.front.toml is deployment NAME too (and sorts before NAME.toml): `status` shows the engine, its front's
+    line beside it (was: the front's files in the engine's place)."""
+    import io
+
+    from kimi_supervisor.cli.status import deployments
+
+    paths = f'[paths]\nruntime_directory = "{tmp_path}/run"\nstate_directory = "{tmp_path}/state"\n'
+    (tmp_path / "kimi.toml").write_text('[child]\nargv = ["vllm", "serve", "/m"]\n' + paths)
+    (tmp_path / "kimi.front.toml").write_text('[deployment]\nrole = "front"\n[front]\nport = 8123\n' + paths)
+    [found] = deployments(tmp_path, io.StringIO())
+    assert (found.name, found.role) == ("kimi", Role.ENGINE)

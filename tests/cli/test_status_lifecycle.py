@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -314,3 +315,41 @@ def test_canary_results_reach_the_state_file_the_report_and_the_metrics(tmp_path
 
 def metrics_or_empty(path: Path) -> dict[str, list[tuple[dict[str, str], float]]]:
     return metrics(path) if path.exists() else {}
+
+
+def test_status_finds_a_deployment_run_from_a_config_elsewhere_without_config(tmp_path: Path) -> None:
+    """The demo's way: a config outside /etc/kimi-supervisor with [paths] of its own (.demo-state/): `status` (and
+    `status NAME`) finds it through the supervisor's command line in the process table (was: "no deployment named
+    ..." unless given --config)."""
+    from kimi_supervisor.cli.status import run_status, running_configs
+
+    name = f"elsewhere-{os.getpid()}"  # another test's supervisor may run beside this one
+    config = fake_config(tmp_path, deployment={"name": name})
+    run = Run(config, tmp_path)
+    try:
+        run.wait_event("state.ready")
+        assert config in running_configs()
+        out = io.StringIO()
+        rc = run_status(None, False, False, out=out, name=name, config_dir=tmp_path / "none", running=running_configs)
+        assert rc == 0 and out.getvalue().startswith(f"● kimi-supervisor@{name} - ready: serving on "), out.getvalue()
+    finally:
+        run.kill()
+
+
+@pytest.mark.parametrize(
+    ("argv", "config"),
+    [
+        (["/opt/k/bin/kimi-supervisor", "--config", "/etc/k/a.toml"], "/etc/k/a.toml"),
+        (["/opt/k/bin/python3", "/opt/k/bin/kimi-supervisor", "--config", "etc/demo.toml"], "etc/demo.toml"),
+        (["python3", "-m", "kimi_supervisor", "run", "--config", "x.toml", "--log-format", "json"], "x.toml"),
+        (["/opt/k/bin/kimi-supervisor"], "/etc/kimi-supervisor/kimi-supervisor.toml"),
+        (["/opt/k/bin/kimi-supervisor", "--config", "a.toml", "--dry-run"], None),  # runs nothing
+        (["/opt/k/bin/kimi-supervisor", "status", "--config", "a.toml"], None),
+        (["/opt/k/bin/kimi-supervisor", "--no-such-option"], None),
+        (["vim", "kimi-supervisor.toml"], None),
+    ],
+)
+def test_a_supervisors_config_is_read_off_its_command_line(argv: list[str], config: str | None) -> None:
+    from kimi_supervisor.cli.status import run_config
+
+    assert run_config(argv) == (None if config is None else Path(config))

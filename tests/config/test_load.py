@@ -229,9 +229,15 @@ def test_shipped_config_reproduces_the_seeds() -> None:
     assert cfg.readiness.health_url == "http://127.0.0.1:8000/health"
 
 
-def test_demo_profile_parses() -> None:
+def test_demo_profile_parses_and_runs_until_stopped() -> None:
+    """The README's demo runs until Ctrl-C (was: the fake's 300 s safety net ended it, exit 13 "vLLM exited after
+    ready without being asked to")."""
+    from testkit.fakes.fake_vllm_options import parse_config as fake_options
+
     cfg = load_config(REPO / "etc" / "kimi-supervisor.demo.toml")
     assert cfg.preflight.gpus == ()
+    assert cfg.child.argv[1] == "testkit/fakes/fake_vllm.py"
+    assert fake_options(cfg.child.argv[2:]).max_lifetime == 0  # 0: never
 
 
 def test_explicit_health_url_and_gpu_list(tmp_path: Path) -> None:

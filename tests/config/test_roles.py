@@ -47,6 +47,30 @@ def test_weights_role(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("file", "text", "role"),
+    [
+        ("kimi-a.front.toml", '[deployment]\nrole = "front"\n[front]\nport = 8123\n', Role.FRONT),
+        (
+            "kimi-a.weights.toml",
+            '[child]\nargv = ["vllm", "preload", "--model", "/m"]\n[deployment]\nrole = "weights"\n',
+            Role.WEIGHTS,
+        ),
+        # Another role's suffix stays part of the name: an engine's file is named after it whole.
+        ("kimi-a.front.toml", MINIMAL, Role.ENGINE),
+    ],
+    ids=["front", "weights", "engine"],
+)
+def test_a_roles_config_without_a_name_is_its_deployments_named_without_the_roles_suffix(
+    tmp_path: Path, file: str, text: str, role: Role
+) -> None:
+    """kimi-supervisor-front@NAME runs NAME.front.toml, kimi-supervisor-weights@NAME NAME.weights.toml: both are
+    deployment NAME's (was: deployment 'NAME.front', whose socket, state and locks no engine of NAME shares)."""
+    cfg = load(tmp_path, text, file)
+    expected = "kimi-a.front" if role is Role.ENGINE else "kimi-a"
+    assert (cfg.deployment.name, cfg.role) == (expected, role)
+
+
+@pytest.mark.parametrize(
     ("text", "expected"),
     [
         (

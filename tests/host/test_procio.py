@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kimi_supervisor.host import pagecache
 from kimi_supervisor.host.procident import ProcIdent, identify
 from kimi_supervisor.host.procio import TreeReadMeter, format_rate, read_bytes
@@ -65,3 +67,21 @@ def test_a_real_cold_read_shows_in_read_bytes(tmp_path: Path) -> None:
 
 def test_format_rate() -> None:
     assert format_rate(1.0234e9) == "1.02 GB/s" and format_rate(250e6) == "250 MB/s" and format_rate(4080) == "4 kB/s"
+
+
+def test_read_bytes_is_psutils_answer_and_none_for_what_it_cannot_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """psutil (a dependency) reads /proc/PID/io: its answer, not a parser of our own (issue 50); its errors (gone,
+    not ours) are None."""
+    import psutil
+
+    class Counters:
+        read_bytes = 123_456
+
+    monkeypatch.setattr(psutil.Process, "io_counters", lambda self: Counters())
+    assert read_bytes(os.getpid()) == 123_456
+
+    def denied(self: psutil.Process) -> None:
+        raise psutil.AccessDenied(self.pid)
+
+    monkeypatch.setattr(psutil.Process, "io_counters", denied)
+    assert read_bytes(os.getpid()) is None

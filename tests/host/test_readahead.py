@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from kimi_supervisor.host import pagecache
 from kimi_supervisor.host.readahead import MemInfo, ReadAhead, Step
 from tests.conftest import wait_for
@@ -115,3 +117,16 @@ def test_a_bug_in_the_thread_ends_the_readahead_not_the_run() -> None:
     ra = ReadAhead(shards(2, 2), shards_ahead=1, meminfo=lambda: PLENTY, read=buggy, chunk_bytes=2)
     ra.start()
     assert ra.join(10) and ra.reason == "RuntimeError: a bug"
+
+
+def test_meminfo_is_psutils_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """psutil (a dependency) reads /proc/meminfo: MemTotal and MemAvailable are its total and available (issue 50)."""
+    import collections
+
+    import psutil
+
+    from kimi_supervisor.host.readahead import read_meminfo
+
+    memory = collections.namedtuple("memory", "total available")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(100 * GIB, 42 * GIB))
+    assert read_meminfo() == MemInfo(total=100 * GIB, available=42 * GIB)

@@ -17,6 +17,7 @@ import pytest
 from kimi_supervisor.states import State
 from testkit.fakes.lifecycle_world import (
     FATAL,
+    HEALTH_LINE,
     LOADING,
     STARTED,
     TICK,
@@ -189,13 +190,14 @@ def test_sigterm_while_ready_stops_cleanly_with_stopping(tmp_path: Path) -> None
     assert w.run() == 0
     assert w.supervisor.state.history == [State.PREFLIGHT, State.STARTING, State.READY, State.STOPPING, State.STOPPED]
     names = w.names()
-    # A stop requested while READY goes through the drain (no --shutdown-timeout here: vLLM aborts, 0 in flight).
+    # A stop requested while READY goes through the drain (no --shutdown-timeout here, 0 in flight: nothing to abort).
     stop = ["state.stopping", "stop.sigterm", "stop.main_exited", "stop.tree_gone", "stop.drain", "state.stopped"]
     assert names[names.index("state.stopping") :] == stop
     [stopping] = w.notes.times("STOPPING", 1)
     assert 5.0 <= stopping < 5.0 + 1.0  # the serving loop wakes on the signal pipe
     assert w.child is not None and w.child.main_signals == [(stopping, signal.SIGTERM)]
-    assert w.events("stop.drain")[0]["outcome"] == "aborted"
+    # Was "aborted", which reads as lost requests: nothing was in flight.
+    assert w.events("stop.drain")[0]["outcome"] == "nothing_in_flight"
     assert w.notes.sent[-1][1] == {"STATUS": "stopped"}
 
 
@@ -247,3 +249,38 @@ def test_watchdog_pings_on_time_not_at_the_next_wake_up(tmp_path: Path) -> None:
     pings = w.notes.times("WATCHDOG", 1)
     gaps = [b - a for a, b in itertools.pairwise(pings)]
     assert len(gaps) >= 9 and all(abs(g - 1.0) < 1e-6 for g in gaps), gaps
+
+
+def test_the_headline_of_an_engine_on_its_uds_socket_shows_the_path_not_its_percent_encoding(tmp_path: Path) -> None:
+    """An engine behind its front (docs/front.md) serves on vLLM's --uds: `unix:/run/.../engine.sock`, as the
+    operator wrote it (was `http+unix://%2Frun%2F...`, the probes' URL)."""
+    sock = tmp_path / "run" / "kimi" / "front" / "engine.sock"
+    w = serving_world(tmp_path, child={"argv": ["vllm", "serve", "/models/m", "--uds", str(sock)]})
+    w.signal_at(3.0)
+    assert w.run() == 0
+    [ready] = [fields for _, fields in w.notes.sent if fields.get("READY") == 1]
+    assert str(ready["STATUS"]).startswith(f"ready: serving on unix:{sock} (started in ")
+
+
+def test_a_crash_while_serving_quotes_the_lines_that_explain_it_not_the_health_probes(tmp_path: Path) -> None:
+    """The failure's record (supervisor.detail, error priority) keeps the child's last lines that say something:
+    requests answered below 400 (our own /health probes) are left out, a failed request is kept (was: 11 of the 15
+    lines re-logged at error priority were `GET /health 200`)."""
+    w = serving_world(tmp_path)
+    t = 1.5
+    w.say_at(t, "(EngineCore_DP0 pid=2) ERROR 11-29 17:08:21 [core.py:700] EngineCore hit an exception")
+    for i in range(20):
+        w.say_at(t + 0.01 * (i + 1), HEALTH_LINE)
+    w.say_at(
+        1.8, '(APIServer pid=1) INFO:     127.0.0.1:40001 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error'
+    )
+    w.say_at(1.9, "RuntimeError: CUDA error: an illegal memory access was encountered")
+    w.clock.at(2.0, lambda: w.child.exit(1) if w.child else None)
+    assert w.run() == 13
+    assert w.error is not None
+    assert w.error.detail[-3:] == [
+        "(EngineCore_DP0 pid=2) ERROR 11-29 17:08:21 [core.py:700] EngineCore hit an exception",
+        '(APIServer pid=1) INFO:     127.0.0.1:40001 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error',
+        "RuntimeError: CUDA error: an illegal memory access was encountered",
+    ]
+    assert not any('"GET /health HTTP/1.1" 200' in line for line in w.error.detail)

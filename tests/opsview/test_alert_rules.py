@@ -111,3 +111,34 @@ def test_every_rule_has_a_runbook_url_whose_section_exists() -> None:
         assert anchor == name.lower() and anchor in anchors, f"{name}: no section #{anchor} in {doc.name}"
     # The check can fail: a heading that is not there is not found.
     assert "kimisupervisornosuchalert" not in anchors and "runbooks" in anchors
+
+
+def test_the_runbook_base_is_a_setting_of_the_rules_generator() -> None:
+    """A file:// runbook_url opens in no pager and no Alertmanager: render_rules.py writes the rules with the docs'
+    http(s) address instead, each runbook_url <base>docs/operators-view.md#<alert>, the rules otherwise the same;
+    a base that is no http(s) URL is refused (exit 2)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    script = REPO / "packaging" / "prometheus" / "render_rules.py"
+    base = "https://docs.example.com/kimi-supervisor"  # without the closing slash: added
+
+    def render(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=60)
+
+    done = render("--runbook-base", base)
+    assert done.returncode == 0, done.stderr
+    rendered, committed = yaml.safe_load(done.stdout), yaml.safe_load(RULES.read_text())
+    rules = [rule for group in rendered["groups"] for rule in group["rules"]]
+    assert [r["annotations"]["runbook_url"] for r in rules] == [
+        f"{base}/docs/operators-view.md#{r['alert'].lower()}" for r in rules
+    ]
+    for group in (rendered, committed):
+        for rule in (r for g in group["groups"] for r in g["rules"]):
+            rule["annotations"].pop("runbook_url")
+    assert rendered == committed
+    assert render().stdout == RULES.read_text()
+    refused = render("--runbook-base", "file:///srv/docs/")
+    assert refused.returncode == 2 and "expected an http:// or https:// URL" in refused.stderr

@@ -184,7 +184,11 @@ def test_install_unit_instance_writes_the_template_and_the_instances_dropin(tmp_
     assert template["ExecStart"] == f"{sys.executable} -m kimi_supervisor --config {etc}/%i.toml"
     dropin = (units / "kimi-supervisor@kimi-a.service.d" / unit.DROPIN_NAME).read_text()
     # grace 100 + SIGKILL wait 5 + GPU release 30 + exit 10: this instance's own, not the template's 360.
-    assert directives(dropin) == {"TimeoutStopSec": "145", "ReadWritePaths": f"-{prom.parent}"}
+    assert directives(dropin) == {
+        "Description": "vLLM /m (TP=1) supervised by kimi-supervisor, deployment kimi-a",  # from its config
+        "TimeoutStopSec": "145",
+        "ReadWritePaths": f"-{prom.parent}",
+    }
     assert not (units / unit.UNIT_NAME).exists()  # the plain unit is not touched
     if shutil.which("systemd-analyze"):
         (units / "kimi-supervisor@kimi-a.service").symlink_to(unit.TEMPLATE_NAME)
@@ -278,3 +282,100 @@ def test_install_unit_refuses_a_holder_config_or_a_pair_without_instance(tmp_pat
     result = install_unit("--config", str(tmp_path / "kimi.weights.toml"), "--unit-dir", str(tmp_path / "u"))
     assert result.returncode == 78 and "install-unit takes the engine's config" in result.stderr
     assert not (tmp_path / "u").exists()
+
+
+FRONT_CONFIG = '[deployment]\nrole = "front"\n[front]\nport = 8000\n'  # no deployment.name: its file names it
+
+
+def test_install_unit_of_an_engine_writes_its_fronts_unit_too_when_it_has_one(tmp_path: Path) -> None:
+    """docs/front.md: one command for the deployment's units, as the holder's: the engine's config with NAME.front.toml
+    beside it writes the front's template too; without one, nothing of a front (nothing the operator did not ask
+    for); an engine the front could not reach (no --uds to its socket, no --enable-scale-out) is refused first."""
+    etc, units = tmp_path / "etc", tmp_path / "units"
+    etc.mkdir()
+    (etc / "kimi-a.toml").write_text(MINIMAL)
+    args = ("--instance", "kimi-a", "--config", str(etc / "kimi-a.toml"), "--unit-dir", str(units))
+    assert install_unit(*args).returncode == 0
+    assert sorted(p.name for p in units.iterdir()) == [unit.TEMPLATE_NAME, "kimi-supervisor@kimi-a.service.d"]
+    (etc / "kimi-a.front.toml").write_text(FRONT_CONFIG)
+    refused = install_unit(*args)
+    sock = "/run/kimi-supervisor/kimi-a/front/engine.sock"
+    assert (refused.returncode, refused.stderr) == (
+        78,
+        f"kimi-supervisor: config error: {etc}/kimi-a.toml: child.argv lacks --uds {sock} and --enable-scale-out (a "
+        f"broken stream's resume needs /inference/v1/generate), which its front {etc}/kimi-a.front.toml needs\n",
+    )
+    assert not (units / unit.FRONT_TEMPLATE_NAME).exists()
+    (etc / "kimi-a.toml").write_text(
+        f'[child]\nargv = ["vllm", "serve", "/m", "--uds", "{sock}", "--enable-scale-out"]\n'
+    )
+    done = install_unit(*args)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (
+        f"wrote {units / unit.FRONT_TEMPLATE_NAME} and {units / unit.TEMPLATE_NAME}; now: systemctl enable --now "
+        "kimi-supervisor@kimi-a.service kimi-supervisor-front@kimi-a.service\n"
+    )
+    front = directives((units / unit.FRONT_TEMPLATE_NAME).read_text())
+    assert front["ExecStart"] == f"{sys.executable} -m kimi_supervisor --config {etc}/%i.front.toml"
+
+
+def test_install_unit_of_a_front_honours_or_refuses_its_instance(tmp_path: Path) -> None:
+    """--instance is never ignored: the front's own name is honoured, another one refused with nothing written."""
+    (tmp_path / "kimi-a.front.toml").write_text(FRONT_CONFIG)
+    config = ("--config", str(tmp_path / "kimi-a.front.toml"), "--unit-dir", str(tmp_path / "u"))
+    refused = install_unit("--instance", "kimi-b", *config)
+    assert (refused.returncode, refused.stderr) == (
+        78,
+        f"kimi-supervisor: config error: install-unit --instance kimi-b: {tmp_path}/kimi-a.front.toml is the front of "
+        "deployment 'kimi-a' (kimi-supervisor-front@kimi-a): give --instance kimi-a, or the config of 'kimi-b'\n",
+    )
+    assert not (tmp_path / "u").exists()
+    done = install_unit("--instance", "kimi-a", *config)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith("now: systemctl enable --now kimi-supervisor-front@kimi-a.service\n")
+
+
+def test_a_second_instance_from_another_directory_is_refused_not_rewritten_under_the_first(tmp_path: Path) -> None:
+    """The template runs `<its directory>/%i.toml` for every instance: rewritten for a config elsewhere, the first
+    instance's next start would run a file that is not there (was: rewritten silently).  Refused, exit 78, nothing
+    written; the same directory is no conflict."""
+    first, other, units = tmp_path / "etc", tmp_path / "srv", tmp_path / "units"
+    for directory, name in ((first, "kimi-a"), (other, "kimi-b"), (first, "kimi-c")):
+        directory.mkdir(exist_ok=True)
+        (directory / f"{name}.toml").write_text(MINIMAL)
+    assert (
+        install_unit(
+            "--instance", "kimi-a", "--config", str(first / "kimi-a.toml"), "--unit-dir", str(units)
+        ).returncode
+        == 0
+    )
+    template = (units / unit.TEMPLATE_NAME).read_text()
+    refused = install_unit("--instance", "kimi-b", "--config", str(other / "kimi-b.toml"), "--unit-dir", str(units))
+    assert (refused.returncode, refused.stderr) == (
+        78,
+        f"kimi-supervisor: config error: {units / unit.TEMPLATE_NAME} runs its instances' configs from {first} "
+        f"(kimi-supervisor@kimi-a.service), not {other}: put this config in {first}, or remove "
+        f"{units / unit.TEMPLATE_NAME} first if no instance runs from {first}\n",
+    )
+    assert (units / unit.TEMPLATE_NAME).read_text() == template
+    assert not (units / "kimi-supervisor@kimi-b.service.d").exists()
+    assert (
+        install_unit(
+            "--instance", "kimi-c", "--config", str(first / "kimi-c.toml"), "--unit-dir", str(units)
+        ).returncode
+        == 0
+    )
+
+
+def test_the_units_description_is_its_configs_model_and_tp(tmp_path: Path) -> None:
+    """Was "Kimi-K2.5 NVFP4 (TP=8)" whatever the config served: the served model name (else the model) and TP."""
+    (tmp_path / "kimi-supervisor.toml").write_text(
+        '[child]\nargv = ["vllm", "serve", "/models/qwen", "--served-model-name", "qwen-7b", "-tp", "2"]\n'
+    )
+    units = tmp_path / "units"
+    done = install_unit("--config", str(tmp_path / "kimi-supervisor.toml"), "--unit-dir", str(units))
+    assert done.returncode == 0, done.stderr
+    assert directives((units / unit.UNIT_NAME).read_text())["Description"] == (
+        "vLLM qwen-7b (TP=2) supervised by kimi-supervisor"
+    )
+    assert "Kimi" not in directives(unit.render(template=True))["Description"]  # the template serves every instance

@@ -67,7 +67,7 @@ def test_systemd_analyze_verify_is_clean(tmp_path: Path) -> None:
 
 
 def test_install_writes_the_unit(tmp_path: Path) -> None:
-    target = unit.install(Path("/etc/kimi-supervisor/kimi-supervisor.toml"), tmp_path, reload=False)
+    [target] = unit.install(Path("/etc/kimi-supervisor/kimi-supervisor.toml"), tmp_path, reload=False)
     text = target.read_text()
     assert target == tmp_path / "kimi-supervisor.service"
     assert "--config /etc/kimi-supervisor/kimi-supervisor.toml" in text

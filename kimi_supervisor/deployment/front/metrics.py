@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+from kimi_supervisor import __version__
 
 OUTCOMES = (
     "forwarded",  # answered by the engine at the first try
@@ -26,8 +29,16 @@ class FrontMetrics:
     deployment (packaging/prometheus/kimi-supervisor.rules.yml)."""
 
     def __init__(self, deployment: str = "kimi-supervisor") -> None:
+        # Without it every counter and histogram has a `_created` twin (its creation time), which no rule here
+        # reads and which doubles the series; process-wide, and the front's process has no other registry.
+        prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus_client
         self.registry = r = CollectorRegistry()
         d = ["deployment"]
+        # Which build serves, as the engine's textfile says it (opsview/textfile.py): one
+        # `count by (version) (kimi_supervisor_build_info)` covers the fronts too.
+        Info("kimi_supervisor_build", "The kimi-supervisor build serving this front (its version)", registry=r).info(
+            {"deployment": deployment, "role": "front", "version": __version__}
+        )
         self._requests = Counter("kimi_front_requests", "Requests the front finished", [*d, "outcome"], registry=r)
         for outcome in OUTCOMES:
             self._requests.labels(deployment, outcome)
@@ -58,7 +69,6 @@ class FrontMetrics:
             "kimi_front_restart_failures", "Requests that failed because of an engine restart", d, registry=r
         ).labels(deployment)
         self.counts = dict.fromkeys(OUTCOMES, 0)  # the same numbers for the state file and the tests
-        self.outage_wait_s = 0.0  # summed over the outage now under way
         # The last outages (the engine not serving, from the front's view), newest last: when each began and
         # ended, the seconds clients waited, and what became of the requests it touched (docs/front.md).
         self.outages_seen: list[dict[str, float | int | str | bool | None]] = []
@@ -75,11 +85,17 @@ class FrontMetrics:
             latest[key] = int(latest[key] or 0) + 1
 
     def waited(self, seconds: float) -> None:
+        """A request's wait, recorded when it ends: a held one's just after the outage it waited in has ended (the
+        engine serves again, then the held requests go through), so it counts for the latest outage, and the gauge
+        follows it once that outage has ended (was: set at the end, before these waits, so it showed the outage
+        before)."""
         self.hold_seconds.observe(seconds)
-        self.outage_wait_s += seconds
         if self.outages_seen:
             latest = self.outages_seen[-1]
-            latest["client_wait_s"] = float(latest["client_wait_s"] or 0.0) + seconds
+            total = float(latest["client_wait_s"] or 0.0) + seconds
+            latest["client_wait_s"] = total
+            if latest["ended"] is not None:
+                self.last_outage_wait.set(total)
 
     def outage_began(self, at: float) -> None:
         self.outages.inc()
@@ -90,8 +106,6 @@ class FrontMetrics:
     def outage_ended(self, at: float, kind: dict[str, object] | None) -> None:
         """`kind`: outages.outage_kind's (the kind, the engine's exit code, whether its holder helped); None when no
         outage was under way (the front's first sight of the engine serving)."""
-        self.last_outage_wait.set(self.outage_wait_s)
-        self.outage_wait_s = 0.0
         if kind is None:
             return
         if self.outages_seen:
@@ -100,6 +114,8 @@ class FrontMetrics:
             for key in ("kind", "engine_exit_code", "holder_assisted"):
                 value = kind.get(key)
                 latest[key] = value if isinstance(value, (int, str, bool)) or value is None else str(value)
+            # What waited during it so far (requests that gave up); those held add theirs as they go through.
+            self.last_outage_wait.set(float(latest["client_wait_s"] or 0.0))
         self._ended.labels(self._deployment, str(kind.get("kind"))).inc()
 
     def text(self) -> bytes:

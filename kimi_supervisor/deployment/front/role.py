@@ -7,6 +7,9 @@ public one, which its engine on --uds leaves to it.
 
 from __future__ import annotations
 
+import os
+import re
+import sys
 from pathlib import Path
 
 from kimi_supervisor.checks import Check, Verdict
@@ -16,8 +19,29 @@ from kimi_supervisor.config.model import Config
 from kimi_supervisor.deployment.base import Deployment, RunContext
 from kimi_supervisor.deployment.front.records import hold_bound
 from kimi_supervisor.exitcodes import ConfigError, ExitCode, SupervisorError
+from kimi_supervisor.preflight.checks import check_port
 from kimi_supervisor.roles import Role
 from kimi_supervisor.systemd import unit
+
+# pyproject's dependency: the front uses web.RequestKey, new in 3.14 (an older one failed on its first request).
+HTTP_STACK = "aiohttp>=3.14,<4"
+HTTP_STACK_SINCE = (3, 14)
+
+
+def http_stack_missing() -> str | None:
+    """Why the front's HTTP stack is not usable here, with the line that installs it into this very Python (the
+    README's venv: its own pip); None: it is.  A dependency, so only a `--no-deps` install or an older aiohttp on the
+    path gets here."""
+    try:
+        import aiohttp
+    except ImportError as exc:
+        found = f"it cannot be imported ({exc})"
+    else:
+        version = tuple(int(n) for n in re.findall(r"\d+", aiohttp.__version__)[:2])
+        if HTTP_STACK_SINCE <= version < (4,):
+            return None
+        found = f"aiohttp {aiohttp.__version__} is installed"
+    return f"the front needs {HTTP_STACK}: {found}; install it: {sys.executable} -m pip install '{HTTP_STACK}'"
 
 
 class Front(Deployment):
@@ -37,10 +61,15 @@ class Front(Deployment):
     def ras_port(self) -> int | None:
         return None  # no NCCL here
 
-    def install_own_unit(self, config: Path, unit_dir: Path, reload: bool) -> Path | None:
+    def install_own_unit(self, config: Path, unit_dir: Path, reload: bool, instance: str | None) -> Path | None:
         """kimi-supervisor-front@NAME runs NAME.front.toml beside the engine's NAME.toml."""
         name = self.cfg.deployment.name
         own = Role.FRONT.config_name(name)
+        if instance is not None and instance != name:
+            raise ConfigError(
+                f"install-unit --instance {instance}: {config} is the front of deployment {name!r} "
+                f"(kimi-supervisor-front@{name}): give --instance {name}, or the config of {instance!r}"
+            )
         if config.name != own:
             raise ConfigError(
                 f"{config}: kimi-supervisor-front@{name} runs {config.parent}/{own}: "
@@ -49,7 +78,10 @@ class Front(Deployment):
         return unit.install_front(config, unit_dir, reload=reload)
 
     def run(self, ctx: RunContext) -> ExitCode:
-        # Imported here: only the front's host needs aiohttp (the [front] extra).
+        missing = http_stack_missing()
+        if missing is not None:  # a config error (78, no restart loop), not a crash on the import below (70)
+            raise ConfigError(missing)
+        # Imported here: a dry run, install-unit and `status` of a front never load the HTTP stack.
         from kimi_supervisor.deployment.front import serve
 
         engine = self._engine_for_start()
@@ -65,7 +97,7 @@ class Front(Deployment):
         if not path.exists():
             return None
         engine = load_config(path)
-        missing = self._missing_flags(engine)
+        missing = self.missing_flags(engine)
         if missing:
             raise ConfigError(
                 f"{path}: child.argv lacks {' and '.join(missing)}, which its front needs (docs/front.md)"
@@ -95,13 +127,14 @@ class Front(Deployment):
         return mine
 
     def dry_run(self, checks: list[Check], gpu_count: int) -> None:
-        checks.insert(0, self._engine_check())
+        """The verdict of a start (its checks, in its order): the HTTP stack, the public port, its engine's config
+        and the account it serves as; each FAILED where the start exits (78 or 10), WARN only where it proceeds."""
         front = self.front
         socket = front.engine_socket
         there = "there" if socket.exists() else "not there yet (the engine makes it when it starts)"
         hold, whence = hold_bound(front)
-        checks.insert(
-            0,
+        missing = http_stack_missing()
+        checks[:0] = [
             Check(
                 "front",
                 Verdict.OK,
@@ -109,9 +142,21 @@ class Front(Deployment):
                 f"hold up to {front.queue_max} request(s) for {hold:g}s ({whence}) while the engine is not serving",
                 {"host": front.host, "port": front.port, "engine_socket": str(socket)},
             ),
-        )
+            Check("front_http", Verdict.OK, f"{HTTP_STACK} importable")
+            if missing is None
+            else Check("front_http", Verdict.FAIL, missing),
+            self._port_check(),
+            self._engine_check(),
+        ]
 
-    def _missing_flags(self, engine: Config) -> list[str]:
+    def _port_check(self) -> Check:
+        """The public port as the start binds it (serve.py listen): taken, it names the listener (exit 10)."""
+        front = self.front
+        if front.port < 1024 and os.geteuid() != 0:
+            return Check("port", Verdict.SKIP, f"port {front.port} < 1024 binds as root only: run the dry run as root")
+        return check_port(front.host, front.port)
+
+    def missing_flags(self, engine: Config) -> list[str]:
         wrong = []
         if engine.child.vllm.uds != str(self.front.engine_socket):
             wrong.append(f"--uds {self.front.engine_socket}")
@@ -120,14 +165,19 @@ class Front(Deployment):
         return wrong
 
     def _engine_check(self) -> Check:
-        """Its engine's config, NAME.toml beside this one: vLLM on the socket the front reaches, and the
-        token-in route a resume needs (without --enable-scale-out vLLM 0.32 answers it 403)."""
+        """Its engine's config, NAME.toml beside this one, as the start reads it (_engine_for_start, _identity): vLLM
+        on the socket the front reaches, the token-in route a resume needs (without --enable-scale-out vLLM 0.32
+        answers it 403), and one account for the engine's child and the front."""
         path = self._engine_path()
+        if not path.exists():  # the start proceeds and holds requests until an engine serves on the socket
+            return Check("front_engine", Verdict.WARN, f"{path}: no engine config beside the front's")
         try:
-            engine = load_config(path)
+            engine = self._engine_for_start()
+            mine = self._identity(engine)
         except SupervisorError as exc:
-            return Check("front_engine", Verdict.WARN, f"its engine's config: {exc.message}")
-        wrong = self._missing_flags(engine)
-        if wrong:  # the front starts all the same (the engine's config may change first): a warning
-            return Check("front_engine", Verdict.WARN, f"{path}: child.argv lacks {' and '.join(wrong)}")
-        return Check("front_engine", Verdict.OK, f"{path}: vLLM serves on {self.front.engine_socket}, scale-out on")
+            return Check("front_engine", Verdict.FAIL, exc.message)
+        who = "the account it starts as (no child.user)" if mine is None else f"user {mine.user!r}"
+        sock = self.front.engine_socket
+        return Check(
+            "front_engine", Verdict.OK, f"{path}: vLLM serves on {sock}, scale-out on; the front serves as {who}"
+        )

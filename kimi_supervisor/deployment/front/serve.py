@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import os
 import signal
 import socket
 
@@ -27,6 +29,7 @@ from kimi_supervisor.exitcodes import ConfigError, ExitCode, NoPermission, Prefl
 from kimi_supervisor.files import privdir
 from kimi_supervisor.files.atomic import ensure_directory
 from kimi_supervisor.logs.types import Logger
+from kimi_supervisor.preflight.checks import listener
 from kimi_supervisor.systemd.notify import Notifier
 
 SHUTDOWN_S = 10.0
@@ -39,7 +42,10 @@ def listen(cfg: FrontConfig) -> socket.socket:
         family = socket.getaddrinfo(cfg.host, cfg.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         return socket.create_server((cfg.host, cfg.port), family=family, backlog=1024)
     except OSError as exc:
-        raise PreflightError(f"front.port: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}") from None
+        who = listener(cfg.port)[1] if exc.errno == errno.EADDRINUSE else ""  # as the dry run's port row names it
+        # create_server's own strerror repeats the address ("(while attempting to bind on address ...)").
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise PreflightError(f"front.port: cannot listen on {cfg.host}:{cfg.port}: {why}{who}") from None
 
 
 def prepare_for(cfg: FrontConfig, identity: Identity) -> None:

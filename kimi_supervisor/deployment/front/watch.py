@@ -24,8 +24,10 @@ class EngineWatch:
         path = ctx.cfg.state_file
         self._state = None if path is None else StateFile(path.parent, ctx.log, path.name)
         pid = os.getpid()
-        self._writer = {"pid": pid, "start_time": process_start_time(pid), "version": __version__, "config": ""}
+        config = "" if ctx.cfg.config_file is None else str(ctx.cfg.config_file)
+        self._writer = {"pid": pid, "start_time": process_start_time(pid), "version": __version__, "config": config}
         self._started = time.time()
+        self._ready_at: float | None = None  # its first state written as ready: it listens (serve.py, READY=1)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -82,6 +84,8 @@ class EngineWatch:
             return
         ctx = self.ctx
         now = time.time()
+        if phase == "ready" and self._ready_at is None:
+            self._ready_at = now
         doc: dict[str, Any] = {
             "schema": 1,
             "supervisor": self._writer,
@@ -89,6 +93,7 @@ class EngineWatch:
             "status": self.headline() if phase == "ready" else phase,
             "since": self._started,
             "started_at": self._started,
+            "ready_at": self._ready_at,
             "updated_at": now,
             "ended_at": now if phase == "stopped" else None,
             "exit_code": exit_code,
