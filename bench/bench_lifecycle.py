@@ -1,5 +1,6 @@
 """Rows 2, 3, 5, 10 and 11: READY=1 latency, stop time, idle cost, a crash's exit, a start's spawn; the real CLI
-under testkit.harness.Run.
+under testkit.harness.Run.  Row 3 also has what an incident's capture adds to a stop (a hanging py-spy and a
+silent NCCL RAS service, in process), the number tests/opsview/test_ncclras.py leaves to it.
 
 Rows 10 and 11 side by side with another checkout of the supervisor (the same fake vLLM, runs interleaved):
 
@@ -12,8 +13,10 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,12 +24,18 @@ from typing import Any
 import psutil
 
 from bench.common import Row, median, ms, ready_lags, spread, table
+from kimi_supervisor.opsview import forensics
 from testkit.checkout_start import bare_start, checkout_entry, spawn_times
+from testkit.fakes.clock import FakeClock
+from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
+from testkit.fakes.log import RecordingLog
 from testkit.harness import Run, fake_config, fake_tree_of
 
 READY_RUNS = 10
 STOP_RUNS = 5
 CRASH_RUNS = 8
+CAPTURE_RUNS = 3
+CAPTURE_BUDGET_S = 1.0
 SPAWN_RUNS = 8
 IDLE_WINDOW_S = 30.0
 
@@ -97,7 +106,60 @@ def stop_rows() -> list[Row]:
                 max(took) <= grace + 1 and orphans == 0,
             )
         )
-    return rows
+    return rows + capture_rows()
+
+
+class _HangingDumper:
+    """py-spy stuck on one process (D state): answers for PID 1 at once, never for PID 2 until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def dump(self, pid: int, timeout_s: float) -> tuple[str | None, str | None]:
+        if pid == 2:
+            self.release.wait(60)
+        return f"Thread {pid}", None
+
+
+def capture_rows() -> list[Row]:
+    """The capture's delay to a stop when one dump hangs and the RAS service accepts but never answers: in parallel
+    the budget, one after the other the budget plus the RAS bound."""
+    bound = min(forensics.RAS_S, forensics.RAS_SHARE * CAPTURE_BUDGET_S)
+    took = []
+    for _ in range(CAPTURE_RUNS):
+        dumper = _HangingDumper()
+        clock = FakeClock()
+        with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nobody ever reads or answers
+            scene = forensics.Scene(
+                "bench",
+                17,
+                [(1, "api"), (2, "EngineCore")],
+                FakeGpuProbe([FakeGpu()]),
+                (0,),
+                None,
+                ("127.0.0.1", silent.getsockname()[1]),
+            )
+            try:
+                incident = forensics.capture(
+                    scene,
+                    dumper,
+                    "",
+                    clock=clock.monotonic,
+                    wall=clock.time,
+                    log=RecordingLog(),
+                    budget_s=CAPTURE_BUDGET_S,
+                )
+            finally:
+                dumper.release.set()
+        took.append(incident.seconds)
+    return [
+        Row(
+            f"3. incident capture, a dump hanging, RAS silent, budget {CAPTURE_BUDGET_S:g} s ({CAPTURE_RUNS} runs)",
+            f"< {CAPTURE_BUDGET_S + bound:g} s (the budget plus the RAS bound: one after the other)",
+            spread(took),
+            max(took) < CAPTURE_BUDGET_S + bound,
+        )
+    ]
 
 
 def _sched_ns(pid: int) -> int:

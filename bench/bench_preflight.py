@@ -1,10 +1,13 @@
 """Row 1: preflight wall time on 8 clean (fake) GPUs vs the seeds' nvidia-smi bash loop, and its parts; and the
-largest config the loader accepts (1 MiB) parsed, whose time tests/config/test_load_fuzz.py leaves to this row."""
+largest config the loader accepts (1 MiB) parsed, whose time tests/config/test_load_fuzz.py leaves to this row; and
+a reap of a victim that dies at SIGTERM beside one that ignores it, whose time tests/preflight/test_reaper.py leaves
+to this row."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -18,7 +21,7 @@ from kimi_supervisor.config.model import Config
 from kimi_supervisor.host.gpu import busy_gpus, gpu_processes, wait_until_free
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight import checks
-from kimi_supervisor.preflight.reaper import plan_reap
+from kimi_supervisor.preflight.reaper import ReapPlan, Victim, execute_reap, plan_reap
 from kimi_supervisor.preflight.run import Preflight
 from kimi_supervisor.preflight.shm import plan_shm
 from testkit.configs import largest_config
@@ -30,6 +33,9 @@ BASH_RUNS = 20
 TARGET_S = 0.150
 BIG_CONFIG_RUNS = 5
 BIG_CONFIG_TARGET_S = 3.0  # one start's config: it must not cost what the preflight saves
+REAP_RUNS = 3
+REAP_GRACE_S = 0.5
+REAP_KILL_WAIT_S = 5.0  # execute_reap's default: a wait that ran to its deadline shows as this much more
 SEEDS_LOOP = (
     "for i in $(seq 1 30); do used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits "
     '| sort -n | tail -1); [ "$used" -lt 1000 ] && exit 0; sleep 1; done; exit 1'
@@ -73,6 +79,33 @@ def _bash_loop(tmp: Path) -> list[float]:
     return _times(lambda: subprocess.run(["bash", "-c", SEEDS_LOOP], env=env, check=True), BASH_RUNS)
 
 
+def _reap_times(table: PsutilProcessTable) -> list[float]:
+    """execute_reap's own `seconds`: one victim that dies at SIGTERM, one that ignores it (SIGKILL after the grace)."""
+    out = []
+    for _ in range(REAP_RUNS):
+        stubborn = (
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"
+        )
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+            for code in ("print(1, flush=True); import time; time.sleep(60)", stubborn)
+        ]
+        try:
+            victims = []
+            for p in procs:
+                assert p.stdout is not None and p.stdout.readline() == b"1\n"  # up, its handler set
+                info = table.get(p.pid)
+                assert info is not None
+                victims.append(Victim(info, (0,), None, "bench"))
+            outcome = execute_reap(ReapPlan(tuple(victims), ()), table, SystemClock(), REAP_GRACE_S, _ignore)
+            out.append(outcome.seconds)
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+    return out
+
+
 def run() -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="kimi-bench-pf-") as tmp_name:
         tmp = Path(tmp_name)
@@ -106,6 +139,7 @@ def run() -> list[Row]:
             "check_port": _times(lambda: checks.check_port(vllm.host, vllm.port), RUNS),
         }
         big, _ = largest_config(tmp)
+        reap = _reap_times(table)
         big_parse = _times(lambda: load_config(big), BIG_CONFIG_RUNS)
     nproc = sum(name.isdigit() for name in os.listdir("/proc"))
     rows = [
@@ -131,6 +165,14 @@ def run() -> list[Row]:
             f"median < {BIG_CONFIG_TARGET_S:g} s",
             f"median {ms(median(big_parse))}, max {ms(max(big_parse))}",
             median(big_parse) < BIG_CONFIG_TARGET_S,
+        )
+    )
+    rows.append(
+        Row(
+            f"1. reap: one victim dies at SIGTERM, one ignores it, grace {REAP_GRACE_S:g} s ({REAP_RUNS} runs)",
+            f"< {REAP_GRACE_S + REAP_KILL_WAIT_S:g} s (no wait to its deadline)",
+            f"median {ms(median(reap))}, max {ms(max(reap))}",
+            max(reap) < REAP_GRACE_S + REAP_KILL_WAIT_S,
         )
     )
     return rows

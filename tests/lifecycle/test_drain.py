@@ -293,7 +293,13 @@ def test_without_a_drain_the_count_comes_from_the_liveness_threads_latest_sample
     (record,) = log.events("stop.drain")
     assert record["in_flight_at_sigterm"] == 2.0 and record["outcome"] == "aborted"
     assert str(record["in_flight_source"]).startswith("liveness sample 3.")
-    assert record["sigterm_after_s"] <= 0.5
+    # The read's deadline ended it (its warning), long before the answer could be whole: a bound by cause (was
+    # <= 0.5 s against the 0.25 s deadline, this machine's speed).
+    assert (
+        log.events("stop.metrics_unavailable")[0]["error"] == f"GET /metrics: no answer within {SAMPLE_AT_SIGTERM_S:g}s"
+    )
+    after = record["sigterm_after_s"]
+    assert isinstance(after, float) and SAMPLE_AT_SIGTERM_S <= after < len(HEAD_METRICS) * 0.9, after
 
 
 def test_a_second_sigterm_during_a_stop_with_trickling_metrics_is_acted_on(tmp_path: Path) -> None:
@@ -305,6 +311,7 @@ def test_a_second_sigterm_during_a_stop_with_trickling_metrics_is_acted_on(tmp_p
     cfg = parse_config(raw, cfg_path)
     log = RecordingLog()
     signalled: list[float] = []
+    sigterm_before_second: list[bool] = []
     with raw_server(HEAD_METRICS, PAGE_ONE, head_byte_s=0.9) as srv:
         sup = Supervisor(
             cfg,
@@ -325,23 +332,29 @@ def test_a_second_sigterm_during_a_stop_with_trickling_metrics_is_acted_on(tmp_p
                 time.sleep(0.02)
             signalled.append(time.monotonic())
             os.kill(os.getpid(), signal.SIGTERM)
-            deadline = time.monotonic() + 10  # the stop loop runs once vLLM has its SIGTERM
+            deadline = time.monotonic() + 60  # stops a hung test: the stop loop runs once vLLM has its SIGTERM
             while not log.events("stop.sigterm") and time.monotonic() < deadline:
                 time.sleep(0.02)
+            sigterm_before_second.append(bool(log.events("stop.sigterm")))
             signalled.append(time.monotonic())
             os.kill(os.getpid(), signal.SIGTERM)
 
         helper = threading.Thread(target=stop_twice, daemon=True)
         helper.start()
         assert sup.run() == ExitCode.OK
-        ended = time.monotonic()
         helper.join(5)
     assert len(signalled) == 2
-    assert signalled[1] - signalled[0] < 2.0  # stop.sigterm came promptly (was: never, while /metrics trickled)
-    assert log.events("stop.hurry") and log.events("stop.sigkill")
-    assert ended - signalled[1] < 0.5 + 5  # second_signal_grace_s, then the SIGKILL wait (not the 20 s grace)
+    # By cause, not by seconds (were < 2 s to stop.sigterm, < 5.5 s to the end and <= 0.5 s to the signal: this
+    # machine's speed): vLLM had its SIGTERM before the second signal (was: never, while /metrics trickled), and the
+    # SIGKILL followed the hurry the second signal asked for, not the 20 s grace (the helper's 60 s stops a hung test).
+    assert sigterm_before_second == [True]
+    events = [r[1] for r in log.records]
+    assert "stop.hurry" in events and "stop.sigkill" in events
+    assert events.index("stop.hurry") < events.index("stop.sigkill")
     (record,) = log.events("stop.drain")
-    assert record["outcome"] == "killed" and record["sigterm_after_s"] <= 0.5
+    after = record["sigterm_after_s"]
+    assert record["outcome"] == "killed" and isinstance(after, float)
+    assert SAMPLE_AT_SIGTERM_S <= after < len(HEAD_METRICS) * 0.9, after
     assert fake_tree_of(str(tmp_path)) == []
 
 

@@ -12,12 +12,15 @@ import pytest
 
 from kimi_supervisor.liveness.health_probe import HealthProber, probe
 from testkit.harness import free_port, http_server
+from tests.conftest import wait_for
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
     status = 200
+    hits = 0  # requests served
 
     def do_GET(self) -> None:
+        type(self).hits += 1
         self.send_response(self.status)
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -59,13 +62,15 @@ def test_accepting_but_silent_server_times_out() -> None:
 
 
 def test_prober_thread_queues_results_and_wakes(server: tuple[str, type[Handler]]) -> None:
-    url, _ = server
+    url, handler = server
     woken = threading.Event()
     prober = HealthProber(url, 1.0, 0.05, woken.set)
     prober.start()
     try:
-        assert woken.wait(5)
-        time.sleep(0.3)
+        assert woken.wait(30)  # stops a hung test
+        # The prober probes one at a time: its 3rd result is queued before its 4th request.  Counted, however long
+        # this machine takes (was: >= 3 results after a 0.3 s sleep, its speed); nobody read them meanwhile.
+        wait_for(lambda: handler.hits >= 4, timeout=30)
         results = prober.new_results()
         assert len(results) >= 3 and all(r.ok for r in results)
     finally:

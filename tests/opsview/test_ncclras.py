@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from kimi_supervisor.opsview.forensics import IncidentStore
 from testkit.fakes.gpu import FakeGpu, FakeGpuProbe
 from testkit.fakes.lifecycle_world import HEALTH_LINE, serving_world
 from testkit.fakes.log import RecordingLog
-from tests.opsview.test_forensics import Hanging, record
+from tests.opsview.test_forensics import record
 
 REPORT = """Job summary
 ===========
@@ -53,10 +52,12 @@ class RasService:
         self.commands: list[str] = []
         self.done = threading.Event()
         self.release = threading.Event()
+        self.accepted = threading.Event()
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
         conn, _ = self.listener.accept()
+        self.accepted.set()
         with conn:
             if self.silent:
                 self.release.wait(60)
@@ -126,13 +127,33 @@ def test_no_listener_is_one_line_in_the_file_never_a_failure(tmp_path: Path) -> 
     assert doc["exit_code"] == 17 and doc["gpus"][0]["index"] == 0  # the rest of the incident as ever
 
 
+class HangsUntilAsked:
+    """Answers for one PID at once; for the other it hangs until the RAS service has a connection (a py-spy stuck
+    on a process in D state, the RAS query beside it).  One after the other, nothing is asked while it hangs: it
+    hangs out the capture's budget and its dump is recorded as missing."""
+
+    def __init__(self, hangs: int, asked: threading.Event) -> None:
+        self.hangs = hangs
+        self.asked = asked
+
+    def dump(self, pid: int, timeout_s: float) -> tuple[str | None, str | None]:
+        if pid == self.hangs:
+            self.asked.wait(60)
+            return "asked beside", None
+        return f"Thread {pid}: busy_loop", None
+
+
 def test_a_service_that_never_answers_is_asked_beside_a_hanging_dump_within_the_budget(
     tmp_path: Path, silent: RasService
 ) -> None:
-    dumper = Hanging(hangs=2)
-    budget = 1.0
+    """The RAS query runs beside the dumps, so the stop waits for the longer of the two, not their sum.
+
+    By cause, not by the capture's duration (was `took < budget + bound`, this machine's speed): the hanging dump
+    ends only once the RAS service has a connection, so its answer in the file proves the two overlapped; one after
+    the other it would hang out the budget.  The capture's delay is bench row 3's."""
+    dumper = HangsUntilAsked(hangs=2, asked=silent.accepted)
+    budget = 30.0  # stops a hung test; only a capture that never asks while dumping waits it out
     try:
-        started = time.monotonic()
         path = record(
             IncidentStore(tmp_path / "i"),
             dumper,
@@ -141,16 +162,15 @@ def test_a_service_that_never_answers_is_asked_beside_a_hanging_dump_within_the_
             budget_s=budget,
             ras=("127.0.0.1", silent.port),
         )
-        took = time.monotonic() - started
     finally:
-        dumper.release.set()
+        silent.accepted.set()
     doc = json.loads(Path(path).read_text())
+    # Answered in time: the RAS service had its connection while the dump hung (one after the other: None).
+    assert [d["text"] for d in doc["stacks"]] == ["Thread 1: busy_loop", "asked beside"]
     assert doc["nccl_ras"]["text"] is None
-    bound = forensics.RAS_SHARE * budget
+    bound = min(forensics.RAS_S, forensics.RAS_SHARE * budget)
     assert doc["nccl_ras"]["note"] == f"no answer to the protocol handshake within {bound:g}s"
-    # Each waits out its bound; in parallel the stop is delayed by the budget, one after the other by 1.8 times it.
-    assert doc["stacks_s"] >= 0.99 * budget and doc["nccl_ras"]["seconds"] >= 0.99 * bound
-    assert took < budget + bound
+    assert doc["nccl_ras"]["seconds"] >= 0.99 * bound  # it waited out its own bound (a lower bound: any machine)
 
 
 def test_a_report_cut_by_the_bound_is_kept_with_a_note() -> None:
