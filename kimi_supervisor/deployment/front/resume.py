@@ -32,6 +32,9 @@ _IDS = re.compile(rb'"token_ids"\s*:\s*\[([0-9,\s]*)\]')
 _IDS_FIELD = re.compile(rb',\s*"token_ids"\s*:\s*\[[0-9,\s]*\]')
 _SHOWN = re.compile(rb'"(?:text|content)"\s*:\s*"(?!")')  # a non-empty text or content
 _FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
+# A chat delta a reasoning or tool parser wrote: read by observe(), never on the bytes.
+_PARSED_KEY = re.compile(rb'"(?:reasoning|reasoning_content|tool_calls)"\s*:')
+_PARSED = ("reasoning", "reasoning_content", "tool_calls")
 
 
 class NotResumable(Exception):
@@ -42,8 +45,14 @@ def why_not_resumable(body: dict[str, Any]) -> str | None:
     """None when the token-in route can continue this request's stream; else why not (docs/front.md)."""
     if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
         return "n > 1: the front keeps one sequence's token ids"
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+    # `is not`, not `in`: completions' `logprobs: 0` (the sampled token's own) equals False.
+    if (body.get("logprobs") is not None and body.get("logprobs") is not False) or body.get("top_logprobs"):
         return "logprobs: the token-in route gives them as ids, not in this request's format"
+    if body.get("stop"):
+        return "stop strings: vLLM holds text back while it reports the ids, so the ids do not say what was shown"
+    penalized = _output_penalties(body)
+    if penalized:
+        return penalized
     if body.get("tools") or body.get("tool_choice") not in (None, "none"):
         return "tools: the tool parser's state was the engine's"
     fmt = body.get("response_format")
@@ -59,6 +68,15 @@ def why_not_resumable(body: dict[str, Any]) -> str | None:
     return None
 
 
+def _output_penalties(params: dict[str, Any]) -> str | None:
+    """Why penalties on the output alone make a continuation differ, or None.  The token-in route takes one list
+    of ids, so the ids sent become prompt: presence and frequency penalties count only output ids
+    (vllm/model_executor/layers/utils.py apply_penalties), the repetition penalty prompt and output alike."""
+    if any(params.get(k) for k in ("presence_penalty", "frequency_penalty")):
+        return "presence or frequency penalty: the token-in route would count the ids sent as prompt, not output"
+    return None
+
+
 def upstream_body(body: dict[str, Any]) -> dict[str, Any]:
     """The client's body as the engine gets it: with every chunk's token ids, which the resume needs."""
     return {**body, "return_token_ids": True}
@@ -69,6 +87,7 @@ class StreamRecord:
     fmt: str  # "chat" or "completion" (routes.RESUMABLE)
     wants_ids: bool  # the client asked for return_token_ids itself: its chunks keep them
     include_usage: bool
+    continuous_usage: bool  # stream_options.continuous_usage_stats: every chunk carries the usage so far
     why_not: str | None  # None: resumable
     prompt_ids: list[int] | None = None
     # The ids whose text the client has; the ids after them came in chunks of no text yet (a character cut
@@ -83,12 +102,16 @@ class StreamRecord:
     role_sent: bool = False
     ids_asked: bool = False  # the front added return_token_ids: the client's chunks lose them again
     finished: bool = False  # a finish_reason went out
+    # Ids of the continuation that the client had already, in chunks of no text: generated again (unshown_ids),
+    # not sent again.
+    replayed: int = 0
 
     @classmethod
     def of(cls, fmt: str, body: dict[str, Any]) -> StreamRecord:
         options = body.get("stream_options")
         usage = isinstance(options, dict) and options.get("include_usage") is True
-        return cls(fmt, body.get("return_token_ids") is True, usage, why_not_resumable(body))
+        continuous = usage and isinstance(options, dict) and options.get("continuous_usage_stats") is True
+        return cls(fmt, body.get("return_token_ids") is True, usage, continuous, why_not_resumable(body))
 
     def observe(self, chunk: dict[str, Any]) -> dict[str, Any]:
         """Keep what a resume needs from one of the engine's chunks; return the chunk the client gets."""
@@ -110,6 +133,10 @@ class StreamRecord:
                 self.role_sent = True
             token_ids = choice.get("token_ids")
             text = choice.get("text") or (isinstance(delta, dict) and delta.get("content"))
+            parsed = isinstance(delta, dict) and any(delta.get(k) for k in _PARSED)
+            if parsed and self.why_not is None:
+                self.why_not = "reasoning or tool calls: the continuation's text would not be split as the engine's"
+            text = text or parsed
             if isinstance(token_ids, list):
                 self._keep([int(i) for i in token_ids], bool(text))
             elif self.why_not is None and text:
@@ -148,7 +175,7 @@ class StreamRecord:
         if not self.id:
             return None
         found = _IDS.findall(data)
-        if len(found) != 1 or b'"choices"' not in data:
+        if len(found) != 1 or b'"choices"' not in data or _PARSED_KEY.search(data):
             return None
         ids = [int(i) for i in found[0].replace(b" ", b"").split(b",") if i]
         self._keep(ids, _SHOWN.search(data) is not None)
@@ -170,6 +197,9 @@ class StreamRecord:
         if self.prompt_ids is not None and prompt != self.prompt_ids:
             raise NotResumable("the prompt renders to other token ids now (a changed tokenizer or chat template)")
         params = dict(rendered["sampling_params"])
+        penalized = _output_penalties(params)  # the engine's defaults too (its generation config)
+        if penalized:
+            raise NotResumable(penalized)
         done = len(self.sent_ids)
         if isinstance(params.get("max_tokens"), int):
             if params["max_tokens"] <= done:
@@ -187,12 +217,13 @@ class StreamRecord:
         )
         if self.prompt_ids is None:
             self.prompt_ids = prompt
+        self.replayed = len(self.unshown_ids)
         self.unshown_ids = []  # generated again by the continuation
         return body
 
-    def translate(self, generated: dict[str, Any]) -> dict[str, Any]:
-        """One chunk of the generate route's stream in the client's format, under the original id; it is kept
-        like observe()'s, so a second restart resumes from here."""
+    def translate(self, generated: dict[str, Any]) -> dict[str, Any] | None:
+        """One chunk of the generate route's stream in the client's format, under the original id (None: the
+        client had it already); it is kept like observe()'s, so a second restart resumes from here."""
         out: dict[str, Any] = {"id": self.id, "object": OBJECTS[self.fmt], "created": self.created, "model": self.model}
         choices = []
         for choice in generated.get("choices") or []:
@@ -200,6 +231,10 @@ class StreamRecord:
                 continue
             ids = [int(i) for i in choice.get("token_ids") or []]
             text = str(choice.get("text") or "")
+            if self.replayed > 0 and not text and choice.get("finish_reason") is None:
+                self.replayed -= len(ids)
+                self._keep(ids, False)
+                continue
             item: dict[str, Any] = {"index": 0}
             if self.fmt == "chat":
                 delta: dict[str, Any] = {"content": text}
@@ -218,16 +253,17 @@ class StreamRecord:
                 item["token_ids"] = ids
             self._keep(ids, bool(text))
             choices.append(item)
+        if not choices and generated.get("choices"):
+            return None
         out["choices"] = choices
-        usage = generated.get("usage")
-        if isinstance(usage, dict) and self.prompt_ids is not None:
-            prompt = len(self.prompt_ids)
-            out["usage"] = {
-                "prompt_tokens": prompt,
-                "completion_tokens": self.generated,
-                "total_tokens": prompt + self.generated,
-            }
+        if isinstance(generated.get("usage"), dict) or (choices and self.continuous_usage):
+            out["usage"] = self._usage()
         return out
+
+    def _usage(self) -> dict[str, int]:
+        """The usage of the whole run so far, as the engine counts it: the prompt and every id generated."""
+        prompt = len(self.prompt_ids or [])
+        return {"prompt_tokens": prompt, "completion_tokens": self.generated, "total_tokens": prompt + self.generated}
 
     def error_chunk(self, why: str) -> dict[str, Any]:
         return {

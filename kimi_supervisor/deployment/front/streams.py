@@ -36,6 +36,13 @@ from kimi_supervisor.untrusted_json import parse_json
 _EVENT_STREAM = {"Content-Type": "text/event-stream"}
 
 
+def credentials(request: web.Request) -> dict[str, str]:
+    """The client's own credentials for the engine (`--api-key`): the resume's requests are the client's, so they
+    carry its Authorization, and nothing else of its headers (they are not the same requests)."""
+    auth = request.headers.get("Authorization")
+    return {"Authorization": auth} if auth is not None else {}
+
+
 class _Client:
     """One client's streamed answer, prepared with the first event the engine sends (a break before it leaves
     the client nothing to see yet)."""
@@ -172,8 +179,9 @@ class Streams:
 
     async def _continue(self, engine: Engine, client: _Client, body: dict[str, Any], record: StreamRecord) -> None:
         """A resume: the prompt's ids from the render route, then the token-in route from the ids sent."""
-        continuation = await self._continuation(engine, body, record)
-        async with engine.session.post(BASE + GENERATE_PATH, json=continuation) as answer:
+        continuation = await self._continuation(engine, client.request, body, record)
+        headers = credentials(client.request)
+        async with engine.session.post(BASE + GENERATE_PATH, json=continuation, headers=headers) as answer:
             if answer.status != 200:
                 data = await answer.read()
                 await self.failures.answer(engine, answer.status)
@@ -190,14 +198,18 @@ class Streams:
                     chunk = await self.failures.chunk(engine, data)
                     if isinstance(chunk, dict) and "error" in chunk:
                         raise NotResumable(f"the token-in route failed: {data[:200]!r}")
-                    if isinstance(chunk, dict):
-                        out.append(json.dumps(record.translate(chunk)).encode())
+                    translated = record.translate(chunk) if isinstance(chunk, dict) else None
+                    if translated is not None:
+                        out.append(json.dumps(translated).encode())
                 if out:
                     await client.write(sse.frame(out), _EVENT_STREAM)
 
-    async def _continuation(self, engine: Engine, body: dict[str, Any], record: StreamRecord) -> dict[str, Any]:
+    async def _continuation(
+        self, engine: Engine, request: web.Request, body: dict[str, Any], record: StreamRecord
+    ) -> dict[str, Any]:
         """The token-in request that continues the stream, from the render route's answer for the client's body."""
-        async with engine.session.post(BASE + RENDER_PATHS[record.fmt], json=body) as answer:
+        headers = credentials(request)
+        async with engine.session.post(BASE + RENDER_PATHS[record.fmt], json=body, headers=headers) as answer:
             data = await answer.read()
             if answer.status != 200:
                 await self.failures.answer(engine, answer.status)

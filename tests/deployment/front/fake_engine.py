@@ -86,11 +86,14 @@ class FakeEngine:
         self.burst = False  # a stream's events in one write: what a reader that fell behind finds waiting
         self.aborted = asyncio.Event()  # a stream's client went away before the stream ended
         self.crashes = 0
+        self.api_key: str | None = None  # vLLM's --api-key: every route but /health wants `Bearer KEY`
+        self.reasoning = 0  # chat: the first N tokens' text comes as `reasoning`, as a reasoning parser splits it
+        self.render_params: dict[str, Any] = {}  # sampling params the render route adds (the engine's defaults)
         self._runner: web.AppRunner | None = None
         self._transports: set[asyncio.BaseTransport] = set()
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         app.router.add_get("/health", self._health)
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/chat/completions", self._completion)
@@ -122,6 +125,15 @@ class FakeEngine:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.api_key is None or request.path == "/health":
+            return await handler(request)  # type: ignore[no-any-return]
+        if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            self.seen.append((request.path + " 401", None))
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)  # type: ignore[no-any-return]
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -183,7 +195,7 @@ class FakeEngine:
                 last = n == len(out) - 1
                 choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length" if last else None}
                 if chat:
-                    choice["delta"] = {"content": shown[n]}
+                    choice["delta"] = {"reasoning" if n < self.reasoning else "content": shown[n]}
                 else:
                     choice["text"] = shown[n]
                 if ids:
@@ -191,12 +203,30 @@ class FakeEngine:
                 chunk: dict[str, Any] = {**head, "object": obj, "choices": [choice]}
                 if ids and not chat and n == 0:
                     chunk["prompt_token_ids"] = prompt
+                if (body.get("stream_options") or {}).get("continuous_usage_stats"):
+                    chunk["usage"] = {
+                        "prompt_tokens": len(prompt),
+                        "completion_tokens": n + 1,
+                        "total_tokens": len(prompt) + n + 1,
+                    }
                 if self.burst:
                     burst.append(sse(chunk))
                     continue
                 await response.write(sse(chunk))
                 if n == 0 and self.hold_after_first is not None:
                     await self.hold_after_first.wait()
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out)}
+                burst.append(
+                    sse(
+                        {
+                            **head,
+                            "object": obj,
+                            "choices": [],
+                            "usage": usage | {"total_tokens": len(prompt) + len(out)},
+                        }
+                    )
+                )
             await response.write(b"".join(burst) + b"data: [DONE]\n\n")
             await response.write_eof()
         except (asyncio.CancelledError, ConnectionResetError):
@@ -215,7 +245,12 @@ class FakeEngine:
         doc = {
             "request_id": "render-1",
             "token_ids": prompt_ids(path, body),
-            "sampling_params": {"max_tokens": body.get("max_tokens"), "temperature": 0.0, "min_tokens": 0},
+            "sampling_params": {
+                "max_tokens": body.get("max_tokens"),
+                "temperature": 0.0,
+                "min_tokens": 0,
+                **self.render_params,
+            },
             "model": "tiny",
         }
         return web.json_response(doc if path.endswith("chat/completions") else [doc])

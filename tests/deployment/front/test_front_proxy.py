@@ -363,3 +363,86 @@ def test_events_that_arrive_together_reach_the_client_in_one_write(path: str) ->
         assert text == text_of_run(generate(prompt_ids(path, body), 8))
 
     run(scenario)
+
+
+async def _broken(h: Any, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[Any]:
+    """The events of a stream that the engine breaks after its fifth token, the engine then back."""
+    h.engine.crash_after = 5
+    crashes = h.engine.crashes
+    sent = asyncio.ensure_future(h.client.post(path, json=body, headers=headers))
+    await until(lambda: h.engine.crashes == crashes + 1, "the engine crashed mid-stream")
+    await h.engine.restart()
+    async with await asyncio.wait_for(sent, BOUND_S) as answer:
+        assert answer.status == 200
+        _text, events = await stream_text(answer)
+    return events
+
+
+def test_a_chat_stream_with_reasoning_ends_with_an_error_chunk_rather_than_reasoning_sent_as_content() -> None:
+    """Was: the continuation's text went out as `content`, the reasoning cut at the break and sent again."""
+
+    async def scenario() -> None:
+        body = {"messages": [{"role": "user", "content": "think"}], "max_tokens": 12, "stream": True}
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.reasoning = 8
+            events = await _broken(h, "/v1/chat/completions", body)
+        deltas = [c["delta"] for e in events if isinstance(e, dict) for c in e.get("choices", [])]
+        assert not any(d.get("content") for d in deltas), deltas
+        assert events[-1] == "[DONE]" and "reasoning" in events[-2]["error"]["message"]
+        assert "/inference/v1/generate" not in [p for p, _ in h.engine.seen]
+
+    run(scenario)
+
+
+def test_the_resumes_requests_carry_the_clients_authorization_and_no_other_header() -> None:
+    """Was: an engine with --api-key answered the render route 401 and every resume failed."""
+
+    async def scenario() -> None:
+        body = {"prompt": "tell", "max_tokens": 12, "stream": True}
+        headers = {"Authorization": "Bearer sesame", "X-Client-Only": "1"}
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.api_key = "sesame"
+            async with h.client.post("/v1/completions", json=body, headers=headers) as answer:
+                want, _ = await stream_text(answer)
+            seen: list[Any] = []
+            original = h.engine._generate
+
+            async def spy(request: Any) -> Any:
+                seen.append(dict(request.headers))
+                return await original(request)
+
+            h.engine._generate = spy  # type: ignore[method-assign]
+            events = await _broken(h, "/v1/completions", body, headers)
+        text = "".join(c.get("text") or "" for e in events if isinstance(e, dict) for c in e.get("choices", []))
+        assert text == want and not any("error" in e for e in events if isinstance(e, dict))
+        assert not any(p.endswith(" 401") for p, _ in h.engine.seen)
+        assert seen and seen[0].get("Authorization") == "Bearer sesame" and "X-Client-Only" not in seen[0]
+
+    run(scenario)
+
+
+def test_continuous_usage_stats_keep_their_usage_on_every_resumed_chunk() -> None:
+    """Was: the resumed chunks came without the usage so far."""
+
+    async def scenario() -> None:
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        body = {"prompt": "tell", "max_tokens": 12, "stream": True, "stream_options": options}
+        async with running(hold_s=BOUND_S) as h:
+            _want, plain = await _uninterrupted(h, "/v1/completions", body)
+            events = await _broken(h, "/v1/completions", body)
+        usage = [(e["usage"], e["choices"][0]["text"] if e["choices"] else None) for e in events if isinstance(e, dict)]
+        assert usage == [(e["usage"], e["choices"][0]["text"] if e["choices"] else None) for e in plain[:-1]]
+
+    run(scenario)
+
+
+def test_penalties_on_the_output_end_a_broken_stream_with_an_error_chunk_even_as_the_engines_default() -> None:
+    async def scenario() -> None:
+        body = {"prompt": "tell", "max_tokens": 12, "stream": True}
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.render_params = {"frequency_penalty": 0.5}  # from the model's generation config
+            events = await _broken(h, "/v1/completions", body)
+        assert events[-1] == "[DONE]" and "frequency penalty" in events[-2]["error"]["message"]
+        assert "/inference/v1/generate" not in [p for p, _ in h.engine.seen]
+
+    run(scenario)

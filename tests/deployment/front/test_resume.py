@@ -70,3 +70,23 @@ def test_what_the_token_in_route_cannot_continue_is_named() -> None:
     assert "structured" in str(why_not_resumable({"messages": [], "response_format": {"type": "json_object"}}))
     assert "echo" in str(why_not_resumable({"prompt": "x", "echo": True}))
     assert "several prompts" in str(why_not_resumable({"prompt": ["a", "b"]}))
+
+
+def test_what_would_resume_with_a_silent_difference_is_named() -> None:
+    """Was: `logprobs: 0` passed (0 == False), and stop strings and output penalties resumed silently wrong."""
+    assert "logprobs" in str(why_not_resumable({"prompt": "x", "logprobs": 0}))
+    assert why_not_resumable({"messages": [], "logprobs": False}) is None
+    assert "stop strings" in str(why_not_resumable({"prompt": "x", "stop": ["\n\n"]}))
+    assert "presence" in str(why_not_resumable({"prompt": "x", "presence_penalty": 0.1}))
+    assert "penalty" in str(why_not_resumable({"prompt": "x", "frequency_penalty": -0.1}))
+    # The repetition penalty counts prompt and output ids alike: the same after the ids sent became prompt.
+    assert why_not_resumable({"prompt": "x", "repetition_penalty": 1.2}) is None
+
+
+def test_a_chunk_a_parser_wrote_is_read_whole_and_makes_the_stream_not_resumable() -> None:
+    record = StreamRecord.of("chat", {})
+    record.observe(json.loads(CHAT[0]))
+    reasoning = CHAT[1].replace(b'"content":"ebr"', b'"reasoning":"ebr"')
+    assert record.observe_raw(reasoning) is None
+    record.observe(json.loads(reasoning))
+    assert "reasoning" in str(record.why_not)
