@@ -34,7 +34,7 @@ _SHOWN = re.compile(rb'"(?:text|content)"\s*:\s*"(?!")')  # a non-empty text or 
 _FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
 # A chat delta a reasoning or tool parser wrote: read by observe(), never on the bytes.
 _PARSED_KEY = re.compile(rb'"(?:reasoning|reasoning_content|tool_calls)"\s*:')
-_PARSED = ("reasoning", "reasoning_content", "tool_calls")
+PARSED = ("reasoning", "reasoning_content", "tool_calls")
 
 
 class NotResumable(Exception):
@@ -105,6 +105,17 @@ class StreamRecord:
     # Ids of the continuation that the client had already, in chunks of no text: generated again (unshown_ids),
     # not sent again.
     replayed: int = 0
+    # What vLLM's parser replays for a chat stream's derender (derender.py): the ids each chunk carried, and the
+    # tool calls' ids by index (a replay would make new ones) and whether any was streamed.
+    chunk_lens: list[int] = dataclasses.field(default_factory=list)
+    tool_ids: dict[int, str] = dataclasses.field(default_factory=dict)
+    tools_streamed: bool = False
+
+    @property
+    def derendered(self) -> bool:
+        """A chat stream continues through the engine's own parser (derender.py), whatever its flags: vLLM's one
+        definition of how its output splits into reasoning, content and tool calls; a completion as text."""
+        return self.fmt == "chat"
 
     @classmethod
     def of(cls, fmt: str, body: dict[str, Any]) -> StreamRecord:
@@ -133,9 +144,9 @@ class StreamRecord:
                 self.role_sent = True
             token_ids = choice.get("token_ids")
             text = choice.get("text") or (isinstance(delta, dict) and delta.get("content"))
-            parsed = isinstance(delta, dict) and any(delta.get(k) for k in _PARSED)
-            if parsed and self.why_not is None:
-                self.why_not = "reasoning or tool calls: the continuation's text would not be split as the engine's"
+            parsed = isinstance(delta, dict) and any(delta.get(k) for k in PARSED)
+            if parsed and isinstance(delta, dict):
+                self._keep_tools(delta.get("tool_calls"))
             text = text or parsed
             if isinstance(token_ids, list):
                 self._keep([int(i) for i in token_ids], bool(text))
@@ -156,7 +167,17 @@ class StreamRecord:
             ]
         return out
 
+    def _keep_tools(self, calls: object) -> None:
+        for call in calls if isinstance(calls, list) else []:
+            if not isinstance(call, dict):
+                continue
+            self.tools_streamed = True
+            if isinstance(call.get("id"), str):
+                self.tool_ids.setdefault(int(call.get("index") or 0), call["id"])
+
     def _keep(self, ids: list[int], shown: bool) -> None:
+        if ids:
+            self.chunk_lens.append(len(ids))
         if shown:
             if self.unshown_ids:
                 self.sent_ids += self.unshown_ids
@@ -200,7 +221,10 @@ class StreamRecord:
         penalized = _output_penalties(params)  # the engine's defaults too (its generation config)
         if penalized:
             raise NotResumable(penalized)
-        done = len(self.sent_ids)
+        # Through the parser every id goes on (derender decodes them all again from the prompt); as text, the
+        # unshown ones are generated again.
+        done_ids = self.sent_ids + self.unshown_ids if self.derendered else self.sent_ids
+        done = len(done_ids)
         if isinstance(params.get("max_tokens"), int):
             if params["max_tokens"] <= done:
                 raise NotResumable("max_tokens were all generated before the restart")
@@ -209,16 +233,17 @@ class StreamRecord:
             params["min_tokens"] = max(0, params["min_tokens"] - done)
         body = {k: v for k, v in rendered.items() if k not in _SET_HERE}
         body.update(
-            token_ids=prompt + self.sent_ids,
+            token_ids=prompt + done_ids,
             sampling_params=params,
             stream=True,
-            output_mode="text",
+            output_mode="tokens" if self.derendered else "text",
             stream_options={"include_usage": self.include_usage},
         )
         if self.prompt_ids is None:
             self.prompt_ids = prompt
-        self.replayed = len(self.unshown_ids)
-        self.unshown_ids = []  # generated again by the continuation
+        if not self.derendered:
+            self.replayed = len(self.unshown_ids)
+            self.unshown_ids = []  # generated again by the continuation
         return body
 
     def translate(self, generated: dict[str, Any]) -> dict[str, Any] | None:
@@ -259,6 +284,11 @@ class StreamRecord:
         if isinstance(generated.get("usage"), dict) or (choices and self.continuous_usage):
             out["usage"] = self._usage()
         return out
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk of a resumed stream that asked for usage."""
+        head = {"id": self.id, "object": OBJECTS[self.fmt], "created": self.created, "model": self.model}
+        return {**head, "choices": [], "usage": self._usage()}
 
     def _usage(self) -> dict[str, int]:
         """The usage of the whole run so far, as the engine counts it: the prompt and every id generated."""

@@ -22,6 +22,7 @@ from kimi_supervisor.deployment.front.context import (
     outcome,
     passed_headers,
 )
+from kimi_supervisor.deployment.front.derender import DERENDER_PATH, Derender
 from kimi_supervisor.deployment.front.engine import BASE, Engine
 from kimi_supervisor.deployment.front.failure import EngineBroke, Failures
 from kimi_supervisor.deployment.front.resume import (
@@ -178,31 +179,66 @@ class Streams:
         return out
 
     async def _continue(self, engine: Engine, client: _Client, body: dict[str, Any], record: StreamRecord) -> None:
-        """A resume: the prompt's ids from the render route, then the token-in route from the ids sent."""
+        """A resume: the prompt's ids from the render route, then the token-in route from the ids sent, its ids
+        as the client's chunks (a chat stream's through the engine's parser, derender.py)."""
         continuation = await self._continuation(engine, client.request, body, record)
         headers = credentials(client.request)
+        derender = Derender(record, body) if record.derendered else None
+        if derender is not None:
+            derender.seeded(await self._derender(engine, headers, derender.seeding()))
         async with engine.session.post(BASE + GENERATE_PATH, json=continuation, headers=headers) as answer:
             if answer.status != 200:
                 data = await answer.read()
                 await self.failures.answer(engine, answer.status)
                 raise NotResumable(f"the token-in route answered {answer.status}: {data[:200]!r}")
             async for batch in self._batches(engine, answer):
-                out: list[bytes] = []
+                chunks: list[dict[str, Any]] = []
                 for data in batch:
                     if data == sse.DONE:
-                        out.append(data)
                         break
-                    if b'"error"' in data and out:  # kept as sent: out before an error chunk can end this send
-                        await client.write(sse.frame(out), _EVENT_STREAM)
-                        out = []
                     chunk = await self.failures.chunk(engine, data)
                     if isinstance(chunk, dict) and "error" in chunk:
+                        if chunks:  # what came before the error goes out: it can end this send
+                            await client.write(
+                                sse.frame(await self._chunks(engine, headers, record, derender, chunks)), _EVENT_STREAM
+                            )
                         raise NotResumable(f"the token-in route failed: {data[:200]!r}")
-                    translated = record.translate(chunk) if isinstance(chunk, dict) else None
-                    if translated is not None:
-                        out.append(json.dumps(translated).encode())
+                    if isinstance(chunk, dict):
+                        chunks.append(chunk)
+                out = await self._chunks(engine, headers, record, derender, chunks)
+                if batch[-1] == sse.DONE:
+                    out.append(sse.DONE)
                 if out:
                     await client.write(sse.frame(out), _EVENT_STREAM)
+
+    async def _chunks(
+        self,
+        engine: Engine,
+        headers: dict[str, str],
+        record: StreamRecord,
+        derender: Derender | None,
+        chunks: list[dict[str, Any]],
+    ) -> list[bytes]:
+        """The client's events for the token-in chunks of one read."""
+        if derender is None:
+            return [json.dumps(t).encode() for t in map(record.translate, chunks) if t is not None]
+        out: list[bytes] = []
+        generated = [c for c in chunks if c.get("choices")]
+        if generated:
+            call, ids, last = derender.calling(generated)
+            answer = await self._derender(engine, headers, call)
+            out.append(json.dumps(derender.chunk(answer, ids, last)).encode())
+        if any(isinstance(c.get("usage"), dict) and not c.get("choices") for c in chunks):
+            out.append(json.dumps(record.usage_chunk()).encode())
+        return out
+
+    async def _derender(self, engine: Engine, headers: dict[str, str], call: dict[str, Any]) -> object:
+        async with engine.session.post(BASE + DERENDER_PATH, json=call, headers=headers) as answer:
+            data = await answer.read()
+            if answer.status != 200:
+                await self.failures.answer(engine, answer.status)
+                raise NotResumable(f"the derender route answered {answer.status}: {data[:200]!r}")
+            return parse_json(data, JSON_DEPTH)
 
     async def _continuation(
         self, engine: Engine, request: web.Request, body: dict[str, Any], record: StreamRecord

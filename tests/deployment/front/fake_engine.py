@@ -100,6 +100,7 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions/render", self._render)
         app.router.add_post("/v1/completions/render", self._render)
         app.router.add_post("/inference/v1/generate", self._generate)
+        app.router.add_post("/v1/chat/completions/derender", self._derender)
         app.router.add_route("*", "/{tail:.*}", self._other)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
         await self._runner.setup()
@@ -288,3 +289,28 @@ class FakeEngine:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _derender(self, request: web.Request) -> web.Response:
+        """vLLM's streaming chat derender, with this model's "parser": the first `reasoning` ids are reasoning,
+        the rest content; each call decodes every id again from the first, as vLLM's replay does."""
+        body = await request.json()
+        self.seen.append((request.path, body))
+        state = dict(body.get("stream_state") or {"output_token_ids": [], "output_chunk_lens": [], "role_sent": False})
+        before = list(state["output_token_ids"])
+        choice = body["generate_chunk"]["choices"][0]
+        ids = list(choice.get("token_ids") or [])
+        shown, _ = texts(before + ids)
+        delta: dict[str, Any] = {}
+        for at in range(len(before), len(before) + len(ids)):
+            key = "reasoning" if at < self.reasoning else "content"
+            delta[key] = delta.get(key, "") + shown[at]
+        if not state["role_sent"]:
+            delta["role"] = "assistant"
+        out = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": choice.get("finish_reason")}
+        state.update(
+            output_token_ids=before + ids,
+            output_chunk_lens=list(state["output_chunk_lens"]) + ([len(ids)] if ids else []),
+            role_sent=True,
+        )
+        chunk = {"id": "derender-1", "object": "chat.completion.chunk", "created": 1, "model": "tiny"}
+        return web.json_response({"chunk": chunk | {"choices": [out], "usage": None}, "stream_state": state})

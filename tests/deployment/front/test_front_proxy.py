@@ -237,14 +237,20 @@ def test_a_stream_broken_by_a_crash_is_resumed_with_the_uninterrupted_text(path:
         prompt = prompt_ids(path, body)
         assert usage == [{"prompt_tokens": len(prompt), "completion_tokens": 12, "total_tokens": len(prompt) + 12}]
         paths = [p for p, _ in h.engine.seen]
-        assert paths == [path, path + "/render", "/inference/v1/generate"]
-        continuation = h.engine.seen[2][1]
+        continuation = dict(h.engine.seen)["/inference/v1/generate"]
         assert continuation is not None
         # Five tokens went out before the crash, the fifth the first half of a character (its text ""): the
-        # continuation starts after the fourth and makes the fifth again, never from inside a character.
+        # continuation as text starts after the fourth and makes the fifth again, never from inside a character;
+        # a chat stream's goes on after the fifth, its ids decoded again from the first by the derender route.
         assert [cuts(t) for t in generate(prompt, 5)] == [False, False, False, False, True]
-        assert continuation["token_ids"] == prompt + generate(prompt, 4)
-        assert continuation["sampling_params"]["max_tokens"] == 12 - 4
+        done = 5 if chat else 4
+        assert continuation["token_ids"] == prompt + generate(prompt, done)
+        assert continuation["sampling_params"]["max_tokens"] == 12 - done
+        if chat:
+            assert paths[:4] == [path, path + "/render", path + "/derender", "/inference/v1/generate"]
+            assert set(paths[4:]) == {path + "/derender"}
+        else:
+            assert paths == [path, path + "/render", "/inference/v1/generate"]
         assert h.front.metrics.counts["resumed"] == 1
         if chat:
             roles = [c["delta"].get("role") for e in events if isinstance(e, dict) for c in e["choices"]]
@@ -378,18 +384,25 @@ async def _broken(h: Any, path: str, body: dict[str, Any], headers: dict[str, st
     return events
 
 
-def test_a_chat_stream_with_reasoning_ends_with_an_error_chunk_rather_than_reasoning_sent_as_content() -> None:
+def test_a_chat_stream_broken_mid_reasoning_resumes_its_reasoning_through_the_engines_parser() -> None:
     """Was: the continuation's text went out as `content`, the reasoning cut at the break and sent again."""
 
     async def scenario() -> None:
         body = {"messages": [{"role": "user", "content": "think"}], "max_tokens": 12, "stream": True}
         async with running(hold_s=BOUND_S) as h:
             h.engine.reasoning = 8
+            _want, plain = await _uninterrupted(h, "/v1/chat/completions", body)
             events = await _broken(h, "/v1/chat/completions", body)
-        deltas = [c["delta"] for e in events if isinstance(e, dict) for c in e.get("choices", [])]
-        assert not any(d.get("content") for d in deltas), deltas
-        assert events[-1] == "[DONE]" and "reasoning" in events[-2]["error"]["message"]
-        assert "/inference/v1/generate" not in [p for p, _ in h.engine.seen]
+
+        def split(evs: list[Any]) -> tuple[str, str]:
+            deltas = [c["delta"] for e in evs if isinstance(e, dict) for c in e.get("choices", [])]
+            return "".join(d.get("reasoning") or "" for d in deltas), "".join(d.get("content") or "" for d in deltas)
+
+        assert split(events) == split(plain) and all(split(plain))
+        assert not any("error" in e for e in events if isinstance(e, dict)) and events.count("[DONE]") == 1
+        seeding = next(b for p, b in h.engine.seen if p == "/v1/chat/completions/derender")
+        assert seeding is not None and seeding["stream_state"] is None
+        assert len(seeding["generate_chunk"]["choices"][0]["token_ids"]) == 5
 
     run(scenario)
 

@@ -83,10 +83,15 @@ def test_what_would_resume_with_a_silent_difference_is_named() -> None:
     assert why_not_resumable({"prompt": "x", "repetition_penalty": 1.2}) is None
 
 
-def test_a_chunk_a_parser_wrote_is_read_whole_and_makes_the_stream_not_resumable() -> None:
+def test_a_chunk_a_parser_wrote_is_read_whole_and_its_tool_call_ids_kept() -> None:
     record = StreamRecord.of("chat", {})
     record.observe(json.loads(CHAT[0]))
     reasoning = CHAT[1].replace(b'"content":"ebr"', b'"reasoning":"ebr"')
     assert record.observe_raw(reasoning) is None
     record.observe(json.loads(reasoning))
-    assert "reasoning" in str(record.why_not)
+    call = b'"tool_calls":[{"id":"functions.get_weather:0","type":"function","index":0,"function":{"name":"w"}}]'
+    tool = CHAT[1].replace(b'"content":"ebr"', call)
+    assert record.observe_raw(tool) is None
+    record.observe(json.loads(tool))
+    assert record.why_not is None and record.tools_streamed and record.tool_ids == {0: "functions.get_weather:0"}
+    assert (record.sent_ids, record.chunk_lens) == ([486, 486], [1, 1])
