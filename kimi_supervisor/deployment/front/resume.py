@@ -53,8 +53,8 @@ def why_not_resumable(body: dict[str, Any]) -> str | None:
     penalized = _output_penalties(body)
     if penalized:
         return penalized
-    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
-        return "tools: the tool parser's state was the engine's"
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        return "tool_choice required or named: its grammar's state was the engine's"
     fmt = body.get("response_format")
     if (isinstance(fmt, dict) and fmt.get("type") not in (None, "text")) or body.get("structured_outputs"):
         return "structured outputs: the grammar's state was the engine's"

@@ -66,7 +66,8 @@ def test_what_the_token_in_route_cannot_continue_is_named() -> None:
     assert why_not_resumable({"messages": [], "tools": [], "tool_choice": "none"}) is None
     assert "n > 1" in str(why_not_resumable({"prompt": "x", "n": 2}))
     assert "logprobs" in str(why_not_resumable({"prompt": "x", "logprobs": 2}))
-    assert "tools" in str(why_not_resumable({"messages": [], "tools": [{"type": "function"}]}))
+    assert why_not_resumable({"messages": [], "tools": [{"type": "function"}], "tool_choice": "auto"}) is None
+    assert "tool_choice" in str(why_not_resumable({"messages": [], "tool_choice": "required"}))
     assert "structured" in str(why_not_resumable({"messages": [], "response_format": {"type": "json_object"}}))
     assert "echo" in str(why_not_resumable({"prompt": "x", "echo": True}))
     assert "several prompts" in str(why_not_resumable({"prompt": ["a", "b"]}))
