@@ -18,6 +18,25 @@ from kimi_supervisor.deployment.front.resume import OBJECTS, NotResumable, Strea
 DERENDER_PATH = "/v1/chat/completions/derender"
 
 
+class Read:
+    """The token-in chunks of one read, as one: their ids, logprobs (the client's shape: the route decodes them in
+    text mode) and the last one's finish."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.logprobs: list[Any] | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: object = None
+
+    def add(self, choice: dict[str, Any]) -> None:
+        self.ids += [int(i) for i in choice.get("token_ids") or []]
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
+            self.logprobs = [*(self.logprobs or []), *logprobs["content"]]
+        self.finish_reason = choice.get("finish_reason")
+        self.stop_reason = choice.get("stop_reason")
+
+
 class Derender:
     """One chat stream's continuation: the derender requests, and their answers as the client's chunks."""
 
@@ -42,21 +61,19 @@ class Derender:
         state["role_sent"] = True
         self.state = state
 
-    def calling(self, generated: list[dict[str, Any]]) -> tuple[dict[str, Any], list[int], dict[str, Any]]:
+    def calling(self, generated: list[dict[str, Any]]) -> tuple[dict[str, Any], Read]:
         """One call for the token-in chunks of one read (one parse, however many chunks wait: the cost of a
-        replay is per call); with their ids and their last choice (finish and stop reasons)."""
-        ids: list[int] = []
-        last: dict[str, Any] = {}
+        replay is per call), and what the client's chunk takes from them."""
+        read = Read()
         for chunk in generated:
             for choice in chunk.get("choices") or []:
                 if isinstance(choice, dict):
-                    ids += [int(i) for i in choice.get("token_ids") or []]
-                    last = choice
-        merged = {"index": 0, "token_ids": ids, "finish_reason": last.get("finish_reason")}
-        merged["stop_reason"] = last.get("stop_reason")
-        return self._call({"request_id": "resume", "choices": [merged]}), ids, last
+                    read.add(choice)
+        merged = {"index": 0, "token_ids": read.ids, "finish_reason": read.finish_reason}
+        merged["stop_reason"] = read.stop_reason
+        return self._call({"request_id": "resume", "choices": [merged]}), read
 
-    def chunk(self, answer: object, ids: list[int], last: dict[str, Any]) -> dict[str, Any]:
+    def chunk(self, answer: object, read: Read) -> dict[str, Any]:
         """The client's chunk for one derender answer, under the original id; kept like the engine's own."""
         self.state = _state_of(answer)
         assert isinstance(answer, dict)
@@ -64,13 +81,14 @@ class Derender:
         choices = (derendered.get("choices") if isinstance(derendered, dict) else None) or [{}]
         choice = choices[0] if isinstance(choices[0], dict) else {}
         record = self.record
-        item: dict[str, Any] = {"index": 0, "delta": _set(choice.get("delta") or {}), "logprobs": None}
-        finish = last.get("finish_reason")
+        logprobs = {"content": read.logprobs} if read.logprobs is not None else None
+        item: dict[str, Any] = {"index": 0, "delta": _set(choice.get("delta") or {}), "logprobs": logprobs}
+        finish = read.finish_reason
         # vLLM's chat serving says `tool_calls` for a run that stopped after a tool call, not for one cut by length.
         item["finish_reason"] = choice.get("finish_reason") if finish == "stop" else finish
         if finish is not None:
-            item["stop_reason"] = last.get("stop_reason")
-        item["token_ids"] = ids
+            item["stop_reason"] = read.stop_reason
+        item["token_ids"] = read.ids
         out = record.observe(
             {"id": record.id, "object": OBJECTS["chat"], "created": record.created, "model": record.model}
             | {"choices": [item]}

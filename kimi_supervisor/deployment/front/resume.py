@@ -32,8 +32,8 @@ _IDS = re.compile(rb'"token_ids"\s*:\s*\[([0-9,\s]*)\]')
 _IDS_FIELD = re.compile(rb',\s*"token_ids"\s*:\s*\[[0-9,\s]*\]')
 _SHOWN = re.compile(rb'"(?:text|content)"\s*:\s*"(?!")')  # a non-empty text or content
 _FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
-# A chat delta a reasoning or tool parser wrote: read by observe(), never on the bytes.
-_PARSED_KEY = re.compile(rb'"(?:reasoning|reasoning_content|tool_calls)"\s*:')
+# A chat delta a reasoning or tool parser wrote, or logprobs: read by observe(), never on the bytes.
+_PARSED_KEY = re.compile(rb'"(?:reasoning|reasoning_content|tool_calls)"\s*:|"logprobs"\s*:\s*\{')
 PARSED = ("reasoning", "reasoning_content", "tool_calls")
 
 
@@ -45,9 +45,8 @@ def why_not_resumable(body: dict[str, Any]) -> str | None:
     """None when the token-in route can continue this request's stream; else why not (docs/front.md)."""
     if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
         return "n > 1: the front keeps one sequence's token ids"
-    # `is not`, not `in`: completions' `logprobs: 0` (the sampled token's own) equals False.
-    if (body.get("logprobs") is not None and body.get("logprobs") is not False) or body.get("top_logprobs"):
-        return "logprobs: the token-in route gives them as ids, not in this request's format"
+    if body.get("return_tokens_as_token_ids") or body.get("logprob_token_ids"):
+        return "logprobs as token ids: the token-in route writes them as text"
     if body.get("stop"):
         return "stop strings: vLLM holds text back while it reports the ids, so the ids do not say what was shown"
     penalized = _output_penalties(body)
@@ -108,6 +107,7 @@ class StreamRecord:
     # What vLLM's parser replays for a chat stream's derender (derender.py): the ids each chunk carried, and the
     # tool calls' ids by index (a replay would make new ones) and whether any was streamed.
     chunk_lens: list[int] = dataclasses.field(default_factory=list)
+    text_offset: int = 0  # a completion's logprobs: where the next token's text starts
     tool_ids: dict[int, str] = dataclasses.field(default_factory=dict)
     tools_streamed: bool = False
 
@@ -142,6 +142,7 @@ class StreamRecord:
             delta = choice.get("delta")
             if isinstance(delta, dict) and delta.get("role"):
                 self.role_sent = True
+            self._keep_offset(choice.get("logprobs"))
             token_ids = choice.get("token_ids")
             text = choice.get("text") or (isinstance(delta, dict) and delta.get("content"))
             parsed = isinstance(delta, dict) and any(delta.get(k) for k in PARSED)
@@ -166,6 +167,13 @@ class StreamRecord:
                 for c in choices
             ]
         return out
+
+    def _keep_offset(self, logprobs: object) -> None:
+        if not isinstance(logprobs, dict):
+            return
+        offsets, tokens = logprobs.get("text_offset"), logprobs.get("tokens")
+        if isinstance(offsets, list) and isinstance(tokens, list) and offsets and tokens:
+            self.text_offset = int(offsets[-1]) + len(str(tokens[-1]))
 
     def _keep_tools(self, calls: object) -> None:
         for call in calls if isinstance(calls, list) else []:
@@ -236,7 +244,7 @@ class StreamRecord:
             token_ids=prompt + done_ids,
             sampling_params=params,
             stream=True,
-            output_mode="tokens" if self.derendered else "text",
+            output_mode="text",  # logprobs in the client's shape; a chat stream's text is the parser's (derender.py)
             stream_options={"include_usage": self.include_usage},
         )
         if self.prompt_ids is None:
@@ -247,8 +255,9 @@ class StreamRecord:
         return body
 
     def translate(self, generated: dict[str, Any]) -> dict[str, Any] | None:
-        """One chunk of the generate route's stream in the client's format, under the original id (None: the
-        client had it already); it is kept like observe()'s, so a second restart resumes from here."""
+        """One chunk of the generate route's text stream as a completion's chunk, under the original id (None: the
+        client had it already); it is kept like observe()'s, so a second restart resumes from here.  (A chat
+        stream's chunks are the engine's parser's: derender.py.)"""
         out: dict[str, Any] = {"id": self.id, "object": OBJECTS[self.fmt], "created": self.created, "model": self.model}
         choices = []
         for choice in generated.get("choices") or []:
@@ -260,16 +269,7 @@ class StreamRecord:
                 self.replayed -= len(ids)
                 self._keep(ids, False)
                 continue
-            item: dict[str, Any] = {"index": 0}
-            if self.fmt == "chat":
-                delta: dict[str, Any] = {"content": text}
-                if not self.role_sent:
-                    delta = {"role": "assistant", **delta}
-                    self.role_sent = True
-                item["delta"] = delta
-            else:
-                item["text"] = text
-            item["logprobs"] = None
+            item: dict[str, Any] = {"index": 0, "text": text, "logprobs": self._completion_logprobs(choice)}
             item["finish_reason"] = choice.get("finish_reason")
             if choice.get("finish_reason") is not None:
                 item["stop_reason"] = choice.get("stop_reason")
@@ -284,6 +284,29 @@ class StreamRecord:
         if isinstance(generated.get("usage"), dict) or (choices and self.continuous_usage):
             out["usage"] = self._usage()
         return out
+
+    def _completion_logprobs(self, choice: dict[str, Any]) -> dict[str, Any] | None:
+        """The generate route's logprobs (the chat shape: vLLM decodes them in text mode) as /v1/completions writes
+        them (vllm/entrypoints/openai/completion/serving.py `_create_completion_logprobs`): parallel lists, each
+        token's offset after the tokens before it, -9999 for -inf."""
+        logprobs = choice.get("logprobs")
+        content = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if not isinstance(content, list):
+            return None
+        offsets, tokens = [], []
+        for entry in content:
+            offsets.append(self.text_offset)
+            tokens.append(str(entry.get("token", "")))
+            self.text_offset += len(tokens[-1])
+        return {
+            "text_offset": offsets,
+            "token_logprobs": [max(float(e.get("logprob", 0.0)), -9999.0) for e in content],
+            "tokens": tokens,
+            "top_logprobs": [
+                {str(t.get("token")): max(float(t.get("logprob", 0.0)), -9999.0) for t in e.get("top_logprobs") or []}
+                for e in content
+            ],
+        }
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last chunk of a resumed stream that asked for usage."""

@@ -225,9 +225,9 @@ class Streams:
         out: list[bytes] = []
         generated = [c for c in chunks if c.get("choices")]
         if generated:
-            call, ids, last = derender.calling(generated)
+            call, read = derender.calling(generated)
             answer = await self._derender(engine, headers, call)
-            out.append(json.dumps(derender.chunk(answer, ids, last)).encode())
+            out.append(json.dumps(derender.chunk(answer, read)).encode())
         if any(isinstance(c.get("usage"), dict) and not c.get("choices") for c in chunks):
             out.append(json.dumps(record.usage_chunk()).encode())
         return out

@@ -63,6 +63,25 @@ def generate(prompt: list[int], count: int) -> list[int]:
     return seq[len(prompt) :]
 
 
+def logprob_entry(token: int) -> dict[str, Any]:
+    """A token's logprob as vLLM's chat (and the token-in route's text mode) writes it; this model's numbers."""
+    text = f"<{token}>"
+    entry = {"token": text, "logprob": -0.5 - token % 7, "bytes": list(text.encode())}
+    return {**entry, "top_logprobs": [dict(entry)]}
+
+
+def completion_logprobs(tokens: list[int], offset: int) -> dict[str, Any]:
+    """The same as /v1/completions writes it: parallel lists, each token's offset after the ones before."""
+    entries = [logprob_entry(t) for t in tokens]
+    offsets = [offset + sum(len(e["token"]) for e in entries[:k]) for k in range(len(entries))]
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [e["logprob"] for e in entries],
+        "tokens": [e["token"] for e in entries],
+        "top_logprobs": [{e["token"]: e["logprob"]} for e in entries],
+    }
+
+
 def _forbidden() -> web.Response:
     message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
     return web.json_response({"error": {"message": message, "type": "PermissionDeniedError", "code": 403}}, status=403)
@@ -195,6 +214,10 @@ class FakeEngine:
                     await self._die_in(request)
                 last = n == len(out) - 1
                 choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length" if last else None}
+                if body.get("logprobs") and chat:
+                    choice["logprobs"] = {"content": [logprob_entry(token)]}
+                elif body.get("logprobs") is not None and not chat:
+                    choice["logprobs"] = completion_logprobs([token], sum(len(f"<{t}>") for t in out[:n]))
                 if chat:
                     choice["delta"] = {"reasoning" if n < self.reasoning else "content": shown[n]}
                 else:
@@ -250,6 +273,7 @@ class FakeEngine:
                 "max_tokens": body.get("max_tokens"),
                 "temperature": 0.0,
                 "min_tokens": 0,
+                "logprobs": (0 if body.get("logprobs") else None) if "messages" in body else body.get("logprobs"),
                 **self.render_params,
             },
             "model": "tiny",
@@ -282,6 +306,8 @@ class FakeEngine:
                 "token_ids": [token],
                 "finish_reason": "length" if last else None,
             }
+            if body["sampling_params"].get("logprobs") is not None:
+                choice["logprobs"] = {"content": [logprob_entry(token)]}
             await response.write(sse({"request_id": "generate-tokens-1", "choices": [choice]}))
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}

@@ -459,3 +459,31 @@ def test_penalties_on_the_output_end_a_broken_stream_with_an_error_chunk_even_as
         assert "/inference/v1/generate" not in [p for p, _ in h.engine.seen]
 
     run(scenario)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_broken_stream_with_logprobs_resumes_them_in_the_clients_shape(path: str) -> None:
+    """Was: logprobs ended the stream with an error chunk (and completions' `logprobs: 0` resumed with null)."""
+
+    async def scenario() -> None:
+        chat = path.startswith("/v1/chat/")
+        body: dict[str, Any] = {"max_tokens": 12, "stream": True}
+        body |= {"messages": [{"role": "user", "content": "tell"}], "logprobs": True} if chat else {"prompt": "tell"}
+        body |= {} if chat else {"logprobs": 0}
+        async with running(hold_s=BOUND_S) as h:
+            _want, plain = await _uninterrupted(h, path, body)
+            events = await _broken(h, path, body)
+
+        def logprobs(evs: list[Any]) -> list[Any]:
+            """Each token's entry, in order (a resumed chat chunk may carry the tokens of one read together)."""
+            out: list[Any] = []
+            for c in (c for e in evs if isinstance(e, dict) for c in e.get("choices", []) if c.get("logprobs")):
+                lp = c["logprobs"]
+                out += lp["content"] if chat else [[lp[k][n] for k in sorted(lp)] for n in range(len(lp["tokens"]))]
+            return out
+
+        got = logprobs(events)
+        assert got == logprobs(plain) and len(got) == 12
+        assert not any("error" in e for e in events if isinstance(e, dict))
+
+    run(scenario)
