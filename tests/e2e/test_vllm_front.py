@@ -229,7 +229,7 @@ def test_engine_core_sigkill_mid_generation_costs_no_client_anything(served: tup
     asyncio.run(asyncio.wait_for(scenario(), 4 * START_BOUND_S))
 
 
-KILL_AT = 32  # generated tokens every scripted stream has when EngineCore is killed
+KILL_AT = 48  # generated tokens every scripted stream has when EngineCore is killed
 MARKERS = (
     "</think>",
     "<|tool_calls_section_begin|>",
@@ -250,6 +250,7 @@ class _Kimi:
         self.roles: list[str] = []
         self.finish: list[str] = []
         self.usage: list[dict[str, Any]] = []
+        self.logprobs: list[Any] = []
         self.errors: list[Any] = []
         self.done = False
 
@@ -272,9 +273,19 @@ class _Kimi:
                 kept["name"] += function.get("name") or ""
                 kept["arguments"] += function.get("arguments") or ""
             self.finish += [choice["finish_reason"]] if choice.get("finish_reason") else []
+            self.logprobs += (choice.get("logprobs") or {}).get("content") or []
 
     def seen(self) -> tuple[Any, ...]:
-        return (self.reasoning, self.content, self.calls, self.roles, self.finish, self.usage, self.errors)
+        return (
+            self.reasoning,
+            self.content,
+            self.calls,
+            self.roles,
+            self.finish,
+            self.usage,
+            self.logprobs,
+            self.errors,
+        )
 
 
 async def _kimi_stream(client: aiohttp.ClientSession, body: dict[str, Any], seen: _Kimi) -> None:
@@ -306,6 +317,7 @@ async def _scripts(client: aiohttp.ClientSession) -> dict[str, tuple[list[int], 
     end, begin_section, end_section, begin_call, begin_args, end_call = [(await tok(m))[0] for m in MARKERS]
 
     async def call(i: int, name: str, filler: int) -> list[int]:
+        assert filler >= 0, f"KILL_AT is too small for the tool call's markup ({filler})"
         head = [begin_call, *await tok(f"functions.{name}:{i}"), begin_args]
         return [*head, *await tok('{"note": "'), *words[:filler], *await tok('"}'), end_call]
 
@@ -325,7 +337,7 @@ async def _scripts(client: aiohttp.ClientSession) -> dict[str, tuple[list[int], 
     }
 
 
-def _kimi_body(script: list[int]) -> dict[str, Any]:
+def _kimi_body(script: list[int], logprobs: bool) -> dict[str, Any]:
     tools = [
         {"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {}}}}
         for n in ("get_weather", "get_the_time_of_the_day_in_a_zone")
@@ -333,7 +345,7 @@ def _kimi_body(script: list[int]) -> dict[str, Any]:
     body: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "What is the weather?"}]}
     body |= {"tools": tools, "max_tokens": 200, "temperature": 0, "stream": True}
     body |= {"stream_options": {"include_usage": True}, "vllm_xargs": {"kimi_script": ",".join(map(str, script))}}
-    return body
+    return body | ({"logprobs": True, "top_logprobs": 2} if logprobs else {})
 
 
 def test_reasoning_and_tool_call_streams_broken_at_every_phase_resume_through_the_engines_parser(
@@ -352,10 +364,13 @@ def test_reasoning_and_tool_call_streams_broken_at_every_phase_resume_through_th
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=timeout) as client:
             scripts = await _scripts(client)
             want = {name: _Kimi() for name in scripts}
-            await asyncio.gather(*(_kimi_stream(client, _kimi_body(s), want[n]) for n, (s, _) in scripts.items()))
+            await asyncio.gather(
+                *(_kimi_stream(client, _kimi_body(s, n == "tool_args"), want[n]) for n, (s, _) in scripts.items())
+            )
             got = {name: _Kimi() for name in scripts}
             tasks = [
-                asyncio.ensure_future(_kimi_stream(client, _kimi_body(s), got[n])) for n, (s, _) in scripts.items()
+                asyncio.ensure_future(_kimi_stream(client, _kimi_body(s, n == "tool_args"), got[n]))
+                for n, (s, _) in scripts.items()
             ]
             await _until(
                 lambda: all(g.chunks >= KILL_AT for g in got.values()), "every stream at the kill", START_BOUND_S
@@ -368,11 +383,12 @@ def test_reasoning_and_tool_call_streams_broken_at_every_phase_resume_through_th
         return want, got, {name: phase for name, (_, phase) in scripts.items()}
 
     want, got, phases = asyncio.run(asyncio.wait_for(scenario(), 4 * START_BOUND_S))
-    print("front_kimi.cut_at", json.dumps(cut_at), "counts", json.dumps(front.metrics.counts))
+    print("front_kimi.cut_at", json.dumps(cut_at), {n: str(p) for n, p in phases.items()}, front.metrics.counts)
     for name in want:
         assert want[name].errors == [] and (want[name].calls or name in ("reasoning", "after_think")), name
         assert got[name].done and got[name].seen() == want[name].seen(), (name, got[name].seen(), want[name].seen())
         assert cut_at[name] in phases[name], f"{name} was cut at {cut_at[name]}, not in {phases[name]}"
     assert want["between_calls"].finish == ["tool_calls"] and len(want["between_calls"].calls) == 2
+    assert len(want["tool_args"].logprobs) == want["tool_args"].usage[0]["completion_tokens"]
     assert want["reasoning"].reasoning and want["reasoning"].content and want["reasoning"].finish == ["stop"]
     assert front.metrics.counts["resumed"] == len(want), front.metrics.counts

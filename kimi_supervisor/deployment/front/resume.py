@@ -30,10 +30,10 @@ _SET_HERE = (
 # keys never occur unescaped inside a string value, so `"token_ids":[...]` is the choice's key, not text.
 _IDS = re.compile(rb'"token_ids"\s*:\s*\[([0-9,\s]*)\]')
 _IDS_FIELD = re.compile(rb',\s*"token_ids"\s*:\s*\[[0-9,\s]*\]')
-_SHOWN = re.compile(rb'"(?:text|content)"\s*:\s*"(?!")')  # a non-empty text or content
+_SHOWN = re.compile(rb'"(?:text|content|reasoning|reasoning_content)"\s*:\s*"(?!")')  # a non-empty one
 _FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
-# A chat delta a reasoning or tool parser wrote, or logprobs: read by observe(), never on the bytes.
-_PARSED_KEY = re.compile(rb'"(?:reasoning|reasoning_content|tool_calls)"\s*:|"logprobs"\s*:\s*\{')
+# What a resume keeps beyond ids and text (a tool call's id, a completion's logprobs offset): read by observe().
+_PARSED_KEY = re.compile(rb'"tool_calls"\s*:|"logprobs"\s*:\s*\{')
 PARSED = ("reasoning", "reasoning_content", "tool_calls")
 
 
