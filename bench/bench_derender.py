@@ -61,8 +61,10 @@ def serve(sock: Path, log: Path) -> subprocess.Popen[bytes]:
 
 
 def api_server(proc: subprocess.Popen[bytes]) -> psutil.Process:
-    found = [p for p in psutil.Process(proc.pid).children(recursive=True) if "vllm" in " ".join(p.cmdline())]
-    return min(found, key=lambda p: p.create_time())
+    """The `vllm serve` process itself (under the shell of the mount namespace), where derender runs."""
+    root = psutil.Process(proc.pid)
+    found = [p for p in [root, *root.children(recursive=True)] if p.name() not in ("unshare", "sh")]
+    return min((p for p in found if "EngineCore" not in p.name()), key=lambda p: p.create_time())
 
 
 async def ready(session: aiohttp.ClientSession, bound_s: float) -> None:

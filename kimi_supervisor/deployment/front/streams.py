@@ -7,6 +7,7 @@ What counts as a break is failure.py's; a stream that cannot go on ends with one
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -63,6 +64,11 @@ class Streams:
     def __init__(self, ctx: FrontContext, failures: Failures) -> None:
         self.ctx = ctx
         self.failures = failures
+        # One derender call at a time, whatever the number of resumed streams: vLLM replays its parser over every
+        # output id at each call, in the API server that serves every other stream (0.8 s of its CPU per call
+        # after 16k ids, bench/results/derender.md).  A stream that waits sends all it read meanwhile in its
+        # next call, so it keeps the engine's pace and only its chunks come later and larger.
+        self._replays = asyncio.Semaphore(1)
 
     async def stream(self, request: web.Request, fmt: str, body: dict[str, Any]) -> web.StreamResponse:
         """Relay the engine's stream; after each break, hold until an engine serves and continue it there."""
@@ -233,7 +239,7 @@ class Streams:
         return out
 
     async def _derender(self, engine: Engine, headers: dict[str, str], call: dict[str, Any]) -> object:
-        async with engine.session.post(BASE + DERENDER_PATH, json=call, headers=headers) as answer:
+        async with self._replays, engine.session.post(BASE + DERENDER_PATH, json=call, headers=headers) as answer:
             data = await answer.read()
             if answer.status != 200:
                 await self.failures.answer(engine, answer.status)

@@ -107,7 +107,9 @@ class FakeEngine:
         self.crashes = 0
         self.api_key: str | None = None  # vLLM's --api-key: every route but /health wants `Bearer KEY`
         self.reasoning = 0  # chat: the first N tokens' text comes as `reasoning`, as a reasoning parser splits it
-        self.render_params: dict[str, Any] = {}  # sampling params the render route adds (the engine's defaults)
+        self.render_params: dict[str, Any] = {}
+        self.derendering = 0  # derender calls in flight now, and the most at once
+        self.most_derendering = 0  # sampling params the render route adds (the engine's defaults)
         self._runner: web.AppRunner | None = None
         self._transports: set[asyncio.BaseTransport] = set()
 
@@ -237,6 +239,7 @@ class FakeEngine:
                     burst.append(sse(chunk))
                     continue
                 await response.write(sse(chunk))
+                await asyncio.sleep(0)  # streams interleave token by token, as a batch of vLLM's does
                 if n == 0 and self.hold_after_first is not None:
                     await self.hold_after_first.wait()
             if (body.get("stream_options") or {}).get("include_usage"):
@@ -321,6 +324,11 @@ class FakeEngine:
         the rest content; each call decodes every id again from the first, as vLLM's replay does."""
         body = await request.json()
         self.seen.append((request.path, body))
+        self.derendering += 1
+        self.most_derendering = max(self.most_derendering, self.derendering)
+        for _ in range(10):  # a replay takes a while: others' calls would come in meanwhile
+            await asyncio.sleep(0)
+        self.derendering -= 1
         state = dict(body.get("stream_state") or {"output_token_ids": [], "output_chunk_lens": [], "role_sent": False})
         before = list(state["output_token_ids"])
         choice = body["generate_chunk"]["choices"][0]

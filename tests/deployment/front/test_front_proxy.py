@@ -487,3 +487,28 @@ def test_a_broken_stream_with_logprobs_resumes_them_in_the_clients_shape(path: s
         assert not any("error" in e for e in events if isinstance(e, dict))
 
     run(scenario)
+
+
+def test_resumed_chat_streams_make_one_derender_call_at_a_time() -> None:
+    """vLLM replays its parser over every output id at each derender call, in the API server every other stream
+    needs: the front's resumed streams never make two at once (each sends what it read meanwhile next time)."""
+
+    async def scenario() -> None:
+        body = {"messages": [{"role": "user", "content": "think"}], "max_tokens": 40, "stream": True}
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.reasoning = 8
+            h.engine.hold_after_first = asyncio.Event()  # both streams started, then on together
+            sent = [asyncio.ensure_future(h.client.post("/v1/chat/completions", json=body)) for _ in range(2)]
+            await until(lambda: len(h.engine.seen) == 2, "both streams started")
+            h.engine.crash_after = 5  # in one stream: the crash resets both
+            h.engine.hold_after_first.set()
+            await until(lambda: h.engine.crashes == 1, "the engine crashed mid-stream")
+            await h.engine.restart()
+            answers = [await asyncio.wait_for(s, BOUND_S) for s in sent]
+            events, other = [(await stream_text(a))[1] for a in answers]
+        for evs in (events, other):
+            assert not any("error" in e for e in evs if isinstance(e, dict)), evs
+        assert h.engine.crashes == 1 and h.front.metrics.counts["resumed"] == 2, h.front.metrics.counts
+        assert h.engine.most_derendering == 1
+
+    run(scenario)
