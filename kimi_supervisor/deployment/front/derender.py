@@ -40,24 +40,26 @@ class Read:
 class Derender:
     """One chat stream's continuation: the derender requests, and their answers as the client's chunks."""
 
-    def __init__(self, record: StreamRecord, body: dict[str, Any]) -> None:
+    def __init__(self, record: StreamRecord, body: dict[str, Any], index: int) -> None:
         self.record = record
+        self.index = index
+        self.kept = record.choice(index)
         self.chat_request = upstream_body(body)  # as the engine parsed it the first time: with the ids asked
         self.state: dict[str, Any] | None = None
 
     def seeding(self) -> dict[str, Any]:
         """The first call: every id the client has, as one chunk; only the state of its answer is kept."""
-        ids = self.record.sent_ids + self.record.unshown_ids
+        ids = self.kept.sent_ids + self.kept.unshown_ids
         return self._call({"request_id": "resume", "choices": [{"index": 0, "token_ids": ids}]})
 
     def seeded(self, answer: object) -> None:
         """The state after the seeding call, with what the parser replays as the original stream had it."""
         state = _state_of(answer)
-        record = self.record
+        kept = self.kept
         if state.get("output_token_ids"):  # a parser is configured: it replays the ids chunk by chunk
-            state["output_chunk_lens"] = list(record.chunk_lens)
-        state["tools_streamed"] = record.tools_streamed
-        state["last_tool_call_ids"] = [record.tool_ids[i] for i in range(len(record.tool_ids)) if i in record.tool_ids]
+            state["output_chunk_lens"] = list(kept.chunk_lens)
+        state["tools_streamed"] = kept.tools_streamed
+        state["last_tool_call_ids"] = [kept.tool_ids[i] for i in range(len(kept.tool_ids)) if i in kept.tool_ids]
         state["role_sent"] = True
         self.state = state
 
@@ -82,7 +84,7 @@ class Derender:
         choice = choices[0] if isinstance(choices[0], dict) else {}
         record = self.record
         logprobs = {"content": read.logprobs} if read.logprobs is not None else None
-        item: dict[str, Any] = {"index": 0, "delta": _set(choice.get("delta") or {}), "logprobs": logprobs}
+        item: dict[str, Any] = {"index": self.index, "delta": _set(choice.get("delta") or {}), "logprobs": logprobs}
         finish = read.finish_reason
         # vLLM's chat serving says `tool_calls` for a run that stopped after a tool call, not for one cut by length.
         item["finish_reason"] = choice.get("finish_reason") if finish == "stop" else finish
@@ -94,7 +96,7 @@ class Derender:
             | {"choices": [item]}
         )
         if record.continuous_usage:
-            out["usage"] = record.usage_chunk()["usage"]
+            out["usage"] = record.usage(self.kept)
         return out
 
     def _call(self, generate_chunk: dict[str, Any]) -> dict[str, Any]:

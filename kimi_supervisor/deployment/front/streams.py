@@ -185,11 +185,27 @@ class Streams:
         return out
 
     async def _continue(self, engine: Engine, client: _Client, body: dict[str, Any], record: StreamRecord) -> None:
-        """A resume: the prompt's ids from the render route, then the token-in route from the ids sent, its ids
-        as the client's chunks (a chat stream's through the engine's parser, derender.py)."""
-        continuation = await self._continuation(engine, client.request, body, record)
+        """A resume: the prompt's ids from the render route, then for each unfinished choice (`n` > 1: one after
+        the other) the token-in route from its ids sent; then the whole run's usage and [DONE]."""
+        rendered = await self._rendered(engine, client.request, body, record)
+        for index in record.unfinished:
+            await self._continue_choice(engine, client, body, record, record.generate_body(rendered, index), index)
+        usage = [json.dumps(record.usage_chunk()).encode()] if record.include_usage else []
+        await client.write(sse.frame([*usage, sse.DONE]), _EVENT_STREAM)
+
+    async def _continue_choice(
+        self,
+        engine: Engine,
+        client: _Client,
+        body: dict[str, Any],
+        record: StreamRecord,
+        continuation: dict[str, Any],
+        index: int,
+    ) -> None:
+        """One choice continued: the token-in route's ids as the client's chunks (a chat stream's through the
+        engine's parser, derender.py)."""
         headers = credentials(client.request)
-        derender = Derender(record, body) if record.derendered else None
+        derender = Derender(record, body, index) if record.derendered else None
         if derender is not None:
             derender.seeded(await self._derender(engine, headers, derender.seeding()))
         async with engine.session.post(BASE + GENERATE_PATH, json=continuation, headers=headers) as answer:
@@ -205,15 +221,12 @@ class Streams:
                     chunk = await self.failures.chunk(engine, data)
                     if isinstance(chunk, dict) and "error" in chunk:
                         if chunks:  # what came before the error goes out: it can end this send
-                            await client.write(
-                                sse.frame(await self._chunks(engine, headers, record, derender, chunks)), _EVENT_STREAM
-                            )
+                            out = await self._chunks(engine, headers, record, derender, chunks, index)
+                            await client.write(sse.frame(out), _EVENT_STREAM)
                         raise NotResumable(f"the token-in route failed: {data[:200]!r}")
-                    if isinstance(chunk, dict):
+                    if isinstance(chunk, dict) and chunk.get("choices"):
                         chunks.append(chunk)
-                out = await self._chunks(engine, headers, record, derender, chunks)
-                if batch[-1] == sse.DONE:
-                    out.append(sse.DONE)
+                out = await self._chunks(engine, headers, record, derender, chunks, index)
                 if out:
                     await client.write(sse.frame(out), _EVENT_STREAM)
 
@@ -224,19 +237,17 @@ class Streams:
         record: StreamRecord,
         derender: Derender | None,
         chunks: list[dict[str, Any]],
+        index: int,
     ) -> list[bytes]:
         """The client's events for the token-in chunks of one read."""
         if derender is None:
-            return [json.dumps(t).encode() for t in map(record.translate, chunks) if t is not None]
-        out: list[bytes] = []
-        generated = [c for c in chunks if c.get("choices")]
-        if generated:
-            call, read = derender.calling(generated)
-            answer = await self._derender(engine, headers, call)
-            out.append(json.dumps(derender.chunk(answer, read)).encode())
-        if any(isinstance(c.get("usage"), dict) and not c.get("choices") for c in chunks):
-            out.append(json.dumps(record.usage_chunk()).encode())
-        return out
+            translated = (record.translate(c, index) for c in chunks)
+            return [json.dumps(t).encode() for t in translated if t is not None]
+        if not chunks:
+            return []
+        call, read = derender.calling(chunks)
+        answer = await self._derender(engine, headers, call)
+        return [json.dumps(derender.chunk(answer, read)).encode()]
 
     async def _derender(self, engine: Engine, headers: dict[str, str], call: dict[str, Any]) -> object:
         async with self._replays, engine.session.post(BASE + DERENDER_PATH, json=call, headers=headers) as answer:
@@ -246,14 +257,14 @@ class Streams:
                 raise NotResumable(f"the derender route answered {answer.status}: {data[:200]!r}")
             return parse_json(data, JSON_DEPTH)
 
-    async def _continuation(
+    async def _rendered(
         self, engine: Engine, request: web.Request, body: dict[str, Any], record: StreamRecord
-    ) -> dict[str, Any]:
-        """The token-in request that continues the stream, from the render route's answer for the client's body."""
+    ) -> object:
+        """The render route's answer for the client's body: its prompt's ids and sampling params."""
         headers = credentials(request)
         async with engine.session.post(BASE + RENDER_PATHS[record.fmt], json=body, headers=headers) as answer:
             data = await answer.read()
             if answer.status != 200:
                 await self.failures.answer(engine, answer.status)
                 raise NotResumable(f"the render route answered {answer.status}: {data[:200]!r}")
-            return record.generate_body(parse_json(data, JSON_DEPTH))
+            return parse_json(data, JSON_DEPTH)

@@ -82,6 +82,12 @@ def completion_logprobs(tokens: list[int], offset: int) -> dict[str, Any]:
     }
 
 
+def _as_choice(chunk: dict[str, Any], index: int) -> dict[str, Any]:
+    """The same chunk for another choice of `n`: its index, and the prompt's ids only with the first."""
+    out = {k: v for k, v in chunk.items() if k != "prompt_token_ids" or index == 0}
+    return out | {"choices": [c | {"index": index} for c in chunk["choices"]]}
+
+
 def _forbidden() -> web.Response:
     message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
     return web.json_response({"error": {"message": message, "type": "PermissionDeniedError", "code": 403}}, status=403)
@@ -203,7 +209,7 @@ class FakeEngine:
                 if ids:
                     first["prompt_token_ids"] = prompt
                     first["choices"][0]["token_ids"] = []
-                await response.write(sse(first))
+                await response.write(b"".join(sse(_as_choice(first, i)) for i in range(int(body.get("n") or 1))))
             for n, token in enumerate(out):
                 if self.crash_after is not None and n == self.crash_after:
                     self.crash_after = None
@@ -235,22 +241,24 @@ class FakeEngine:
                         "completion_tokens": n + 1,
                         "total_tokens": len(prompt) + n + 1,
                     }
+                # `n` > 1: every choice the same (greedy), one chunk per choice and step, as vLLM interleaves them.
+                chunks = [chunk] + [_as_choice(chunk, i) for i in range(1, int(body.get("n") or 1))]
                 if self.burst:
-                    burst.append(sse(chunk))
+                    burst += [sse(c) for c in chunks]
                     continue
-                await response.write(sse(chunk))
+                await response.write(b"".join(sse(c) for c in chunks))
                 await asyncio.sleep(0)  # streams interleave token by token, as a batch of vLLM's does
                 if n == 0 and self.hold_after_first is not None:
                     await self.hold_after_first.wait()
             if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out)}
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out) * int(body.get("n") or 1)}
                 burst.append(
                     sse(
                         {
                             **head,
                             "object": obj,
                             "choices": [],
-                            "usage": usage | {"total_tokens": len(prompt) + len(out)},
+                            "usage": usage | {"total_tokens": len(prompt) + usage["completion_tokens"]},
                         }
                     )
                 )

@@ -308,7 +308,7 @@ def test_an_engine_without_scale_out_ends_a_broken_stream_with_an_error_chunk_na
 
 def test_a_stream_that_cannot_be_resumed_ends_with_an_error_chunk_that_says_why() -> None:
     async def scenario() -> None:
-        body = {"prompt": "tell", "max_tokens": 12, "stream": True, "n": 2}
+        body = {"prompt": "tell", "max_tokens": 12, "stream": True, "echo": True}
         async with running(hold_s=BOUND_S) as h:
             h.engine.crash_after = 3
             sent = asyncio.ensure_future(h.client.post("/v1/completions", json=body))
@@ -320,7 +320,7 @@ def test_a_stream_that_cannot_be_resumed_ends_with_an_error_chunk_that_says_why(
             assert text == "".join(texts(want)[0][:3])
             assert events[-1] == "[DONE]"
             error = events[-2]["error"]
-            assert error["type"] == "engine_restart" and "n > 1" in error["message"]
+            assert error["type"] == "engine_restart" and "echo" in error["message"]
             assert h.front.metrics.counts["failed_restart"] == 1
             assert "/inference/v1/generate" not in [p for p, _ in h.engine.seen]
 
@@ -510,5 +510,37 @@ def test_resumed_chat_streams_make_one_derender_call_at_a_time() -> None:
             assert not any("error" in e for e in evs if isinstance(e, dict)), evs
         assert h.engine.crashes == 1 and h.front.metrics.counts["resumed"] == 2, h.front.metrics.counts
         assert h.engine.most_derendering == 1
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_broken_stream_with_n_choices_resumes_each_by_its_index(path: str) -> None:
+    """Was: `n` > 1 ended the stream with an error chunk (the front kept one sequence's ids)."""
+
+    async def scenario() -> None:
+        chat = path.startswith("/v1/chat/")
+        body: dict[str, Any] = {"max_tokens": 12, "stream": True, "n": 2, "stream_options": {"include_usage": True}}
+        body |= {"messages": [{"role": "user", "content": "tell"}]} if chat else {"prompt": "tell"}
+        async with running(hold_s=BOUND_S) as h:
+            _want, plain = await _uninterrupted(h, path, body)
+            events = await _broken(h, path, body)
+
+        def texts_by_index(evs: list[Any]) -> dict[int, str]:
+            out: dict[int, str] = {}
+            for c in (c for e in evs if isinstance(e, dict) for c in e.get("choices", [])):
+                piece = c.get("text") or (c.get("delta") or {}).get("content") or ""
+                out[c["index"]] = out.get(c["index"], "") + piece
+            return out
+
+        got = texts_by_index(events)
+        assert got == texts_by_index(plain) and set(got) == {0, 1} and got[0]
+        assert not any("error" in e for e in events if isinstance(e, dict)) and events.count("[DONE]") == 1
+        finishes = [(c["index"], c["finish_reason"]) for e in events if isinstance(e, dict) for c in e["choices"]]
+        assert sorted(f for f in finishes if f[1]) == [(0, "length"), (1, "length")]
+        usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
+        assert usage == [e["usage"] for e in plain if isinstance(e, dict) and e.get("usage")]
+        generates = [b for p, b in h.engine.seen if p == "/inference/v1/generate"]
+        assert len(generates) == 2 and all(g is not None and g["sampling_params"]["n"] == 1 for g in generates)
 
     run(scenario)
