@@ -251,6 +251,7 @@ class _Kimi:
         self.finish: list[str] = []
         self.usage: list[dict[str, Any]] = []
         self.logprobs: list[Any] = []
+        self.others: dict[int, _Kimi] = {}  # `n` > 1: each other choice's, by its index
         self.errors: list[Any] = []
         self.done = False
 
@@ -260,6 +261,9 @@ class _Kimi:
         if doc.get("usage"):
             self.usage.append({k: doc["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")})
         for choice in doc.get("choices", []):
+            if choice.get("index"):
+                self.others.setdefault(choice["index"], _Kimi()).read({"choices": [choice]})
+                continue
             delta = choice.get("delta") or {}
             if not delta.get("role"):
                 self.chunks += 1
@@ -334,10 +338,11 @@ async def _scripts(client: aiohttp.ClientSession) -> dict[str, tuple[list[int], 
         "after_think": ([*words[: k - 2], end, *words[:60]], range(k - 1, k + 59)),
         "tool_args": (inside_args, range(args_at, args_at + 80)),
         "between_calls": (between, range(len(lead) + len(first), second_args + 1)),
+        "n2": ([*words[:90], end, *words[:5]], range(0, 90)),  # two choices, resumed by their index
     }
 
 
-def _kimi_body(script: list[int], logprobs: bool) -> dict[str, Any]:
+def _kimi_body(script: list[int], name: str) -> dict[str, Any]:
     tools = [
         {"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {}}}}
         for n in ("get_weather", "get_the_time_of_the_day_in_a_zone")
@@ -345,7 +350,8 @@ def _kimi_body(script: list[int], logprobs: bool) -> dict[str, Any]:
     body: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "What is the weather?"}]}
     body |= {"tools": tools, "max_tokens": 200, "temperature": 0, "stream": True}
     body |= {"stream_options": {"include_usage": True}, "vllm_xargs": {"kimi_script": ",".join(map(str, script))}}
-    return body | ({"logprobs": True, "top_logprobs": 2} if logprobs else {})
+    body |= {"n": 2} if name == "n2" else {}
+    return body | ({"logprobs": True, "top_logprobs": 2} if name == "tool_args" else {})
 
 
 def test_reasoning_and_tool_call_streams_broken_at_every_phase_resume_through_the_engines_parser(
@@ -364,13 +370,10 @@ def test_reasoning_and_tool_call_streams_broken_at_every_phase_resume_through_th
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=timeout) as client:
             scripts = await _scripts(client)
             want = {name: _Kimi() for name in scripts}
-            await asyncio.gather(
-                *(_kimi_stream(client, _kimi_body(s, n == "tool_args"), want[n]) for n, (s, _) in scripts.items())
-            )
+            await asyncio.gather(*(_kimi_stream(client, _kimi_body(s, n), want[n]) for n, (s, _) in scripts.items()))
             got = {name: _Kimi() for name in scripts}
             tasks = [
-                asyncio.ensure_future(_kimi_stream(client, _kimi_body(s, n == "tool_args"), got[n]))
-                for n, (s, _) in scripts.items()
+                asyncio.ensure_future(_kimi_stream(client, _kimi_body(s, n), got[n])) for n, (s, _) in scripts.items()
             ]
             await _until(
                 lambda: all(g.chunks >= KILL_AT for g in got.values()), "every stream at the kill", START_BOUND_S
@@ -385,10 +388,12 @@ def test_reasoning_and_tool_call_streams_broken_at_every_phase_resume_through_th
     want, got, phases = asyncio.run(asyncio.wait_for(scenario(), 4 * START_BOUND_S))
     print("front_kimi.cut_at", json.dumps(cut_at), {n: str(p) for n, p in phases.items()}, front.metrics.counts)
     for name in want:
-        assert want[name].errors == [] and (want[name].calls or name in ("reasoning", "after_think")), name
+        assert want[name].errors == [] and (want[name].calls or name in ("reasoning", "after_think", "n2")), name
+        assert got[name].errors == [], (name, got[name].errors)
         assert got[name].done and got[name].seen() == want[name].seen(), (name, got[name].seen(), want[name].seen())
         assert cut_at[name] in phases[name], f"{name} was cut at {cut_at[name]}, not in {phases[name]}"
     assert want["between_calls"].finish == ["tool_calls"] and len(want["between_calls"].calls) == 2
     assert len(want["tool_args"].logprobs) == want["tool_args"].usage[0]["completion_tokens"]
+    assert want["n2"].others[1].reasoning == want["n2"].reasoning
     assert want["reasoning"].reasoning and want["reasoning"].content and want["reasoning"].finish == ["stop"]
     assert front.metrics.counts["resumed"] == len(want), front.metrics.counts
