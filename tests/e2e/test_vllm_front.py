@@ -255,14 +255,14 @@ class _Kimi:
         self.errors: list[Any] = []
         self.done = False
 
-    def read(self, doc: dict[str, Any]) -> None:
+    def read(self, doc: dict[str, Any], split: bool = True) -> None:
         if "error" in doc:
             self.errors.append(doc)
         if doc.get("usage"):
             self.usage.append({k: doc["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")})
         for choice in doc.get("choices", []):
-            if choice.get("index"):
-                self.others.setdefault(choice["index"], _Kimi()).read({"choices": [choice]})
+            if split and choice.get("index"):
+                self.others.setdefault(choice["index"], _Kimi()).read({"choices": [choice]}, split=False)
                 continue
             delta = choice.get("delta") or {}
             if not delta.get("role"):
@@ -350,7 +350,8 @@ def _kimi_body(script: list[int], name: str) -> dict[str, Any]:
     body: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "What is the weather?"}]}
     body |= {"tools": tools, "max_tokens": 200, "temperature": 0, "stream": True}
     body |= {"stream_options": {"include_usage": True}, "vllm_xargs": {"kimi_script": ",".join(map(str, script))}}
-    body |= {"n": 2} if name == "n2" else {}
+    # vLLM refuses n > 1 greedy; the script leaves one token possible at each step, so sampling picks it.
+    body |= {"n": 2, "temperature": 1.0} if name == "n2" else {}
     return body | ({"logprobs": True, "top_logprobs": 2} if name == "tool_args" else {})
 
 
