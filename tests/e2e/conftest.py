@@ -40,19 +40,29 @@ def vllm_bin() -> Path:
     return exe
 
 
-@pytest.fixture(scope="session")
-def tiny_model(vllm_bin: Path) -> Path:
-    index = MODEL_DIR / "model.safetensors.index.json"
+def _model(directory: Path, *flags: str) -> Path:
+    index = directory / "model.safetensors.index.json"
     if not index.exists():
         result = subprocess.run(
-            [str(VENV / "bin" / "python"), str(HERE / "make_tiny_model.py"), str(MODEL_DIR)],
+            [str(VENV / "bin" / "python"), str(HERE / "make_tiny_model.py"), str(directory), *flags],
             capture_output=True,
             text=True,
             timeout=300,
         )
         assert result.returncode == 0, result.stderr[-3000:]
     assert index.exists()
-    return MODEL_DIR
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_bin: Path) -> Path:
+    return _model(MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def kimi_model(vllm_bin: Path) -> Path:
+    """The tiny model with Kimi K2's reasoning and tool-call markers in its tokenizer (make_tiny_model.py --kimi)."""
+    return _model(MODEL_DIR.parent / "tiny-kimi", "--kimi")
 
 
 @pytest.fixture(scope="session")

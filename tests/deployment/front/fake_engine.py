@@ -63,6 +63,31 @@ def generate(prompt: list[int], count: int) -> list[int]:
     return seq[len(prompt) :]
 
 
+def logprob_entry(token: int) -> dict[str, Any]:
+    """A token's logprob as vLLM's chat (and the token-in route's text mode) writes it; this model's numbers."""
+    text = f"<{token}>"
+    entry = {"token": text, "logprob": -0.5 - token % 7, "bytes": list(text.encode())}
+    return {**entry, "top_logprobs": [dict(entry)]}
+
+
+def completion_logprobs(tokens: list[int], offset: int) -> dict[str, Any]:
+    """The same as /v1/completions writes it: parallel lists, each token's offset after the ones before."""
+    entries = [logprob_entry(t) for t in tokens]
+    offsets = [offset + sum(len(e["token"]) for e in entries[:k]) for k in range(len(entries))]
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [e["logprob"] for e in entries],
+        "tokens": [e["token"] for e in entries],
+        "top_logprobs": [{e["token"]: e["logprob"]} for e in entries],
+    }
+
+
+def _as_choice(chunk: dict[str, Any], index: int) -> dict[str, Any]:
+    """The same chunk for another choice of `n`: its index, and the prompt's ids only with the first."""
+    out = {k: v for k, v in chunk.items() if k != "prompt_token_ids" or index == 0}
+    return out | {"choices": [c | {"index": index} for c in chunk["choices"]]}
+
+
 def _forbidden() -> web.Response:
     message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
     return web.json_response({"error": {"message": message, "type": "PermissionDeniedError", "code": 403}}, status=403)
@@ -87,17 +112,23 @@ class FakeEngine:
         self.burst = False  # a stream's events in one write: what a reader that fell behind finds waiting
         self.aborted = asyncio.Event()  # a stream's client went away before the stream ended
         self.crashes = 0
+        self.api_key: str | None = None  # vLLM's --api-key: every route but /health wants `Bearer KEY`
+        self.reasoning = 0  # chat: the first N tokens' text comes as `reasoning`, as a reasoning parser splits it
+        self.render_params: dict[str, Any] = {}
+        self.derendering = 0  # derender calls in flight now, and the most at once
+        self.most_derendering = 0  # sampling params the render route adds (the engine's defaults)
         self._runner: web.AppRunner | None = None
         self._transports: set[asyncio.BaseTransport] = set()
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         app.router.add_get("/health", self._health)
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/chat/completions", self._completion)
         app.router.add_post("/v1/chat/completions/render", self._render)
         app.router.add_post("/v1/completions/render", self._render)
         app.router.add_post("/inference/v1/generate", self._generate)
+        app.router.add_post("/v1/chat/completions/derender", self._derender)
         app.router.add_route("*", "/{tail:.*}", self._other)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
         await self._runner.setup()
@@ -123,6 +154,15 @@ class FakeEngine:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.api_key is None or request.path == "/health":
+            return await handler(request)  # type: ignore[no-any-return]
+        if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            self.seen.append((request.path + " 401", None))
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)  # type: ignore[no-any-return]
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -172,7 +212,7 @@ class FakeEngine:
                 if ids:
                     first["prompt_token_ids"] = prompt
                     first["choices"][0]["token_ids"] = []
-                await response.write(sse(first))
+                await response.write(b"".join(sse(_as_choice(first, i)) for i in range(int(body.get("n") or 1))))
             for n, token in enumerate(out):
                 if self.crash_after is not None and n == self.crash_after:
                     self.crash_after = None
@@ -185,8 +225,12 @@ class FakeEngine:
                     await self._die_in(request)
                 last = n == len(out) - 1
                 choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length" if last else None}
+                if body.get("logprobs") and chat:
+                    choice["logprobs"] = {"content": [logprob_entry(token)]}
+                elif body.get("logprobs") is not None and not chat:
+                    choice["logprobs"] = completion_logprobs([token], sum(len(f"<{t}>") for t in out[:n]))
                 if chat:
-                    choice["delta"] = {"content": shown[n]}
+                    choice["delta"] = {"reasoning" if n < self.reasoning else "content": shown[n]}
                 else:
                     choice["text"] = shown[n]
                 if ids:
@@ -194,12 +238,33 @@ class FakeEngine:
                 chunk: dict[str, Any] = {**head, "object": obj, "choices": [choice]}
                 if ids and not chat and n == 0:
                     chunk["prompt_token_ids"] = prompt
+                if (body.get("stream_options") or {}).get("continuous_usage_stats"):
+                    chunk["usage"] = {
+                        "prompt_tokens": len(prompt),
+                        "completion_tokens": n + 1,
+                        "total_tokens": len(prompt) + n + 1,
+                    }
+                # `n` > 1: every choice the same (greedy), one chunk per choice and step, as vLLM interleaves them.
+                chunks = [chunk] + [_as_choice(chunk, i) for i in range(1, int(body.get("n") or 1))]
                 if self.burst:
-                    burst.append(sse(chunk))
+                    burst += [sse(c) for c in chunks]
                     continue
-                await response.write(sse(chunk))
+                await response.write(b"".join(sse(c) for c in chunks))
+                await asyncio.sleep(0)  # streams interleave token by token, as a batch of vLLM's does
                 if n == 0 and self.hold_after_first is not None:
                     await self.hold_after_first.wait()
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out) * int(body.get("n") or 1)}
+                burst.append(
+                    sse(
+                        {
+                            **head,
+                            "object": obj,
+                            "choices": [],
+                            "usage": usage | {"total_tokens": len(prompt) + usage["completion_tokens"]},
+                        }
+                    )
+                )
             await response.write(b"".join(burst) + b"data: [DONE]\n\n")
             await response.write_eof()
         except (asyncio.CancelledError, ConnectionResetError):
@@ -218,7 +283,13 @@ class FakeEngine:
         doc = {
             "request_id": "render-1",
             "token_ids": prompt_ids(path, body),
-            "sampling_params": {"max_tokens": body.get("max_tokens"), "temperature": 0.0, "min_tokens": 0},
+            "sampling_params": {
+                "max_tokens": body.get("max_tokens"),
+                "temperature": 0.0,
+                "min_tokens": 0,
+                "logprobs": (0 if body.get("logprobs") else None) if "messages" in body else body.get("logprobs"),
+                **self.render_params,
+            },
             "model": "tiny",
         }
         return web.json_response(doc if path.endswith("chat/completions") else [doc])
@@ -249,6 +320,8 @@ class FakeEngine:
                 "token_ids": [token],
                 "finish_reason": "length" if last else None,
             }
+            if body["sampling_params"].get("logprobs") is not None:
+                choice["logprobs"] = {"content": [logprob_entry(token)]}
             await response.write(sse({"request_id": "generate-tokens-1", "choices": [choice]}))
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}
@@ -256,3 +329,33 @@ class FakeEngine:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _derender(self, request: web.Request) -> web.Response:
+        """vLLM's streaming chat derender, with this model's "parser": the first `reasoning` ids are reasoning,
+        the rest content; each call decodes every id again from the first, as vLLM's replay does."""
+        body = await request.json()
+        self.seen.append((request.path, body))
+        self.derendering += 1
+        self.most_derendering = max(self.most_derendering, self.derendering)
+        for _ in range(10):  # a replay takes a while: others' calls would come in meanwhile
+            await asyncio.sleep(0)
+        self.derendering -= 1
+        state = dict(body.get("stream_state") or {"output_token_ids": [], "output_chunk_lens": [], "role_sent": False})
+        before = list(state["output_token_ids"])
+        choice = body["generate_chunk"]["choices"][0]
+        ids = list(choice.get("token_ids") or [])
+        shown, _ = texts(before + ids)
+        delta: dict[str, Any] = {}
+        for at in range(len(before), len(before) + len(ids)):
+            key = "reasoning" if at < self.reasoning else "content"
+            delta[key] = delta.get(key, "") + shown[at]
+        if not state["role_sent"]:
+            delta["role"] = "assistant"
+        out = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": choice.get("finish_reason")}
+        state.update(
+            output_token_ids=before + ids,
+            output_chunk_lens=list(state["output_chunk_lens"]) + ([len(ids)] if ids else []),
+            role_sent=True,
+        )
+        chunk = {"id": "derender-1", "object": "chat.completion.chunk", "created": 1, "model": "tiny"}
+        return web.json_response({"chunk": chunk | {"choices": [out], "usage": None}, "stream_state": state})

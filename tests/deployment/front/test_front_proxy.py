@@ -237,14 +237,20 @@ def test_a_stream_broken_by_a_crash_is_resumed_with_the_uninterrupted_text(path:
         prompt = prompt_ids(path, body)
         assert usage == [{"prompt_tokens": len(prompt), "completion_tokens": 12, "total_tokens": len(prompt) + 12}]
         paths = [p for p, _ in h.engine.seen]
-        assert paths == [path, path + "/render", "/inference/v1/generate"]
-        continuation = h.engine.seen[2][1]
+        continuation = dict(h.engine.seen)["/inference/v1/generate"]
         assert continuation is not None
         # Five tokens went out before the crash, the fifth the first half of a character (its text ""): the
-        # continuation starts after the fourth and makes the fifth again, never from inside a character.
+        # continuation as text starts after the fourth and makes the fifth again, never from inside a character;
+        # a chat stream's goes on after the fifth, its ids decoded again from the first by the derender route.
         assert [cuts(t) for t in generate(prompt, 5)] == [False, False, False, False, True]
-        assert continuation["token_ids"] == prompt + generate(prompt, 4)
-        assert continuation["sampling_params"]["max_tokens"] == 12 - 4
+        done = 5 if chat else 4
+        assert continuation["token_ids"] == prompt + generate(prompt, done)
+        assert continuation["sampling_params"]["max_tokens"] == 12 - done
+        if chat:
+            assert paths[:4] == [path, path + "/render", path + "/derender", "/inference/v1/generate"]
+            assert set(paths[4:]) == {path + "/derender"}
+        else:
+            assert paths == [path, path + "/render", "/inference/v1/generate"]
         assert h.front.metrics.counts["resumed"] == 1
         if chat:
             roles = [c["delta"].get("role") for e in events if isinstance(e, dict) for c in e["choices"]]
@@ -302,7 +308,7 @@ def test_an_engine_without_scale_out_ends_a_broken_stream_with_an_error_chunk_na
 
 def test_a_stream_that_cannot_be_resumed_ends_with_an_error_chunk_that_says_why() -> None:
     async def scenario() -> None:
-        body = {"prompt": "tell", "max_tokens": 12, "stream": True, "n": 2}
+        body = {"prompt": "tell", "max_tokens": 12, "stream": True, "echo": True}
         async with running(hold_s=BOUND_S) as h:
             h.engine.crash_after = 3
             sent = asyncio.ensure_future(h.client.post("/v1/completions", json=body))
@@ -314,7 +320,7 @@ def test_a_stream_that_cannot_be_resumed_ends_with_an_error_chunk_that_says_why(
             assert text == "".join(texts(want)[0][:3])
             assert events[-1] == "[DONE]"
             error = events[-2]["error"]
-            assert error["type"] == "engine_restart" and "n > 1" in error["message"]
+            assert error["type"] == "engine_restart" and "echo" in error["message"]
             assert h.front.metrics.counts["failed_restart"] == 1
             assert "/inference/v1/generate" not in [p for p, _ in h.engine.seen]
 
@@ -361,5 +367,180 @@ def test_events_that_arrive_together_reach_the_client_in_one_write(path: str) ->
             for c in json.loads(e[6:])["choices"]
         )
         assert text == text_of_run(generate(prompt_ids(path, body), 8))
+
+    run(scenario)
+
+
+async def _broken(h: Any, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[Any]:
+    """The events of a stream that the engine breaks after its fifth token, the engine then back."""
+    h.engine.crash_after = 5
+    crashes = h.engine.crashes
+    sent = asyncio.ensure_future(h.client.post(path, json=body, headers=headers))
+    await until(lambda: h.engine.crashes == crashes + 1, "the engine crashed mid-stream")
+    await h.engine.restart()
+    async with await asyncio.wait_for(sent, BOUND_S) as answer:
+        assert answer.status == 200
+        _text, events = await stream_text(answer)
+    return events
+
+
+def test_a_chat_stream_broken_mid_reasoning_resumes_its_reasoning_through_the_engines_parser() -> None:
+    """Was: the continuation's text went out as `content`, the reasoning cut at the break and sent again."""
+
+    async def scenario() -> None:
+        body = {"messages": [{"role": "user", "content": "think"}], "max_tokens": 12, "stream": True}
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.reasoning = 8
+            _want, plain = await _uninterrupted(h, "/v1/chat/completions", body)
+            events = await _broken(h, "/v1/chat/completions", body)
+
+        def split(evs: list[Any]) -> tuple[str, str]:
+            deltas = [c["delta"] for e in evs if isinstance(e, dict) for c in e.get("choices", [])]
+            return "".join(d.get("reasoning") or "" for d in deltas), "".join(d.get("content") or "" for d in deltas)
+
+        assert split(events) == split(plain) and all(split(plain))
+        assert not any("error" in e for e in events if isinstance(e, dict)) and events.count("[DONE]") == 1
+        seeding = next(b for p, b in h.engine.seen if p == "/v1/chat/completions/derender")
+        assert seeding is not None and seeding["stream_state"] is None
+        assert len(seeding["generate_chunk"]["choices"][0]["token_ids"]) == 5
+
+    run(scenario)
+
+
+def test_the_resumes_requests_carry_the_clients_authorization_and_no_other_header() -> None:
+    """Was: an engine with --api-key answered the render route 401 and every resume failed."""
+
+    async def scenario() -> None:
+        body = {"prompt": "tell", "max_tokens": 12, "stream": True}
+        headers = {"Authorization": "Bearer sesame", "X-Client-Only": "1"}
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.api_key = "sesame"
+            async with h.client.post("/v1/completions", json=body, headers=headers) as answer:
+                want, _ = await stream_text(answer)
+            seen: list[Any] = []
+            original = h.engine._generate
+
+            async def spy(request: Any) -> Any:
+                seen.append(dict(request.headers))
+                return await original(request)
+
+            h.engine._generate = spy  # type: ignore[method-assign]
+            events = await _broken(h, "/v1/completions", body, headers)
+        text = "".join(c.get("text") or "" for e in events if isinstance(e, dict) for c in e.get("choices", []))
+        assert text == want and not any("error" in e for e in events if isinstance(e, dict))
+        assert not any(p.endswith(" 401") for p, _ in h.engine.seen)
+        assert seen and seen[0].get("Authorization") == "Bearer sesame" and "X-Client-Only" not in seen[0]
+
+    run(scenario)
+
+
+def test_continuous_usage_stats_keep_their_usage_on_every_resumed_chunk() -> None:
+    """Was: the resumed chunks came without the usage so far."""
+
+    async def scenario() -> None:
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        body = {"prompt": "tell", "max_tokens": 12, "stream": True, "stream_options": options}
+        async with running(hold_s=BOUND_S) as h:
+            _want, plain = await _uninterrupted(h, "/v1/completions", body)
+            events = await _broken(h, "/v1/completions", body)
+        usage = [(e["usage"], e["choices"][0]["text"] if e["choices"] else None) for e in events if isinstance(e, dict)]
+        assert usage == [(e["usage"], e["choices"][0]["text"] if e["choices"] else None) for e in plain[:-1]]
+
+    run(scenario)
+
+
+def test_penalties_on_the_output_end_a_broken_stream_with_an_error_chunk_even_as_the_engines_default() -> None:
+    async def scenario() -> None:
+        body = {"prompt": "tell", "max_tokens": 12, "stream": True}
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.render_params = {"frequency_penalty": 0.5}  # from the model's generation config
+            events = await _broken(h, "/v1/completions", body)
+        assert events[-1] == "[DONE]" and "frequency penalty" in events[-2]["error"]["message"]
+        assert "/inference/v1/generate" not in [p for p, _ in h.engine.seen]
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_broken_stream_with_logprobs_resumes_them_in_the_clients_shape(path: str) -> None:
+    """Was: logprobs ended the stream with an error chunk (and completions' `logprobs: 0` resumed with null)."""
+
+    async def scenario() -> None:
+        chat = path.startswith("/v1/chat/")
+        body: dict[str, Any] = {"max_tokens": 12, "stream": True}
+        body |= {"messages": [{"role": "user", "content": "tell"}], "logprobs": True} if chat else {"prompt": "tell"}
+        body |= {} if chat else {"logprobs": 0}
+        async with running(hold_s=BOUND_S) as h:
+            _want, plain = await _uninterrupted(h, path, body)
+            events = await _broken(h, path, body)
+
+        def logprobs(evs: list[Any]) -> list[Any]:
+            """Each token's entry, in order (a resumed chat chunk may carry the tokens of one read together)."""
+            out: list[Any] = []
+            for c in (c for e in evs if isinstance(e, dict) for c in e.get("choices", []) if c.get("logprobs")):
+                lp = c["logprobs"]
+                out += lp["content"] if chat else [[lp[k][n] for k in sorted(lp)] for n in range(len(lp["tokens"]))]
+            return out
+
+        got = logprobs(events)
+        assert got == logprobs(plain) and len(got) == 12
+        assert not any("error" in e for e in events if isinstance(e, dict))
+
+    run(scenario)
+
+
+def test_resumed_chat_streams_make_one_derender_call_at_a_time() -> None:
+    """vLLM replays its parser over every output id at each derender call, in the API server every other stream
+    needs: the front's resumed streams never make two at once (each sends what it read meanwhile next time)."""
+
+    async def scenario() -> None:
+        body = {"messages": [{"role": "user", "content": "think"}], "max_tokens": 40, "stream": True}
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.reasoning = 8
+            h.engine.hold_after_first = asyncio.Event()  # both streams started, then on together
+            sent = [asyncio.ensure_future(h.client.post("/v1/chat/completions", json=body)) for _ in range(2)]
+            await until(lambda: len(h.engine.seen) == 2, "both streams started")
+            h.engine.crash_after = 5  # in one stream: the crash resets both
+            h.engine.hold_after_first.set()
+            await until(lambda: h.engine.crashes == 1, "the engine crashed mid-stream")
+            await h.engine.restart()
+            answers = [await asyncio.wait_for(s, BOUND_S) for s in sent]
+            events, other = [(await stream_text(a))[1] for a in answers]
+        for evs in (events, other):
+            assert not any("error" in e for e in evs if isinstance(e, dict)), evs
+        assert h.engine.crashes == 1 and h.front.metrics.counts["resumed"] == 2, h.front.metrics.counts
+        assert h.engine.most_derendering == 1
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_broken_stream_with_n_choices_resumes_each_by_its_index(path: str) -> None:
+    """Was: `n` > 1 ended the stream with an error chunk (the front kept one sequence's ids)."""
+
+    async def scenario() -> None:
+        chat = path.startswith("/v1/chat/")
+        body: dict[str, Any] = {"max_tokens": 12, "stream": True, "n": 2, "stream_options": {"include_usage": True}}
+        body |= {"messages": [{"role": "user", "content": "tell"}]} if chat else {"prompt": "tell"}
+        async with running(hold_s=BOUND_S) as h:
+            _want, plain = await _uninterrupted(h, path, body)
+            events = await _broken(h, path, body)
+
+        def texts_by_index(evs: list[Any]) -> dict[int, str]:
+            out: dict[int, str] = {}
+            for c in (c for e in evs if isinstance(e, dict) for c in e.get("choices", [])):
+                piece = c.get("text") or (c.get("delta") or {}).get("content") or ""
+                out[c["index"]] = out.get(c["index"], "") + piece
+            return out
+
+        got = texts_by_index(events)
+        assert got == texts_by_index(plain) and set(got) == {0, 1} and got[0]
+        assert not any("error" in e for e in events if isinstance(e, dict)) and events.count("[DONE]") == 1
+        finishes = [(c["index"], c["finish_reason"]) for e in events if isinstance(e, dict) for c in e["choices"]]
+        assert sorted(f for f in finishes if f[1]) == [(0, "length"), (1, "length")]
+        usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
+        assert usage == [e["usage"] for e in plain if isinstance(e, dict) and e.get("usage")]
+        generates = [b for p, b in h.engine.seen if p == "/inference/v1/generate"]
+        assert len(generates) == 2 and all(g is not None and g["sampling_params"]["n"] == 1 for g in generates)
 
     run(scenario)

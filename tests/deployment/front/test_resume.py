@@ -42,7 +42,7 @@ def test_the_bytes_path_keeps_what_parsing_keeps_and_strips_the_ids(fmt: str, ch
             out = json.dumps(fast.observe(json.loads(data))).encode()
         sent.append(json.loads(out))
         slow.observe(json.loads(data))
-    keep = ("sent_ids", "unshown_ids", "prompt_ids", "id", "created", "model", "finished")
+    keep = ("prompt_ids", "id", "created", "model", "choices")
     assert [getattr(fast, k) for k in keep] == [getattr(slow, k) for k in keep]
     assert fast.prompt_ids is not None and fast.id
     for chunk in sent:
@@ -50,9 +50,11 @@ def test_the_bytes_path_keeps_what_parsing_keeps_and_strips_the_ids(fmt: str, ch
         assert all("token_ids" not in c and c.get("prompt_token_ids") is None for c in chunk["choices"])
     if fmt == "completion":
         # The third token showed no text yet (half a character): its id is held, a resume makes it again.
-        assert (fast.sent_ids, fast.unshown_ids, fast.finished) == ([355, 546], [192], False)
+        kept = fast.choice(0)
+        assert (kept.sent_ids, kept.unshown_ids, kept.finished) == ([355, 546], [192], False)
     else:
-        assert (fast.sent_ids, fast.unshown_ids, fast.finished) == ([486, 637], [], True)
+        kept = fast.choice(0)
+        assert (kept.sent_ids, kept.unshown_ids, kept.finished) == ([486, 637], [], True)
 
 
 def test_a_client_that_asked_for_the_ids_keeps_them() -> None:
@@ -64,9 +66,44 @@ def test_a_client_that_asked_for_the_ids_keeps_them() -> None:
 def test_what_the_token_in_route_cannot_continue_is_named() -> None:
     assert why_not_resumable({"prompt": "x"}) is None
     assert why_not_resumable({"messages": [], "tools": [], "tool_choice": "none"}) is None
-    assert "n > 1" in str(why_not_resumable({"prompt": "x", "n": 2}))
-    assert "logprobs" in str(why_not_resumable({"prompt": "x", "logprobs": 2}))
-    assert "tools" in str(why_not_resumable({"messages": [], "tools": [{"type": "function"}]}))
+    assert why_not_resumable({"prompt": "x", "n": 2}) is None
+    assert "best_of" in str(why_not_resumable({"prompt": "x", "best_of": 2}))
+    assert "token ids" in str(why_not_resumable({"prompt": "x", "logprobs": 2, "return_tokens_as_token_ids": True}))
+    assert why_not_resumable({"messages": [], "tools": [{"type": "function"}], "tool_choice": "auto"}) is None
+    assert "tool_choice" in str(why_not_resumable({"messages": [], "tool_choice": "required"}))
     assert "structured" in str(why_not_resumable({"messages": [], "response_format": {"type": "json_object"}}))
     assert "echo" in str(why_not_resumable({"prompt": "x", "echo": True}))
     assert "several prompts" in str(why_not_resumable({"prompt": ["a", "b"]}))
+
+
+def test_what_would_resume_with_a_silent_difference_is_named() -> None:
+    """Was: stop strings and output penalties resumed silently wrong."""
+    assert "stop strings" in str(why_not_resumable({"prompt": "x", "stop": ["\n\n"]}))
+    assert "presence" in str(why_not_resumable({"prompt": "x", "presence_penalty": 0.1}))
+    assert "penalty" in str(why_not_resumable({"prompt": "x", "frequency_penalty": -0.1}))
+    # The repetition penalty counts prompt and output ids alike: the same after the ids sent became prompt.
+    assert why_not_resumable({"prompt": "x", "repetition_penalty": 1.2}) is None
+
+
+def test_a_reasoning_chunk_is_read_on_its_bytes_and_a_tool_call_whole_its_id_kept() -> None:
+    record = StreamRecord.of("chat", {})
+    record.observe(json.loads(CHAT[0]))
+    reasoning = CHAT[1].replace(b'"content":"ebr"', b'"reasoning":"ebr"')
+    assert record.observe_raw(reasoning) == reasoning.replace(b',"token_ids":[486]', b"")  # the hot path: bytes
+    call = b'"tool_calls":[{"id":"functions.get_weather:0","type":"function","index":0,"function":{"name":"w"}}]'
+    tool = CHAT[1].replace(b'"content":"ebr"', call)
+    assert record.observe_raw(tool) is None
+    record.observe(json.loads(tool))
+    kept = record.choice(0)
+    assert record.why_not is None and kept.tools_streamed and kept.tool_ids == {0: "functions.get_weather:0"}
+    assert (kept.sent_ids, kept.chunk_lens) == ([486, 486], [1, 1])
+
+
+def test_each_choice_of_n_is_kept_by_its_index_on_both_paths() -> None:
+    record = StreamRecord.of("completion", {"n": 2})
+    record.observe(json.loads(COMPLETION[0]))
+    second = COMPLETION[1].replace(b'"index":0', b'"index":1')
+    assert record.observe_raw(second) is not None
+    assert record.observe_raw(COMPLETION[2]) is not None
+    assert [(c.sent_ids, c.unshown_ids) for c in record.choices.values()] == [([355], [192]), ([546], [])]
+    assert record.unfinished == [0, 1] and record.generated == 3
