@@ -3,7 +3,8 @@
 The spare exists so that the front can send a request to it while the engine does not serve, and the client gets
 the engine's answer: the same model, dtype, quantization, parsers, max length and sampling defaults.  So its argv is
 not written twice, where the two could drift apart: it is the engine's (`NAME.toml` beside it), with only the flags
-that size its memory (`[spare]`) and its socket (`<runtime>/NAME/front/spare.sock`) replaced.  Its environment,
+that size its memory (`[spare]`) and its socket (`<runtime>/NAME/front/spare.sock`, beside the engine's, where
+the front reaches both) replaced.  Its environment,
 user, group, working directory and credentials are the engine's too; its NCCL RAS port is its own
 (config/gpu_pinning.py slot 2).  What would let the two answer differently is refused here, exit 78, one line
 naming the file, the key and the value.
@@ -17,7 +18,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from kimi_supervisor.config.front import SOCKET_DIR
+from kimi_supervisor.config.front import SOCKET_DIR, SPARE_SOCKET_NAME
 from kimi_supervisor.config.gpu_pinning import NCCL_RAS_ADDR
 from kimi_supervisor.config.model import ChildConfig, Config, PathsConfig, PreflightConfig, SpareConfig
 from kimi_supervisor.config.table import Table, short_repr
@@ -25,7 +26,6 @@ from kimi_supervisor.config.vllm_args import option_name, parse_vllm_args
 from kimi_supervisor.config.vllm_yaml import expand
 from kimi_supervisor.exitcodes import ConfigError
 
-SOCKET_NAME = "spare.sock"  # beside the engine's engine.sock, in the directory only the front reaches
 # The flags that are the spare's own: its socket, and what sizes its memory (not its tokens).  Every other flag of
 # the engine's argv is the spare's unchanged.
 SOCKET_FLAG = "--uds"
@@ -38,7 +38,7 @@ FITTED_MAX_MODEL_LEN = frozenset({"auto", "-1"})
 
 def socket_path(runtime_directory: Path, name: str) -> Path:
     """The spare's --uds socket: beside the engine's (config/front.py), which the front's account alone reaches."""
-    return runtime_directory / name / SOCKET_DIR / SOCKET_NAME
+    return runtime_directory / name / SOCKET_DIR / SPARE_SOCKET_NAME
 
 
 def engine_config_path(spare_config: Path, name: str) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.cli.status import Snapshot, front_of, front_summary, render_front
+from kimi_supervisor.cli.status import Snapshot, front_of, front_summary, render_front, render_spare, spare_of
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.model import PathsConfig
 from kimi_supervisor.opsview.history import HistoryData
@@ -62,3 +62,30 @@ def test_the_fronts_state_file_is_found_beside_the_engines(tmp_path: Path) -> No
     found = front_of(dirs)
     assert found is not None and found.state_file == tmp_path / "run" / "kimi" / "front-state" / "state.front.json"
     assert front_of(found) is None  # only an engine's files name the supervisors beside it
+
+
+def test_the_front_line_says_which_engine_serves_the_spares_readiness_and_the_last_failover(tmp_path: Path) -> None:
+    """docs/spare.md: `status` says where new requests go, whether a spare is ready, and what the last failover took;
+    the spare supervisor's own line is found beside the engine's files."""
+    spare = {
+        "configured": True,
+        "ready": False,
+        "without_ready_s": 42.4,
+        "alert_s": 600,
+        "failovers": [{"at": NOW - 50, "died": "main", "to": "spare", "first_request_s": 0.125}],
+    }
+    state = {"phase": "ready", "front": {"engine_serving": True, "held": 0, "serving_engine": "main", "spare": spare}}
+    assert render_front(snap(state), NOW) == (
+        "       Front: ready, engine serving, 0 held now, new requests to main, no ready spare for 42s, 1 failover(s), "
+        "the last 0.12s from the death to the first request\n"
+    )
+    assert front_summary(snap(state))["spare"] == spare
+    dirs = layout.directories(PathsConfig(tmp_path / "run", tmp_path / "state"), "kimi")
+    assert spare_of(dirs) is None
+    (tmp_path / "run" / "kimi").mkdir(parents=True)
+    (tmp_path / "run" / "kimi" / "state.spare.json").write_text("{}")
+    found = spare_of(dirs)
+    assert found is not None and found.role is Role.SPARE
+    line = render_spare(Snapshot("kimi", True, "PID 8", {"phase": "ready", "status": "serving"}, Path("s"),
+                                 HistoryData(), Path("h"), None, Role.SPARE))  # fmt: skip
+    assert line == "       Spare: ready, serving\n"

@@ -14,6 +14,8 @@ from typing import Any
 from kimi_supervisor import __version__
 from kimi_supervisor.deployment.front import outages
 from kimi_supervisor.deployment.front.context import FrontContext
+from kimi_supervisor.deployment.front.engine import Failover
+from kimi_supervisor.deployment.front.metrics import SpareReadiness
 from kimi_supervisor.opsview.statefile import StateFile, process_start_time
 
 
@@ -21,6 +23,8 @@ class EngineWatch:
     def __init__(self, ctx: FrontContext) -> None:
         self.ctx = ctx
         ctx.engines.on_change = self._serving_changed  # its one listener: outages begin and end here
+        ctx.engines.on_failover = self._failed_over
+        self.spare = SpareReadiness(ctx.cfg.spare_alert_s)
         path = ctx.cfg.state_file
         self._state = None if path is None else StateFile(path.parent, ctx.log, path.name)
         pid = os.getpid()
@@ -42,10 +46,34 @@ class EngineWatch:
         while True:
             for engine in engines.engines:
                 engines.mark(engine, await engine.probe())
+            self.spare_seen(time.monotonic())
             self.write_state()
             engines.probe_now.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(engines.probe_now.wait(), self.ctx.cfg.probe_interval_s)
+
+    def spare_seen(self, now: float) -> None:
+        """After each probe round: whether a hot spare is ready, and for how long none has been (docs/spare.md)."""
+        engines, metrics = self.ctx.engines, self.ctx.metrics
+        if not engines.spares:
+            return  # no spare configured: the deployment works as without one, and its headline says so
+        crossed = self.spare.update(any(e.serving for e in engines.spares), now)
+        metrics.spare_ready.set(int(self.spare.ready))
+        metrics.no_ready_spare_seconds.set(self.spare.without_s(now))
+        metrics.no_ready_spare_alert.set(int(self.spare.alerting(now)))
+        if crossed:
+            self.ctx.log.warning(
+                "front.no_ready_spare",
+                seconds=round(self.spare.without_s(now), 1),
+                bound_s=self.spare.alert_s,
+                why="a crash now costs clients the engine's whole restart",
+            )
+
+    def _failed_over(self, failover: Failover) -> None:
+        self.ctx.metrics.failover(failover.died, failover.to, failover.seconds, time.time())
+        self.ctx.log.warning(
+            "front.failover", died=failover.died, to=failover.to, first_request_s=round(failover.seconds, 3)
+        )
 
     def _serving_changed(self, serving: bool) -> None:
         ctx = self.ctx
@@ -71,8 +99,16 @@ class EngineWatch:
     def headline(self) -> str:
         """The front's one line (systemd's STATUS=, its state file's `status`)."""
         ctx = self.ctx
-        if ctx.engines.serving:
-            return f"serving: engine up, {ctx.cfg.host}:{ctx.cfg.port}"
+        serving = ctx.engines.serving_engine
+        if serving is not None:
+            if not ctx.engines.spares:
+                spare = "no spare"
+            elif self.spare.ready:
+                spare = "spare ready"
+            else:
+                spare = f"no ready spare for {self.spare.without_s(time.monotonic()):.0f}s"
+            who = "engine up" if serving is ctx.engines.main else f"engine down, {serving.name} serving"
+            return f"serving: {who}, {ctx.cfg.host}:{ctx.cfg.port} ({spare})"
         eta = f", ETA ~{ctx.gate.retry_after_s()}s" if ctx.engines.eta_s is not None else ""
         return f"holding {ctx.gate.held} request(s): engine not serving{eta}"
 
@@ -98,6 +134,15 @@ class EngineWatch:
                 "hold_s": ctx.gate.hold_s,
                 "requests": dict(ctx.metrics.counts),
                 "outages": list(ctx.metrics.outages_seen),
+                # Which engine new requests go to, and the hot spare's side (docs/spare.md).
+                "serving_engine": None if ctx.engines.serving_engine is None else ctx.engines.serving_engine.name,
+                "spare": {
+                    "configured": bool(ctx.engines.spares),
+                    "ready": self.spare.ready,
+                    "without_ready_s": round(self.spare.without_s(time.monotonic()), 1),
+                    "alert_s": self.spare.alert_s,
+                    "failovers": list(ctx.metrics.failovers_seen),
+                },
             },
         }
         self._state.write(doc)

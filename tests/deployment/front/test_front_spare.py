@@ -1,0 +1,132 @@
+"""The front with a hot spare (docs/spare.md): new requests go to the engine while it serves and to the spare while
+it does not, back to the engine once it serves; the failover is counted from the engine's death to the first request
+sent to the spare; the deployment without a ready spare says so, and alerts past front.spare_alert_s."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from kimi_supervisor.deployment.front.engine import Engine, EnginePool, Failover
+from kimi_supervisor.deployment.front.metrics import SpareReadiness
+from kimi_supervisor.deployment.front.records import EngineRecords
+from tests.deployment.front.fake_engine import FakeEngine
+from tests.deployment.front.harness import run, running, until
+
+pytest.importorskip("aiohttp")
+
+
+class Ticks:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_failover_lasts_from_the_engines_death_to_the_first_request_sent_to_the_spare() -> None:
+    clock = Ticks()
+    main = Engine("main", Path("/nonexistent/main.sock"), 1.0, EngineRecords())
+    spare = Engine("spare", Path("/nonexistent/spare.sock"), 1.0, EngineRecords())
+    pool = EnginePool([main, spare], clock=clock)
+    seen: list[Failover] = []
+    pool.on_failover = seen.append
+    pool.mark(main, True)
+    pool.mark(spare, True)
+    assert pool.pick() is main and pool.serving_engine is main and pool.spares == [spare]
+    pool.broke(main)  # the engine died under a request at 100.0
+    clock.now = 100.25
+    assert pool.pick() is spare and pool.pick() is spare
+    assert seen == [Failover("main", "spare", 0.25)]  # once: the first request sent to the spare ends it
+    pool.mark(main, True)  # the engine serves again: new requests go back to it, no failover counted for that
+    assert pool.pick() is main and len(seen) == 1
+    # Back before any request went elsewhere: nothing failed over.
+    pool.mark(main, False)
+    pool.mark(main, True)
+    assert pool.pick() is main and len(seen) == 1
+    # The spare alone dies while the engine serves: no request moves, nothing counted.
+    pool.mark(spare, False)
+    assert pool.pick() is main and len(seen) == 1
+
+
+def test_a_pool_of_one_engine_counts_no_failover() -> None:
+    main = Engine("main", Path("/nonexistent/main.sock"), 1.0, EngineRecords())
+    pool = EnginePool([main])
+    seen: list[Failover] = []
+    pool.on_failover = seen.append
+    pool.mark(main, True)
+    pool.mark(main, False)
+    pool.mark(main, True)
+    assert pool.pick() is main and seen == [] and pool.spares == []
+
+
+def test_the_alert_fires_once_the_deployment_ran_without_a_ready_spare_past_its_bound() -> None:
+    readiness = SpareReadiness(alert_s=600.0)
+    assert not readiness.update(False, 0.0) and readiness.without_s(0.0) == 0.0
+    assert not readiness.update(False, 600.0) and not readiness.alerting(600.0)
+    assert readiness.update(False, 600.5) and readiness.alerting(600.5)  # crossed: logged once
+    assert not readiness.update(False, 900.0) and readiness.alerting(900.0)
+    assert not readiness.update(True, 901.0) and readiness.without_s(901.0) == 0.0 and not readiness.alerting(901.0)
+    assert not readiness.update(False, 950.0) and readiness.without_s(1000.0) == 50.0
+
+
+def test_with_the_engine_down_a_new_request_goes_to_the_spare_at_once_and_back_once_the_engine_serves() -> None:
+    async def scenario() -> None:
+        directory = Path(tempfile.mkdtemp(prefix="kspare-", dir="/tmp"))
+        spare = FakeEngine(directory / "spare.sock")
+        await spare.start()
+        try:
+            async with running(spare_socket=spare.socket, spare_alert_s=600.0) as h:
+                engines = h.front.engines
+                await until(lambda: all(e.serving for e in engines.engines), "both engines serve")
+                assert h.front.watch.headline().endswith("(spare ready)")
+                body = {"prompt": "a", "max_tokens": 2}
+                async with h.client.post("/v1/completions", json=body) as answer:
+                    assert answer.status == 200
+                assert [p for p, _ in h.engine.seen] == ["/v1/completions"] and spare.seen == []
+                await h.engine.crash()
+                await until(lambda: not engines.main.serving, "the front sees the engine down")
+                assert engines.serving and h.front.watch.headline().startswith("serving: engine down, spare serving")
+                async with h.client.post("/v1/completions", json=body) as answer:
+                    assert answer.status == 200
+                assert [p for p, _ in spare.seen] == ["/v1/completions"]
+                counts = h.front.metrics.counts
+                assert counts["held"] == 0 and counts["forwarded"] == 2  # nobody waited for the engine's restart
+                [failover] = h.front.metrics.failovers_seen
+                assert (failover["died"], failover["to"]) == ("main", "spare")
+                scraped = h.front.metrics.text().decode()
+                assert 'kimi_front_serving_engine{deployment="kimi-supervisor",engine="spare"} 1.0' in scraped
+                assert 'kimi_front_failovers_total{deployment="kimi-supervisor",to="spare"} 1.0' in scraped
+                assert 'kimi_front_spare_ready{deployment="kimi-supervisor"} 1.0' in scraped
+                await h.engine.restart()
+                await until(lambda: engines.main.serving, "the engine serves again")
+                async with h.client.post("/v1/completions", json=body) as answer:
+                    assert answer.status == 200
+                assert len(h.engine.seen) == 2 and len(spare.seen) == 1  # new requests back to the engine
+                assert len(h.front.metrics.failovers_seen) == 1
+        finally:
+            await spare.stop()
+            shutil.rmtree(directory, ignore_errors=True)
+
+    run(scenario)
+
+
+def test_without_a_ready_spare_the_front_holds_as_before_and_says_so() -> None:
+    async def scenario() -> None:
+        directory = Path(tempfile.mkdtemp(prefix="kspare-", dir="/tmp"))
+        try:
+            async with running(spare_socket=directory / "spare.sock", spare_alert_s=0.05) as h:
+                await until(lambda: bool(h.log.events("front.no_ready_spare")), "the alert is logged")
+                assert "no ready spare for" in h.front.watch.headline()
+                assert 'kimi_front_no_ready_spare_alert{deployment="kimi-supervisor"} 1.0' in (
+                    h.front.metrics.text().decode()
+                )
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    run(scenario)
