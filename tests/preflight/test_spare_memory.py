@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.config.model import Config, SpareConfig
+from kimi_supervisor.deployment.choose import for_config
 from kimi_supervisor.host.gpu import MIB, GpuMemory
 from kimi_supervisor.host.proctable import PsutilProcessTable
 from kimi_supervisor.preflight.memory_plan import plan
@@ -102,6 +103,11 @@ def test_the_engines_memory_is_the_spares_own_and_the_spares_the_engines(tmp_pat
         assert checks["proceed"] and checks["gpu_wait"].verdict.value == "ok"  # type: ignore[attr-defined]
         assert f"GPU 0: {SPARE_MIB} MiB" in checks["partner_memory"].message  # type: ignore[attr-defined]
         assert "memory_plan" not in checks  # the engine's config has no [spare]: the spare's dry run plans
+        # The engine's stop does not wait for the holder's or the spare's memory to be freed: both are its own.
+        engine_cfg = load_config(engine_path)
+        probe = FakeGpuProbe([FakeGpu(occupants={held: HELD_MIB, spare_child: SPARE_MIB})])
+        role = for_config(engine_cfg)
+        assert role.own_memory(engine_cfg, PsutilProcessTable(), probe, (0,)) == {0: HELD_MIB + SPARE_MIB}  # type: ignore[attr-defined]
     finally:
         stop(spare)
         stop(holder)
