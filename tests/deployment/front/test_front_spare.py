@@ -14,7 +14,7 @@ from kimi_supervisor.deployment.front.engine import Engine, EnginePool, Failover
 from kimi_supervisor.deployment.front.metrics import SpareReadiness
 from kimi_supervisor.deployment.front.records import EngineRecords
 from tests.deployment.front.fake_engine import FakeEngine
-from tests.deployment.front.harness import run, running, until
+from tests.deployment.front.harness import BOUND_S, run, running, stream_text, until
 
 pytest.importorskip("aiohttp")
 
@@ -127,6 +127,35 @@ def test_without_a_ready_spare_the_front_holds_as_before_and_says_so() -> None:
                     h.front.metrics.text().decode()
                 )
         finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    run(scenario)
+
+
+def test_a_stream_broken_by_the_engines_crash_resumes_on_the_spare_at_once_with_the_uninterrupted_text() -> None:
+    """streams.py unchanged: its resume waits for any engine to serve and picks the one that does, the spare."""
+
+    async def scenario() -> None:
+        directory = Path(tempfile.mkdtemp(prefix="kspare-", dir="/tmp"))
+        spare = FakeEngine(directory / "spare.sock")
+        await spare.start()
+        body = {"prompt": "tell", "max_tokens": 12, "stream": True}
+        try:
+            async with running(spare_socket=spare.socket, hold_s=BOUND_S) as h:
+                await until(lambda: all(e.serving for e in h.front.engines.engines), "both engines serve")
+                async with h.client.post("/v1/completions", json=body) as answer:
+                    want, _ = await stream_text(answer)
+                h.engine.crash_after = 5
+                async with h.client.post("/v1/completions", json=body) as answer:
+                    assert answer.status == 200
+                    text, events = await stream_text(answer)
+                assert h.engine.crashes == 1 and text == want  # the engine stays down: the spare finished it
+                assert [p for p, _ in spare.seen] == ["/v1/completions/render", "/inference/v1/generate"]
+                assert not any("error" in e for e in events if isinstance(e, dict))
+                assert h.front.metrics.counts["resumed"] == 1 and h.front.metrics.counts["held"] == 0
+                assert [(f["died"], f["to"]) for f in h.front.metrics.failovers_seen] == [("main", "spare")]
+        finally:
+            await spare.stop()
             shutil.rmtree(directory, ignore_errors=True)
 
     run(scenario)
