@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kimi_supervisor.config.gpu_pinning import NCCL_RAS_ADDR
+from kimi_supervisor.config.load import load_config
 from kimi_supervisor.config.spare import output_key
 from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.roles import Role
@@ -150,3 +151,19 @@ def test_a_spare_table_is_refused_in_every_other_role(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load(tmp_path, text, "kimi.toml")
     assert info.value.exit_code == ExitCode.CONFIG and "does not read [spare]" in info.value.message
+
+
+def test_the_example_spare_loads_beside_its_engine_and_its_plan_fits_an_rtx_pro_6000() -> None:
+    """etc/spare/: the engine, its spare and its front of one deployment; the spare's memory plan with the seeds'
+    weights (540 GB over 8 GPUs, ~64400 MiB each) fits a 97887 MiB GPU."""
+    from kimi_supervisor.host.gpu import GpuMemory
+    from kimi_supervisor.preflight.memory_plan import plan
+
+    etc = Path(__file__).resolve().parents[2] / "etc" / "spare"
+    engine, spare = load_config(etc / "kimi.toml"), load_config(etc / "kimi.spare.toml")
+    front = load_config(etc / "kimi.front.toml")
+    assert spare.role is Role.SPARE and spare.spare is not None and front.front is not None
+    assert front.front.spare_socket is not None and str(front.front.spare_socket) == spare.child.vllm.uds
+    assert spare.spare.output_key == output_key(engine.child.argv, dict(engine.child.env))
+    check = plan([GpuMemory(i, 97887, 0, 97887) for i in range(8)], dict.fromkeys(range(8), 64400), "w", spare.spare)
+    assert check.verdict.value == "ok", check.message

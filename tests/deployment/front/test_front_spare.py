@@ -4,6 +4,8 @@ sent to the spare; the deployment without a ready spare says so, and alerts past
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 from kimi_supervisor.deployment.front.engine import Engine, EnginePool, Failover
 from kimi_supervisor.deployment.front.metrics import SpareReadiness
 from kimi_supervisor.deployment.front.records import EngineRecords
+from kimi_supervisor.opsview.statefile import process_start_time
 from tests.deployment.front.fake_engine import FakeEngine
 from tests.deployment.front.harness import BOUND_S, run, running, stream_text, until
 
@@ -154,6 +157,42 @@ def test_a_stream_broken_by_the_engines_crash_resumes_on_the_spare_at_once_with_
                 assert not any("error" in e for e in events if isinstance(e, dict))
                 assert h.front.metrics.counts["resumed"] == 1 and h.front.metrics.counts["held"] == 0
                 assert [(f["died"], f["to"]) for f in h.front.metrics.failovers_seen] == [("main", "spare")]
+        finally:
+            await spare.stop()
+            shutil.rmtree(directory, ignore_errors=True)
+
+    run(scenario)
+
+
+def test_a_planned_restart_of_the_engine_sends_new_requests_to_the_spare_meanwhile(tmp_path: Path) -> None:
+    """The engine's supervisor drains it (state file `stopping`, /health still 200): new requests go to the spare,
+    none waits; once the engine's supervisor says `ready` again, they go back to the engine."""
+    state = tmp_path / "state.json"
+    me = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "version": "t", "config": "x"}
+
+    def phase(name: str) -> None:
+        state.write_text(json.dumps({"schema": 1, "supervisor": me, "phase": name}))
+
+    async def scenario() -> None:
+        directory = Path(tempfile.mkdtemp(prefix="kspare-", dir="/tmp"))
+        spare = FakeEngine(directory / "spare.sock")
+        await spare.start()
+        body = {"prompt": "a", "max_tokens": 2}
+        phase("ready")
+        try:
+            async with running(spare_socket=spare.socket, engine_state_file=state) as h:
+                await until(lambda: all(e.serving for e in h.front.engines.engines), "both engines serve")
+                phase("stopping")
+                await until(lambda: not h.front.engines.main.serving, "the front sees the engine draining")
+                for _ in range(3):
+                    async with h.client.post("/v1/completions", json=body) as answer:
+                        assert answer.status == 200
+                assert h.engine.seen == [] and len(spare.seen) == 3 and h.front.metrics.counts["held"] == 0
+                phase("ready")
+                await until(lambda: h.front.engines.main.serving, "the engine serves again")
+                async with h.client.post("/v1/completions", json=body) as answer:
+                    assert answer.status == 200
+                assert len(h.engine.seen) == 1 and len(spare.seen) == 3
         finally:
             await spare.stop()
             shutil.rmtree(directory, ignore_errors=True)
