@@ -14,7 +14,7 @@ from typing import Any
 from kimi_supervisor import __version__
 from kimi_supervisor.deployment.front import outages
 from kimi_supervisor.deployment.front.context import FrontContext
-from kimi_supervisor.deployment.front.engine import Failover
+from kimi_supervisor.deployment.front.engine import Engine, Failover
 from kimi_supervisor.deployment.front.metrics import SpareReadiness
 from kimi_supervisor.opsview.statefile import StateFile, process_start_time
 
@@ -25,6 +25,7 @@ class EngineWatch:
         ctx.engines.on_change = self._serving_changed  # its one listener: outages begin and end here
         ctx.engines.on_failover = self._failed_over
         self.spare = SpareReadiness(ctx.cfg.spare_alert_s)
+        self._stale_said: set[str] = set()  # spares whose stale key was logged (once per stretch)
         path = ctx.cfg.state_file
         self._state = None if path is None else StateFile(path.parent, ctx.log, path.name)
         pid = os.getpid()
@@ -45,12 +46,34 @@ class EngineWatch:
         engines = self.ctx.engines
         while True:
             for engine in engines.engines:
-                engines.mark(engine, await engine.probe())
+                engines.mark(engine, await engine.probe() and self._same_tokens(engine))
             self.spare_seen(time.monotonic())
             self.write_state()
             engines.probe_now.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(engines.probe_now.wait(), self.ctx.cfg.probe_interval_s)
+
+    def _same_tokens(self, engine: Engine) -> bool:
+        """A spare serves only while what decides its tokens is its engine's (docs/spare.md): an engine restarted
+        with an edited argv while the spare runs its old one would answer otherwise.  Unknown keys (no live
+        supervisor's record) are not counted as a difference."""
+        main = self.ctx.engines.main
+        if engine is main:
+            return True
+        mine, theirs = engine.records.output_key(), main.records.output_key()
+        if mine is None or theirs is None or mine == theirs:
+            self._stale_said.discard(engine.name)
+            return True
+        if engine.name not in self._stale_said:
+            self._stale_said.add(engine.name)
+            self.ctx.log.warning(
+                "front.spare_stale",
+                engine=engine.name,
+                spare_key=mine[:12],
+                engine_key=theirs[:12],
+                why="its argv is not the engine's since the engine's config changed: restart the spare's unit",
+            )
+        return False
 
     def spare_seen(self, now: float) -> None:
         """After each probe round: whether a hot spare is ready, and for how long none has been (docs/spare.md)."""

@@ -198,3 +198,42 @@ def test_a_planned_restart_of_the_engine_sends_new_requests_to_the_spare_meanwhi
             shutil.rmtree(directory, ignore_errors=True)
 
     run(scenario)
+
+
+def test_a_spare_whose_tokens_key_is_not_the_engines_gets_no_request(tmp_path: Path) -> None:
+    """The engine restarted with an edited argv while the spare runs its old one: their recorded output keys differ,
+    so the front sends the spare nothing (and says why once) until the spare's unit restarts it with the new one."""
+    me = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "version": "t", "config": "x"}
+
+    def record(path: Path, key: str) -> None:
+        path.write_text(json.dumps({"schema": 1, "supervisor": me, "phase": "ready", "output_key": key}))
+
+    engine_state, spare_state = tmp_path / "state.json", tmp_path / "state.spare.json"
+    record(engine_state, "a" * 64)
+    record(spare_state, "b" * 64)
+
+    async def scenario() -> None:
+        directory = Path(tempfile.mkdtemp(prefix="kspare-", dir="/tmp"))
+        spare = FakeEngine(directory / "spare.sock")
+        await spare.start()
+        try:
+            settings = {
+                "spare_socket": spare.socket,
+                "engine_state_file": engine_state,
+                "spare_state_file": spare_state,
+            }
+            async with running(**settings) as h:  # type: ignore[arg-type]
+                await until(lambda: bool(h.log.events("front.spare_stale")), "the stale spare is named")
+                assert not h.front.engines.spares[0].serving
+                await h.engine.crash()
+                await until(lambda: not h.front.engines.serving, "no engine serves: the stale spare is not one")
+                record(spare_state, "a" * 64)  # the spare restarted on the engine's argv
+                await until(lambda: h.front.engines.spares[0].serving, "the spare serves")
+                async with h.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}) as answer:
+                    assert answer.status == 200
+                assert len(spare.seen) == 1 and len(h.log.events("front.spare_stale")) == 1
+        finally:
+            await spare.stop()
+            shutil.rmtree(directory, ignore_errors=True)
+
+    run(scenario)

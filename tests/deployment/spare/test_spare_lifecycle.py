@@ -59,6 +59,9 @@ def test_the_spare_serves_its_engines_argv_on_its_own_socket_beside_the_engine_a
         assert health(engine_sock).startswith(b"HTTP/1.1 200") and health(spare_sock).startswith(b"HTTP/1.1 200")
         state = tmp_path / "run" / "kimi" / Role.SPARE.state_file_name
         wait_for(lambda: json.loads(state.read_text())["phase"] == "ready", timeout=10)
+        # Both record what decides their tokens: the same key, which the front compares (docs/spare.md).
+        engine_state = json.loads((tmp_path / "run" / "kimi" / Role.ENGINE.state_file_name).read_text())
+        assert json.loads(state.read_text())["output_key"] == engine_state["output_key"]
         # A second spare of the deployment: its locks are taken, nothing changed.
         second = Run(spare_cfg, own(tmp_path, "s2"))
         assert second.wait(30) == ExitCode.ANOTHER_INSTANCE
