@@ -32,9 +32,6 @@ class Spare(HeldWeightsEngine):
             )
         return unit.install_spare(config, self.cfg, unit_dir, reload=reload)
 
-    def holder_unit(self, config: Path, instance: str | None) -> unit.HolderUnit | None:
-        return None  # the engine's install-unit writes the holder's units; the spare's writes its own alone
-
     def dry_run(self, checks: list[Check], gpu_count: int) -> None:
         """The engine's view of its holder, and what the spare is: its engine's argv, its own flags."""
         super().dry_run(checks, gpu_count)

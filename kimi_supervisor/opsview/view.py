@@ -201,6 +201,7 @@ class OperatorView:
             "canary": {"ok": None, "latency_s": None, "at": None},  # null until the first canary (liveness/engine.py)
             "watchdog": {"enabled": watchdog_s is not None, "interval_s": watchdog_s, "last_ping_at": None, "pings": 0},
             "last_failure": None,
+            "output_key": None,
         }
         if cfg.weights is not None:  # docs/weight-holder.md: the holder's key and health, where its engine reads them
             self.doc["weights"] = weights_doc(cfg)
