@@ -112,39 +112,32 @@ def spare_argv(engine_argv: Sequence[str], socket: Path, spare: SpareConfig) -> 
     return tuple(out)
 
 
+# [spare]'s required keys, and why each is: the message of a config without it.
+REQUIRED = {
+    "kv_cache_memory_bytes": "the spare's own KV cache per GPU in bytes (vLLM's --kv-cache-memory-bytes); without it "
+    "vLLM would size its cache from the memory the engine needs",
+    # vLLM checks free >= utilization x total - the held weights even with --kv-cache-memory-bytes
+    # (v1/worker/utils.py:716-759): its 0.92 default would fail beside a serving engine, after the spare's start.
+    "gpu_memory_utilization": "vLLM checks that this fraction of each GPU, less the held weights, is free when the "
+    "spare starts, beside the serving engine (its default 0.92 never is)",
+}
+
+
 def parse_spare(t: Table, engine_path: Path) -> SpareConfig:
     """[spare] of a spare's config; ConfigError naming the file and key."""
-    if not t.has("gpu_memory_utilization"):
-        # vLLM checks free >= utilization x total - the held weights even with --kv-cache-memory-bytes
-        # (v1/worker/utils.py:716-759): its 0.92 default would fail beside a serving engine, after the spare's start.
-        raise t.error(
-            "gpu_memory_utilization",
-            "required key is missing: vLLM checks that this fraction of each GPU, less the held weights, is free "
-            "when the spare starts, beside the serving engine (its default 0.92 never is)",
-        )
-    util = t.number("gpu_memory_utilization", 0.0, maximum=1.0)
-    given_seqs = t.has("max_num_seqs")
-    seqs = t.integer("max_num_seqs", 1, minimum=1, maximum=1 << 20)
+    for key, why in REQUIRED.items():
+        if not t.has(key):
+            raise t.error(key, f"required key is missing: {why}")
     cfg = SpareConfig(
         engine_config=engine_path,
-        kv_cache_memory_bytes=t.integer("kv_cache_memory_bytes", 0, minimum=1 << 20, maximum=1 << 50)
-        if t.has("kv_cache_memory_bytes")
-        else _required(t),
-        gpu_memory_utilization=util,
-        max_num_seqs=seqs if given_seqs else None,
+        kv_cache_memory_bytes=t.integer("kv_cache_memory_bytes", 0, minimum=1 << 20, maximum=1 << 50),
+        gpu_memory_utilization=t.number("gpu_memory_utilization", 0.0, maximum=1.0),
+        max_num_seqs=t.integer("max_num_seqs", 0, minimum=1, maximum=1 << 20) if t.has("max_num_seqs") else None,
         overhead_mib=t.integer("overhead_mib", SpareConfig.overhead_mib, minimum=0, maximum=1 << 24),
         margin_mib=t.integer("margin_mib", SpareConfig.margin_mib, minimum=0, maximum=1 << 24),
     )
     t.done()
     return cfg
-
-
-def _required(t: Table) -> int:
-    raise t.error(
-        "kv_cache_memory_bytes",
-        "required key is missing: the spare's own KV cache per GPU in bytes (vLLM's --kv-cache-memory-bytes); "
-        "without it vLLM would size its cache from the memory the engine needs",
-    )
 
 
 def check_engine(engine: Config, engine_path: Path, takes_spare: bool) -> None:
