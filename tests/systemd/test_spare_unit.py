@@ -45,3 +45,8 @@ def test_install_unit_with_the_spares_config_writes_its_template_and_drop_in(tmp
     with pytest.raises(ConfigError) as info:
         for_config(load_config(other)).install_own_unit(other, units, reload=False)
     assert info.value.exit_code == ExitCode.CONFIG and "name the spare's config after its deployment" in str(info.value)
+
+
+def test_the_shipped_spare_template_is_the_rendered_one() -> None:
+    shipped = Path(__file__).resolve().parents[2] / "packaging" / "systemd" / unit.SPARE_TEMPLATE_NAME
+    assert shipped.read_text() == unit.render(spare=True)
