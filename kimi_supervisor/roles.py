@@ -26,6 +26,10 @@ class Role(enum.Enum):
     # The deployment's front (docs/front.md): owns the public port, forwards to its engine's --uds socket, holds
     # and resumes requests across the engine's restarts.  No child, no GPU.
     FRONT = "front"
+    # The deployment's hot spare (docs/spare.md): a second `vllm serve` on the engine's GPUs, mapping the same held
+    # weights, its argv derived from the engine's config (only its --uds socket and its memory flags differ), its
+    # own small KV cache; the front sends requests to it while the engine does not serve.
+    SPARE = "spare"
 
     @property
     def in_group(self) -> bool:
@@ -34,13 +38,13 @@ class Role(enum.Enum):
 
     @property
     def file_suffix(self) -> str:
-        """Added to its state and history file names: only the holder is a second supervisor of the same
-        deployment on one host; the others keep the names they had before it existed."""
-        return {Role.WEIGHTS: ".weights", Role.FRONT: ".front"}.get(self, "")
+        """Added to its state and history file names: the holder, the front and the spare are further supervisors of
+        the same deployment on one host; the others keep the names they had before they existed."""
+        return {Role.WEIGHTS: ".weights", Role.FRONT: ".front", Role.SPARE: ".spare"}.get(self, "")
 
     def config_name(self, name: str) -> str:
-        """Its config file's name in deployment `name`: the engine's NAME.toml, beside it NAME.weights.toml and
-        NAME.front.toml (each role's unit runs the one of its instance's name)."""
+        """Its config file's name in deployment `name`: the engine's NAME.toml, beside it NAME.weights.toml,
+        NAME.front.toml and NAME.spare.toml (each role's unit runs the one of its instance's name)."""
         return f"{name}{self.file_suffix}.toml"
 
     @property
@@ -68,7 +72,7 @@ class Role(enum.Enum):
     @property
     def serves_api(self) -> bool:
         """Its child answers the OpenAI API (and /health) on child.vllm's port."""
-        return self in (Role.ENGINE, Role.LEADER)
+        return self in (Role.ENGINE, Role.LEADER, Role.SPARE)
 
 
 ROLE_NAMES = tuple(r.value for r in Role)

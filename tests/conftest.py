@@ -186,6 +186,7 @@ HEAVY_FILE_S = {
     "test_vllm_front.py": 330,
     "test_vllm_drain.py": 182,
     "test_vllm_front_systemd.py": 135,
+    "test_vllm_spare_front.py": 115,
     "test_vllm_cache.py": 131,
     "test_flood.py": 84,
     "test_vllm_serving.py": 36,

@@ -44,7 +44,8 @@ def test_every_config_key_is_documented() -> None:
     # weights: None here; its table's keys (the holder's and the engine's: config/load.py _parse_weights) are
     # these, the rest of WeightsConfig is derived (the socket dir from [paths], the key from child.argv).
     # front: None here; its keys are a front's [front] (config/front.py), less what it derives from [paths].
-    derived = ("child.vllm", "child.cache_directory", "weights", "front")
+    # spare: None here; its keys are a spare's [spare] (config/spare.py), less what it derives from its engine.
+    derived = ("child.vllm", "child.cache_directory", "weights", "front", "spare")
     keys = {k for k in flat_keys(effective_config(cfg)) if k != "path" and not k.startswith(derived)}
     keys |= {"weights.holder", "weights.wait_s", "weights.health_port"}
     keys |= {f"front.{f}" for f in FrontConfig.__dataclass_fields__} - {
@@ -55,6 +56,13 @@ def test_every_config_key_is_documented() -> None:
         "front.engine_holder_state_file",
         "front.state_file",
         "front.config_file",
+        "front.spare_socket",
+        "front.spare_state_file",
+        "front.spare_history_file",
+    }
+    keys |= {"front.spare"} | {
+        f"spare.{f}"
+        for f in ("kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs", "overhead_mib", "margin_mib")
     }
     documented = set(re.findall(r"^\| `([a-z_.]+)` \|", CONFIGURATION, re.MULTILINE))
     assert keys == documented

@@ -189,6 +189,19 @@ def front_of(dirs: DeploymentDirectories) -> DeploymentDirectories | None:
     return _beside(dirs, Role.FRONT)
 
 
+def spare_of(dirs: DeploymentDirectories) -> DeploymentDirectories | None:
+    """The hot spare's files, when the deployment has one (docs/spare.md): its state file or history."""
+    return _beside(dirs, Role.SPARE)
+
+
+def render_spare(spare: Snapshot) -> str:
+    """The spare supervisor's own line: its phase and headline, as its state file says (docs/spare.md)."""
+    state = spare.state or {}
+    phase = state.get("phase") if spare.running else "not running"
+    said = f", {escape_unprintable(str(state.get('status')))}" if spare.running and state.get("status") else ""
+    return f"{'Spare':>12}: {escape_unprintable(str(phase))}{said}\n"
+
+
 def _beside(dirs: DeploymentDirectories, role: Role) -> DeploymentDirectories | None:
     # role branch: status reads files, not a config (no deployment/ object): only an engine's files name the
     # supervisors beside it (its weight holder, its front)
@@ -210,6 +223,9 @@ def front_summary(front: Snapshot) -> dict[str, Any]:
         "requests": s.get("requests") or {},
         "outages": s.get("outages") or [],
         "note": front.note,
+        # docs/spare.md: which engine new requests go to, and the hot spare's readiness and failovers.
+        "serving_engine": s.get("serving_engine") if front.running else None,
+        "spare": s.get("spare") if isinstance(s.get("spare"), dict) else None,
     }
 
 
@@ -224,6 +240,20 @@ def render_front(front: Snapshot, now: float) -> str:
     if front.running:
         serving = "serving" if summary["engine_serving"] else "not serving"
         line += f", engine {serving}, {shown(summary['held_now'])} held now"
+    spare = summary["spare"]
+    if front.running and isinstance(spare, dict) and spare.get("configured"):
+        target = summary["serving_engine"]
+        ready = (
+            "spare ready"
+            if spare.get("ready")
+            else f"no ready spare for {float(spare.get('without_ready_s') or 0):.0f}s"
+        )
+        line += f", new requests to {shown(target) if target else 'none'}, {ready}"
+        failovers = [f for f in spare.get("failovers") or [] if isinstance(f, dict)]
+        if failovers:
+            took = failovers[-1].get("first_request_s")
+            took_s = f"{took:.2f}s" if isinstance(took, (int, float)) else "?"
+            line += f", {len(failovers)} failover(s), the last {took_s} from the death to the first request"
     outages = [o for o in summary["outages"] if isinstance(o, dict)]
     if outages:
         last = outages[-1]
@@ -634,6 +664,7 @@ def run_status(
     cluster = _cluster_for(config if config is not None else config_dir / f"{dirs.name}.toml")
     holder_dirs = holder_of(dirs)
     front_dirs = front_of(dirs)
+    spare_dirs = spare_of(dirs)
     while True:
         snap = gather(dirs)
         group = fetch_group(cluster) if cluster is not None and snap.running else (None, "not running")
@@ -644,6 +675,8 @@ def run_status(
                 doc["weights_holder"] = to_json(held) | {"summary": holder_summary(held, snap, now())}
             if front_dirs is not None:
                 doc["front"] = front_summary(gather(front_dirs))
+            if spare_dirs is not None:
+                doc["spare"] = to_json(gather(spare_dirs))
             # One shape always: an array of deployment objects, one or several (docs/operators-view.md).
             out.write(json.dumps([doc], indent=2) + "\n")
         else:
@@ -652,6 +685,8 @@ def run_status(
             out.write(render_text(snap, now(), color))
             if holder_dirs is not None:  # the deployment's weight holder, its own unit (docs/weight-holder.md)
                 out.write(render_holder(gather(holder_dirs), snap, now(), color))
+            if spare_dirs is not None:  # the deployment's hot spare, its own unit (docs/spare.md)
+                out.write(render_spare(gather(spare_dirs)))
             if front_dirs is not None:  # the deployment's front, its own unit (docs/front.md)
                 out.write(render_front(gather(front_dirs), now()))
             if cluster is not None:

@@ -16,6 +16,7 @@ from kimi_supervisor.roles import Role
 
 SOCKET_DIR = "front"  # below the deployment's runtime directory: the engine's socket, reached by the front only
 SOCKET_NAME = "engine.sock"
+SPARE_SOCKET_NAME = "spare.sock"  # the hot spare's, beside it (docs/spare.md, config/spare.py)
 _ROUTE = re.compile(r"^/[A-Za-z0-9_./{}-]*$")
 
 
@@ -50,6 +51,13 @@ class FrontConfig:
     # The account it serves as once its root-only work is done (docs/front.md, "Who it runs as"); None: the
     # engine's child.user, read from NAME.toml when the front starts.
     user: str | None = None
+    # The deployment's hot spare (docs/spare.md), the second engine new requests go to while the engine does not
+    # serve: its socket and its supervisor's state file and history, where its role puts them; None: no spare.
+    spare_socket: Path | None = None
+    spare_state_file: Path | None = None
+    spare_history_file: Path | None = None
+    # The deployment without a ready spare longer than this: the alert (kimi_front_no_ready_spare_alert).
+    spare_alert_s: float = 600.0
 
 
 def engine_socket(runtime_directory: Path, name: str) -> Path:
@@ -74,6 +82,7 @@ def parse_front(
             raise t.error("user", f"no such user {user!r} on this host") from None
     given_hold = t.has("hold_s")
     hold = t.number("hold_s", 0.0, maximum=86400.0, zero_ok=True)
+    spare = t.boolean("spare", False)
     cfg = FrontConfig(
         deployment=name,
         host=host,
@@ -94,6 +103,10 @@ def parse_front(
         probe_interval_s=t.number("probe_interval_s", FrontConfig.probe_interval_s, maximum=60.0),
         probe_timeout_s=t.number("probe_timeout_s", FrontConfig.probe_timeout_s, maximum=60.0),
         user=user,
+        spare_socket=runtime_directory / name / SOCKET_DIR / SPARE_SOCKET_NAME if spare else None,
+        spare_state_file=runtime_directory / name / Role.SPARE.state_file_name if spare else None,
+        spare_history_file=state_directory / name / Role.SPARE.history_file_name if spare else None,
+        spare_alert_s=t.number("spare_alert_s", FrontConfig.spare_alert_s, maximum=7 * 86400.0),
     )
     t.done()
     return cfg

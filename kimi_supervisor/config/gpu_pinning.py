@@ -79,12 +79,20 @@ def pin_every_gpu(env: Mapping[str, str], count: int) -> dict[str, str]:
 # NCCL_RAS_ADDR says otherwise: two deployments on one host (or another user's job there) would share that
 # endpoint.  Each gets its own port, derived from its lowest GPU: deployments on one host hold disjoint GPUs
 # (the instance lock refuses overlaps), so no two derive the same one; a weight holder (its daemons form their
-# own process group, weight_cache/daemon.py:282) takes the odd port beside its engine's.
+# own process group, weight_cache/daemon.py:282) takes the odd port beside its engine's.  A hot spare (docs/spare.md:
+# a second engine's communicators on the same GPUs) takes one of a range of its own, above every pair's.
 NCCL_RAS_ADDR = "NCCL_RAS_ADDR"
 RAS_BASE_PORT = 28100
+SPARE_RAS_BASE_PORT = RAS_BASE_PORT + 2 * 1024  # past the pairs of 1024 GPU indices (config/load.py's bound)
+RAS_SLOTS = 3  # 0: the engine, 1: its weight holder, 2: its spare (config/role_spec.py ras_slot)
 
 
-def ras_env(env: Mapping[str, str], gpus: tuple[int, ...] | None, holder: bool) -> dict[str, str]:
+def ras_port_of(first_gpu: int, slot: int) -> int:
+    """The NCCL RAS port of the supervisor in `slot` of the deployment whose lowest GPU is `first_gpu`."""
+    return SPARE_RAS_BASE_PORT + first_gpu if slot == 2 else RAS_BASE_PORT + 2 * first_gpu + slot
+
+
+def ras_env(env: Mapping[str, str], gpus: tuple[int, ...] | None, slot: int) -> dict[str, str]:
     """child.env with this deployment's NCCL_RAS_ADDR, unless child.env sets it or the deployment has no GPU."""
     out = dict(env)
     if gpus == ():
@@ -96,7 +104,7 @@ def ras_env(env: Mapping[str, str], gpus: tuple[int, ...] | None, holder: bool) 
             )
         return out
     first = min(gpus) if gpus else 0
-    out[NCCL_RAS_ADDR] = f"127.0.0.1:{RAS_BASE_PORT + 2 * first + int(holder)}"
+    out[NCCL_RAS_ADDR] = f"127.0.0.1:{ras_port_of(first, slot)}"
     return out
 
 

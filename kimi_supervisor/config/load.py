@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.config import role_spec
+from kimi_supervisor.config import role_spec, spare
 from kimi_supervisor.config.cluster import GroupNode, apply_cluster, parse_cluster
 from kimi_supervisor.config.file import read_config_bytes
 from kimi_supervisor.config.front import FrontConfig, parse_front
@@ -39,6 +39,7 @@ from kimi_supervisor.config.model import (
     ReapConfig,
     ShmConfig,
     ShutdownConfig,
+    SpareConfig,
     WeightsConfig,
 )
 from kimi_supervisor.config.table import MISSING, Table, describe, short_repr
@@ -411,7 +412,7 @@ def _own_devices(child: ChildConfig, preflight: PreflightConfig, role: Role, pat
     """The child's GPUs pinned to preflight.gpus and its own NCCL RAS endpoint (config/gpu_pinning.py)."""
     try:
         env = pinned_env(child.env, preflight.gpus)
-        env = ras_env(env, preflight.gpus, holder=role_spec.of(role).second_ras_port)
+        env = ras_env(env, preflight.gpus, slot=role_spec.of(role).ras_slot)
     except PinningError as exc:
         raise ConfigError(f"{path}: child.env.{exc.key}: {exc}") from None
     return dataclasses.replace(child, env=env)
@@ -494,6 +495,40 @@ def _parse_front(
     return parse_front(root.table("front"), paths.runtime_directory, paths.state_directory, deployment.name, path)
 
 
+def _spare_child(root: Table, deployment: DeploymentConfig, path: Path) -> tuple[SpareConfig, ChildConfig, Config]:
+    """A hot spare's child: its engine's (NAME.toml beside it), with its own socket and memory flags
+    (config/spare.py); its [child] refused, where a second argv could drift from the engine's."""
+    if root.has("child"):
+        raise root.error(
+            "child",
+            f"deployment.role = {deployment.role.value!r} runs its engine's child "
+            f"({spare.engine_config_path(path, deployment.name)}) with its own socket and memory flags ([spare]): "
+            "remove [child]",
+        )
+    engine_path = spare.engine_config_path(path, deployment.name)
+    if not engine_path.exists():
+        raise ConfigError(
+            f"{path}: deployment.name: {deployment.name!r}: a spare runs its engine's argv, and its engine's config "
+            f"{engine_path} is not there"
+        )
+    engine = load_config(engine_path)
+    if engine.deployment.name != deployment.name:
+        raise ConfigError(
+            f"{engine_path}: deployment.name: {engine.deployment.name!r}: the spare {path} is of deployment "
+            f"{deployment.name!r}"
+        )
+    spare.check_engine(engine, engine_path, role_spec.of(engine.role).takes_spare)
+    spare_cfg = spare.parse_spare(root.table("spare"), engine_path)
+    socket = spare.socket_path(engine.paths.runtime_directory, deployment.name)
+    spare_cfg = dataclasses.replace(
+        spare_cfg,
+        output_key=spare.output_key(engine.child.argv, dict(engine.child.env)),
+        engine_gpu_memory_utilization=engine.child.vllm.gpu_memory_utilization,
+        engine_kv_cache_memory_bytes=spare.engine_kv_bytes(engine.child.argv, engine_path),
+    )
+    return spare_cfg, spare.derive_child(engine, socket, spare_cfg), engine
+
+
 def parse_config(data: Mapping[str, Any], path: Path) -> Config:
     """Build a Config from parsed TOML; raises ConfigError naming file and key."""
     root = Table(data, "", path)
@@ -501,7 +536,13 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
         raise ConfigError(f"{path}: the file is empty; required key 'child.argv' is missing")
     deployment = _parse_deployment(root.table("deployment"), path)
     spec = role_spec.of(deployment.role)
-    child = _parse_child(root.table("child")) if spec.has_child else _no_child(root, deployment.role)
+    spare_cfg, engine = None, None
+    if spec.child_of_engine:
+        spare_cfg, child, engine = _spare_child(root, deployment, path)
+    elif spec.has_child:
+        child = _parse_child(root.table("child"))
+    else:
+        child = _no_child(root, deployment.role)
     if child.vllm.config_file is not None and ("cluster" in data or "weights" in data):
         # Their rank and weight-cache flags are checked, and written, in child.argv's own words.
         raise ConfigError(
@@ -509,13 +550,19 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
             "keeps every vLLM flag in child.argv, where the supervisor checks its rank and weight-cache flags"
         )
     paths = _parse_paths(root.table("paths"), path)
+    if engine is not None and "paths" not in data:
+        paths = engine.paths  # a spare's directories are its engine's (the holder's sockets, the front's)
     front = _parse_front(root, spec.reads_front, deployment, paths, path)
     _refuse_tables(root, data, deployment.role)
     # Before readiness and liveness: a holder's /health is on the port its argv gets here.
     weights, child = _parse_weights(root.table("weights"), "weights" in data, deployment, child, paths, path)
+    given_gpus = isinstance(data.get("preflight"), dict) and "gpus" in data["preflight"]
     preflight = _parse_preflight(root.table("preflight"), child.user)
     if not spec.has_child:
         preflight = dataclasses.replace(preflight, gpus=())  # no child: nothing of it runs on a GPU
+    if engine is not None:  # a spare: on its engine's GPUs, in its engine's directories
+        spare.check_beside(path, engine, paths, given_gpus, preflight)
+        preflight = dataclasses.replace(preflight, gpus=engine.preflight.gpus)
     child = _own_devices(child, preflight, deployment.role, path)
     readiness = _parse_readiness(root.table("readiness"), child.vllm)
     health = _parse_health(root.table("health"))
@@ -550,6 +597,7 @@ def parse_config(data: Mapping[str, Any], path: Path) -> Config:
         readahead,
         weights,
         front,
+        spare_cfg,
     )
 
 

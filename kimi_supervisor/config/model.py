@@ -208,6 +208,29 @@ class WeightsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpareConfig:
+    """A hot spare's `[spare]` (docs/spare.md, config/spare.py): its own memory flags and the numbers its memory
+    plan counts; everything else of its child is its engine's (`engine_config`, NAME.toml beside it)."""
+
+    engine_config: Path
+    kv_cache_memory_bytes: int  # --kv-cache-memory-bytes: its own KV cache, per GPU
+    gpu_memory_utilization: float  # --gpu-memory-utilization: vLLM's free-memory check at its start
+    max_num_seqs: int | None = None  # --max-num-seqs: fewer sequences, fewer CUDA graphs captured
+    # What the memory plan counts per GPU beyond its KV cache: its CUDA context, communicators, graphs and
+    # activations (measured 2.4-2.7 GiB at TP1, research/standby-and-resume.md section 2; unknown at TP8: the
+    # runbook in docs/spare.md measures it).
+    overhead_mib: int = 4096
+    # Left free on each GPU after the weights, the engine and the spare (the plan refuses less).
+    margin_mib: int = 1024
+    # The engine's own memory flags, which the plan counts beside the spare's (preflight/memory_plan.py).
+    engine_gpu_memory_utilization: float = 0.92
+    engine_kv_cache_memory_bytes: int | None = None
+    # sha256 of what decides its tokens (its argv without the socket and memory flags, its environment without
+    # the RAS port): equal to its engine's, recorded in its state file.
+    output_key: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class ReadaheadConfig:
     # Read the model's shards ahead of vLLM while it imports and loads (host/readahead.py); off until measured.
     enabled: bool = False
@@ -231,6 +254,7 @@ class Config:
     readahead: ReadaheadConfig = ReadaheadConfig()
     weights: WeightsConfig | None = None  # None: no weight holder in this deployment
     front: FrontConfig | None = None  # a front's [front] (docs/front.md); None for every other role
+    spare: SpareConfig | None = None  # a spare's [spare] (docs/spare.md); None for every other role
 
     @property
     def role(self) -> Role:

@@ -24,6 +24,7 @@ from kimi_supervisor.config.weights_table import (
     engine_table,
     holder_table,
     refusing_holder_table,
+    spare_weights,
 )
 from kimi_supervisor.roles import Role
 
@@ -45,7 +46,7 @@ CHILD_TABLES = frozenset(
         "weights",
     }
 )
-TABLES = SHARED_TABLES | CHILD_TABLES | {"front"}
+TABLES = SHARED_TABLES | CHILD_TABLES | {"front", "spare"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +57,9 @@ class RoleSpec:
     node_ranks_text: str
     # How its [weights] table is read (config/weights_table.py).
     read_weights: WeightsReader
-    # Its child's NCCL RAS port is the second of its first GPU's pair (config/gpu_pinning.py): the holder's, beside
-    # its engine's on the same GPUs.
-    second_ras_port: bool = False
+    # Which of its deployment's NCCL RAS ports its child takes (config/gpu_pinning.py ras_port_of): 0 the engine's,
+    # 1 the holder's beside it on the same GPUs, 2 the spare's.
+    ras_slot: int = 0
     # Set when the file leaves the key out: readiness's from the parsed [readiness], liveness's as they are.
     readiness_defaults: Mapping[str, Callable[[ReadinessConfig], Any]] = dataclasses.field(default_factory=dict)
     liveness_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -82,6 +83,16 @@ class RoleSpec:
     # (has_child, reads_front, node_ranks), which refuse them first in their own words: a supervised role's row
     # lists [cluster] for node_ranks to judge.
     tables: frozenset[str] = SHARED_TABLES | CHILD_TABLES
+    # Its child is its engine's (NAME.toml beside it), only its socket and memory flags its own: a hot spare
+    # (config/spare.py); its [spare] table is read, its [child] refused.
+    child_of_engine: bool = False
+    # A spare may stand in for it (config/spare.py check_engine): a one-host engine.
+    takes_spare: bool = False
+    # When it maps held weights: the other supervisors of its deployment whose GPU memory is its own, by role file
+    # suffix (never busy, not waited for at its stop; preflight/run.py partner_memory): the engine's, the holder's
+    # and the spare's are each other's (docs/spare.md).  The holder's own start counts none: its engine and spare
+    # are bound to it (BindsTo=), so nothing of theirs runs when it loads.
+    memory_partners: tuple[str, ...] = ()
 
 
 # The holder has no OpenAI API: no canary, no token progress to watch; ready on vLLM's READY line and /health.
@@ -91,7 +102,7 @@ _HOLDER = RoleSpec(
     node_ranks=None,
     node_ranks_text="",
     read_weights=holder_table,
-    second_ras_port=True,
+    ras_slot=1,
     readiness_defaults={
         "started_patterns": lambda _: (re.compile(READY_PATTERN),),
         "stall_timeout_s": lambda readiness: readiness.deadline_s,
@@ -102,8 +113,29 @@ _HOLDER = RoleSpec(
     unit_template="kimi-supervisor-weights",
 )
 
+# The hot spare (docs/spare.md): an engine in all but its config (its argv is its engine's) and its memory, which is
+# its own small KV cache beside the engine's on the same GPUs; the engine's and the holder's memory is its own.
+_SPARE = RoleSpec(
+    node_ranks=None,
+    node_ranks_text="",
+    read_weights=spare_weights,
+    ras_slot=2,
+    opens_port=False,  # on its --uds socket, always (config/spare.py check_engine)
+    unit_template="kimi-supervisor-spare",
+    tables=SHARED_TABLES
+    | frozenset({"spare", "preflight", "readiness", "health", "shutdown", "metrics", "liveness", "gpu_health"}),
+    child_of_engine=True,
+    memory_partners=(Role.ENGINE.file_suffix, Role.WEIGHTS.file_suffix),
+)
+
 SPECS: Mapping[Role, RoleSpec] = {
-    Role.ENGINE: RoleSpec(node_ranks=None, node_ranks_text="", read_weights=engine_table),
+    Role.ENGINE: RoleSpec(
+        node_ranks=None,
+        node_ranks_text="",
+        read_weights=engine_table,
+        takes_spare=True,
+        memory_partners=(Role.WEIGHTS.file_suffix, Role.SPARE.file_suffix),
+    ),
     # Node 0 is the leader by vLLM's --node-rank; the follower's readiness and shutdown defaults follow from its
     # rank too (config/cluster.py), since they need its leader's status URL.
     Role.LEADER: RoleSpec(node_ranks=(0, 0), node_ranks_text="0 (the leader)", read_weights=refusing_holder_table),
@@ -114,6 +146,7 @@ SPECS: Mapping[Role, RoleSpec] = {
         opens_port=False,
     ),
     Role.WEIGHTS: _HOLDER,
+    Role.SPARE: _SPARE,
     Role.FRONT: RoleSpec(
         node_ranks=None,
         node_ranks_text="",

@@ -77,3 +77,12 @@ def refusing_holder_table(
             "holder", f"true, but deployment.role is {role.value!r}: a weight holder serves one host's engine"
         )
     return None, child
+
+
+def spare_weights(
+    t: Table, present: bool, role: Role, child: ChildConfig, sockets: Path
+) -> tuple[WeightsConfig | None, ChildConfig]:
+    """A hot spare's (docs/spare.md): its engine's held weights, as its argv (its engine's) maps them; its config has
+    no [weights] (config/role_spec.py tables)."""
+    check_engine_argv(child.argv, sockets)
+    return WeightsConfig(sockets, key=weights_key(child.argv)), child

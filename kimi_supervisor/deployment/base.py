@@ -13,7 +13,7 @@ from pathlib import Path
 from kimi_supervisor.checks import Check
 from kimi_supervisor.config import role_spec
 from kimi_supervisor.config.model import Config
-from kimi_supervisor.exitcodes import ExitCode
+from kimi_supervisor.exitcodes import ConfigError, ExitCode
 from kimi_supervisor.host import instance_lock
 from kimi_supervisor.host.gpu import GpuProbe
 from kimi_supervisor.logs.journal import ChildSink
@@ -92,6 +92,22 @@ class Deployment(abc.ABC):
         path; None: install-unit writes the engine's units.  `instance`: install-unit's --instance, honoured or
         refused."""
         return None
+
+    def own_unit_config(self, config: Path, instance: str | None, unit_name: str, what: str) -> None:
+        """install-unit of a role whose template `unit_name`@NAME runs NAME<suffix>.toml: `config` must be that
+        file and --instance, if given, NAME; else ConfigError (78) saying which to give."""
+        name = self.cfg.deployment.name
+        own = self.cfg.role.config_name(name)
+        if instance is not None and instance != name:
+            raise ConfigError(
+                f"install-unit --instance {instance}: {config} is the {what} of deployment {name!r} "
+                f"({unit_name}@{name}): give --instance {name}, or the config of {instance!r}"
+            )
+        if config.name != own:
+            raise ConfigError(
+                f"{config}: {unit_name}@{name} runs {config.parent}/{own}: name the {what}'s config after its "
+                "deployment"
+            )
 
     def front_config(self, config: Path) -> Path | None:
         """The deployment's front config beside `config` (NAME.front.toml) whose unit install-unit writes with this

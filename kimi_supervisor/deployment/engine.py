@@ -59,11 +59,12 @@ class HeldWeightsEngine(Engine):
             raise StopRequested
 
     def own_memory(self, cfg: Config, table: ProcessTable, probe: GpuProbe, gpus: tuple[int, ...]) -> dict[int, int]:
-        # The weight holder outlives its engine by design: what it holds is not the engine's to wait for.
-        from kimi_supervisor.preflight.run import holder_memory  # a run's (see supervised.py)
+        # The weight holder outlives its engine by design, and the spare serves while the engine is down (and the
+        # engine while the spare restarts): what they hold is not this stop's to wait for.
+        from kimi_supervisor.preflight.run import own_memory  # a run's (see supervised.py)
 
         try:
-            return holder_memory(cfg, table, gpu_processes(probe, gpus))[1]
+            return own_memory(cfg, table, gpu_processes(probe, gpus))
         except GpuUnavailable:
             return {}  # confirm_gpus_free says NVML cannot tell
 

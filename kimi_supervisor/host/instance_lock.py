@@ -132,12 +132,17 @@ def is_root_supervisor(pid: int, proc_root: str = "/proc") -> bool:
 
 # The weight holder's locks, beside its engine's: its role's file suffix (roles.py), the one definition.
 _HOLDER = Role.WEIGHTS.file_suffix
+# The supervisors of one deployment that share its GPUs, each under its role's suffix: the engine, its weight
+# holder and its hot spare (docs/spare.md).
+SHARING = (Role.ENGINE.file_suffix, _HOLDER, Role.SPARE.file_suffix)
 
 
-def partner_suffix(suffix: str) -> str:
-    """The suffix of the one other supervisor that may share these GPUs: the engine's holder, or the holder's
-    engine."""
-    return "" if suffix == _HOLDER else _HOLDER
+_WHAT = {_HOLDER: " (weight holder)", Role.SPARE.file_suffix: " (spare)"}
+
+
+def partner_suffixes(suffix: str) -> tuple[str, ...]:
+    """The suffixes of the other supervisors that may share these GPUs, when they are of the same deployment."""
+    return tuple(s for s in SHARING if s != suffix) if suffix in SHARING else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +171,7 @@ class Resources:
 
     def locks(self) -> list[Resource]:
         """One lock file per resource, in the order they are taken."""
-        what = " (weight holder)" if self.suffix == _HOLDER else ""
+        what = _WHAT.get(self.suffix, "")
         suffix = self.suffix
         found = [Resource(f"GPU {i}{what}", f"gpu-{i}{suffix}.lock") for i in sorted(set(self.gpus))]
         if self.port is not None:
@@ -232,7 +237,13 @@ def lock_owners(directory: Path) -> set[int]:
 
 def weights_supervisor(directory: Path, deployment: str) -> int | None:
     """The live root kimi-supervisor of `deployment`'s weight holder (it holds `deployment-NAME.weights.lock`)."""
-    [resource] = Resources(directory, (), None, deployment, suffix=_HOLDER).locks()
+    return supervisor_of(directory, deployment, _HOLDER)
+
+
+def supervisor_of(directory: Path, deployment: str, suffix: str) -> int | None:
+    """The live root kimi-supervisor of `deployment`'s role whose file suffix is `suffix` (roles.py): the one
+    holding `deployment-NAME<suffix>.lock`."""
+    [resource] = Resources(directory, (), None, deployment, suffix=suffix).locks()
     supervisors = _supervisors_holding(directory, resource)
     return min(supervisors) if supervisors else None
 
@@ -275,15 +286,16 @@ def _supervisors_holding(directory: Path, resource: Resource) -> set[int]:
 
 
 def foreign_partner(resources: Resources) -> Owner | None:
-    """A supervisor holding one of these GPUs under the partner suffix that is not of this deployment: the one
-    sharing that docs/weight-holder.md allows is a holder and an engine of the same deployment."""
-    partner = Resources(resources.directory, resources.gpus, None, suffix=partner_suffix(resources.suffix))
-    for resource in partner.locks():  # the GPUs alone
-        supervisors = _supervisors_holding(resources.directory, resource)
-        if supervisors:
-            owner = _owner(resources.directory, resource, supervisors)
-            if resources.deployment is None or owner.deployment != resources.deployment:
-                return owner
+    """A supervisor holding one of these GPUs under a partner suffix that is not of this deployment: the sharing
+    that docs/weight-holder.md and docs/spare.md allow is a holder, an engine and a spare of the same deployment."""
+    for suffix in partner_suffixes(resources.suffix):
+        partner = Resources(resources.directory, resources.gpus, None, suffix=suffix)
+        for resource in partner.locks():  # the GPUs alone
+            supervisors = _supervisors_holding(resources.directory, resource)
+            if supervisors:
+                owner = _owner(resources.directory, resource, supervisors)
+                if resources.deployment is None or owner.deployment != resources.deployment:
+                    return owner
     return None
 
 
@@ -309,7 +321,7 @@ def partner_refusal(owner: Owner, directory: Path) -> str:
     return (
         f"another kimi-supervisor ({owner.who()}) of {of} owns {owner.resource.name}, serving {owner.serves()} "
         f"(lock {directory / owner.resource.filename}); only a weight holder and the engine of one deployment "
-        "share GPUs; nothing was changed"
+        "(and its spare) share GPUs; nothing was changed"
     )
 
 

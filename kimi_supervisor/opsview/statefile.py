@@ -59,6 +59,9 @@ TOP_LEVEL_KEYS = (
     "canary",
     "watchdog",
     "last_failure",
+    # What decides an engine's tokens, hashed (config/spare.py output_key): an engine's and its hot spare's, which
+    # the front compares (docs/spare.md); null for a role whose child serves no tokens.
+    "output_key",
 )
 
 

@@ -27,6 +27,7 @@ from kimi_supervisor.child.readiness import ReadinessTracker
 from kimi_supervisor.child.spawnplan import Unresolvable, account, resolve_identity
 from kimi_supervisor.config import layout, role_spec
 from kimi_supervisor.config.model import Config, WeightsConfig
+from kimi_supervisor.config.spare import output_key
 from kimi_supervisor.host import checkpoint
 from kimi_supervisor.host.gpu import GpuProbe, GpuUnavailable
 from kimi_supervisor.host.proctable import ProcessTable, PsutilProcessTable
@@ -200,9 +201,15 @@ class OperatorView:
             "canary": {"ok": None, "latency_s": None, "at": None},  # null until the first canary (liveness/engine.py)
             "watchdog": {"enabled": watchdog_s is not None, "interval_s": watchdog_s, "last_ping_at": None, "pings": 0},
             "last_failure": None,
+            "output_key": None,
         }
         if cfg.weights is not None:  # docs/weight-holder.md: the holder's key and health, where its engine reads them
             self.doc["weights"] = weights_doc(cfg)
+        spec = role_spec.of(cfg.role)
+        if spec.takes_spare or spec.child_of_engine:
+            # docs/spare.md: what decides its tokens, hashed; the front sends nothing to a spare whose key is not its
+            # engine's (the engine's argv edited and restarted since the spare started).
+            self.doc["output_key"] = output_key(cfg.child.argv, dict(cfg.child.env))
 
     # -- hooks --------------------------------------------------------------------
 

@@ -37,13 +37,14 @@ from kimi_supervisor.host.gpu import (
     gpu_processes,
     wait_until_free,
 )
-from kimi_supervisor.host.instance_lock import lock_owners, weights_supervisor
+from kimi_supervisor.host.instance_lock import lock_owners, supervisor_of, weights_supervisor
 from kimi_supervisor.host.procstate import needs_reset
 from kimi_supervisor.host.proctable import ProcessTable, ProcInfo, ancestors
 from kimi_supervisor.logs.types import Logger
-from kimi_supervisor.preflight import checks, gpu_health
+from kimi_supervisor.preflight import checks, gpu_health, memory_plan
 from kimi_supervisor.preflight.reaper import ReapPlan, Victim, execute_reap, plan_reap
 from kimi_supervisor.preflight.shm import plan_shm, remove_stale
+from kimi_supervisor.roles import Role
 
 
 @dataclasses.dataclass
@@ -92,6 +93,36 @@ def holder_memory(cfg: Config, table: ProcessTable, found: list[GpuProcess]) -> 
     return supervisor, held
 
 
+def partner_memory(
+    cfg: Config, table: ProcessTable, found: list[GpuProcess], but: tuple[str, ...] = ()
+) -> dict[int, dict[int, int]]:
+    """What the deployment's other live supervisors whose memory is this one's own (config/role_spec.py
+    memory_partners: the engine's, the spare's, besides the holder) hold on each GPU: their supervisor's PID ->
+    MiB per GPU, per NVML.  A partner whose supervisor is gone is not there: its tree is stale like any other.
+    `but`: the partners (by role file suffix) left out."""
+    out: dict[int, dict[int, int]] = {}
+    for suffix in (s for s in role_spec.of(cfg.role).memory_partners if s not in but):
+        supervisor = supervisor_of(cfg.paths.runtime_directory, cfg.deployment.name, suffix)
+        if supervisor is None or supervisor == os.getpid():
+            continue
+        held: dict[int, int] = {}
+        for p in found:
+            if p.used_mib is not None and supervisor in ancestors(table, p.pid) - {p.pid, 0, 1}:
+                held[p.gpu] = held.get(p.gpu, 0) + p.used_mib
+        out[supervisor] = held
+    return out
+
+
+def own_memory(cfg: Config, table: ProcessTable, found: list[GpuProcess], but: tuple[str, ...] = ()) -> dict[int, int]:
+    """MiB per GPU of the deployment's own that no process of this supervisor's tree holds: its partners' (the
+    holder's, the engine's or the spare's, as its role says, `but` those), summed over them."""
+    total: dict[int, int] = {}
+    for held in partner_memory(cfg, table, found, but).values():
+        for gpu, mib in held.items():
+            total[gpu] = total.get(gpu, 0) + mib
+    return total
+
+
 def credited_memory(
     table: ProcessTable, found: list[GpuProcess], supervisor: int, daemons: dict[int, int]
 ) -> dict[int, int]:
@@ -121,6 +152,7 @@ class Preflight:
         self._self_pid = os.getpid() if self_pid is None else self_pid
         self._held: dict[int, int] = {}  # MiB per GPU the deployment's weight holder holds (the engine's own)
         self._credit: dict[int, int] = {}  # of it, what vLLM subtracts from its budget (credited_memory)
+        self._held_by_holder: dict[int, int] = {}  # of it, the holder's alone (a spare's memory plan counts it)
         self._daemons = weightcache.allocated  # the daemons' own answer to get_memory
 
     def run(self, *, dry_run: bool) -> PreflightReport:
@@ -164,9 +196,32 @@ class Preflight:
                 releasable[gpu] = releasable.get(gpu, 0) + mib
             memory = [self._probe.memory(i) for i in gpus]
             add(checks.check_free_memory(memory, self._cfg.child.vllm.gpu_memory_utilization, releasable))
+            if self._cfg.spare is not None:  # a hot spare beside the engine on these GPUs (docs/spare.md)
+                add(self._memory_plan(memory))
         if not dry_run:
             self._raise_if_failed(report)
         return report
+
+    def _memory_plan(self, memory: list[GpuMemory]) -> Check:
+        """The weights, the engine and the spare on each GPU (preflight/memory_plan.py): the holder's memory as NVML
+        shows it when it is live, else the checkpoint's share of each GPU from its files."""
+        spare = self._cfg.spare
+        assert spare is not None
+        held = {g: m for g, m in self._held_by_holder.items() if m > 0}
+        if held:
+            return memory_plan.plan(memory, held, "the live holder, NVML", spare)
+        vllm = self._cfg.child.vllm
+        estimate = memory_plan.checkpoint_mib_per_gpu(vllm.model, vllm.world_size)
+        if estimate is None:
+            return Check(
+                "memory_plan",
+                Verdict.WARN,
+                f"no live weight holder and no checkpoint's safetensors at {vllm.model}: the weights' share of each "
+                "GPU is unknown, so whether the engine and the spare fit beside them is not checked",
+            )
+        return memory_plan.plan(
+            memory, dict.fromkeys((m.index for m in memory), estimate), "the checkpoint's files / GPUs", spare
+        )
 
     def _cache(self) -> Check:
         """Where the child's compile caches go, their size, and whether the child's user can write them."""
@@ -237,7 +292,22 @@ class Preflight:
         if supervisor is None:
             add(Check("weights_memory", Verdict.SKIP, f"no live weight holder of deployment {name}: nothing to count"))
             return {}
+        # The engine's and the spare's trees beside it (docs/spare.md): each other's own, never busy; the
+        # holder's is counted below with what vLLM credits of it.
+        partners = own_memory(self._cfg, self._table, found, but=(Role.WEIGHTS.file_suffix,))
+        if partners:
+            text = ", ".join(f"GPU {g}: {mib} MiB" for g, mib in sorted(partners.items()))
+            add(
+                Check(
+                    "partner_memory",
+                    Verdict.OK,
+                    f"deployment {name}'s other engine (the engine or its spare) holds {text}: counted as this "
+                    "deployment's own (not busy, never reaped)",
+                    {"mib_by_gpu": {str(g): m for g, m in sorted(partners.items())}},
+                )
+            )
         assert self._cfg.weights is not None
+        self._held_by_holder = held
         daemons, unanswered = self._daemons(self._cfg.weights.socket_dir)
         self._credit = credited_memory(self._table, found, supervisor, daemons)
         text = ", ".join(f"GPU {g}: {mib} MiB" for g, mib in sorted(held.items())) or "nothing on these GPUs"
@@ -257,7 +327,7 @@ class Preflight:
                 },
             )
         )
-        return held
+        return {g: held.get(g, 0) + partners.get(g, 0) for g in set(held) | set(partners)}
 
     def _plan(self, found: list[GpuProcess]) -> ReapPlan:
         # Every supervisor holding an instance lock is live: its tree is never stale.

@@ -29,6 +29,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kimi_supervisor.config import role_spec, timeouts
 from kimi_supervisor.config.load import DEFAULT_PATH
 from kimi_supervisor.config.model import Config
 from kimi_supervisor.exitcodes import ConfigError, ExitCode, NoPermission, ServiceUnavailable
@@ -199,6 +200,18 @@ Wants=kimi-supervisor@%i.service
 """
 
 
+SPARE_TEMPLATE_NAME = "kimi-supervisor-spare@.service"  # a deployment's hot spare (docs/spare.md)
+SPARE_RESTART_SEC = 2  # it maps the held weights: back in seconds; every second without it is a second unguarded
+
+SPARE_UNIT_LINES = """\
+# A second engine on the held weights (docs/spare.md): bound to the weight holder like the engine (stopped first
+# whenever the holder stops), and started after the engine, so that at boot or after a holder reload the engine
+# is served first; it never stops or restarts with the engine, which is the point.
+BindsTo=kimi-supervisor-weights@%i.service
+After=kimi-supervisor-weights@%i.service kimi-supervisor@%i.service
+"""
+
+
 def systemd_quote(word: str, *, executable: bool = False) -> str:
     """One ExecStart= word, written so systemd reads back exactly `word` (systemd.service(5), "Command
     lines"): `%` is a specifier (`%%`), `$` in an argument an environment reference (`$$`; the executable
@@ -236,14 +249,17 @@ def render(
     credentials: Sequence[str] = (),
     doc: Path | None = DEFAULT_DOC,
     serves: str | None = None,
+    spare: bool = False,
 ) -> str:
     """The plain unit running `config_path`; `serves`: what its Description= says it serves (serving(cfg)), a
     template's none (its instances' drop-ins say theirs); `template=True`: the template unit, whose instance NAME runs
     `<config_path's directory>/NAME.toml`.  `writable`: directories the config writes beyond the unit's own
     (ProtectSystem=strict leaves the rest read-only).  `credentials`: the systemd credentials child.credentials
     names (LoadCredential=).  `holder=True`: the weight holder's template, whose
-    instance NAME runs NAME.weights.toml.  `doc`: the README that Documentation= names (None: no line)."""
-    template = template or holder
+    instance NAME runs NAME.weights.toml.  `doc`: the README that Documentation= names (None: no line).
+    `spare=True`: the hot spare's template, whose instance NAME runs NAME.spare.toml (docs/spare.md)."""
+    template = template or holder or spare
+    role = Role.WEIGHTS if holder else Role.SPARE if spare else Role.ENGINE
     if isinstance(exec_argv, str):
         exec_argv = [exec_argv]
     words = [systemd_quote(exec_argv[0], executable=True)]
@@ -251,7 +267,7 @@ def render(
     if template:
         # The instance's name goes in as systemd's %i, after the path is quoted (which would make it %%i).
         marker = "KIMIINSTANCEMARKER"
-        config_name = (Role.WEIGHTS if holder else Role.ENGINE).config_name(marker)
+        config_name = role.config_name(marker)
         words += ["--config", systemd_quote(str(config_path.parent / config_name)).replace(marker, "%i")]
     else:
         words += [systemd_quote(w) for w in ["--config", str(config_path)]]
@@ -265,24 +281,56 @@ def render(
             f"# The weight holder's template: kimi-supervisor-weights@NAME.service runs "
             f"{config_path.parent}/NAME.weights.toml\n# (`vllm preload`), whose weights kimi-supervisor@NAME maps.\n"
         )
-    return TEXT.format(
+    if spare:
+        header = (
+            "# The hot spare's template: kimi-supervisor-spare@NAME.service runs\n"
+            f"# {config_path.parent}/NAME.spare.toml "
+            "(the engine's argv with its own socket and KV cache, on the held weights: docs/spare.md).\n"
+        )
+    text = TEXT.format(
         header=header,
-        install_args=" --instance NAME" if template else "",
+        install_args=" --instance NAME" if template and not spare else "",
         serves="" if serves is None or template else f" {serves}",
-        what=" weight holder (vllm preload)" if holder else "",
-        unit_extra=HOLDER_UNIT_LINES if holder else "",
+        what=" weight holder (vllm preload)" if holder else " hot spare" if spare else "",
+        unit_extra=HOLDER_UNIT_LINES if holder else SPARE_UNIT_LINES if spare else "",
         description=", deployment %i" if template else "",
         command=" ".join(words),
         config_exit=int(ExitCode.CONFIG),
         reset_exit=int(ExitCode.GPU_NEEDS_RESET),
-        restart_sec=TEMPLATE_RESTART_SEC,
+        restart_sec=SPARE_RESTART_SEC if spare else TEMPLATE_RESTART_SEC,
         stop_s=int(stop_s),
-        syslog=("kimi-supervisor-weights@%i" if holder else "kimi-supervisor@%i") if template else "kimi-supervisor",
+        syslog=f"{unit_template_of(role)}@%i" if template else "kimi-supervisor",
         directories=INSTANCE_DIRECTORIES if template else PLAIN_DIRECTORIES,
         writable=writable_lines(writable),
         credentials=credential_lines(credentials),
         documentation=f"Documentation={doc.as_uri()}\n" if doc is not None else "",
     )
+    if spare:  # `systemctl enable` links it into the holder's wants too: every holder (re)start brings it back
+        wanted = "WantedBy=multi-user.target kimi-supervisor-weights@%i.service\n"
+        text = text.replace("WantedBy=multi-user.target\n", wanted)
+    return text
+
+
+def unit_template_of(role: Role) -> str:
+    """The template a role's instance runs under (its SyslogIdentifier= too): its spec's (config/layout.py)."""
+    return role_spec.of(role).unit_template or "kimi-supervisor"
+
+
+def install_spare(config_path: Path, cfg: Config, unit_dir: Path = DEFAULT_UNIT_DIR, reload: bool = True) -> Path:
+    """The spare's template and its instance's drop-in (its own TimeoutStopSec= and writable paths)."""
+    target = unit_dir / SPARE_TEMPLATE_NAME
+    _write(target, render(running_executable(), config_path, spare=True, doc=installed_doc()))
+    _write(
+        unit_dir / f"kimi-supervisor-spare@{cfg.deployment.name}.service.d" / DROPIN_NAME,
+        instance_dropin(
+            timeouts.unit_timeout_stop_s(cfg),
+            writable_paths(cfg),
+            credentials=sorted(set(cfg.child.credentials.values())),
+        ),
+    )
+    if reload:
+        _reload(target)
+    return target
 
 
 def installed_doc() -> Path | None:

@@ -79,10 +79,13 @@ class Main:
     def bind(self) -> None:
         """Bind now (as vLLM's setup_server does), listen only once ready."""
         cfg = self.cfg
-        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if cfg.uds is not None:  # vLLM binds the path as it is (create_server_unix_socket): no unlink first
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        else:
+            sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((cfg.host, cfg.port))
+            sock.bind(cfg.uds if cfg.uds is not None else (cfg.host, cfg.port))
         except OSError as exc:
             sock.close()
             plain(f"OSError: [Errno {exc.errno}] {exc.strerror}", important=True)
@@ -138,7 +141,8 @@ class Main:
         P.quiet = False
         APP.cfg = self.cfg
         assert self.sock is not None
-        srv = Server(self.sock.getsockname()[:2], Handler, bind_and_activate=False)
+        where = ("127.0.0.1", 0) if self.cfg.uds is not None else self.sock.getsockname()[:2]
+        srv = Server(where, Handler, bind_and_activate=False)  # its own socket replaced by ours below
         srv.socket.close()
         srv.socket = self.sock
         replay(excerpt(tree.STARTUP, "Supported tasks", "Application startup complete."))

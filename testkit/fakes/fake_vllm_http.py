@@ -167,7 +167,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _access_line(self, status: int) -> None:
         """uvicorn's access log, every request: the path percent-decoded then quoted again, the query as sent."""
-        host, port = self.client_address[:2]
+        # A Unix socket's peer has no address (""): uvicorn logs it as it can.
+        host, port = self.client_address[:2] if isinstance(self.client_address, tuple) else ("unix", 0)
         phrase = self.responses.get(status, ("",))[0]
         path, _, query = self.path.partition("?")
         shown = urllib.parse.quote(urllib.parse.unquote(path)) + (f"?{query}" if query else "")

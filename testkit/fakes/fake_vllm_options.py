@@ -51,6 +51,7 @@ class Config:
     silent_load: bool
     # names of environment variables to print at start, as this process got them (tests of the child's env)
     print_env: tuple[str, ...] = ()
+    uds: str | None = None  # --uds PATH: serve on this Unix socket, not on host:port
 
 
 # vLLM options that take a value, declared (and ignored) so that their value is never taken for the
@@ -118,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model", default=None, help="same as MODEL")
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
+    # vLLM's API server on a Unix socket instead of host:port (entrypoints/launchers/launcher.py): bound as it is.
+    v.add_argument("--uds", default=None)
     v.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, dest="tp", help="worker processes")
     v.add_argument("--served-model-name", nargs="+", default=None, help="model id of /v1/models and completions")
     v.add_argument("--max-model-len", type=_int_with_suffix, default=131072, help="reported by /v1/models")
@@ -226,4 +229,5 @@ def parse_config(argv: Sequence[str]) -> Config:
         invalid_utf8=bool(ns.invalid_utf8),
         silent_load=bool(ns.silent_load),
         print_env=tuple(ns.print_env),
+        uds=ns.uds,
     )

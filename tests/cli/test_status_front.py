@@ -9,7 +9,15 @@ from typing import Any
 
 import pytest
 
-from kimi_supervisor.cli.status import Snapshot, front_of, front_summary, gather, render_front
+from kimi_supervisor.cli.status import (
+    Snapshot,
+    front_of,
+    front_summary,
+    gather,
+    render_front,
+    render_spare,
+    spare_of,
+)
 from kimi_supervisor.config import layout
 from kimi_supervisor.config.model import PathsConfig
 from kimi_supervisor.opsview.history import HistoryData
@@ -137,3 +145,30 @@ def test_a_config_directory_with_an_engine_and_its_front_is_one_deployment_shown
     (tmp_path / "kimi.front.toml").write_text('[deployment]\nrole = "front"\n[front]\nport = 8123\n' + paths)
     [found] = deployments(tmp_path, io.StringIO())
     assert (found.name, found.role) == ("kimi", Role.ENGINE)
+
+
+def test_the_front_line_says_which_engine_serves_the_spares_readiness_and_the_last_failover(tmp_path: Path) -> None:
+    """docs/spare.md: `status` says where new requests go, whether a spare is ready, and what the last failover took;
+    the spare supervisor's own line is found beside the engine's files."""
+    spare = {
+        "configured": True,
+        "ready": False,
+        "without_ready_s": 42.4,
+        "alert_s": 600,
+        "failovers": [{"at": NOW - 50, "died": "main", "to": "spare", "first_request_s": 0.125}],
+    }
+    state = {"phase": "ready", "front": {"engine_serving": True, "held": 0, "serving_engine": "main", "spare": spare}}
+    assert render_front(snap(state), NOW) == (
+        "       Front: ready, engine serving, 0 held now, new requests to main, no ready spare for 42s, 1 failover(s), "
+        "the last 0.12s from the death to the first request\n"
+    )
+    assert front_summary(snap(state))["spare"] == spare
+    dirs = layout.directories(PathsConfig(tmp_path / "run", tmp_path / "state"), "kimi")
+    assert spare_of(dirs) is None
+    (tmp_path / "run" / "kimi").mkdir(parents=True)
+    (tmp_path / "run" / "kimi" / "state.spare.json").write_text("{}")
+    found = spare_of(dirs)
+    assert found is not None and found.role is Role.SPARE
+    line = render_spare(Snapshot("kimi", True, "PID 8", {"phase": "ready", "status": "serving"}, Path("s"),
+                                 HistoryData(), Path("h"), None, Role.SPARE))  # fmt: skip
+    assert line == "       Spare: ready, serving\n"

@@ -75,7 +75,8 @@ def test_a_roles_config_without_a_name_is_its_deployments_named_without_the_role
     [
         (
             MINIMAL + '[deployment]\nrole = "head"\n',
-            "{p}: deployment.role: expected one of 'engine', 'leader', 'follower', 'weights', 'front', got 'head'",
+            "{p}: deployment.role: expected one of 'engine', 'leader', 'follower', 'weights', 'front', 'spare', "
+            "got 'head'",
         ),
         (
             MINIMAL + '[deployment]\nname = "../etc"\n',
@@ -175,8 +176,10 @@ def test_each_rows_child_and_front_flags_agree_with_its_tables(role: Role) -> No
     (role_spec.py is values only, so neither is derived there): a row where they disagree would refuse a table
     its parse reads, or read one it refuses."""
     spec = role_spec.of(role)
-    assert spec.has_child == ("child" in spec.tables)
+    # A spare's child is its engine's: it spawns one, but its [child] is refused (config/spare.py), its [spare] read.
+    assert (spec.has_child and not spec.child_of_engine) == ("child" in spec.tables)
     assert spec.reads_front == ("front" in spec.tables)
+    assert spec.child_of_engine == ("spare" in spec.tables)
 
 
 def test_a_fronts_child_table_keeps_its_own_words_and_its_allowed_tables_are_read(tmp_path: Path) -> None:

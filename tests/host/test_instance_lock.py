@@ -341,7 +341,7 @@ def test_one_holder_and_one_engine_of_one_deployment_share_gpus_and_nothing_else
         assert info.value.message == (
             f"another kimi-supervisor (PID {holder.pid}) of deployment 'kimi' owns GPU 1 (weight holder), serving "
             f"GPUs [0, 1], port 8099 (lock {run_dir / 'gpu-1.weights.lock'}); only a weight holder and the engine "
-            "of one deployment share GPUs; nothing was changed"
+            "of one deployment (and its spare) share GPUs; nothing was changed"
         )
         assert instance_lock.flock_lockers(run_dir / "gpu-2.lock") == set()
         found = instance_lock.find_owner(
@@ -413,3 +413,33 @@ def test_a_recorded_pid_that_names_another_process_now_is_not_named_as_the_owner
     assert done.stdout.startswith("another kimi-supervisor (PID unknown) owns GPU 0, serving GPUs [0], port 8139"), (
         done.stdout
     )
+
+
+def test_the_engine_its_holder_and_its_spare_share_gpus_and_a_spare_of_another_deployment_is_refused(
+    tmp_path: Path,
+) -> None:
+    """docs/spare.md: the spare takes its engine's GPUs under `.spare`, beside the engine and the holder of the same
+    deployment; a second spare, or a spare on another deployment's GPUs, refuses with 16."""
+    run_dir = tmp_path / "run"
+    weights, spare = Role.WEIGHTS.file_suffix, Role.SPARE.file_suffix
+    holder = hold_lock(run_dir, [0, 1], 8099, f", deployment='kimi', suffix={weights!r}")
+    engine = hold_lock(run_dir, [0, 1], 8000, ", deployment='kimi'")
+    try:
+        mine = Resources(run_dir, (0, 1), None, deployment="kimi", suffix=spare)
+        assert instance_lock.find_owner(mine) is None  # beside the engine and the holder: free
+        first = hold_lock(run_dir, [0, 1], None, f", deployment='kimi', suffix={spare!r}")  # type: ignore[arg-type]
+        try:
+            assert (run_dir / "gpu-0.spare.lock").exists()
+            with pytest.raises(AnotherInstance, match=r"owns GPU 0 \(spare\)"):
+                instance_lock.acquire(mine, "kimi.spare.toml", RecordingLog())
+        finally:
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+        other = Resources(run_dir, (1,), None, deployment="other", suffix=spare)
+        with pytest.raises(AnotherInstance, match=r"of deployment 'kimi' owns GPU 1"):
+            instance_lock.acquire(other, "other.spare.toml", RecordingLog())
+        assert instance_lock.flock_lockers(run_dir / "gpu-1.spare.lock") == set()
+    finally:
+        for p in (holder, engine):
+            p.send_signal(signal.SIGKILL)
+            p.wait()

@@ -38,6 +38,7 @@ def test_every_rule_has_a_firing_and_a_quiet_case() -> None:
             "KimiSupervisorTextfileStale",
             "KimiSupervisorUnitFailed",
             "KimiFrontRequestsFailedByRestart",
+            "KimiFrontNoReadySpare",
         }
     )
     for name in alerts():

@@ -3,13 +3,18 @@
 An `Engine` is one upstream: HTTP over its Unix socket (vLLM's --uds) through aiohttp's client, its /health probe,
 its records (records.py) and whether it serves.  The `EnginePool` lists them, the preferred first, and answers
 "which engine serves now" and "does any": a request goes to the first that serves, and the gate (gate.py) waits
-until any does.  Today the list holds one engine, the one FrontConfig names; a second (a hot spare) is one more
-entry, not another code path.
+until any does.  The list holds the engine FrontConfig names and, with `front.spare = true`, its hot spare
+(docs/spare.md) after it: one more entry, not another code path.  New requests go to the engine while it serves and
+to the spare while it does not; once the engine serves again new requests go back to it, and what the spare serves
+finishes there.  The pool counts each failover: the time from an engine's death (the moment it stopped serving) to
+the first request sent to another.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -75,16 +80,29 @@ class Engine:
         return view.phase not in HOLDING_PHASES
 
 
+@dataclasses.dataclass(frozen=True)
+class Failover:
+    """New requests went from one engine to another because the first stopped serving."""
+
+    died: str  # the engine that stopped serving
+    to: str  # the engine that got the next request
+    seconds: float  # from its death (the moment the front saw it stop serving) to that request
+
+
 class EnginePool:
     """The engines, preferred first; used only from the front's event loop (asyncio: no locks)."""
 
-    def __init__(self, engines: list[Engine]) -> None:
+    def __init__(self, engines: list[Engine], clock: Callable[[], float] = time.monotonic) -> None:
         assert engines, "a front forwards to at least one engine"
         self.engines = engines
         self._any = asyncio.Event()  # set while any engine serves
         self.probe_now = asyncio.Event()  # a request saw an engine break: the watch probes at once
         # Called with the new answer to "does any engine serve" when it changes (watch.py: outages, logs).
         self.on_change: Callable[[bool], None] | None = None
+        # Called once per failover, at the first request sent to another engine after one died (watch.py).
+        self.on_failover: Callable[[Failover], None] | None = None
+        self._clock = clock
+        self._death: tuple[Engine, float] | None = None  # the engine whose death waits for its first request elsewhere
 
     @property
     def main(self) -> Engine:
@@ -95,10 +113,29 @@ class EnginePool:
         """Any engine serves now."""
         return self._any.is_set()
 
+    @property
+    def spares(self) -> list[Engine]:
+        """The engines after the main one: its hot spare, when the front has one (docs/spare.md)."""
+        return self.engines[1:]
+
+    @property
+    def serving_engine(self) -> Engine | None:
+        """The engine new requests go to now; None while none serves."""
+        return next((e for e in self.engines if e.serving), None)
+
     def pick(self) -> Engine:
         """The first engine that serves; the main one when none does (a probe, or a request the hold let through
-        just before the engine stopped, goes to it and meets what it meets)."""
-        return next((e for e in self.engines if e.serving), self.main)
+        just before the engine stopped, goes to it and meets what it meets).  The first request sent to another
+        engine after one died ends that failover (`on_failover`)."""
+        engine = self.serving_engine
+        if engine is None:
+            return self.main
+        if self._death is not None and self._death[0] is not engine:
+            died, at = self._death
+            self._death = None
+            if self.on_failover is not None:
+                self.on_failover(Failover(died.name, engine.name, self._clock() - at))
+        return engine
 
     @property
     def eta_s(self) -> float | None:
@@ -107,7 +144,13 @@ class EnginePool:
         return min(etas) if etas else None
 
     def mark(self, engine: Engine, serving: bool) -> None:
+        before = self.serving_engine
         engine.serving = serving
+        if before is engine and not serving and len(self.engines) > 1:
+            # The engine new requests went to died: its failover runs until a request goes to another.
+            self._death = (engine, self._clock())
+        elif serving and self._death is not None and self._death[0] is engine and self.serving_engine is engine:
+            self._death = None  # back before any request went elsewhere: no failover happened
         now = any(e.serving for e in self.engines)
         if now == self.serving:
             return

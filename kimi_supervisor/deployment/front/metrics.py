@@ -22,6 +22,37 @@ OUTCOMES = (
 )
 RESTART_FAILURES = ("failed_restart", "rejected_full", "rejected_timeout")
 KEEP_OUTAGES = 10  # in the state file
+KEEP_FAILOVERS = 10  # in the state file
+
+
+class SpareReadiness:
+    """How long the deployment has run without a ready spare (docs/spare.md), and whether that passed the alert's
+    bound (`front.spare_alert_s`); times are the caller's monotonic clock."""
+
+    def __init__(self, alert_s: float) -> None:
+        self.alert_s = alert_s
+        self.ready = False
+        self._without_since: float | None = None
+        self._alerted = False  # the crossing of the bound was reported in this stretch without a spare
+
+    def update(self, ready: bool, now: float) -> bool:
+        """Record what the probe saw; True exactly when the bound is crossed (the watch logs it once)."""
+        self.ready = ready
+        if ready:
+            self._without_since, self._alerted = None, False
+            return False
+        if self._without_since is None:
+            self._without_since = now
+        crossed = self.alerting(now) and not self._alerted
+        self._alerted = self._alerted or crossed
+        return crossed
+
+    def without_s(self, now: float) -> float:
+        """Seconds without a ready spare so far; 0 while one is ready."""
+        return 0.0 if self._without_since is None else now - self._without_since
+
+    def alerting(self, now: float) -> bool:
+        return self._without_since is not None and self.without_s(now) > self.alert_s
 
 
 class FrontMetrics:
@@ -68,6 +99,36 @@ class FrontMetrics:
         self.restart_failures = Counter(
             "kimi_front_restart_failures", "Requests that failed because of an engine restart", d, registry=r
         ).labels(deployment)
+        # The hot spare (docs/spare.md): which engine new requests go to, the failovers between them and how long
+        # each took (an engine's death to the first request sent to the other), and whether a spare is ready.
+        self.serving_engine = Gauge(
+            "kimi_front_serving_engine", "1 for the engine new requests go to now", [*d, "engine"], registry=r
+        )
+        self._failovers = Counter(
+            "kimi_front_failovers",
+            "New requests went to another engine: the one they went to died",
+            [*d, "to"],
+            registry=r,
+        )
+        self.last_failover_seconds = Gauge(
+            "kimi_front_last_failover_seconds",
+            "From an engine's death to the first request sent to another, in the last failover",
+            d,
+            registry=r,
+        ).labels(deployment)
+        self.spare_ready = Gauge("kimi_front_spare_ready", "1 while a hot spare serves", d, registry=r).labels(
+            deployment
+        )
+        self.no_ready_spare_seconds = Gauge(
+            "kimi_front_no_ready_spare_seconds", "How long the deployment has run without a ready spare", d, registry=r
+        ).labels(deployment)
+        self.no_ready_spare_alert = Gauge(
+            "kimi_front_no_ready_spare_alert",
+            "1 once the deployment has run without a ready spare longer than front.spare_alert_s",
+            d,
+            registry=r,
+        ).labels(deployment)
+        self.failovers_seen: list[dict[str, float | str]] = []  # the last ones, newest last (the state file's)
         self.counts = dict.fromkeys(OUTCOMES, 0)  # the same numbers for the state file and the tests
         # The last outages (the engine not serving, from the front's view), newest last: when each began and
         # ended, the seconds clients waited, and what became of the requests it touched (docs/front.md).
@@ -117,6 +178,13 @@ class FrontMetrics:
             # What waited during it so far (requests that gave up); those held add theirs as they go through.
             self.last_outage_wait.set(float(latest["client_wait_s"] or 0.0))
         self._ended.labels(self._deployment, str(kind.get("kind"))).inc()
+
+    def failover(self, died: str, to: str, seconds: float, at: float) -> None:
+        """New requests went from `died` to `to`, `seconds` after its death; `at`: wall clock, for the record."""
+        self._failovers.labels(self._deployment, to).inc()
+        self.last_failover_seconds.set(seconds)
+        record: dict[str, float | str] = {"at": at, "died": died, "to": to, "first_request_s": seconds}
+        self.failovers_seen = [*self.failovers_seen[-(KEEP_FAILOVERS - 1) :], record]
 
     def text(self) -> bytes:
         return bytes(generate_latest(self.registry))

@@ -7,6 +7,7 @@ and the watch (watch.py) that probes the engines over their sockets and reads th
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -29,12 +30,18 @@ class FrontServer:
     def __init__(self, cfg: FrontConfig, log: Logger) -> None:
         self.cfg = cfg
         self.log = log
-        self.engines = EnginePool([Engine("main", cfg.engine_socket, cfg.probe_timeout_s, EngineRecords.of(cfg))])
+        engines = [Engine("main", cfg.engine_socket, cfg.probe_timeout_s, EngineRecords.of(cfg))]
+        if cfg.spare_socket is not None:  # the hot spare: one more engine, after the preferred one (docs/spare.md)
+            records = EngineRecords(cfg.spare_state_file, cfg.spare_history_file, cfg.engine_holder_state_file)
+            engines.append(Engine("spare", cfg.spare_socket, cfg.probe_timeout_s, records))
+        self.engines = EnginePool(engines)
         self.gate = EngineGate(self.engines, cfg.queue_max, hold_bound(cfg).seconds)
         self.metrics = FrontMetrics(cfg.deployment)
         # Read at each scrape: what waits now, and whether an engine serves now.
         self.metrics.held.set_function(lambda: self.gate.held)
         self.metrics.serving.set_function(lambda: int(self.engines.serving))
+        for engine in self.engines.engines:
+            self.metrics.serving_engine.labels(cfg.deployment, engine.name).set_function(self._serves(engine))
         self._ctx = ctx = FrontContext(cfg, log, self.metrics, self.engines, self.gate)
         failures = Failures(self.engines)
         self.watch = EngineWatch(ctx)
@@ -42,6 +49,10 @@ class FrontServer:
         self.streams = Streams(ctx, failures)
         self.held_bodies = HeldBodies(cfg.max_held_bytes)
         self.parser = Parser()
+
+    def _serves(self, engine: Engine) -> Callable[[], int]:
+        """1 while new requests go to `engine` (its series of kimi_front_serving_engine), read at each scrape."""
+        return lambda: int(self.engines.serving_engine is engine)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_bytes)

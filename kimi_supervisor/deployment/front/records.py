@@ -55,6 +55,12 @@ class EngineRecords:
             phase if isinstance(phase, str) else None, float(eta) if isinstance(eta, (int, float)) else None
         )
 
+    def output_key(self) -> str | None:
+        """What decides its tokens, hashed, as its live supervisor recorded it (docs/spare.md); None without one."""
+        doc = None if self.state_file is None else read_live_state(self.state_file)
+        key = None if doc is None else doc.get("output_key")
+        return key if isinstance(key, str) else None
+
     def last_load_s(self) -> float | None:
         """Its last successful load's seconds; None without a history or a successful load in it."""
         if self.history_file is None:

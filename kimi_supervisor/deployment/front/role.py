@@ -63,18 +63,7 @@ class Front(Deployment):
 
     def install_own_unit(self, config: Path, unit_dir: Path, reload: bool, instance: str | None) -> Path | None:
         """kimi-supervisor-front@NAME runs NAME.front.toml beside the engine's NAME.toml."""
-        name = self.cfg.deployment.name
-        own = Role.FRONT.config_name(name)
-        if instance is not None and instance != name:
-            raise ConfigError(
-                f"install-unit --instance {instance}: {config} is the front of deployment {name!r} "
-                f"(kimi-supervisor-front@{name}): give --instance {name}, or the config of {instance!r}"
-            )
-        if config.name != own:
-            raise ConfigError(
-                f"{config}: kimi-supervisor-front@{name} runs {config.parent}/{own}: "
-                "name the front's config after its deployment"
-            )
+        self.own_unit_config(config, instance, "kimi-supervisor-front", "front")
         return unit.install_front(config, unit_dir, reload=reload)
 
     def run(self, ctx: RunContext) -> ExitCode:

@@ -187,7 +187,9 @@ def test_the_cli_runs_the_front_ready_once_it_listens_and_stops_on_sigterm(tmp_p
             assert ready is not None
             # Its loop pings the watchdog (at most every second here), and its headline says the engine serves.
             assert await asyncio.to_thread(_wait_notify, run, "WATCHDOG", "1") is not None
-            serving = await asyncio.to_thread(_wait_notify, run, "STATUS", f"serving: engine up, 127.0.0.1:{port}")
+            serving = await asyncio.to_thread(
+                _wait_notify, run, "STATUS", f"serving: engine up, 127.0.0.1:{port} (no spare)"
+            )
             assert serving is not None
             url = f"http://127.0.0.1:{port}/v1/completions"
             async with (
