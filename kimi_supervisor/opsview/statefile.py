@@ -221,6 +221,18 @@ def _validate_front(front: dict[str, object]) -> None:
         string(outage.get("kind"), f"front.outages[{i}].kind", longest=40)
         integer(outage.get("engine_exit_code"), f"front.outages[{i}].engine_exit_code", lo=-255, hi=255)
         boolean(outage.get("holder_assisted"), f"front.outages[{i}].holder_assisted")
+    string(front.get("serving_engine"), "front.serving_engine", longest=40)
+    spare = mapping(front.get("spare"), "front.spare")
+    for flag in ("configured", "ready"):
+        boolean(spare.get(flag), f"front.spare.{flag}")
+    number(spare.get("without_ready_s"), "front.spare.without_ready_s")
+    number(spare.get("alert_s"), "front.spare.alert_s")
+    for i, raw in enumerate(items(spare.get("failovers"), "front.spare.failovers", longest=64)):
+        failover = mapping(raw, f"front.spare.failovers[{i}]", optional=False)
+        for key in ("at", "first_request_s"):
+            number(failover.get(key), f"front.spare.failovers[{i}].{key}")
+        for key in ("died", "to"):
+            string(failover.get(key), f"front.spare.failovers[{i}].{key}", longest=40)
 
 
 def writer_alive(doc: dict[str, Any]) -> bool:

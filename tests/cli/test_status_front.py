@@ -104,6 +104,9 @@ GOOD_OUTAGE = {"began": 1.0, "ended": 2.0, "client_wait_s": 1.0, "held": 1, "ret
         ({"outages": [GOOD_OUTAGE | {"kind": "k" * 41}]}, "front.outages[0].kind: longer than 40 characters"),
         ({"outages": "soon"}, "front.outages: expected a list, got str"),
         ({"requests": {ESC: 1}}, "front.requests."),
+        ({"serving_engine": ESC * 10}, "front.serving_engine: longer than 40 characters"),
+        ({"spare": {"configured": True, "without_ready_s": "soon"}}, "front.spare.without_ready_s: expected a number"),
+        ({"spare": {"failovers": [{"first_request_s": "soon"}]}}, "front.spare.failovers[0].first_request_s: expected"),
     ],
 )
 def test_a_front_state_file_root_must_not_trust_is_refused_naming_the_key_and_nothing_of_it_shown(

@@ -22,7 +22,7 @@ TABLE = PsutilProcessTable()
 
 
 class NotedTable(PsutilProcessTable):
-    """The real table; each `alive` answer and each sleep of `NotedClock` noted in one list, in order."""
+    """The real table; each `alive` answer and each sleep of `NotedSleeps` noted in one list, in order."""
 
     def __init__(self, notes: list[tuple[str, int, bool]]) -> None:
         super().__init__()
@@ -34,7 +34,9 @@ class NotedTable(PsutilProcessTable):
         return answer
 
 
-class NotedClock(SystemClock):
+class NotedSleeps(SystemClock):
+    """The real clock (no fake time: the victims are real processes), each sleep noted."""
+
     def __init__(self, notes: list[tuple[str, int, bool]]) -> None:
         self.notes = notes
 
@@ -141,7 +143,7 @@ def test_execute_terms_then_kills_and_takes_companions(spawner: ProcSpawner) -> 
     signalled: list[tuple[int, str]] = []
     notes: list[tuple[str, int, bool]] = []
     outcome = execute_reap(
-        plan, NotedTable(notes), NotedClock(notes), 0.5, lambda v, s: signalled.append((v.proc.pid, s.name))
+        plan, NotedTable(notes), NotedSleeps(notes), 0.5, lambda v, s: signalled.append((v.proc.pid, s.name))
     )
 
     assert {p.pid for p in outcome.terminated} == {worker.pid, tracker_pid}

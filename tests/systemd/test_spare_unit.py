@@ -36,14 +36,14 @@ def test_install_unit_with_the_spares_config_writes_its_template_and_drop_in(tmp
     role = for_config(load_config(config))
     assert isinstance(role, Spare)
     units = tmp_path / "units"
-    written = role.install_own_unit(config, units, reload=False)
+    written = role.install_own_unit(config, units, reload=False, instance=None)
     assert written == units / unit.SPARE_TEMPLATE_NAME and written.is_file()
     dropin = units / "kimi-supervisor-spare@kimi.service.d" / unit.DROPIN_NAME
     assert "TimeoutStopSec=" in dropin.read_text()
     other = tmp_path / "other.spare.toml"
     other.write_text(SPARE)
     with pytest.raises(ConfigError) as info:
-        for_config(load_config(other)).install_own_unit(other, units, reload=False)
+        for_config(load_config(other)).install_own_unit(other, units, reload=False, instance=None)
     assert info.value.exit_code == ExitCode.CONFIG and "name the spare's config after its deployment" in str(info.value)
 
 
