@@ -181,54 +181,6 @@ def _front(sock: Path) -> FrontServer:
     return FrontServer(cfg, RecordingLog())
 
 
-def test_engine_core_sigkill_mid_generation_costs_no_client_anything(served: tuple[Vllm, Path]) -> None:
-    vllm, sock = served
-    front = _front(sock)
-    waited: list[float] = []  # each request sent during the outage: seconds until its whole answer
-
-    async def scenario() -> None:
-        runner = front.runner()
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
-        connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=3 * START_BOUND_S)
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector, timeout=timeout) as client:
-            want_streams = await asyncio.gather(*(_stream(client, i, _Stream()) for i in range(STREAMS)))
-            want_plain = await asyncio.gather(*(_plain(client, i) for i in range(PLAIN)))
-            assert all(want_streams) and all(want_plain)
-            seen = [_Stream() for _ in range(STREAMS)]
-            streams = [asyncio.ensure_future(_stream(client, i, seen[i])) for i in range(STREAMS)]
-            plain = [asyncio.ensure_future(_plain(client, i)) for i in range(PLAIN)]
-            await _until(lambda: all(s.chunks >= 3 for s in seen), "every stream has 3 chunks", START_BOUND_S)
-            vllm.engine_core().kill()
-            in_flight = sum(not s.done for s in seen)
-            assert vllm.proc is not None
-            proc = vllm.proc
-            await _until(lambda: proc.poll() is not None, "vllm serve exits after its EngineCore", 120)
-            await _until(lambda: not front.engines.serving, "the front sees the engine gone", 60)
-            during = [asyncio.ensure_future(_timed(_plain(client, i), waited)) for i in range(DURING)]
-            await _restart(vllm, sock, front)
-            got_streams = await asyncio.gather(*streams)
-            got_plain = await asyncio.gather(*plain)
-            got_during = await asyncio.gather(*during)
-        await runner.cleanup()
-        assert [s.errors for s in seen] == [[]] * STREAMS
-        assert all(s.done for s in seen)
-        for i in range(STREAMS):
-            events = b"\n".join(seen[i].events).decode(errors="replace")
-            assert got_streams[i] == want_streams[i], f"stream {i} differs from its uninterrupted run:\n{events}"
-        assert got_plain == want_plain
-        assert got_during == want_plain[:DURING]
-        counts = front.metrics.counts
-        assert in_flight > 0 and counts["resumed"] == in_flight, (in_flight, counts)
-        assert counts["failed_restart"] == counts["rejected_timeout"] == counts["rejected_full"] == 0, counts
-        # What clients saw (docs/front.md, "What clients saw"): the outage as the front recorded it.
-        print("front_crash.outage", json.dumps(front.metrics.outages_seen[-1]), "during_latency_s", sorted(waited))
-
-    asyncio.run(asyncio.wait_for(scenario(), 4 * START_BOUND_S))
-
-
 KILL_AT = 48  # generated tokens every scripted stream has when EngineCore is killed
 MARKERS = (
     "</think>",
@@ -355,39 +307,89 @@ def _kimi_body(script: list[int], name: str) -> dict[str, Any]:
     return body | ({"logprobs": True, "top_logprobs": 2} if name == "tool_args" else {})
 
 
-def test_reasoning_and_tool_call_streams_broken_at_every_phase_resume_through_the_engines_parser(
+def test_one_engine_core_sigkill_with_every_kind_of_stream_in_flight_costs_no_client_anything(
     served: tuple[Vllm, Path],
 ) -> None:
+    """One kill, one restart (each costs a vLLM start): in flight at once, 32 greedy streams and 32 plain requests
+    (completions and chat, paced) and the scripted Kimi chat streams, each cut in its phase (inside the reasoning,
+    right after `</think>`, inside a tool call's arguments with logprobs, between two calls, `n` = 2); 8 plain
+    requests sent while the engine is down.  Every answer equals its uninterrupted run's, no client sees an error."""
     vllm, sock = served
     front = _front(sock)
+    waited: list[float] = []  # each request sent during the outage: seconds until its whole answer
     cut_at: dict[str, int] = {}
+    in_flight: list[int] = []
 
-    async def scenario() -> tuple[dict[str, _Kimi], dict[str, _Kimi], dict[str, range]]:
+    async def scenario() -> dict[str, Any]:
         runner = front.runner()
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         port = runner.addresses[0][1]
+        connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=3 * START_BOUND_S)
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=timeout) as client:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector, timeout=timeout) as client:
             scripts = await _scripts(client)
-            want = {name: _Kimi() for name in scripts}
-            await asyncio.gather(*(_kimi_stream(client, _kimi_body(s, n), want[n]) for n, (s, _) in scripts.items()))
-            got = {name: _Kimi() for name in scripts}
-            tasks = [
-                asyncio.ensure_future(_kimi_stream(client, _kimi_body(s, n), got[n])) for n, (s, _) in scripts.items()
+            want_kimi = {name: _Kimi() for name in scripts}
+            want_streams, want_plain, _ = await asyncio.gather(
+                asyncio.gather(*(_stream(client, i, _Stream()) for i in range(STREAMS))),
+                asyncio.gather(*(_plain(client, i) for i in range(PLAIN))),
+                asyncio.gather(
+                    *(_kimi_stream(client, _kimi_body(s, n), want_kimi[n]) for n, (s, _) in scripts.items())
+                ),
+            )
+            assert all(want_streams) and all(want_plain)
+            seen = [_Stream() for _ in range(STREAMS)]
+            got_kimi = {name: _Kimi() for name in scripts}
+            # The Kimi streams first: their script paces every step of the batch (50 ms), so the paced plain
+            # streams (160 tokens) are still mid-generation when the Kimi ones reach the kill.
+            kimi = [
+                asyncio.ensure_future(_kimi_stream(client, _kimi_body(s, n), got_kimi[n]))
+                for n, (s, _) in scripts.items()
             ]
+            streams = [asyncio.ensure_future(_stream(client, i, seen[i])) for i in range(STREAMS)]
+            plain = [asyncio.ensure_future(_plain(client, i)) for i in range(PLAIN)]
             await _until(
-                lambda: all(g.chunks >= KILL_AT for g in got.values()), "every stream at the kill", START_BOUND_S
+                lambda: all(g.chunks >= KILL_AT for g in got_kimi.values()) and all(s.chunks >= 3 for s in seen),
+                "every Kimi stream at the kill and every plain stream 3 chunks in",
+                START_BOUND_S,
             )
             vllm.engine_core().kill()
-            cut_at.update({name: g.chunks for name, g in got.items()})
+            cut_at.update({name: g.chunks for name, g in got_kimi.items()})
+            in_flight.append(sum(not s.done for s in seen))
+            assert vllm.proc is not None
+            proc = vllm.proc
+            await _until(lambda: proc.poll() is not None, "vllm serve exits after its EngineCore", 120)
+            await _until(lambda: not front.engines.serving, "the front sees the engine gone", 60)
+            during = [asyncio.ensure_future(_timed(_plain(client, i), waited)) for i in range(DURING)]
             await _restart(vllm, sock, front)
-            await asyncio.gather(*tasks)
+            got_streams = await asyncio.gather(*streams)
+            got_plain = await asyncio.gather(*plain)
+            got_during = await asyncio.gather(*during)
+            await asyncio.gather(*kimi)
         await runner.cleanup()
-        return want, got, {name: phase for name, (_, phase) in scripts.items()}
+        phases = {name: phase for name, (_, phase) in scripts.items()}
+        return {
+            "streams": (want_streams, got_streams, seen),
+            "plain": (want_plain, got_plain, got_during),
+            "kimi": (want_kimi, got_kimi, phases),
+        }
 
-    want, got, phases = asyncio.run(asyncio.wait_for(scenario(), 4 * START_BOUND_S))
-    print("front_kimi.cut_at", json.dumps(cut_at), {n: str(p) for n, p in phases.items()}, front.metrics.counts)
+    out = asyncio.run(asyncio.wait_for(scenario(), 4 * START_BOUND_S))
+    want_streams, got_streams, seen = out["streams"]
+    want_plain, got_plain, got_during = out["plain"]
+    want, got, phases = out["kimi"]
+    counts = front.metrics.counts
+    print("front_crash.outage", json.dumps(front.metrics.outages_seen[-1]), "during_latency_s", sorted(waited))
+    print("front_kimi.cut_at", json.dumps(cut_at), {n: str(p) for n, p in phases.items()}, counts)
+    # The plain streams and requests.
+    assert [s.errors for s in seen] == [[]] * STREAMS
+    assert all(s.done for s in seen)
+    for i in range(STREAMS):
+        events = b"\n".join(seen[i].events).decode(errors="replace")
+        assert got_streams[i] == want_streams[i], f"stream {i} differs from its uninterrupted run:\n{events}"
+    assert got_plain == want_plain
+    assert got_during == want_plain[:DURING]
+    # The Kimi streams, each cut in its phase.
     for name in want:
         assert want[name].errors == [] and (want[name].calls or name in ("reasoning", "after_think", "n2")), name
         assert got[name].errors == [], (name, got[name].errors)
@@ -397,4 +399,6 @@ def test_reasoning_and_tool_call_streams_broken_at_every_phase_resume_through_th
     assert len(want["tool_args"].logprobs) == want["tool_args"].usage[0]["completion_tokens"]
     assert want["n2"].others[1].reasoning == want["n2"].reasoning
     assert want["reasoning"].reasoning and want["reasoning"].content and want["reasoning"].finish == ["stop"]
-    assert front.metrics.counts["resumed"] == len(want), front.metrics.counts
+    # Every stream in flight at the kill resumed, nothing failed or was turned away.
+    assert in_flight[0] > 0 and counts["resumed"] == in_flight[0] + len(want), (in_flight, counts)
+    assert counts["failed_restart"] == counts["rejected_timeout"] == counts["rejected_full"] == 0, counts
