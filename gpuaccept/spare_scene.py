@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 import bench_weights_holder as bw  # noqa: E402
 
-from gpuaccept.weights_common import md_table  # noqa: E402
+from gpuaccept.weights_common import scene_report  # noqa: E402
 from kimi_supervisor.config.weights import SOCKET_DIR_NAME  # noqa: E402
 from testkit.harness import write_config  # noqa: E402
 from testkit.procutil import free_port  # noqa: E402
@@ -266,12 +266,7 @@ def main() -> int:
             if sup is not None:
                 sup.stop()
         bw.cleanup()
-    res["checks"] = [{"name": n, "ok": ok, "detail": d} for n, ok, d in bw.CHECKS]
-    (out / "spare_scene.json").write_text(json.dumps(res, indent=1, default=str))
-    table = md_table(["check", "result", "detail"], [[n, "PASS" if ok else "FAIL", d[:300]] for n, ok, d in bw.CHECKS])
-    (out / "spare_scene.md").write_text(f"# Spare scene (issue 51), {res['date_utc']}\n\n{table}\n")
-    print(table, flush=True)
-    return 0 if all(ok for _, ok, _ in bw.CHECKS) else 1
+    return scene_report(out, "spare_scene", "Spare scene (issue 51)", res, bw.CHECKS)
 
 
 if __name__ == "__main__":

@@ -202,3 +202,13 @@ def md_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def scene_report(out: Path, name: str, title: str, res: dict[str, Any], checks: list[tuple[str, bool, str]]) -> int:
+    """A scene's checks into OUT/NAME.json (with `res`) and OUT/NAME.md, the table printed; 0 when all passed."""
+    res["checks"] = [{"name": n, "ok": ok, "detail": d} for n, ok, d in checks]
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+    table = md_table(["check", "result", "detail"], [[n, "PASS" if ok else "FAIL", d[:300]] for n, ok, d in checks])
+    (out / f"{name}.md").write_text(f"# {title}, {res['date_utc']}\n\n{table}\n")
+    print(table, flush=True)
+    return 0 if all(ok for _, ok, _ in checks) else 1

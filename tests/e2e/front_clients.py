@@ -15,12 +15,23 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 MAX_TOKENS = 200
+
+
+async def sse_data(answer: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """Each server-sent event's data, as the pieces of the answer arrive (also tests/e2e/test_vllm_front.py's)."""
+    buf = b""
+    async for piece in answer.content.iter_any():
+        buf += piece
+        *events, buf = buf.split(b"\n\n")
+        for event in events:
+            yield event.removeprefix(b"data: ")
 
 
 NEW_PER_PHASE = 4  # new plain and new streamed requests sent in each phase of the restart
@@ -38,21 +49,16 @@ async def stream(
         if answer.status != 200:
             seen["errors"].append(f"HTTP {answer.status}: {(await answer.text())[:300]}")
             return
-        buf = b""
-        async for piece in answer.content.iter_any():
-            buf += piece
-            *events, buf = buf.split(b"\n\n")
-            for event in events:
-                data = event.removeprefix(b"data: ")
-                if data == b"[DONE]":
-                    seen["done"] = True
-                    continue
-                doc = json.loads(data)
-                if "error" in doc:
-                    seen["errors"].append(doc)
-                for choice in doc.get("choices", []):
-                    seen["text"] += choice.get("text") or ""
-                seen["chunks"] += 1
+        async for data in sse_data(answer):
+            if data == b"[DONE]":
+                seen["done"] = True
+                continue
+            doc = json.loads(data)
+            if "error" in doc:
+                seen["errors"].append(doc)
+            for choice in doc.get("choices", []):
+                seen["text"] += choice.get("text") or ""
+            seen["chunks"] += 1
 
 
 async def round_of(client: aiohttp.ClientSession, count: int, marker: Path | None) -> list[dict[str, Any]]:

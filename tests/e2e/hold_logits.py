@@ -15,43 +15,22 @@ import time
 from typing import Any
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from tests.e2e.request_logits import PerRequest, pace
 
 PACE_S = 0.02
 
 
-class HoldUntilReleased(LogitsProcessor):
-    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        eos = vllm_config.model_config.hf_config.eos_token_id
-        self.eos = int(eos[0] if isinstance(eos, list) else eos)
-        self.held: dict[int, str] = {}  # batch index -> release file
-
-    def is_argmax_invariant(self) -> bool:
-        return False  # it changes which token wins
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self.held.pop(index, None)
-        for index, params, _prompt, _output in batch_update.added:
-            path = (params.extra_args or {}).get("kimi_hold") if params is not None else None
-            if path:
-                self.held[index] = str(path)
-            else:
-                self.held.pop(index, None)
-        for a, b, direction in batch_update.moved:
-            pa, pb = self.held.pop(a, None), self.held.pop(b, None)
-            if pa is not None:
-                self.held[b] = pa
-            if direction == MoveDirectionality.SWAP and pb is not None:
-                self.held[a] = pb
+class HoldUntilReleased(PerRequest[str]):
+    def pick(self, extra_args: dict[str, Any], prompt: list[int], output: list[int]) -> str | None:
+        path = extra_args.get("kimi_hold")
+        return str(path) if path else None  # its release file
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self.held:
+        if not self.requests:
             return logits
         started = time.monotonic()
-        for index, path in self.held.items():
+        for index, path in self.requests.items():
             if index >= logits.shape[0]:
                 continue
             if os.path.exists(path):
@@ -59,7 +38,5 @@ class HoldUntilReleased(LogitsProcessor):
                 logits[index, self.eos] = 0.0
             else:
                 logits[index, self.eos] = float("-inf")
-        left = PACE_S - (time.monotonic() - started)
-        if left > 0:
-            time.sleep(left)
+        pace(started, PACE_S)
         return logits

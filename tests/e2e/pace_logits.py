@@ -13,38 +13,17 @@ import time
 from typing import Any
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from tests.e2e.request_logits import PerRequest
 
 PACE_S = 0.02
 
 
-class PaceSteps(LogitsProcessor):
-    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        self.paced: set[int] = set()  # batch indices of the requests that opted in
-
-    def is_argmax_invariant(self) -> bool:
-        return False  # vLLM skips argmax-invariant processors for greedy requests: this one must run
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self.paced.discard(index)
-        for index, params, _prompt, _output in batch_update.added:
-            if params is not None and (params.extra_args or {}).get("kimi_pace"):
-                self.paced.add(index)
-            else:
-                self.paced.discard(index)
-        for a, b, direction in batch_update.moved:
-            had_a, had_b = a in self.paced, b in self.paced
-            self.paced.discard(a)
-            self.paced.discard(b)
-            if had_a:
-                self.paced.add(b)
-            if direction == MoveDirectionality.SWAP and had_b:
-                self.paced.add(a)
+class PaceSteps(PerRequest[bool]):
+    def pick(self, extra_args: dict[str, Any], prompt: list[int], output: list[int]) -> bool | None:
+        return True if extra_args.get("kimi_pace") else None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.paced:
+        if self.requests:
             time.sleep(PACE_S)
         return logits

@@ -15,7 +15,8 @@ import time
 from typing import Any
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from tests.e2e.request_logits import PerRequest, pace
 
 PACE_S = 0.05  # a test kills EngineCore within a window of several tokens: a few steps of the client's lag
 
@@ -28,46 +29,27 @@ def position(script: list[int], prompt: list[int]) -> int:
     return 0
 
 
-class ScriptTokens(LogitsProcessor):
-    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        eos = vllm_config.model_config.hf_config.eos_token_id
-        self.eos = int(eos[0] if isinstance(eos, list) else eos)
-        # batch index -> (script, ids of the script before this request's output, its output ids: vLLM's live list)
-        self.scripted: dict[int, tuple[list[int], int, list[int]]] = {}
+class ScriptTokens(PerRequest[tuple[list[int], int, list[int]]]):
+    """Per request: its script, the ids of the script before its output, its output ids (vLLM's live list)."""
 
-    def is_argmax_invariant(self) -> bool:
-        return False  # it changes which token wins
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self.scripted.pop(index, None)
-        for index, params, prompt, output in batch_update.added:
-            raw = (params.extra_args or {}).get("kimi_script") if params is not None else None
-            if raw:
-                script = [int(i) for i in str(raw).split(",")]
-                self.scripted[index] = (script, position(script, list(prompt or [])), output)
-            else:
-                self.scripted.pop(index, None)
-        for a, b, direction in batch_update.moved:
-            sa, sb = self.scripted.pop(a, None), self.scripted.pop(b, None)
-            if sa is not None:
-                self.scripted[b] = sa
-            if direction == MoveDirectionality.SWAP and sb is not None:
-                self.scripted[a] = sb
+    def pick(
+        self, extra_args: dict[str, Any], prompt: list[int], output: list[int]
+    ) -> tuple[list[int], int, list[int]] | None:
+        raw = extra_args.get("kimi_script")
+        if not raw:
+            return None
+        script = [int(i) for i in str(raw).split(",")]
+        return script, position(script, prompt), output
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self.scripted:
+        if not self.requests:
             return logits
         started = time.monotonic()
-        for index, (script, done, output) in self.scripted.items():
+        for index, (script, done, output) in self.requests.items():
             if index >= logits.shape[0]:
                 continue
             at = done + len(output)
             logits[index, :] = float("-inf")
             logits[index, script[at] if at < len(script) else self.eos] = 0.0
-        left = PACE_S - (time.monotonic() - started)
-        if left > 0:
-            time.sleep(left)
+        pace(started, PACE_S)
         return logits

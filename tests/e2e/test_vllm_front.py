@@ -29,6 +29,8 @@ from kimi_supervisor.deployment.front.proxy import FrontServer
 from testkit.fakes.log import RecordingLog
 from testkit.harness import PRIVATE_SHM, REPO
 from testkit.vllm_serve import KV_CACHE_ARGS, MAX_LEN, VLLM_ENV
+from tests.e2e.front_clients import sse_data
+from tests.e2e.make_tiny_model import KIMI_MARKERS
 
 STREAMS = 32
 PLAIN = 32
@@ -124,22 +126,17 @@ class _Stream:
 async def _stream(client: aiohttp.ClientSession, i: int, seen: _Stream) -> str:
     async with client.post(_path(i), json=_body(i, True)) as answer:
         assert answer.status == 200, await answer.text()
-        buf = b""
-        async for piece in answer.content.iter_any():
-            buf += piece
-            *events, buf = buf.split(b"\n\n")
-            for event in events:
-                data = event.removeprefix(b"data: ")
-                seen.events.append(data)
-                if data == b"[DONE]":
-                    seen.done = True
-                    continue
-                doc = json.loads(data)
-                if "error" in doc:
-                    seen.errors.append(doc)
-                for choice in doc.get("choices", []):
-                    seen.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                seen.chunks += 1
+        async for data in sse_data(answer):
+            seen.events.append(data)
+            if data == b"[DONE]":
+                seen.done = True
+                continue
+            doc = json.loads(data)
+            if "error" in doc:
+                seen.errors.append(doc)
+            for choice in doc.get("choices", []):
+                seen.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            seen.chunks += 1
     return seen.text
 
 
@@ -182,14 +179,7 @@ def _front(sock: Path) -> FrontServer:
 
 
 KILL_AT = 48  # generated tokens every scripted stream has when EngineCore is killed
-MARKERS = (
-    "</think>",
-    "<|tool_calls_section_begin|>",
-    "<|tool_calls_section_end|>",
-    "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>",
-    "<|tool_call_end|>",
-)
+MARKERS = KIMI_MARKERS[1:]  # the ids a script needs (it starts in the reasoning: thinking is on)
 
 
 class _Kimi:
@@ -247,16 +237,11 @@ class _Kimi:
 async def _kimi_stream(client: aiohttp.ClientSession, body: dict[str, Any], seen: _Kimi) -> None:
     async with client.post("/v1/chat/completions", json=body) as answer:
         assert answer.status == 200, await answer.text()
-        buf = b""
-        async for piece in answer.content.iter_any():
-            buf += piece
-            *events, buf = buf.split(b"\n\n")
-            for event in events:
-                data = event.removeprefix(b"data: ")
-                if data == b"[DONE]":
-                    seen.done = True
-                else:
-                    seen.read(json.loads(data))
+        async for data in sse_data(answer):
+            if data == b"[DONE]":
+                seen.done = True
+            else:
+                seen.read(json.loads(data))
 
 
 async def _scripts(client: aiohttp.ClientSession) -> dict[str, tuple[list[int], range]]:
