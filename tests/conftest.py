@@ -183,7 +183,7 @@ HEAVY_FILE_S = {
     "test_vllm_multinode_systemd_leader_first.py": 420,
     "test_vllm_multinode_systemd.py": 405,
     "test_vllm_multinode.py": 346,
-    "test_vllm_front.py": 240,
+    "test_vllm_front.py": 130,
     "test_vllm_drain.py": 182,
     "test_vllm_front_systemd.py": 135,
     "test_vllm_spare_front.py": 115,
