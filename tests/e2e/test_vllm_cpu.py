@@ -91,7 +91,7 @@ def health_status(port: int, timeout: float = 2) -> int | None:
 
 
 def test_sigterm_while_engine_starts_is_escalated(tmp_path: Path, vllm_bin: Path, tiny_model: Path) -> None:
-    """vLLM 0.32 ignores (or deadlocks on) SIGTERM while its engine starts: only the escalation ends it."""
+    """vLLM 0.32 often ignores (or deadlocks on) SIGTERM while its engine starts: the escalation ends it then."""
     cfg = vllm_config(tmp_path, vllm_bin, tiny_model, free_port())
     cfg.write_text(cfg.read_text().replace(f"grace_s = {GRACE_S}", "grace_s = 4"))
     run = Run(cfg, tmp_path, private_shm=True)
@@ -105,10 +105,15 @@ def test_sigterm_while_engine_starts_is_escalated(tmp_path: Path, vllm_bin: Path
             time.sleep(0.2)
         assert run.event("state.ready") is None, "vLLM became ready before its engine was seen starting"
         sid = run.child_pid
-        start = run.signal(signal.SIGTERM)
-        assert run.wait(timeout=60) == 0
-        took = time.monotonic() - start
-        assert took < 4 + 5 + 2  # grace, then SIGKILL and its wait
+        run.signal(signal.SIGTERM)
+        assert run.wait(timeout=60) == 0  # only stops a hang: the stop's own records say what ended it
+        # The tree ends at SIGTERM (2 of 6 runs here: vLLM's main gave up its start within ~3.3 s) or, ignoring it,
+        # at the SIGKILL sent once the grace is out (a busy machine can only make that later); a missing escalation
+        # hangs until the bound above.  Was `took < 4 + 5 + 2`: this machine's speed.
+        stops = [e for e in run.events if str(e["event"]).startswith("stop.")]
+        kinds = [e["event"] for e in stops]
+        assert kinds in (["stop.sigterm", "stop.tree_gone"], ["stop.sigterm", "stop.sigkill", "stop.tree_gone"]), stops
+        assert all(float(e["after_s"]) >= 4 for e in stops if e["event"] == "stop.sigkill"), stops
         assert session_members(sid) == [] and tree_of(run, tmp_path) == []
         assert run.notify.first("READY") is None
     finally:
