@@ -3,6 +3,8 @@ and frame events the same way (the one place that writes the framing)."""
 
 from __future__ import annotations
 
+import json
+
 DONE = b"[DONE]"
 
 
@@ -32,3 +34,9 @@ def frame(datas: list[bytes]) -> bytes:
     if not datas:
         return b""
     return b"data: " + b"\n\ndata: ".join(datas) + b"\n\n"
+
+
+def encode(doc: object) -> bytes:
+    """A chunk the front writes itself, in the bytes vLLM writes its own (pydantic's `model_dump_json`: no spaces,
+    characters unescaped): a resumed stream's chunks read as the uninterrupted run's."""
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()

@@ -8,7 +8,6 @@ What counts as a break is failure.py's; a stream that cannot go on ends with one
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -132,7 +131,7 @@ class Streams:
         """The stream's last words: one error chunk that says why it cannot go on, then [DONE]."""
         self.ctx.metrics.finished("failed_restart")
         self.ctx.log.warning("front.stream_failed", path=client.request.path, why=why)
-        await client.write(sse.frame([json.dumps(record.error_chunk(why)).encode()]), _EVENT_STREAM)
+        await client.write(sse.frame([sse.encode(record.error_chunk(why))]), _EVENT_STREAM)
         await client.write(sse.frame([sse.DONE]), _EVENT_STREAM)
         assert client.response is not None
         await client.response.write_eof()
@@ -179,7 +178,7 @@ class Streams:
                     out = []
                 chunk = await self.failures.chunk(engine, data)
                 kept = record.observe(chunk) if isinstance(chunk, dict) else chunk
-                raw = data if kept is chunk else json.dumps(kept).encode()
+                raw = data if kept is chunk else sse.encode(kept)
             out.append(raw)
         return out
 
@@ -189,7 +188,7 @@ class Streams:
         rendered = await self._rendered(engine, client.request, body, record)
         for index in record.unfinished:
             await self._continue_choice(engine, client, body, record, record.generate_body(rendered, index), index)
-        usage = [json.dumps(record.usage_chunk()).encode()] if record.include_usage else []
+        usage = [sse.encode(record.usage_chunk())] if record.include_usage else []
         await client.write(sse.frame([*usage, sse.DONE]), _EVENT_STREAM)
 
     async def _continue_choice(
@@ -241,12 +240,12 @@ class Streams:
         """The client's events for the token-in chunks of one read."""
         if derender is None:
             translated = (record.translate(c, index) for c in chunks)
-            return [json.dumps(t).encode() for t in translated if t is not None]
+            return [sse.encode(t) for t in translated if t is not None]
         if not chunks:
             return []
         call, read = derender.calling(chunks)
         answer = await self._derender(engine, headers, call)
-        return [json.dumps(derender.chunk(answer, read)).encode()]
+        return [sse.encode(derender.chunk(answer, read))]
 
     async def _derender(self, engine: Engine, headers: dict[str, str], call: dict[str, Any]) -> object:
         async with self._replays, engine.session.post(BASE + DERENDER_PATH, json=call, headers=headers) as answer:

@@ -22,3 +22,10 @@ def test_framed_events_split_back_whatever_the_reads_cut() -> None:
         splitter = sse.EventSplitter()
         events = splitter.feed(framed[:cut]) + splitter.feed(framed[cut:])
         assert [sse.data_of(e) for e in events] == batch
+
+
+def test_a_chunk_the_front_writes_has_vllms_bytes_not_json_dumps_defaults() -> None:
+    """vLLM writes each chunk with pydantic's model_dump_json: no spaces after separators, characters unescaped.
+    The front's own chunks (a resumed stream's) had `json.dumps`'s `", "` and `\\u00e9`: the same JSON, other bytes."""
+    doc = {"id": "cmpl-1", "choices": [{"index": 0, "text": "café ☕", "logprobs": None}]}
+    assert sse.encode(doc) == '{"id":"cmpl-1","choices":[{"index":0,"text":"café ☕","logprobs":null}]}'.encode()
