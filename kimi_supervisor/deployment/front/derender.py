@@ -95,9 +95,7 @@ class Derender:
             {"id": record.id, "object": OBJECTS["chat"], "created": record.created, "model": record.model}
             | {"choices": [item]}
         )
-        if record.continuous_usage:
-            out["usage"] = record.usage(self.kept)
-        return out
+        return record.ended(out, self.kept, finish is not None)
 
     def _call(self, generate_chunk: dict[str, Any]) -> dict[str, Any]:
         prompt = self.record.prompt_ids or []

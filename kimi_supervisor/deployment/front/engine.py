@@ -20,6 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
+from kimi_supervisor.deployment.front.facts import EngineFacts
 from kimi_supervisor.deployment.front.records import EngineRecords
 
 # What a broken engine connection raises: refused or missing socket, reset, a body cut short.
@@ -36,6 +37,9 @@ class Engine:
         self.records = records
         self.serving = False  # as the last probe, or a request that saw it break, left it (EnginePool.mark)
         self.eta_s: float | None = None  # its load's ETA, as its supervisor's state file last said
+        # What it ends a stream with, by stream kind (facts.py): learned once while it serves, forgotten when it
+        # stops (a restart may bring another config, so another fingerprint).
+        self.facts: dict[str, asyncio.Future[EngineFacts]] = {}
         self._probe_timeout_s = probe_timeout_s
         self._probe_timeout = aiohttp.ClientTimeout(total=probe_timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -145,6 +149,8 @@ class EnginePool:
 
     def mark(self, engine: Engine, serving: bool) -> None:
         before = self.serving_engine
+        if not serving:
+            engine.facts.clear()
         engine.serving = serving
         if before is engine and not serving and len(self.engines) > 1:
             # The engine new requests went to died: its failover runs until a request goes to another.

@@ -149,6 +149,8 @@ class StreamRecord:
     model: str = ""
     role_sent: bool = False
     ids_asked: bool = False  # the front added return_token_ids: the client's chunks lose them again
+    # The system_fingerprint of the engine that finishes the stream (facts.py), set before a resume writes a chunk.
+    fingerprint: str | None = None
 
     @property
     def derendered(self) -> bool:
@@ -310,21 +312,36 @@ class StreamRecord:
         if not choices:
             return None
         out["choices"] = choices
+        return self.ended(out, kept, any(c["finish_reason"] is not None for c in choices))
+
+    def ended(self, out: dict[str, Any], kept: Choice, finished: bool) -> dict[str, Any]:
+        """A resumed chunk's fields after its choices, as vLLM 0.32's serving adds them: its choice's usage so far
+        (continuous usage), and on a terminal chunk the fingerprint, unless a usage chunk follows (it has it)."""
         if self.continuous_usage:
             out["usage"] = self.usage(kept)
+        if finished and not self.include_usage and self.fingerprint is not None:
+            out["system_fingerprint"] = self.fingerprint
         return out
 
     def usage_chunk(self) -> dict[str, Any]:
-        """The last chunk of a resumed stream that asked for usage: the whole run's."""
+        """The last chunk of a resumed stream that asked for usage: the whole run's, then the fingerprint (vLLM
+        writes this chunk without its null fields)."""
         head = {"id": self.id, "object": OBJECTS[self.fmt], "created": self.created, "model": self.model}
-        return {**head, "choices": [], "usage": self.usage(None)}
+        prompt, done = len(self.prompt_ids or []), self.generated
+        usage = {"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done}
+        fingerprint = {"system_fingerprint": self.fingerprint} if self.fingerprint is not None else {}
+        return {**head, "choices": [], "usage": usage, **fingerprint}
 
-    def usage(self, kept: Choice | None) -> dict[str, int]:
-        """The usage so far as the engine counts it: the prompt and the ids of one choice (a continuous usage
-        chunk's), or of them all."""
-        prompt = len(self.prompt_ids or [])
-        done = kept.generated if kept is not None else self.generated
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    def usage(self, kept: Choice) -> dict[str, int | None]:
+        """One choice's usage so far, as a continuous usage chunk has it: the prompt and that choice's ids, in
+        the field order of vLLM's UsageInfo; a chat chunk says `completion_tokens_details` (null: facts.py makes
+        a stream whose engine counts reasoning tokens end before it resumes)."""
+        prompt, done = len(self.prompt_ids or []), kept.generated
+        usage: dict[str, int | None] = {"prompt_tokens": prompt, "total_tokens": prompt + done}
+        usage["completion_tokens"] = done
+        if self.fmt == "chat":
+            usage["completion_tokens_details"] = None
+        return usage
 
     def error_chunk(self, why: str) -> dict[str, Any]:
         return {

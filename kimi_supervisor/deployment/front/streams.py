@@ -25,6 +25,7 @@ from kimi_supervisor.deployment.front.context import (
 )
 from kimi_supervisor.deployment.front.derender import DERENDER_PATH, Derender
 from kimi_supervisor.deployment.front.engine import BASE, Engine
+from kimi_supervisor.deployment.front.facts import EngineFacts, FactsUnknown, probe_request
 from kimi_supervisor.deployment.front.failure import EngineBroke, Failures
 from kimi_supervisor.deployment.front.resume import (
     GENERATE_PATH,
@@ -185,11 +186,44 @@ class Streams:
     async def _continue(self, engine: Engine, client: _Client, body: dict[str, Any], record: StreamRecord) -> None:
         """A resume: the prompt's ids from the render route, then for each unfinished choice (`n` > 1: one after
         the other) the token-in route from its ids sent; then the whole run's usage and [DONE]."""
+        facts = await self._facts(engine, client.request, record)
+        why = facts.why_not_continuous(record.fmt) if record.continuous_usage else None
+        if why is not None:
+            raise NotResumable(why)
+        record.fingerprint = facts.fingerprint
         rendered = await self._rendered(engine, client.request, body, record)
         for index in record.unfinished:
             await self._continue_choice(engine, client, body, record, record.generate_body(rendered, index), index)
+        why = facts.why_no_usage(record.fmt) if record.include_usage else None
+        if why is not None:
+            raise NotResumable(why)
         usage = [sse.encode(record.usage_chunk())] if record.include_usage else []
         await client.write(sse.frame([*usage, sse.DONE]), _EVENT_STREAM)
+
+    async def _facts(self, engine: Engine, request: web.Request, record: StreamRecord) -> EngineFacts:
+        """What this engine ends a stream of this kind with (facts.py): one request per kind while it serves, shared
+        by the streams that resume at once; a failed one is asked again by the next resume."""
+        known = engine.facts.get(record.fmt)
+        if known is None:
+            known = engine.facts[record.fmt] = asyncio.ensure_future(self._ask_facts(engine, request, record))
+        try:
+            return await asyncio.shield(known)
+        except Exception:
+            if engine.facts.get(record.fmt) is known:
+                del engine.facts[record.fmt]
+            raise
+
+    async def _ask_facts(self, engine: Engine, request: web.Request, record: StreamRecord) -> EngineFacts:
+        path, body = probe_request(record.fmt, record.model, record.prompt_ids)
+        async with engine.session.post(BASE + path, json=body, headers=credentials(request)) as answer:
+            data = await answer.read()
+            if answer.status != 200:
+                await self.failures.answer(engine, answer.status)
+                raise NotResumable(f"the engine answered its one-token request {answer.status}: {data[:200]!r}")
+            try:
+                return EngineFacts.of(parse_json(data, JSON_DEPTH))
+            except FactsUnknown as exc:
+                raise NotResumable(str(exc)) from exc
 
     async def _continue_choice(
         self,

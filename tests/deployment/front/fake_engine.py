@@ -94,7 +94,13 @@ def _forbidden() -> web.Response:
 
 
 def sse(doc: object) -> bytes:
-    return b"data: " + (doc if isinstance(doc, bytes) else json.dumps(doc).encode()) + b"\n\n"
+    """vLLM's bytes for a chunk (pydantic's model_dump_json: compact)."""
+    return b"data: " + (doc if isinstance(doc, bytes) else json.dumps(doc, separators=(",", ":")).encode()) + b"\n\n"
+
+
+def usage_of(prompt: int, done: int) -> dict[str, Any]:
+    """vLLM's UsageInfo in its field order."""
+    return {"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done}
 
 
 class FakeEngine:
@@ -115,6 +121,11 @@ class FakeEngine:
         self.api_key: str | None = None  # vLLM's --api-key: every route but /health wants `Bearer KEY`
         self.reasoning = 0  # chat: the first N tokens' text comes as `reasoning`, as a reasoning parser splits it
         self.render_params: dict[str, Any] = {}
+        # What vLLM 0.32 adds at a stream's end: its --fingerprint-mode's value (None: `none`), a reasoning
+        # parser's count (chat usage's completion_tokens_details), --enable-prompt-tokens-details.
+        self.fingerprint: str | None = "vllm-0.32.0-tp8-1a2b3c4d"
+        self.counts_reasoning = False
+        self.prompt_details = False
         self.derendering = 0  # derender calls in flight now, and the most at once
         self.most_derendering = 0  # sampling params the render route adds (the engine's defaults)
         self._runner: web.AppRunner | None = None
@@ -193,14 +204,18 @@ class FakeEngine:
                 await self._die_in(request)
             text = "".join(shown)
             choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            return web.json_response({"id": "cmpl-1", "choices": [choice]})
+            usage = usage_of(len(prompt), len(out))
+            usage |= {"prompt_tokens_details": {"cached_tokens": 0} if self.prompt_details else None}
+            usage |= {"completion_tokens_details": self._reasoning_details(chat, len(out))}
+            answer = {"id": "cmpl-1", "choices": [choice], "usage": usage, "system_fingerprint": self.fingerprint}
+            return web.json_response(answer | {"metrics": None})
         ids = body.get("return_token_ids") is True
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         assert request.transport is not None
         self._transports.add(request.transport)
-        head = {"id": "chatcmpl-7" if chat else "cmpl-7", "created": 1700000000, "model": "tiny"}
         obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": "chatcmpl-7" if chat else "cmpl-7", "object": obj, "created": 1700000000, "model": "tiny"}
         burst: list[bytes] = []
         try:
             if chat:
@@ -224,26 +239,31 @@ class FakeEngine:
                         await response.write(b"data: [DONE]\n\n")
                     await self._die_in(request)
                 last = n == len(out) - 1
-                choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length" if last else None}
-                if body.get("logprobs") and chat:
-                    choice["logprobs"] = {"content": [logprob_entry(token)]}
-                elif body.get("logprobs") is not None and not chat:
-                    choice["logprobs"] = completion_logprobs([token], sum(len(f"<{t}>") for t in out[:n]))
+                # vLLM's field order: the text, logprobs, finish_reason, stop_reason (a chat chunk's only once it
+                # finishes), the ids.
+                choice: dict[str, Any] = {"index": 0}
                 if chat:
                     choice["delta"] = {"reasoning" if n < self.reasoning else "content": shown[n]}
                 else:
                     choice["text"] = shown[n]
+                choice |= {"logprobs": None, "finish_reason": "length" if last else None}
+                if last or not chat:
+                    choice["stop_reason"] = None
+                if body.get("logprobs") and chat:
+                    choice["logprobs"] = {"content": [logprob_entry(token)]}
+                elif body.get("logprobs") is not None and not chat:
+                    choice["logprobs"] = completion_logprobs([token], sum(len(f"<{t}>") for t in out[:n]))
                 if ids:
                     choice["token_ids"] = [token]
-                chunk: dict[str, Any] = {**head, "object": obj, "choices": [choice]}
+                chunk: dict[str, Any] = {**head, "choices": [choice]}
+                if (body.get("stream_options") or {}).get("continuous_usage_stats"):
+                    chunk["usage"] = usage_of(len(prompt), n + 1)
+                    if chat:
+                        chunk["usage"]["completion_tokens_details"] = self._reasoning_details(chat, n + 1)
+                if last and not (body.get("stream_options") or {}).get("include_usage") and self.fingerprint:
+                    chunk["system_fingerprint"] = self.fingerprint
                 if ids and not chat and n == 0:
                     chunk["prompt_token_ids"] = prompt
-                if (body.get("stream_options") or {}).get("continuous_usage_stats"):
-                    chunk["usage"] = {
-                        "prompt_tokens": len(prompt),
-                        "completion_tokens": n + 1,
-                        "total_tokens": len(prompt) + n + 1,
-                    }
                 # `n` > 1: every choice the same (greedy), one chunk per choice and step, as vLLM interleaves them.
                 chunks = [chunk] + [_as_choice(chunk, i) for i in range(1, int(body.get("n") or 1))]
                 if self.burst:
@@ -254,17 +274,15 @@ class FakeEngine:
                 if n == 0 and self.hold_after_first is not None:
                     await self.hold_after_first.wait()
             if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out) * int(body.get("n") or 1)}
-                burst.append(
-                    sse(
-                        {
-                            **head,
-                            "object": obj,
-                            "choices": [],
-                            "usage": usage | {"total_tokens": len(prompt) + usage["completion_tokens"]},
-                        }
-                    )
-                )
+                done = len(out) * int(body.get("n") or 1)
+                usage = usage_of(len(prompt), done)
+                if self.prompt_details:
+                    usage["prompt_tokens_details"] = {"cached_tokens": 0}
+                if self._reasoning_details(chat, done) is not None:
+                    usage["completion_tokens_details"] = self._reasoning_details(chat, done)
+                last_chunk = {**head, "choices": [], "usage": usage}
+                fingerprint = {"system_fingerprint": self.fingerprint} if self.fingerprint else {}
+                burst.append(sse(last_chunk | fingerprint))
             await response.write(b"".join(burst) + b"data: [DONE]\n\n")
             await response.write_eof()
         except (asyncio.CancelledError, ConnectionResetError):
@@ -273,6 +291,9 @@ class FakeEngine:
         finally:
             self._transports.discard(request.transport)
         return response
+
+    def _reasoning_details(self, chat: bool, done: int) -> dict[str, int] | None:
+        return {"reasoning_tokens": min(done, self.reasoning)} if chat and self.counts_reasoning else None
 
     async def _render(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -324,7 +345,7 @@ class FakeEngine:
                 choice["logprobs"] = {"content": [logprob_entry(token)]}
             await response.write(sse({"request_id": "generate-tokens-1", "choices": [choice]}))
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}
+            usage = usage_of(len(ids), len(out))
             await response.write(sse({"request_id": "generate-tokens-1", "choices": [], "usage": usage}))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()

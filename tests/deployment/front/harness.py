@@ -94,3 +94,23 @@ async def stream_text(answer: aiohttp.ClientResponse) -> tuple[str, list[dict[st
         for choice in doc.get("choices", []):
             text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
     return text, events
+
+
+async def uninterrupted(h: Harness, path: str, body: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The text and events of a stream that nothing breaks."""
+    async with h.client.post(path, json=body) as answer:
+        assert answer.status == 200
+        return await stream_text(answer)
+
+
+async def broken(h: Harness, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[Any]:
+    """The events of a stream that the engine breaks after its fifth token, the engine then back."""
+    h.engine.crash_after = 5
+    crashes = h.engine.crashes
+    sent = asyncio.ensure_future(h.client.post(path, json=body, headers=headers))
+    await until(lambda: h.engine.crashes == crashes + 1, "the engine crashed mid-stream")
+    await h.engine.restart()
+    async with await asyncio.wait_for(sent, BOUND_S) as answer:
+        assert answer.status == 200
+        _text, events = await stream_text(answer)
+    return events

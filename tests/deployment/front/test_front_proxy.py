@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
+from kimi_supervisor.deployment.front.facts import probe_request
 from kimi_supervisor.opsview.statefile import process_start_time
 from tests.deployment.front.fake_engine import cuts, generate, prompt_ids, text_of_run, texts
-from tests.deployment.front.harness import BOUND_S, run, running, stream_text, until
+from tests.deployment.front.harness import BOUND_S, broken, run, running, stream_text, uninterrupted, until
 
 pytest.importorskip("aiohttp")
 
@@ -202,12 +203,6 @@ def test_a_non_streamed_request_broken_by_a_crash_is_sent_again_once_the_engine_
     run(scenario)
 
 
-async def _uninterrupted(h: Any, path: str, body: dict[str, Any]) -> tuple[str, list[Any]]:
-    async with h.client.post(path, json=body) as answer:
-        assert answer.status == 200
-        return await stream_text(answer)
-
-
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("error_chunk", [False, True], ids=["reset", "engine_dead_chunk"])
 def test_a_stream_broken_by_a_crash_is_resumed_with_the_uninterrupted_text(path: str, error_chunk: bool) -> None:
@@ -216,7 +211,7 @@ def test_a_stream_broken_by_a_crash_is_resumed_with_the_uninterrupted_text(path:
         body: dict[str, Any] = {"max_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}
         body |= {"messages": [{"role": "user", "content": "tell"}]} if chat else {"prompt": "tell"}
         async with running(hold_s=BOUND_S) as h:
-            want, plain = await _uninterrupted(h, path, body)
+            want, plain = await uninterrupted(h, path, body)
             h.engine.seen.clear()
             h.engine.crash_after = 5
             h.engine.error_chunk_on_crash = error_chunk
@@ -236,6 +231,8 @@ def test_a_stream_broken_by_a_crash_is_resumed_with_the_uninterrupted_text(path:
         usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
         prompt = prompt_ids(path, body)
         assert usage == [{"prompt_tokens": len(prompt), "completion_tokens": 12, "total_tokens": len(prompt) + 12}]
+        # The last chunk is the engine's, key for key in its order, its fingerprint included.
+        assert json.dumps(events[-2]) == json.dumps(plain[-2]) and events[-2]["system_fingerprint"]
         paths = [p for p, _ in h.engine.seen]
         continuation = dict(h.engine.seen)["/inference/v1/generate"]
         assert continuation is not None
@@ -246,11 +243,16 @@ def test_a_stream_broken_by_a_crash_is_resumed_with_the_uninterrupted_text(path:
         done = 5 if chat else 4
         assert continuation["token_ids"] == prompt + generate(prompt, done)
         assert continuation["sampling_params"]["max_tokens"] == 12 - done
+        # The stream, the one-token request that shows how this engine ends a stream (facts.py), the render route.
+        assert (
+            paths[:3] == [path, path, path + "/render"]
+            and h.engine.seen[1][1] == probe_request("chat" if chat else "completion", "tiny", prompt)[1]
+        )
         if chat:
-            assert paths[:4] == [path, path + "/render", path + "/derender", "/inference/v1/generate"]
-            assert set(paths[4:]) == {path + "/derender"}
+            assert paths[3:5] == [path + "/derender", "/inference/v1/generate"]
+            assert set(paths[5:]) == {path + "/derender"}
         else:
-            assert paths == [path, path + "/render", "/inference/v1/generate"]
+            assert paths[3:] == ["/inference/v1/generate"]
         assert h.front.metrics.counts["resumed"] == 1
         if chat:
             roles = [c["delta"].get("role") for e in events if isinstance(e, dict) for c in e["choices"]]
@@ -263,7 +265,7 @@ def test_a_stream_broken_again_while_it_is_resumed_is_resumed_again_from_where_i
     async def scenario() -> None:
         body = {"prompt": "tell", "max_tokens": 20, "stream": True}
         async with running(hold_s=BOUND_S) as h:
-            want, _ = await _uninterrupted(h, "/v1/completions", body)
+            want, _ = await uninterrupted(h, "/v1/completions", body)
             h.engine.seen.clear()
             h.engine.crash_after, h.engine.crash_generate_after = 3, 6
             sent = asyncio.ensure_future(h.client.post("/v1/completions", json=body))
@@ -371,19 +373,6 @@ def test_events_that_arrive_together_reach_the_client_in_one_write(path: str) ->
     run(scenario)
 
 
-async def _broken(h: Any, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[Any]:
-    """The events of a stream that the engine breaks after its fifth token, the engine then back."""
-    h.engine.crash_after = 5
-    crashes = h.engine.crashes
-    sent = asyncio.ensure_future(h.client.post(path, json=body, headers=headers))
-    await until(lambda: h.engine.crashes == crashes + 1, "the engine crashed mid-stream")
-    await h.engine.restart()
-    async with await asyncio.wait_for(sent, BOUND_S) as answer:
-        assert answer.status == 200
-        _text, events = await stream_text(answer)
-    return events
-
-
 def test_a_chat_stream_broken_mid_reasoning_resumes_its_reasoning_through_the_engines_parser() -> None:
     """Was: the continuation's text went out as `content`, the reasoning cut at the break and sent again."""
 
@@ -391,8 +380,8 @@ def test_a_chat_stream_broken_mid_reasoning_resumes_its_reasoning_through_the_en
         body = {"messages": [{"role": "user", "content": "think"}], "max_tokens": 12, "stream": True}
         async with running(hold_s=BOUND_S) as h:
             h.engine.reasoning = 8
-            _want, plain = await _uninterrupted(h, "/v1/chat/completions", body)
-            events = await _broken(h, "/v1/chat/completions", body)
+            _want, plain = await uninterrupted(h, "/v1/chat/completions", body)
+            events = await broken(h, "/v1/chat/completions", body)
 
         def split(evs: list[Any]) -> tuple[str, str]:
             deltas = [c["delta"] for e in evs if isinstance(e, dict) for c in e.get("choices", [])]
@@ -425,7 +414,7 @@ def test_the_resumes_requests_carry_the_clients_authorization_and_no_other_heade
                 return await original(request)
 
             h.engine._generate = spy  # type: ignore[method-assign]
-            events = await _broken(h, "/v1/completions", body, headers)
+            events = await broken(h, "/v1/completions", body, headers)
         text = "".join(c.get("text") or "" for e in events if isinstance(e, dict) for c in e.get("choices", []))
         assert text == want and not any("error" in e for e in events if isinstance(e, dict))
         assert not any(p.endswith(" 401") for p, _ in h.engine.seen)
@@ -441,8 +430,8 @@ def test_continuous_usage_stats_keep_their_usage_on_every_resumed_chunk() -> Non
         options = {"include_usage": True, "continuous_usage_stats": True}
         body = {"prompt": "tell", "max_tokens": 12, "stream": True, "stream_options": options}
         async with running(hold_s=BOUND_S) as h:
-            _want, plain = await _uninterrupted(h, "/v1/completions", body)
-            events = await _broken(h, "/v1/completions", body)
+            _want, plain = await uninterrupted(h, "/v1/completions", body)
+            events = await broken(h, "/v1/completions", body)
         usage = [(e["usage"], e["choices"][0]["text"] if e["choices"] else None) for e in events if isinstance(e, dict)]
         assert usage == [(e["usage"], e["choices"][0]["text"] if e["choices"] else None) for e in plain[:-1]]
 
@@ -454,7 +443,7 @@ def test_penalties_on_the_output_end_a_broken_stream_with_an_error_chunk_even_as
         body = {"prompt": "tell", "max_tokens": 12, "stream": True}
         async with running(hold_s=BOUND_S) as h:
             h.engine.render_params = {"frequency_penalty": 0.5}  # from the model's generation config
-            events = await _broken(h, "/v1/completions", body)
+            events = await broken(h, "/v1/completions", body)
         assert events[-1] == "[DONE]" and "frequency penalty" in events[-2]["error"]["message"]
         assert "/inference/v1/generate" not in [p for p, _ in h.engine.seen]
 
@@ -471,8 +460,8 @@ def test_a_broken_stream_with_logprobs_resumes_them_in_the_clients_shape(path: s
         body |= {"messages": [{"role": "user", "content": "tell"}], "logprobs": True} if chat else {"prompt": "tell"}
         body |= {} if chat else {"logprobs": 0}
         async with running(hold_s=BOUND_S) as h:
-            _want, plain = await _uninterrupted(h, path, body)
-            events = await _broken(h, path, body)
+            _want, plain = await uninterrupted(h, path, body)
+            events = await broken(h, path, body)
 
         def logprobs(evs: list[Any]) -> list[Any]:
             """Each token's entry, in order (a resumed chat chunk may carry the tokens of one read together)."""
@@ -523,8 +512,8 @@ def test_a_broken_stream_with_n_choices_resumes_each_by_its_index(path: str) -> 
         body: dict[str, Any] = {"max_tokens": 12, "stream": True, "n": 2, "stream_options": {"include_usage": True}}
         body |= {"messages": [{"role": "user", "content": "tell"}]} if chat else {"prompt": "tell"}
         async with running(hold_s=BOUND_S) as h:
-            _want, plain = await _uninterrupted(h, path, body)
-            events = await _broken(h, path, body)
+            _want, plain = await uninterrupted(h, path, body)
+            events = await broken(h, path, body)
 
         def texts_by_index(evs: list[Any]) -> dict[int, str]:
             out: dict[int, str] = {}

@@ -141,6 +141,7 @@ def test_a_stream_broken_by_the_engines_crash_resumes_on_the_spare_at_once_with_
     async def scenario() -> None:
         directory = Path(tempfile.mkdtemp(prefix="kspare-", dir="/tmp"))
         spare = FakeEngine(directory / "spare.sock")
+        spare.fingerprint = "vllm-0.32.0-tp8-5pa4e000"
         await spare.start()
         body = {"prompt": "tell", "max_tokens": 12, "stream": True}
         try:
@@ -153,8 +154,13 @@ def test_a_stream_broken_by_the_engines_crash_resumes_on_the_spare_at_once_with_
                     assert answer.status == 200
                     text, events = await stream_text(answer)
                 assert h.engine.crashes == 1 and text == want  # the engine stays down: the spare finished it
-                assert [p for p, _ in spare.seen] == ["/v1/completions/render", "/inference/v1/generate"]
+                # The one-token request that shows how the spare ends a stream (facts.py), its render, its generate.
+                paths = ["/v1/completions", "/v1/completions/render", "/inference/v1/generate"]
+                assert [p for p, _ in spare.seen] == paths
                 assert not any("error" in e for e in events if isinstance(e, dict))
+                # The engine that finished the stream is the one its fingerprint names.
+                ends = [e.get("system_fingerprint") for e in events if isinstance(e, dict)]
+                assert ends[-1] == spare.fingerprint and not any(ends[:-1])
                 assert h.front.metrics.counts["resumed"] == 1 and h.front.metrics.counts["held"] == 0
                 assert [(f["died"], f["to"]) for f in h.front.metrics.failovers_seen] == [("main", "spare")]
         finally:
