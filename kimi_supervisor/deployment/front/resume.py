@@ -300,10 +300,13 @@ class StreamRecord:
                 kept.keep(ids, False)
                 continue
             logprobs = _completion_logprobs(kept, choice)
+            # vLLM's CompletionResponseStreamChoice, every field written (`prompt_token_ids` only on the first
+            # chunk: null here), in its order.
             item: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
             item["finish_reason"] = choice.get("finish_reason")
+            item["stop_reason"] = choice.get("stop_reason")
+            item["prompt_token_ids"] = None
             if choice.get("finish_reason") is not None:
-                item["stop_reason"] = choice.get("stop_reason")
                 kept.finished = True
             if self.wants_ids:
                 item["token_ids"] = ids

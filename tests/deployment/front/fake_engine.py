@@ -253,6 +253,8 @@ class FakeEngine:
                     choice["logprobs"] = {"content": [logprob_entry(token)]}
                 elif body.get("logprobs") is not None and not chat:
                     choice["logprobs"] = completion_logprobs([token], sum(len(f"<{t}>") for t in out[:n]))
+                if not chat:  # vLLM writes a completion choice's prompt ids, null after the first chunk
+                    choice["prompt_token_ids"] = prompt if ids and n == 0 else None
                 if ids:
                     choice["token_ids"] = [token]
                 chunk: dict[str, Any] = {**head, "choices": [choice]}
@@ -262,8 +264,6 @@ class FakeEngine:
                         chunk["usage"]["completion_tokens_details"] = self._reasoning_details(chat, n + 1)
                 if last and not (body.get("stream_options") or {}).get("include_usage") and self.fingerprint:
                     chunk["system_fingerprint"] = self.fingerprint
-                if ids and not chat and n == 0:
-                    chunk["prompt_token_ids"] = prompt
                 # `n` > 1: every choice the same (greedy), one chunk per choice and step, as vLLM interleaves them.
                 chunks = [chunk] + [_as_choice(chunk, i) for i in range(1, int(body.get("n") or 1))]
                 if self.burst:
