@@ -101,6 +101,9 @@ def _body(i: int, stream: bool) -> dict[str, Any]:
         body["prompt"] = f"Once upon a time, number {i},"
     if stream and i % 4 == 0:  # completions with the usage chunk (the front writes it after a resume)
         body["stream_options"] = {"include_usage": True}
+    if i % 8 in (5, 6):
+        # Resumed: it counts prompt and output ids alike, so the ids sent, made prompt, weigh as they did.
+        body["repetition_penalty"] = 1.3
     return body | {"stream": stream}
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import time
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from kimi_supervisor.config.front import FrontConfig
@@ -62,6 +63,35 @@ def error_response(status: int, message: str, error_type: str, retry_after: int 
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     body = {"error": {"message": message, "type": error_type, "code": status}}
     return web.json_response(body, status=status, headers=headers)
+
+
+async def read_answer(answer: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """An engine's answer read up to `limit` bytes, and whether that is all of it.  Not all: one the front must not
+    hold whole, a stream or an answer past the bound (`pass_on` sends the rest as it comes)."""
+    if answer.content_type == "text/event-stream":
+        return b"", False
+    if answer.content_length is not None and answer.content_length > limit:
+        return b"", False
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in answer.content.iter_any():
+        parts.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return b"".join(parts), False
+    return b"".join(parts), True
+
+
+async def pass_on(request: web.Request, answer: aiohttp.ClientResponse, head: bytes) -> web.StreamResponse:
+    """The answer to the client as it comes after `head` (what `read_answer` read), never held whole."""
+    response = web.StreamResponse(status=answer.status, reason=answer.reason, headers=passed_headers(answer.headers))
+    await response.prepare(request)
+    if head:
+        await response.write(head)
+    async for chunk in answer.content.iter_any():
+        await response.write(chunk)
+    await response.write_eof()
+    return response
 
 
 @dataclasses.dataclass

@@ -27,6 +27,11 @@ class EngineBroke(Exception):
         self.why = why
 
 
+class AnswerCut(Exception):
+    """The engine went away under an answer the front passed on as it came (not held, so not sent again): the
+    client's connection is closed, not answered again."""
+
+
 class Failures:
     def __init__(self, engines: EnginePool) -> None:
         self.engines = engines

@@ -3,14 +3,15 @@ serves, both bodies streamed; and a non-streamed completion, sent again when a r
 
 from __future__ import annotations
 
-import aiohttp
 from aiohttp import web
 
 from kimi_supervisor.deployment.front.context import (
     FrontContext,
     error_response,
     outcome,
+    pass_on,
     passed_headers,
+    read_answer,
     request_headers,
 )
 from kimi_supervisor.deployment.front.engine import BASE
@@ -58,67 +59,32 @@ class Forwarder:
     async def retrying(self, request: web.Request, body: bytes) -> web.StreamResponse:
         """A non-streamed completion: vLLM sends its answer whole at the end, so one broken before it is sent
         again; the answer is read whole (one JSON document) so that a break inside it can be retried too, up to
-        `max_body_bytes`: past that, or when it is a stream after all, it is passed on as it comes (`_passed`)."""
+        `max_body_bytes`: past that, or when it is a stream after all, it is passed on as it comes (`pass_on`)."""
         ctx = self.ctx
         for attempt in range(ctx.cfg.max_attempts):
             refused = await ctx.hold(request)
             if refused is not None:
                 return refused
             engine = ctx.engines.pick()
-            passing: web.StreamResponse | None = None
+            passing = False
             try:
                 async with (
                     self.failures.connection(engine),
                     engine.session.post(BASE + request.raw_path, data=body, headers=request_headers(request)) as answer,
                 ):
-                    kept, whole = await self._kept(answer)
+                    kept, whole = await read_answer(answer, ctx.cfg.max_body_bytes)
                     if not whole:
-                        passing = web.StreamResponse(
-                            status=answer.status, reason=answer.reason, headers=passed_headers(answer.headers)
-                        )
-                        return await self._passed(request, answer, passing, kept, attempt)
+                        # Passed on as it comes: a break from here on cuts it (no retry).
+                        passing = True
+                        response = await pass_on(request, answer, kept)
+                        ctx.metrics.finished(outcome(request, "forwarded" if attempt == 0 else "retried"))
+                        return response
                     await self.failures.answer(engine, answer.status)
                     ctx.metrics.finished(outcome(request, "forwarded" if attempt == 0 else "retried"))
                     return web.Response(status=answer.status, body=kept, headers=passed_headers(answer.headers))
             except EngineBroke as exc:
-                if passing is not None and passing.prepared:
+                if passing:
                     raise  # part of the answer went out: cutting it is the one honest answer left
                 ctx.log.warning("front.retry", path=request.path, attempt=attempt + 1, why=exc.why)
         ctx.metrics.finished("failed_restart")
         return error_response(503, f"the engine broke this request {ctx.cfg.max_attempts} times", "engine_restart")
-
-    async def _kept(self, answer: aiohttp.ClientResponse) -> tuple[bytes, bool]:
-        """The answer read up to `max_body_bytes`, and whether that is all of it.  Not all: one the front must not
-        hold whole, a stream (a body too big to parse that asked for one) or an answer past the bound."""
-        if answer.content_type == "text/event-stream":
-            return b"", False
-        limit = self.ctx.cfg.max_body_bytes
-        if answer.content_length is not None and answer.content_length > limit:
-            return b"", False
-        parts: list[bytes] = []
-        size = 0
-        async for chunk in answer.content.iter_any():
-            parts.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                return b"".join(parts), False
-        return b"".join(parts), True
-
-    async def _passed(
-        self,
-        request: web.Request,
-        answer: aiohttp.ClientResponse,
-        response: web.StreamResponse,
-        head: bytes,
-        attempt: int,
-    ) -> web.StreamResponse:
-        """The answer passed on as it comes after `head` (what `_kept` read), never held whole: a break from here
-        on cuts it (no retry)."""
-        await response.prepare(request)
-        if head:
-            await response.write(head)
-        async for chunk in answer.content.iter_any():
-            await response.write(chunk)
-        await response.write_eof()
-        self.ctx.metrics.finished(outcome(request, "forwarded" if attempt == 0 else "retried"))
-        return response

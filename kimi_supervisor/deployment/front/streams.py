@@ -20,13 +20,15 @@ from kimi_supervisor.deployment.front.context import (
     FrontContext,
     error_response,
     outcome,
+    pass_on,
     passed_headers,
+    read_answer,
     request_headers,
 )
 from kimi_supervisor.deployment.front.derender import DERENDER_PATH, Derender
-from kimi_supervisor.deployment.front.engine import BASE, Engine
+from kimi_supervisor.deployment.front.engine import BASE, BROKEN, Engine
 from kimi_supervisor.deployment.front.facts import EngineFacts, FactsUnknown, probe_request
-from kimi_supervisor.deployment.front.failure import EngineBroke, Failures
+from kimi_supervisor.deployment.front.failure import AnswerCut, EngineBroke, Failures
 from kimi_supervisor.deployment.front.resume import (
     GENERATE_PATH,
     RENDER_PATHS,
@@ -140,13 +142,24 @@ class Streams:
 
     async def _relay(
         self, engine: Engine, client: _Client, body: dict[str, Any], record: StreamRecord
-    ) -> web.Response | None:
+    ) -> web.StreamResponse | None:
         """The first send: the engine's own stream, each chunk kept (record.observe) and passed on.  An answer
-        that is not a stream (a 400 for a bad request) is returned as it is."""
+        that is not a stream (a 400 for a bad request) is returned as it is, held up to `max_body_bytes` and
+        passed on as it comes past that."""
         request = client.request
         async with engine.session.post(BASE + request.raw_path, json=body, headers=request_headers(request)) as answer:
             if answer.status != 200 or not answer.content_type.startswith("text/event-stream"):
-                data = await answer.read()
+                data, whole = await read_answer(answer, self.ctx.cfg.max_body_bytes)
+                if not whole:
+                    try:
+                        response = await pass_on(request, answer, data)
+                    except BROKEN as exc:
+                        # Part of it went out: cutting the client's connection is the one honest answer left.
+                        self.failures.engines.broke(engine)
+                        self.ctx.metrics.finished("failed_restart")
+                        raise AnswerCut(type(exc).__name__) from exc
+                    self.ctx.metrics.finished(outcome(request, "forwarded"))
+                    return response
                 await self.failures.answer(engine, answer.status)
                 self.ctx.metrics.finished(outcome(request, "forwarded"))
                 return web.Response(status=answer.status, body=data, headers=passed_headers(answer.headers))

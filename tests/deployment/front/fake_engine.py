@@ -123,6 +123,8 @@ class FakeEngine:
         self.render_params: dict[str, Any] = {}
         # What vLLM 0.32 adds at a stream's end: its --fingerprint-mode's value (None: `none`), a reasoning
         # parser's count (chat usage's completion_tokens_details), --enable-prompt-tokens-details.
+        # A stream request answered 400 with a long body: its first part, then the rest once the event is set.
+        self.long_error: tuple[bytes, bytes, asyncio.Event] | None = None
         self.fingerprint: str | None = "vllm-0.32.0-tp8-1a2b3c4d"
         self.counts_reasoning = False
         self.prompt_details = False
@@ -210,6 +212,15 @@ class FakeEngine:
             answer = {"id": "cmpl-1", "choices": [choice], "usage": usage, "system_fingerprint": self.fingerprint}
             return web.json_response(answer | {"metrics": None})
         ids = body.get("return_token_ids") is True
+        if self.long_error is not None:
+            head_part, rest, go_on = self.long_error
+            answer = web.StreamResponse(status=400, headers={"Content-Type": "application/json"})
+            await answer.prepare(request)
+            await answer.write(head_part)
+            await go_on.wait()
+            await answer.write(rest)
+            await answer.write_eof()
+            return answer
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         assert request.transport is not None

@@ -533,3 +533,30 @@ def test_a_broken_stream_with_n_choices_resumes_each_by_its_index(path: str) -> 
         assert len(generates) == 2 and all(g is not None and g["sampling_params"]["n"] == 1 for g in generates)
 
     run(scenario)
+
+
+def test_a_streams_error_answer_past_max_body_bytes_is_passed_on_as_it_comes_not_held_whole() -> None:
+    """Was: the answer to a stream request that was not a stream (a 400) was read whole before the client got a
+    byte, however long (issue 49's trust round: the front holds at most max_body_bytes of an answer)."""
+
+    async def scenario() -> None:
+        head_part, rest = b'{"error": {"message": "' + b"x" * 4096, b'", "code": 400}}'
+        go_on = asyncio.Event()
+        async with running(hold_s=BOUND_S, max_body_bytes=1024) as h:
+            h.engine.long_error = (head_part, rest, go_on)
+            body = {"prompt": "tell", "max_tokens": 12, "stream": True}
+            try:
+                sent = h.client.post("/v1/completions", json=body)
+                async with await asyncio.wait_for(sent, BOUND_S) as answer:  # its status and first bytes
+                    assert answer.status == 400
+                    got = b""
+                    while len(got) < len(head_part):  # the engine holds the rest until the client has this part
+                        got += await asyncio.wait_for(answer.content.readany(), BOUND_S)
+                    go_on.set()
+                    got += await answer.content.read()
+            finally:
+                go_on.set()  # a front that held the answer whole gave the client nothing: let the engine end it
+            assert got == head_part + rest
+            assert h.front.metrics.counts["forwarded"] == 1
+
+    run(scenario)
