@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -42,7 +43,7 @@ from testkit.procutil import free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "spare.md"
 NAME = "kimi-sp"
-BODY = {"model": "m", "prompt": "hello", "max_tokens": 1, "stream": True}
+BODY: dict[str, Any] = {"model": "m", "prompt": "hello", "max_tokens": 1, "stream": True}
 
 
 def standin(sock: Path) -> subprocess.Popen[bytes]:
@@ -67,26 +68,27 @@ async def healthy(sock: Path) -> bool:
         return False
 
 
-async def until(check: object, what: str, bound_s: float = 30.0) -> None:
+async def until(check: Any, what: str, bound_s: float = 30.0) -> None:
     deadline = time.monotonic() + bound_s
-    while not await check():  # type: ignore[operator]
+    while not await check():
         if time.monotonic() > deadline:
-            raise SystemExit(f"bench_spare: not within {bound_s}s: {what}")
+            raise SystemExit(f"{Path(sys.argv[0]).stem}: not within {bound_s}s: {what}")
         await asyncio.sleep(0.01)
 
 
-async def serving(client: aiohttp.ClientSession, engine: str) -> bool:
+async def serving(client: aiohttp.ClientSession, engine: str, name: str = NAME) -> bool:
+    """Whether the front sends new requests to `engine` now (its metrics)."""
     try:
         async with client.get("/front/metrics") as answer:
             text = await answer.text()
     except (aiohttp.ClientError, OSError):
         return False  # the front is not listening yet
-    return f'kimi_front_serving_engine{{deployment="{NAME}",engine="{engine}"}} 1.0' in text
+    return f'kimi_front_serving_engine{{deployment="{name}",engine="{engine}"}} 1.0' in text
 
 
-async def first_token(client: aiohttp.ClientSession) -> float:
+async def first_token(client: aiohttp.ClientSession, body: dict[str, Any] = BODY) -> float:
     """Send the streamed request; the monotonic time its first token arrives."""
-    async with client.post("/v1/completions", json=BODY) as answer:
+    async with client.post("/v1/completions", json=body) as answer:
         assert answer.status == 200, answer.status
         async for line in answer.content:
             if line.startswith(b"data: {"):

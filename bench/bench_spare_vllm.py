@@ -41,6 +41,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_spare import first_token, healthy, serving, until  # noqa: E402
 from bench.common import Row, table  # noqa: E402
 from testkit.harness import write_config  # noqa: E402
 from testkit.procutil import free_port  # noqa: E402
@@ -50,7 +51,7 @@ RESULTS = ROOT / "bench" / "results" / "spare_vllm.md"
 NAME = "kimi-spv"
 START_BOUND_S = 400.0  # one vLLM start on two busy cores
 TOKENS = 600  # a stream's length: long enough to be in flight at the kill on this machine
-PROBE = {"model": "tiny", "prompt": "Hello", "max_tokens": 1, "stream": True, "temperature": 0}
+PROBE: dict[str, Any] = {"model": "tiny", "prompt": "Hello", "max_tokens": 1, "stream": True, "temperature": 0}
 
 
 def argv(sock: Path) -> list[str]:
@@ -91,44 +92,17 @@ class Vllm:
         self.proc = None
 
 
-async def until(check: Any, what: str, bound_s: float = START_BOUND_S) -> None:
-    deadline = time.monotonic() + bound_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"bench_spare_vllm: not within {bound_s}s: {what}")
-        await asyncio.sleep(0.02)
-
-
-async def serving(client: aiohttp.ClientSession, engine: str) -> bool:
-    try:
-        async with client.get("/front/metrics") as answer:
-            text = await answer.text()
-    except (aiohttp.ClientError, OSError):
-        return False
-    return f'kimi_front_serving_engine{{deployment="{NAME}",engine="{engine}"}} 1.0' in text
-
-
-async def healthy(sock: Path) -> bool:
-    try:
-        async with (
-            aiohttp.ClientSession(connector=aiohttp.UnixConnector(str(sock))) as s,
-            s.get("http://e/health", timeout=aiohttp.ClientTimeout(total=1)) as answer,
-        ):
-            return answer.status == 200
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-        return False
-
-
 class Stream:
     def __init__(self) -> None:
         self.times: list[float] = []
         self.text = ""
         self.errors = 0
 
-    def gap_across(self, t: float) -> float:
-        """The longest time between two chunks of this stream, of those that span the moment t."""
+    def gap_after(self, t: float) -> float:
+        """The longest time between two chunks of this stream from the last one before the moment t on: what the
+        break cost it (chunks already on their way arrive after t, then the wait for the resume)."""
         pairs = zip(self.times, self.times[1:], strict=False)
-        return max((b - a for a, b in pairs if a <= t <= b), default=0.0)
+        return max((b - a for a, b in pairs if b >= t), default=0.0)
 
 
 async def stream(client: aiohttp.ClientSession, i: int, seen: Stream) -> None:
@@ -144,20 +118,11 @@ async def stream(client: aiohttp.ClientSession, i: int, seen: Stream) -> None:
             seen.text += "".join(c.get("text") or "" for c in doc.get("choices", []))
 
 
-async def first_token(client: aiohttp.ClientSession) -> float:
-    async with client.post("/v1/completions", json=PROBE) as answer:
-        assert answer.status == 200, answer.status
-        async for line in answer.content:
-            if line.startswith(b"data: {"):
-                return time.monotonic()
-    raise SystemExit("bench_spare_vllm: a stream without a token")
-
-
 async def arm(client: aiohttp.ClientSession, engine: Vllm, kills: int, n: int, want: list[str]) -> dict[str, Any]:
     """KILLS kills of the engine's EngineCore with N streams in flight at each."""
     out: dict[str, Any] = {"first_token_s": [], "gaps_s": [], "differ": 0, "errors": 0, "streams": 0}
     for _ in range(kills):
-        await until(lambda: serving(client, "main"), "the front sends to the engine")
+        await until(lambda: serving(client, "main", NAME), "the front sends to the engine", START_BOUND_S)
         seen = [Stream() for _ in range(n)]
         flows = [asyncio.ensure_future(stream(client, i, seen[i])) for i in range(n)]
 
@@ -169,7 +134,7 @@ async def arm(client: aiohttp.ClientSession, engine: Vllm, kills: int, n: int, w
         assert proc is not None
         engine.engine_core().kill()
         t_kill = time.monotonic()
-        probe = asyncio.ensure_future(first_token(client))
+        probe = asyncio.ensure_future(first_token(client, PROBE))
 
         async def exited(proc: subprocess.Popen[bytes] = proc) -> bool:
             return proc.poll() is not None
@@ -180,7 +145,7 @@ async def arm(client: aiohttp.ClientSession, engine: Vllm, kills: int, n: int, w
         await asyncio.gather(*flows)
         in_flight = [s for s in seen if s.times[-1] > t_kill]
         out["streams"] += len(in_flight)
-        out["gaps_s"] += [s.gap_across(t_kill) for s in in_flight]
+        out["gaps_s"] += [s.gap_after(t_kill) for s in in_flight]
         out["differ"] += sum(s.text != want[i] for i, s in enumerate(seen))
         out["errors"] += sum(s.errors for s in seen)
     return out
@@ -190,8 +155,8 @@ async def measure(port: int, engine: Vllm, spare: Vllm, kills: int, n: int) -> d
     timeout = aiohttp.ClientTimeout(total=3 * START_BOUND_S)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=timeout, connector=connector) as client:
-        await until(lambda: serving(client, "main"), "the front serves through the engine")
-        await until(lambda: healthy(spare.sock), "the spare's vLLM answers /health")
+        await until(lambda: serving(client, "main", NAME), "the front serves through the engine", START_BOUND_S)
+        await until(lambda: healthy(spare.sock), "the spare's vLLM answers /health", START_BOUND_S)
         want = [Stream() for _ in range(n)]
         await asyncio.gather(*(stream(client, i, want[i]) for i in range(n)))
         texts = [w.text for w in want]
@@ -232,10 +197,8 @@ def run(kills: int, n: int, work: Path) -> list[Row]:
         engine.end()
         spare.end()
 
-    def spread(values: list[float], unit: str = "s") -> str:
-        scale, fmt = (1000.0, "{:.0f} ms") if unit == "ms" else (1.0, "{:.2f} s")
-        p50, top = fmt.format(statistics.median(values) * scale), fmt.format(max(values) * scale)
-        return f"p50 {p50}, max {top} ({len(values)})"
+    def spread(values: list[float], what: str) -> str:
+        return f"p50 {statistics.median(values):.2f} s, max {max(values):.2f} s ({len(values)} {what})"
 
     rows = []
     for key, label in (
@@ -247,15 +210,15 @@ def run(kills: int, n: int, work: Path) -> list[Row]:
             Row(
                 f"EngineCore SIGKILLed -> first token of a new streamed request, {label}",
                 "p50 <= 1 s" if key == "with" else "-",
-                spread(o["first_token_s"]) + " kills",
+                spread(o["first_token_s"], "kills"),
                 statistics.median(o["first_token_s"]) <= 1.0 if key == "with" else None,
             )
         )
         rows.append(
             Row(
-                f"each stream in flight at the kill: its longest gap between two chunks, {label}",
+                f"each stream in flight at the kill: its longest gap between two chunks from the kill on, {label}",
                 "-",
-                spread(o["gaps_s"]) + " streams",
+                spread(o["gaps_s"], "streams"),
                 None,
             )
         )

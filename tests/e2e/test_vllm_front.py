@@ -89,14 +89,15 @@ async def _until(condition: Any, what: str, bound_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
-def _body(i: int, stream: bool) -> dict[str, Any]:
+def _body(i: int, stream: bool, thinking: bool = False) -> dict[str, Any]:
     body: dict[str, Any] = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     # Paced (tests/e2e/pace_logits.py): at least 20 ms a token, so the kill lands mid-generation on any machine.
     body["vllm_xargs"] = {"kimi_pace": 1}
     if i % 2:
         body["messages"] = [{"role": "user", "content": f"Tell story number {i}"}]
-        # Without thinking the kimi_k2 parser starts in content: the random model's text is `content`.
-        body["chat_template_kwargs"] = {"thinking": False}
+        # Without thinking the kimi_k2 parser starts in content: the random model's text is `content`; with it,
+        # in the reasoning, which the random model never closes: its text is `reasoning`.
+        body["chat_template_kwargs"] = {"thinking": thinking}
     else:
         body["prompt"] = f"Once upon a time, number {i},"
     if stream and i % 4 == 0:  # completions with the usage chunk (the front writes it after a resume)
@@ -127,10 +128,11 @@ class _Stream:
         self.errors: list[Any] = []
         self.events: list[bytes] = []  # every event's data, for the message of a failure
         self.end = ""  # the last chunk but its id, time and text: its finish, usage and system_fingerprint
+        self.reasoning = ""
 
 
-async def _stream(client: aiohttp.ClientSession, i: int, seen: _Stream) -> str:
-    async with client.post(_path(i), json=_body(i, True)) as answer:
+async def _stream(client: aiohttp.ClientSession, i: int, seen: _Stream, thinking: bool = False) -> str:
+    async with client.post(_path(i), json=_body(i, True, thinking)) as answer:
         assert answer.status == 200, await answer.text()
         async for data in sse_data(answer):
             seen.events.append(data)
@@ -142,9 +144,10 @@ async def _stream(client: aiohttp.ClientSession, i: int, seen: _Stream) -> str:
                 seen.errors.append(doc)
             for choice in doc.get("choices", []):
                 seen.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                seen.reasoning += (choice.get("delta") or {}).get("reasoning") or ""
             seen.chunks += 1
             seen.end = _shape(doc)
-    return seen.text
+    return seen.text + "|" + seen.reasoning
 
 
 def _shape(doc: dict[str, Any]) -> str:
