@@ -13,9 +13,10 @@ the first request sent to another.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -40,6 +41,7 @@ class Engine:
         # What it ends a stream with, by stream kind (facts.py): learned once while it serves, forgotten when it
         # stops (a restart may bring another config, so another fingerprint).
         self.facts: dict[str, asyncio.Future[EngineFacts]] = {}
+        self._streams: set[aiohttp.ClientResponse] = set()  # its answers streamed to clients now (streams.py)
         self._probe_timeout_s = probe_timeout_s
         self._probe_timeout = aiohttp.ClientTimeout(total=probe_timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -64,13 +66,37 @@ class Engine:
             await self._session.close()
 
     async def healthy(self) -> bool:
-        """GET /health answered 200 within the probe's timeout."""
+        """GET /health answered 200 within the probe's timeout.  An answer that is not 200, or a refused
+        connection, says the engine is gone: vLLM 0.32 answers 503 as soon as its EngineCore is dead (a draining
+        engine answers 200), so the streams still open on it will get no token more, and they are cut now
+        (`cut_streams`: each resumes where an engine serves) rather than when vLLM's API server ends them, 1.9 s
+        after the kill (p50, bench/results/spare_vllm.md).  A timeout says nothing so sure: it cuts nothing."""
         try:
             async with self.session.get(BASE + "/health", timeout=self._probe_timeout) as answer:
                 await answer.read()
-                return answer.status == 200
-        except (*BROKEN, asyncio.TimeoutError):
+                ok = answer.status == 200
+        except asyncio.TimeoutError:
             return False
+        except BROKEN:
+            ok = False
+        if not ok:
+            self.cut_streams()
+        return ok
+
+    @contextlib.contextmanager
+    def streaming(self, answer: aiohttp.ClientResponse) -> Iterator[None]:
+        """While the block runs, `answer` is one of this engine's streams that `cut_streams` ends."""
+        self._streams.add(answer)
+        try:
+            yield
+        finally:
+            self._streams.discard(answer)
+
+    def cut_streams(self) -> None:
+        """Close every stream open on this engine: each one's reader meets a broken connection (failure.py)."""
+        for answer in list(self._streams):
+            answer.close()
+        self._streams.clear()
 
     async def probe(self) -> bool:
         """Whether it serves: /health answers, and its supervisor (while its writer lives) neither drains it nor

@@ -166,10 +166,11 @@ class Streams:
             headers = passed_headers(answer.headers)
             # The events that came in one read go out in one write: under load (a slow client, a busy front)
             # several wait in one read, and one write per event was a send(2) and an HTTP chunk each.
-            async for batch in self._batches(engine, answer):
-                out = await self._kept(engine, client, headers, batch, record)
-                if out:
-                    await client.write(sse.frame(out), headers)
+            with engine.streaming(answer):
+                async for batch in self._batches(engine, answer):
+                    out = await self._kept(engine, client, headers, batch, record)
+                    if out:
+                        await client.write(sse.frame(out), headers)
         return None
 
     async def _kept(
@@ -258,22 +259,36 @@ class Streams:
                 data = await answer.read()
                 await self.failures.answer(engine, answer.status)
                 raise NotResumable(f"the token-in route answered {answer.status}: {data[:200]!r}")
-            async for batch in self._batches(engine, answer):
-                chunks: list[dict[str, Any]] = []
-                for data in batch:
-                    if data == sse.DONE:
-                        break
-                    chunk = await self.failures.chunk(engine, data)
-                    if isinstance(chunk, dict) and "error" in chunk:
-                        if chunks:  # what came before the error goes out: it can end this send
-                            out = await self._chunks(engine, headers, record, derender, chunks, index)
-                            await client.write(sse.frame(out), _EVENT_STREAM)
-                        raise NotResumable(f"the token-in route failed: {data[:200]!r}")
-                    if isinstance(chunk, dict) and chunk.get("choices"):
-                        chunks.append(chunk)
-                out = await self._chunks(engine, headers, record, derender, chunks, index)
-                if out:
-                    await client.write(sse.frame(out), _EVENT_STREAM)
+            with engine.streaming(answer):
+                await self._continued(engine, client, headers, record, derender, answer, index)
+
+    async def _continued(
+        self,
+        engine: Engine,
+        client: _Client,
+        headers: dict[str, str],
+        record: StreamRecord,
+        derender: Derender | None,
+        answer: aiohttp.ClientResponse,
+        index: int,
+    ) -> None:
+        """The token-in route's answer for one choice, read to its end, as the client's chunks."""
+        async for batch in self._batches(engine, answer):
+            chunks: list[dict[str, Any]] = []
+            for data in batch:
+                if data == sse.DONE:
+                    break
+                chunk = await self.failures.chunk(engine, data)
+                if isinstance(chunk, dict) and "error" in chunk:
+                    if chunks:  # what came before the error goes out: it can end this send
+                        out = await self._chunks(engine, headers, record, derender, chunks, index)
+                        await client.write(sse.frame(out), _EVENT_STREAM)
+                    raise NotResumable(f"the token-in route failed: {data[:200]!r}")
+                if isinstance(chunk, dict) and chunk.get("choices"):
+                    chunks.append(chunk)
+            out = await self._chunks(engine, headers, record, derender, chunks, index)
+            if out:
+                await client.write(sse.frame(out), _EVENT_STREAM)
 
     async def _chunks(
         self,
