@@ -124,18 +124,18 @@ async def measure_kills(port: int, engine_sock: Path, spare_sock: Path, n: int, 
     return out
 
 
-def run(kills: int = 10) -> list[Row]:
-    """The rows (bench/run.py's row 12): KILLS kills with the spare, then as many without it."""
-    work = Path(tempfile.mkdtemp(prefix="kbs-", dir="/tmp"))
+def start_front(work: Path, name: str, hold_s: float) -> tuple[subprocess.Popen[bytes], int, Path]:
+    """The front as the real CLI with `front.spare = true`, its runtime under WORK: the process, its port and the
+    folder of its engine's and its spare's sockets."""
     runtime = work / "run"
-    sockets = runtime / NAME / "front"
+    sockets = runtime / name / "front"
     sockets.mkdir(parents=True)
     port = free_port()
     config = write_config(
-        work / f"{NAME}.front.toml",
+        work / f"{name}.front.toml",
         {
-            "deployment": {"name": NAME, "role": "front"},
-            "front": {"host": "127.0.0.1", "port": port, "spare": True, "hold_s": 60},
+            "deployment": {"name": name, "role": "front"},
+            "front": {"host": "127.0.0.1", "port": port, "spare": True, "hold_s": hold_s},
             "paths": {"runtime_directory": str(runtime), "state_directory": str(work / "state")},
         },
     )
@@ -145,6 +145,13 @@ def run(kills: int = 10) -> list[Row]:
         stdout=subprocess.DEVNULL,
         stderr=(work / "front.log").open("wb"),
     )
+    return front, port, sockets
+
+
+def run(kills: int = 10) -> list[Row]:
+    """The rows (bench/run.py's row 12): KILLS kills with the spare, then as many without it."""
+    work = Path(tempfile.mkdtemp(prefix="kbs-", dir="/tmp"))
+    front, port, sockets = start_front(work, NAME, 60)
     try:
         engine_sock, spare_sock = sockets / "engine.sock", sockets / "spare.sock"
         with_spare = asyncio.run(measure_kills(port, engine_sock, spare_sock, kills, True))

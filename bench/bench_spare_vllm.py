@@ -41,10 +41,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_spare import first_token, healthy, serving, until  # noqa: E402
+from bench.bench_spare import first_token, healthy, serving, start_front, until  # noqa: E402
 from bench.common import Row, table  # noqa: E402
-from testkit.harness import write_config  # noqa: E402
-from testkit.procutil import free_port  # noqa: E402
 from testkit.vllm_serve import KV_CACHE_ARGS, MAX_LEN, MODEL_DIR, VENV, VLLM_ENV  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "spare_vllm.md"
@@ -167,26 +165,9 @@ async def measure(port: int, engine: Vllm, spare: Vllm, kills: int, n: int) -> d
 
 
 def run(kills: int, n: int, work: Path) -> list[Row]:
-    runtime = work / "run"
-    sockets = runtime / NAME / "front"
-    sockets.mkdir(parents=True)
-    port = free_port()
-    config = write_config(
-        work / f"{NAME}.front.toml",
-        {
-            "deployment": {"name": NAME, "role": "front"},
-            "front": {"host": "127.0.0.1", "port": port, "spare": True, "hold_s": START_BOUND_S},
-            "paths": {"runtime_directory": str(runtime), "state_directory": str(work / "state")},
-        },
-    )
+    front, port, sockets = start_front(work, NAME, START_BOUND_S)
     engine = Vllm(sockets / "engine.sock", work / "engine.log")
     spare = Vllm(sockets / "spare.sock", work / "spare.log")
-    front = subprocess.Popen(
-        [sys.executable, "-m", "kimi_supervisor", "--config", str(config)],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL,
-        stderr=(work / "front.log").open("wb"),
-    )
     try:
         engine.start()
         spare.start()

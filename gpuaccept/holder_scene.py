@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 import bench_weights_holder as bw  # noqa: E402
 
-from gpuaccept.weights_common import scene_report  # noqa: E402
+from gpuaccept.weights_common import dry_run, scene_report  # noqa: E402
 from kimi_supervisor.config.weights import SOCKET_DIR_NAME, UNIX_PATH_MAX  # noqa: E402
 from kimi_supervisor.host.weightcache import allocated  # noqa: E402
 from testkit.harness import write_config  # noqa: E402
@@ -104,18 +104,6 @@ def engine_config(
     argv = engine_argv(name, model, ngpu, free_port(), util, WORK)
     return write_config(
         WORK / file, sections(WORK, name, user, python, model, argv, weights={"holder": True, "wait_s": wait_s})
-    )
-
-
-def dry_run(config: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kimi_supervisor", "--config", str(config), "--dry-run"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-        # Keep what the caller's PYTHONPATH adds (the device machine's carried wheels: structlog).
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
     )
 
 

@@ -26,7 +26,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 import bench_weights_holder as bw  # noqa: E402
 
-from gpuaccept.weights_common import scene_report  # noqa: E402
+from gpuaccept.weights_common import dry_run, scene_report  # noqa: E402
 from kimi_supervisor.config.weights import SOCKET_DIR_NAME  # noqa: E402
 from testkit.harness import write_config  # noqa: E402
 from testkit.procutil import free_port  # noqa: E402
@@ -80,17 +79,6 @@ def health(sock: Path) -> bool:
             return head.startswith(b"HTTP/1.") and head[9:12] == b"200"
     except OSError:
         return False
-
-
-def dry_run(config: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kimi_supervisor", "--config", str(config), "--dry-run"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
-    )
 
 
 def procs_mib(snapshot: dict[int, dict[str, Any]], pids: set[int]) -> dict[int, int]:

@@ -13,6 +13,8 @@ import os
 import pickle
 import socket
 import struct
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,3 +214,17 @@ def scene_report(out: Path, name: str, title: str, res: dict[str, Any], checks: 
     (out / f"{name}.md").write_text(f"# {title}, {res['date_utc']}\n\n{table}\n")
     print(table, flush=True)
     return 0 if all(ok for _, ok, _ in checks) else 1
+
+
+def dry_run(config: Path) -> subprocess.CompletedProcess[str]:
+    """The supervisor's `--dry-run` of one scene config, from the repository's checkout."""
+    repo = Path(__file__).resolve().parent.parent
+    return subprocess.run(
+        [sys.executable, "-m", "kimi_supervisor", "--config", str(config), "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        timeout=120,
+        # Keep what the caller's PYTHONPATH adds (the device machine's carried wheels: structlog).
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))},
+    )

@@ -43,6 +43,19 @@ async def until(condition: Callable[[], bool], what: str) -> None:
 
 
 @contextlib.asynccontextmanager
+async def spare_engine() -> AsyncIterator[FakeEngine]:
+    """A second stand-in engine, serving on a socket of its own (the front's hot spare)."""
+    directory = Path(tempfile.mkdtemp(prefix="kspare-", dir="/tmp"))
+    spare = FakeEngine(directory / "spare.sock")
+    await spare.start()
+    try:
+        yield spare
+    finally:
+        await spare.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
 async def running(engine_up: bool = True, **settings: Any) -> AsyncIterator[Harness]:
     # A short directory of its own: a Unix socket's path has at most 107 bytes, pytest's tmp_path can be longer.
     directory = Path(tempfile.mkdtemp(prefix="kfront-", dir="/tmp"))

@@ -18,7 +18,7 @@ from kimi_supervisor.deployment.front.metrics import SpareReadiness
 from kimi_supervisor.deployment.front.records import EngineRecords
 from kimi_supervisor.opsview.statefile import process_start_time
 from tests.deployment.front.fake_engine import FakeEngine
-from tests.deployment.front.harness import BOUND_S, run, running, stream_text, until
+from tests.deployment.front.harness import BOUND_S, run, running, spare_engine, stream_text, until
 
 pytest.importorskip("aiohttp")
 
@@ -251,31 +251,24 @@ def test_a_stream_on_an_engine_whose_health_says_dead_is_cut_and_resumed_on_the_
     the kill with real vLLM, bench/results/spare_vllm.md) although /health said 503 at once."""
 
     async def scenario() -> None:
-        directory = Path(tempfile.mkdtemp(prefix="kspare-", dir="/tmp"))
-        spare = FakeEngine(directory / "spare.sock")
-        await spare.start()
         body = {"prompt": "tell", "max_tokens": 12, "stream": True}
-        try:
-            async with running(spare_socket=spare.socket, hold_s=BOUND_S) as h:
-                await until(lambda: all(e.serving for e in h.front.engines.engines), "both engines serve")
-                async with h.client.post("/v1/completions", json=body) as answer:
-                    want, _ = await stream_text(answer)
-                # The engine's connection stays open and silent after the first token: its EngineCore is dead,
-                # its API server (this connection) does not know it yet; its /health does.
-                stalled = h.engine.hold_after_first = asyncio.Event()
-                sent = asyncio.ensure_future(h.client.post("/v1/completions", json=body))
-                await until(lambda: len(h.engine.seen) == 2, "the stream reached the engine")
-                h.engine.healthy = False
-                try:
-                    async with await asyncio.wait_for(sent, BOUND_S) as answer:
-                        text, events = await asyncio.wait_for(stream_text(answer), BOUND_S)
-                finally:
-                    stalled.set()
-                assert text == want and not any("error" in e for e in events if isinstance(e, dict))
-                assert h.front.metrics.counts["resumed"] == 1 and h.engine.crashes == 0
-                assert "/inference/v1/generate" in [p for p, _ in spare.seen]
-        finally:
-            await spare.stop()
-            shutil.rmtree(directory, ignore_errors=True)
+        async with spare_engine() as spare, running(spare_socket=spare.socket, hold_s=BOUND_S) as h:
+            await until(lambda: all(e.serving for e in h.front.engines.engines), "both engines serve")
+            async with h.client.post("/v1/completions", json=body) as answer:
+                want, _ = await stream_text(answer)
+            # The engine's connection stays open and silent after the first token: its EngineCore is dead,
+            # its API server (this connection) does not know it yet; its /health does.
+            stalled = h.engine.hold_after_first = asyncio.Event()
+            sent = asyncio.ensure_future(h.client.post("/v1/completions", json=body))
+            await until(lambda: len(h.engine.seen) == 2, "the stream reached the engine")
+            h.engine.healthy = False
+            try:
+                async with await asyncio.wait_for(sent, BOUND_S) as answer:
+                    text, events = await asyncio.wait_for(stream_text(answer), BOUND_S)
+            finally:
+                stalled.set()
+            assert text == want and not any("error" in e for e in events if isinstance(e, dict))
+            assert h.front.metrics.counts["resumed"] == 1 and h.engine.crashes == 0
+            assert "/inference/v1/generate" in [p for p, _ in spare.seen]
 
     run(scenario)
