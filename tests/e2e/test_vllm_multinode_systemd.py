@@ -75,12 +75,10 @@ def test_follower_first_then_leader_stopped(group: tuple[Node, Node]) -> None:
 
 def test_both_together_then_follower_main_killed(group: tuple[Node, Node]) -> None:
     leader, follower = group
-    started = time.monotonic()
     leader.m.systemctl("start", "--no-block", UNIT)
     follower.m.systemctl("start", "--no-block", UNIT)
     measured["together_group_ready_s"] = wait_serving(leader, follower)
     assert_group_serving(leader, follower)
-    assert time.monotonic() - started < GROUP_READY_S
 
     follower_fault_restarts_both(leader, follower, follower.vllm_main(), "follower_main_killed", measured)
 
