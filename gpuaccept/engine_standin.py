@@ -86,6 +86,26 @@ class Health(BaseHTTPRequestHandler):
         self.send_header("Content-Length", "0")
         self.end_headers()
 
+    def do_POST(self) -> None:
+        """POST /v1/completions: one streamed token in vLLM 0.32's chunk shape, then [DONE] (the front's failover
+        is timed to a new request's first token; this model has none to give but that)."""
+        length = int(self.headers.get("Content-Length") or 0)
+        self.rfile.read(length)
+        if self.path != "/v1/completions" or not self.ready.is_set():
+            self.send_response(404 if self.ready.is_set() else 503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        choice = {"index": 0, "text": "x", "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        chunk = {"id": f"cmpl-{os.getpid()}", "object": "text_completion", "created": int(time.time())}
+        chunk |= {"model": "standin", "choices": [choice]}
+        body = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def log_message(self, format: str, *args: object) -> None:
         del format, args
 

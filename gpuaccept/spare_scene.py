@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,6 +82,43 @@ def health(sock: Path) -> bool:
         return False
 
 
+def wait_until(check: Any, bound_s: float, what: str) -> None:
+    deadline = time.monotonic() + bound_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {bound_s}s: {what}")
+        time.sleep(0.01)
+
+
+def front_serving(port: int, engine: str) -> bool:
+    """The front sends new requests to `engine` now (its /front/metrics)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"GET /front/metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+    except OSError:
+        return False
+    return f'kimi_front_serving_engine{{deployment="{NAME}",engine="{engine}"}} 1.0'.encode() in data
+
+
+def first_token(port: int) -> float:
+    """A streamed completion through the front; the monotonic time its first token's chunk arrives."""
+    body = json.dumps({"model": "standin", "prompt": "hi", "max_tokens": 1, "stream": True}).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(head.encode() + body)
+        data = b""
+        while b"data: {" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                raise RuntimeError(f"the front's answer ended without a token: {data[:300]!r}")
+            data += chunk
+    return time.monotonic()
+
+
 def procs_mib(snapshot: dict[int, dict[str, Any]], pids: set[int]) -> dict[int, int]:
     """MiB per GPU that the processes `pids` hold, per NVML."""
     return {g: sum(m for p, m in v["procs"].items() if p in pids) for g, v in snapshot.items()}
@@ -98,6 +136,7 @@ def main() -> int:
     ap.add_argument("--spare-kv-gib", type=int, default=2)
     ap.add_argument("--python", default=sys.executable, help="the stand-ins' interpreter (imports torch)")
     ap.add_argument("--fake", action="store_true", help="CPU: no torch/NVML (the orchestration only)")
+    ap.add_argument("--kills", type=int, default=10, help="kills of the engine with the front before it")
     a = ap.parse_args()
     if a.fake:
         os.environ["WEIGHTS_FAKE"] = "1"
@@ -239,7 +278,49 @@ def main() -> int:
             health(engine_sock) and health(spare_sock),
             f"{res['engine_restart_ready_s']:.2f} s; {len(partner)} event(s) naming partner_memory",
         )
-        # 5. stops
+        # 5. the front before them: KILLS kills of the engine's child, a new streamed request through the front
+        # at each, timed to its first token (the spare's); a new engine supervisor after each
+        port = free_port()
+        front_cfg = write_config(
+            WORK / f"{NAME}.front.toml",
+            {
+                "deployment": {"name": NAME, "role": "front"},
+                "front": {"host": "127.0.0.1", "port": port, "spare": True, "hold_s": 60},
+                "paths": base["paths"],
+            },
+        )
+        front = subprocess.Popen(
+            [sys.executable, "-m", "kimi_supervisor", "--config", str(front_cfg)],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
+            stdout=subprocess.DEVNULL,
+            stderr=(WORK / "front.log").open("wb"),
+        )
+        firsts: list[float] = []
+        rcs13: list[int] = []
+        try:
+            for k in range(a.kills):
+                wait_until(lambda: front_serving(port, "main"), 60, "the front sends to the engine")
+                victim = engine.child()
+                t_kill = time.monotonic()
+                os.kill(victim, signal.SIGKILL)
+                firsts.append(first_token(port) - t_kill)
+                rcs13.append(engine.run.wait(60))
+                engine = bw.Sup(engine_cfg, WORK, f"engine{k + 3}")
+                engine.ready(300)
+        finally:
+            front.send_signal(signal.SIGTERM)
+            front_rc = front.wait(30)
+        res["front_kill_to_first_token_s"] = firsts
+        p50 = sorted(firsts)[len(firsts) // 2] if firsts else None
+        bw.expect(
+            f"the front before them: the engine's child SIGKILLed {a.kills} times, a new streamed request's first "
+            "token through the front (the spare's) each time: p50 <= 1 s",
+            len(firsts) == a.kills and p50 is not None and p50 <= 1.0 and rcs13 == [13] * a.kills and front_rc == 0,
+            f"p50 {p50 and round(p50 * 1000, 1)} ms, max {firsts and round(max(firsts) * 1000, 1)} ms, "
+            f"engine exits {rcs13}, front exit {front_rc}",
+        )
+        # 6. stops
         rcs = []
         for sup in (spare, engine, holder):
             rcs.append(sup.stop()[0])
