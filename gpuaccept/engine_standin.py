@@ -87,10 +87,14 @@ class Health(BaseHTTPRequestHandler):
         self.end_headers()
 
     def do_POST(self) -> None:
-        """POST /v1/completions: one streamed token in vLLM 0.32's chunk shape, then [DONE] (the front's failover
-        is timed to a new request's first token; this model has none to give but that)."""
+        """POST /v1/completions: one token in vLLM 0.32's shape, streamed (then [DONE]) when the body asks for a
+        stream: the front's failover is timed to a new request's first token, and the supervisor's canary wants a
+        whole answer with a choice."""
         length = int(self.headers.get("Content-Length") or 0)
-        self.rfile.read(length)
+        try:
+            stream = json.loads(self.rfile.read(length) or b"{}").get("stream") is True
+        except (ValueError, AttributeError):
+            stream = False
         if self.path != "/v1/completions" or not self.ready.is_set():
             self.send_response(404 if self.ready.is_set() else 503)
             self.send_header("Content-Length", "0")
@@ -99,9 +103,11 @@ class Health(BaseHTTPRequestHandler):
         choice = {"index": 0, "text": "x", "logprobs": None, "finish_reason": "length", "stop_reason": None}
         chunk = {"id": f"cmpl-{os.getpid()}", "object": "text_completion", "created": int(time.time())}
         chunk |= {"model": "standin", "choices": [choice]}
-        body = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
+        doc = json.dumps(chunk, separators=(",", ":")).encode()
+        # A stream for the front's clients; the whole answer for the supervisor's canary (liveness/engine.py).
+        body = b"data: " + doc + b"\n\ndata: [DONE]\n\n" if stream else doc
         self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
