@@ -3,7 +3,7 @@
 real supervisors around the stand-ins of gpuaccept/ (holder_standin.py, engine_standin.py: vLLM's shape, real GPU
 memory, mapped weights, a KV cache of their own; vLLM's CUDA build is not on that machine).
 
-    python3 gpuaccept/spare_scene.py --out DIR [--gib 8] [--engine-kv-gib 8] [--spare-kv-gib 2] [--fake]
+    python3 gpuaccept/spare_scene.py --out DIR [--gib 8] [--engine-kv-gib 8] [--spare-kv-gib 2] [--kills 10] [--fake]
 
 Steps, each a PASS/FAIL line, all in DIR/spare_scene.json and DIR/spare_scene.md:
 1. the holder loads GIB GiB per GPU; the engine maps them (`--uds`), with ENGINE_KV GiB of its own;
@@ -15,7 +15,10 @@ Steps, each a PASS/FAIL line, all in DIR/spare_scene.json and DIR/spare_scene.md
 4. the engine's child is SIGKILLed: its supervisor exits 13, the spare answers /health on its socket all along
    (the time from the kill to the spare's next 200 is measured); a new engine supervisor starts beside the
    serving spare (its preflight counts the spare's memory as the deployment's own) and is READY again;
-5. the stops: each exits 0 and the GPU memory comes back.
+5. the front before them (the real CLI, `front.spare = true`): KILLS times the engine's child SIGKILLed and a new
+   streamed completion sent through the front at once, timed to its first token (the spare's); a new engine
+   supervisor after each; p50 <= 1 s;
+6. the stops: each exits 0 and the GPU memory comes back.
 """
 
 from __future__ import annotations
