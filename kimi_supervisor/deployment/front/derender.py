@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kimi_supervisor.deployment.front.resume import OBJECTS, NotResumable, StreamRecord, upstream_body
+from kimi_supervisor.deployment.front.resume import NotResumable, StreamRecord, upstream_body
 
 DERENDER_PATH = "/v1/chat/completions/derender"
 
@@ -91,10 +91,7 @@ class Derender:
         if finish is not None:
             item["stop_reason"] = read.stop_reason
         item["token_ids"] = read.ids
-        out = record.observe(
-            {"id": record.id, "object": OBJECTS["chat"], "created": record.created, "model": record.model}
-            | {"choices": [item]}
-        )
+        out = record.observe(record.head() | {"choices": [item]})
         return record.ended(out, self.kept, finish is not None)
 
     def _call(self, generate_chunk: dict[str, Any]) -> dict[str, Any]:

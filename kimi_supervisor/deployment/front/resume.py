@@ -287,7 +287,7 @@ class StreamRecord:
         """One chunk of the generate route's text stream as a completion's chunk, under the original id (None: the
         client had it already); it is kept like observe()'s, so a second restart resumes from here.  (A chat
         stream's chunks are the engine's parser's: derender.py.)"""
-        out: dict[str, Any] = {"id": self.id, "object": OBJECTS[self.fmt], "created": self.created, "model": self.model}
+        out = self.head()
         kept = self.choice(index)
         choices = []
         for choice in generated.get("choices") or []:
@@ -317,6 +317,10 @@ class StreamRecord:
         out["choices"] = choices
         return self.ended(out, kept, any(c["finish_reason"] is not None for c in choices))
 
+    def head(self) -> dict[str, Any]:
+        """A chunk the front writes for this stream, before its choices: the original's id, object, time, model."""
+        return {"id": self.id, "object": OBJECTS[self.fmt], "created": self.created, "model": self.model}
+
     def ended(self, out: dict[str, Any], kept: Choice, finished: bool) -> dict[str, Any]:
         """A resumed chunk's fields after its choices, as vLLM 0.32's serving adds them: its choice's usage so far
         (continuous usage), and on a terminal chunk the fingerprint, unless a usage chunk follows (it has it)."""
@@ -329,22 +333,22 @@ class StreamRecord:
     def usage_chunk(self) -> dict[str, Any]:
         """The last chunk of a resumed stream that asked for usage: the whole run's, then the fingerprint (vLLM
         writes this chunk without its null fields)."""
-        head = {"id": self.id, "object": OBJECTS[self.fmt], "created": self.created, "model": self.model}
-        prompt, done = len(self.prompt_ids or []), self.generated
-        usage = {"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done}
         fingerprint = {"system_fingerprint": self.fingerprint} if self.fingerprint is not None else {}
-        return {**head, "choices": [], "usage": usage, **fingerprint}
+        return {**self.head(), "choices": [], "usage": self._counts(self.generated), **fingerprint}
 
     def usage(self, kept: Choice) -> dict[str, int | None]:
         """One choice's usage so far, as a continuous usage chunk has it: the prompt and that choice's ids, in
         the field order of vLLM's UsageInfo; a chat chunk says `completion_tokens_details` (null: facts.py makes
         a stream whose engine counts reasoning tokens end before it resumes)."""
-        prompt, done = len(self.prompt_ids or []), kept.generated
-        usage: dict[str, int | None] = {"prompt_tokens": prompt, "total_tokens": prompt + done}
-        usage["completion_tokens"] = done
+        usage: dict[str, int | None] = {**self._counts(kept.generated)}
         if self.fmt == "chat":
             usage["completion_tokens_details"] = None
         return usage
+
+    def _counts(self, done: int) -> dict[str, int]:
+        """The prompt's and `done` generated ids' counts in the field order of vLLM's UsageInfo."""
+        prompt = len(self.prompt_ids or [])
+        return {"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done}
 
     def error_chunk(self, why: str) -> dict[str, Any]:
         return {

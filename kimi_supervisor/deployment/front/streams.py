@@ -229,15 +229,23 @@ class Streams:
 
     async def _ask_facts(self, engine: Engine, request: web.Request, record: StreamRecord) -> EngineFacts:
         path, body = probe_request(record.fmt, record.model, record.prompt_ids)
-        async with engine.session.post(BASE + path, json=body, headers=credentials(request)) as answer:
+        answer = await self._ask(engine, path, body, credentials(request), "the engine answered its one-token request")
+        try:
+            return EngineFacts.of(answer)
+        except FactsUnknown as exc:
+            raise NotResumable(str(exc)) from exc
+
+    async def _ask(
+        self, engine: Engine, path: str, body: dict[str, Any], headers: dict[str, str], refused: str
+    ) -> object:
+        """One request of a resume that the engine answers whole: its parsed JSON; for any answer but 200,
+        NotResumable saying `refused` and the answer (EngineBroke for a 5xx while the engine's /health fails)."""
+        async with engine.session.post(BASE + path, json=body, headers=headers) as answer:
             data = await answer.read()
             if answer.status != 200:
                 await self.failures.answer(engine, answer.status)
-                raise NotResumable(f"the engine answered its one-token request {answer.status}: {data[:200]!r}")
-            try:
-                return EngineFacts.of(parse_json(data, JSON_DEPTH))
-            except FactsUnknown as exc:
-                raise NotResumable(str(exc)) from exc
+                raise NotResumable(f"{refused} {answer.status}: {data[:200]!r}")
+            return parse_json(data, JSON_DEPTH)
 
     async def _continue_choice(
         self,
@@ -310,21 +318,12 @@ class Streams:
         return [sse.encode(derender.chunk(answer, read))]
 
     async def _derender(self, engine: Engine, headers: dict[str, str], call: dict[str, Any]) -> object:
-        async with self._replays, engine.session.post(BASE + DERENDER_PATH, json=call, headers=headers) as answer:
-            data = await answer.read()
-            if answer.status != 200:
-                await self.failures.answer(engine, answer.status)
-                raise NotResumable(f"the derender route answered {answer.status}: {data[:200]!r}")
-            return parse_json(data, JSON_DEPTH)
+        async with self._replays:
+            return await self._ask(engine, DERENDER_PATH, call, headers, "the derender route answered")
 
     async def _rendered(
         self, engine: Engine, request: web.Request, body: dict[str, Any], record: StreamRecord
     ) -> object:
         """The render route's answer for the client's body: its prompt's ids and sampling params."""
-        headers = credentials(request)
-        async with engine.session.post(BASE + RENDER_PATHS[record.fmt], json=body, headers=headers) as answer:
-            data = await answer.read()
-            if answer.status != 200:
-                await self.failures.answer(engine, answer.status)
-                raise NotResumable(f"the render route answered {answer.status}: {data[:200]!r}")
-            return parse_json(data, JSON_DEPTH)
+        path, headers = RENDER_PATHS[record.fmt], credentials(request)
+        return await self._ask(engine, path, body, headers, "the render route answered")
