@@ -41,10 +41,15 @@ WATCH_S = 900.0
 async def stream(
     client: aiohttp.ClientSession, i: int, seen: dict[str, Any], body: dict[str, Any] | None = None
 ) -> None:
+    path = "/v1/completions"
     if body is None:
-        body = {"model": "tiny", "prompt": f"Story {i}:", "max_tokens": MAX_TOKENS, "temperature": 0}
+        body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0}
         body |= {"ignore_eos": True, "stream": True, "vllm_xargs": {"kimi_pace": 1}}
-    async with client.post("/v1/completions", json=body) as answer:
+        if i % 2:  # a chat stream through the engine's kimi_k2 parser: thinking on, its text is reasoning
+            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": f"Story {i}:"}]
+        else:
+            body["prompt"] = f"Story {i}:"
+    async with client.post(path, json=body) as answer:
         seen["status"] = answer.status
         if answer.status != 200:
             seen["errors"].append(f"HTTP {answer.status}: {(await answer.text())[:300]}")
@@ -57,12 +62,14 @@ async def stream(
             if "error" in doc:
                 seen["errors"].append(doc)
             for choice in doc.get("choices", []):
-                seen["text"] += choice.get("text") or ""
+                delta = choice.get("delta") or {}
+                seen["text"] += choice.get("text") or delta.get("content") or ""
+                seen["reasoning"] += delta.get("reasoning") or ""
             seen["chunks"] += 1
 
 
 async def round_of(client: aiohttp.ClientSession, count: int, marker: Path | None) -> list[dict[str, Any]]:
-    seen = [{"text": "", "errors": [], "chunks": 0, "done": False} for _ in range(count)]
+    seen = [{"text": "", "reasoning": "", "errors": [], "chunks": 0, "done": False} for _ in range(count)]
     tasks = [asyncio.ensure_future(stream(client, i, seen[i])) for i in range(count)]
     if marker is not None:
         while not all(s["chunks"] >= 3 for s in seen) and not all(t.done() for t in tasks):
@@ -86,8 +93,8 @@ def engine_phase(state: Path) -> str | None:
 
 async def new_request(client: aiohttp.ClientSession, i: int, kind: str, phase: str) -> dict[str, Any]:
     """One request sent while the engine is not serving: a short plain completion or a short stream."""
-    seen: dict[str, Any] = {"kind": kind, "phase": phase, "status": None, "text": "", "errors": [], "chunks": 0}
-    seen["done"] = False
+    seen: dict[str, Any] = {"kind": kind, "phase": phase, "status": None, "text": "", "reasoning": "", "errors": []}
+    seen |= {"chunks": 0, "done": False}
     body: dict[str, Any] = {"model": "tiny", "prompt": f"New {kind} {i}:", "max_tokens": 8, "temperature": 0}
     body["ignore_eos"] = True
     began = time.monotonic()

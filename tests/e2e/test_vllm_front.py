@@ -25,7 +25,9 @@ import pytest
 from aiohttp import web
 
 from kimi_supervisor.config.front import FrontConfig
+from kimi_supervisor.deployment.front.derender import COMPLETION_DERENDER_PATH, pending, settling
 from kimi_supervisor.deployment.front.proxy import FrontServer
+from kimi_supervisor.deployment.front.resume import StreamRecord
 from testkit.fakes.log import RecordingLog
 from testkit.harness import PRIVATE_SHM, REPO
 from testkit.vllm_serve import KV_CACHE_ARGS, MAX_LEN, VLLM_ENV
@@ -302,6 +304,32 @@ async def _scripts(client: aiohttp.ClientSession) -> dict[str, tuple[list[int], 
     }
 
 
+async def _pending_bytes_are_the_engines(client: aiohttp.ClientSession, sock: Path) -> None:
+    """Before a completion resumes, the front asks vLLM's completion derender route how many of the last ids the
+    client has are bytes of a character not yet shown (derender.settling/pending): this engine's answer for
+    "é€" (2 and 3 bytes, one id each with this byte-level tokenizer), cut after each of its ids, after text."""
+
+    async def tok(text: str) -> list[int]:
+        async with client.post("/tokenize", json={"model": "tiny", "prompt": text, "add_special_tokens": False}) as r:
+            assert r.status == 200, await r.text()
+            return list((await r.json())["tokens"])
+
+    chars, words = await tok("é€"), await tok("the quick brown fox jumps over the lazy dog " * 2)
+    assert len(chars) == 5, chars
+    prompt = await tok("Story 1:")
+    connector = aiohttp.UnixConnector(path=str(sock))
+    async with aiohttp.ClientSession("http://localhost", connector=connector) as engine:
+        found = []
+        for cut in range(1, 6):
+            record = StreamRecord.of("completion", {"prompt": "Story 1:", "stream": True})
+            record.prompt_ids = prompt
+            record.choice(0).sent_ids = [*words, *chars[:cut]]
+            async with engine.post(COMPLETION_DERENDER_PATH, json=settling(record, {}, 0)) as answer:
+                assert answer.status == 200, await answer.text()
+                found.append(pending(await answer.json()))
+    assert found == [1, 0, 1, 2, 0]
+
+
 def _kimi_body(script: list[int], name: str) -> dict[str, Any]:
     tools = [
         {"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {}}}}
@@ -340,6 +368,7 @@ def test_one_engine_core_sigkill_with_every_kind_of_stream_in_flight_costs_no_cl
         timeout = aiohttp.ClientTimeout(total=3 * START_BOUND_S)
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector, timeout=timeout) as client:
             scripts = await _scripts(client)
+            await _pending_bytes_are_the_engines(client, sock)
             want_kimi = {name: _Kimi() for name in scripts}
             want_seen = [_Stream() for _ in range(STREAMS)]
             want_streams, want_plain, _ = await asyncio.gather(

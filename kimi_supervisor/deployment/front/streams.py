@@ -25,7 +25,13 @@ from kimi_supervisor.deployment.front.context import (
     read_answer,
     request_headers,
 )
-from kimi_supervisor.deployment.front.derender import DERENDER_PATH, Derender
+from kimi_supervisor.deployment.front.derender import (
+    COMPLETION_DERENDER_PATH,
+    DERENDER_PATH,
+    Derender,
+    pending,
+    settling,
+)
 from kimi_supervisor.deployment.front.engine import BASE, BROKEN, Engine
 from kimi_supervisor.deployment.front.facts import EngineFacts, FactsUnknown, probe_request
 from kimi_supervisor.deployment.front.failure import AnswerCut, EngineBroke, Failures
@@ -207,7 +213,7 @@ class Streams:
         record.fingerprint = facts.fingerprint
         rendered = await self._rendered(engine, client.request, body, record)
         for index in record.unfinished:
-            await self._continue_choice(engine, client, body, record, record.generate_body(rendered, index), index)
+            await self._continue_choice(engine, client, body, record, rendered, index)
         why = facts.why_no_usage(record.fmt) if record.include_usage else None
         if why is not None:
             raise NotResumable(why)
@@ -253,15 +259,22 @@ class Streams:
         client: _Client,
         body: dict[str, Any],
         record: StreamRecord,
-        continuation: dict[str, Any],
+        rendered: object,
         index: int,
     ) -> None:
         """One choice continued: the token-in route's ids as the client's chunks (a chat stream's through the
-        engine's parser, derender.py)."""
+        engine's parser, derender.py; a completion's from the last id whose character the client has whole)."""
         headers = credentials(client.request)
         derender = Derender(record, body, index) if record.derendered else None
         if derender is not None:
             derender.seeded(await self._derender(engine, headers, derender.seeding()))
+        else:
+            record.prompt_of(rendered)
+            call = settling(record, body, index)
+            if call is not None:
+                answer = await self._ask(engine, COMPLETION_DERENDER_PATH, call, headers, "the derender route answered")
+                record.choice(index).hold_back(pending(answer))
+        continuation = record.generate_body(rendered, index)
         async with engine.session.post(BASE + GENERATE_PATH, json=continuation, headers=headers) as answer:
             if answer.status != 200:
                 data = await answer.read()

@@ -116,6 +116,7 @@ class FakeEngine:
         self.error_chunk_on_crash = False  # vLLM's EngineDeadError chunk, /health failing, then the exit
         self.hold_after_first: asyncio.Event | None = None  # a stream waits for it after its first token
         self.burst = False  # a stream's events in one write: what a reader that fell behind finds waiting
+        self.ids_per_chunk = 1  # a stream's tokens per chunk: vLLM's under load, its output of several steps in one
         self.aborted = asyncio.Event()  # a stream's client went away before the stream ended
         self.crashes = 0
         self.api_key: str | None = None  # vLLM's --api-key: every route but /health wants `Bearer KEY`
@@ -142,6 +143,7 @@ class FakeEngine:
         app.router.add_post("/v1/completions/render", self._render)
         app.router.add_post("/inference/v1/generate", self._generate)
         app.router.add_post("/v1/chat/completions/derender", self._derender)
+        app.router.add_post("/v1/completions/derender", self._derender_completion)
         app.router.add_route("*", "/{tail:.*}", self._other)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
         await self._runner.setup()
@@ -239,8 +241,10 @@ class FakeEngine:
                     first["prompt_token_ids"] = prompt
                     first["choices"][0]["token_ids"] = []
                 await response.write(b"".join(sse(_as_choice(first, i)) for i in range(int(body.get("n") or 1))))
-            for n, token in enumerate(out):
-                if self.crash_after is not None and n == self.crash_after:
+            step = self.ids_per_chunk
+            for n in range(0, len(out), step):
+                tokens = out[n : n + step]
+                if self.crash_after is not None and n >= self.crash_after:
                     self.crash_after = None
                     if self.error_chunk_on_crash:
                         self.healthy = False
@@ -249,30 +253,31 @@ class FakeEngine:
                         )
                         await response.write(b"data: [DONE]\n\n")
                     await self._die_in(request)
-                last = n == len(out) - 1
+                last = n + step >= len(out)
+                text = "".join(shown[n : n + step])
                 # vLLM's field order: the text, logprobs, finish_reason, stop_reason (a chat chunk's only once it
                 # finishes), the ids.
                 choice: dict[str, Any] = {"index": 0}
                 if chat:
-                    choice["delta"] = {"reasoning" if n < self.reasoning else "content": shown[n]}
+                    choice["delta"] = {"reasoning" if n < self.reasoning else "content": text}
                 else:
-                    choice["text"] = shown[n]
+                    choice["text"] = text
                 choice |= {"logprobs": None, "finish_reason": "length" if last else None}
                 if last or not chat:
                     choice["stop_reason"] = None
                 if body.get("logprobs") and chat:
-                    choice["logprobs"] = {"content": [logprob_entry(token)]}
+                    choice["logprobs"] = {"content": [logprob_entry(t) for t in tokens]}
                 elif body.get("logprobs") is not None and not chat:
-                    choice["logprobs"] = completion_logprobs([token], sum(len(f"<{t}>") for t in out[:n]))
+                    choice["logprobs"] = completion_logprobs(tokens, sum(len(f"<{t}>") for t in out[:n]))
                 if not chat:  # vLLM writes a completion choice's prompt ids, null after the first chunk
                     choice["prompt_token_ids"] = prompt if ids and n == 0 else None
                 if ids:
-                    choice["token_ids"] = [token]
+                    choice["token_ids"] = tokens
                 chunk: dict[str, Any] = {**head, "choices": [choice]}
                 if (body.get("stream_options") or {}).get("continuous_usage_stats"):
-                    chunk["usage"] = usage_of(len(prompt), n + 1)
+                    chunk["usage"] = usage_of(len(prompt), n + len(tokens))
                     if chat:
-                        chunk["usage"]["completion_tokens_details"] = self._reasoning_details(chat, n + 1)
+                        chunk["usage"]["completion_tokens_details"] = self._reasoning_details(chat, n + len(tokens))
                 if last and not (body.get("stream_options") or {}).get("include_usage") and self.fingerprint:
                     chunk["system_fingerprint"] = self.fingerprint
                 # `n` > 1: every choice the same (greedy), one chunk per choice and step, as vLLM interleaves them.
@@ -390,4 +395,25 @@ class FakeEngine:
             role_sent=True,
         )
         chunk = {"id": "derender-1", "object": "chat.completion.chunk", "created": 1, "model": "tiny"}
+        return web.json_response({"chunk": chunk | {"choices": [out], "usage": None}, "stream_state": state})
+
+    async def _derender_completion(self, request: web.Request) -> web.Response:
+        """vLLM's streaming completion derender: its detokenizer's window carried in the state (the first half of
+        a character still waiting: the window's tokens after read_offset), seeded from the prompt's ids on the
+        first call."""
+        body = await request.json()
+        self.seen.append((request.path, body))
+        state = body.get("stream_state")
+        if state is None:
+            assert isinstance(body.get("prompt_token_ids"), list), "the first call seeds from the prompt's ids"
+            _, pending = texts([i for i in body["prompt_token_ids"] if i >= 1000])
+        else:
+            pending = int(state["prev_tokens"][0].strip("<>")) if state["prev_tokens"] else None
+        choice = body["generate_chunk"]["choices"][0]
+        shown, pending = texts(list(choice.get("token_ids") or []), pending)
+        out = {"index": 0, "text": "".join(shown), "logprobs": None, "finish_reason": choice.get("finish_reason")}
+        out |= {"stop_reason": choice.get("stop_reason"), "prompt_token_ids": None}
+        window = [f"<{pending}>"] if pending is not None else []
+        state = {"prev_tokens": window, "prefix_offset": 0, "read_offset": 0}
+        chunk = {"id": "derender-2", "object": "text_completion", "created": 1, "model": "tiny"}
         return web.json_response({"chunk": chunk | {"choices": [out], "usage": None}, "stream_state": state})

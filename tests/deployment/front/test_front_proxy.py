@@ -237,22 +237,21 @@ def test_a_stream_broken_by_a_crash_is_resumed_with_the_uninterrupted_text(path:
         continuation = dict(h.engine.seen)["/inference/v1/generate"]
         assert continuation is not None
         # Five tokens went out before the crash, the fifth the first half of a character (its text ""): the
-        # continuation as text starts after the fourth and makes the fifth again, never from inside a character;
-        # a chat stream's goes on after the fifth, its ids decoded again from the first by the derender route.
+        # continuation as text starts after the fourth (the derender route's detokenizer, given the last ids,
+        # says the fifth's bytes still wait) and makes the fifth again, never from inside a character; a chat
+        # stream's goes on after the fifth, its ids decoded again from the first by the derender route.
         assert [cuts(t) for t in generate(prompt, 5)] == [False, False, False, False, True]
         done = 5 if chat else 4
         assert continuation["token_ids"] == prompt + generate(prompt, done)
         assert continuation["sampling_params"]["max_tokens"] == 12 - done
-        # The stream, the one-token request that shows how this engine ends a stream (facts.py), the render route.
+        # The stream, the one-token request that shows how this engine ends a stream (facts.py), the render route,
+        # the derender call, the token-in route.
         assert (
-            paths[:3] == [path, path, path + "/render"]
+            paths[:5] == [path, path, path + "/render", path + "/derender", "/inference/v1/generate"]
             and h.engine.seen[1][1] == probe_request("chat" if chat else "completion", "tiny", prompt)[1]
         )
-        if chat:
-            assert paths[3:5] == [path + "/derender", "/inference/v1/generate"]
-            assert set(paths[5:]) == {path + "/derender"}
-        else:
-            assert paths[3:] == ["/inference/v1/generate"]
+        # A chat stream's reads go through the parser; a completion's text is the token-in route's own.
+        assert set(paths[5:]) == ({path + "/derender"} if chat else set())
         assert h.front.metrics.counts["resumed"] == 1
         if chat:
             roles = [c["delta"].get("role") for e in events if isinstance(e, dict) for c in e["choices"]]
@@ -283,6 +282,44 @@ def test_a_stream_broken_again_while_it_is_resumed_is_resumed_again_from_where_i
         assert len(generates[1]["token_ids"]) - len(prompt) >= 3 + 6 - 1
         assert generates[1]["token_ids"] == prompt + generate(prompt, len(generates[1]["token_ids"]) - len(prompt))
         assert h.front.metrics.counts["resumed"] == 1
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_broken_after_a_chunk_whose_text_ends_inside_a_character_resumes_without_repeating_it(
+    path: str,
+) -> None:
+    """Under load vLLM puts several tokens in one chunk: one can show text and still end with the first half of a
+    character.  Was: a completion went on after all its ids, and the token-in route's detokenizer, seeded with ids
+    that end inside a character, sent the whole decoded prompt as its first text."""
+
+    async def scenario() -> None:
+        body: dict[str, Any] = {"max_tokens": 12, "stream": True}
+        if path.startswith("/v1/chat/"):
+            body["messages"] = [{"role": "user", "content": "tell"}]
+        else:
+            body["prompt"] = "tell"
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.ids_per_chunk = 5
+            want, _ = await uninterrupted(h, path, body)
+            prompt = prompt_ids(path, body)
+            # The first chunk: four tokens of text and the first half of a character.
+            assert [cuts(t) for t in generate(prompt, 5)] == [False, False, False, False, True]
+            h.engine.seen.clear()
+            h.engine.crash_after = 5
+            sent = asyncio.ensure_future(h.client.post(path, json=body))
+            await until(lambda: h.engine.crashes == 1, "the crash")
+            await h.engine.restart()
+            async with await asyncio.wait_for(sent, BOUND_S) as answer:
+                text, events = await stream_text(answer)
+        assert text == want and "PROMPT" not in text
+        assert not any("error" in e for e in events if isinstance(e, dict))
+        assert h.front.metrics.counts["resumed"] == 1
+        continuation = dict(h.engine.seen)["/inference/v1/generate"]
+        assert continuation is not None
+        done = 5 if path.startswith("/v1/chat/") else 4  # a completion's fifth id is generated again
+        assert continuation["token_ids"] == prompt + generate(prompt, done)
 
     run(scenario)
 
