@@ -122,7 +122,9 @@ def test_state_file_and_status_through_a_lifecycle(tmp_path: Path) -> None:
         assert [p["label"] for p in st["processes"]][-2:] == ["Worker_TP0", "Worker_TP1"]
         assert st["status"] == ready["status"] and st["ready_at"] is not None and st["loading"] is None
         health = st["health"]
-        assert health["ok"] is True and 0 < health["latency_s"] < 1 and health["consecutive_failures"] == 0
+        # A probe that succeeded answered within its timeout (health.timeout_s, 1 s in fake_sections): the latency
+        # is the one measured, whatever this machine's speed.
+        assert health["ok"] is True and 0 < health["latency_s"] <= 1.0 and health["consecutive_failures"] == 0
         report = status(config).stdout
         assert report.startswith("● kimi-supervisor@kimi - ready: serving on http://127.0.0.1:")
         assert "Worker_TP1" in report and "Health: ok, " in report and "Uptime: ready for " in report
@@ -302,11 +304,12 @@ def test_canary_results_reach_the_state_file_the_report_and_the_metrics(tmp_path
         state_file = tmp_path / "run" / "kimi" / "state.json"
         wait_for(lambda: ((state_doc(state_file) or {}).get("canary") or {}).get("ok"), timeout=15)
         canary = status_json(config)["state"]["canary"]
-        assert canary["ok"] is True and 0 < canary["latency_s"] < 5 and canary["at"] is not None
+        # A canary that passed answered within its timeout (liveness.canary_timeout_s, 10 s by default).
+        assert canary["ok"] is True and 0 < canary["latency_s"] < 10.0 and canary["at"] is not None
         assert "      Canary: ok, " in status(config).stdout
         wait_for(lambda: "kimi_supervisor_canary_latency_seconds" in metrics_or_empty(prom), timeout=10)
         [(_, value)] = metrics(prom)["kimi_supervisor_canary_latency_seconds"]
-        assert 0 < value < 5
+        assert 0 < value < 10.0
         run.signal()
         assert run.wait() == 0
     finally:

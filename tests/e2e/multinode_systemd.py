@@ -45,8 +45,13 @@ DROPIN_TEXT = "[Service]\nRestartSec=1\nWatchdogSec=20\nTimeoutStartSec=400\nTim
 MASTER_PORT = 29781
 API_PORT = 18741
 GROUP_READY_S = 300.0  # ~40 s measured for a group start; a loaded CI box several times that
+# What the product aims at (docs/multi-node.md): the leader ends its run within PEER_LOST_BOUND_S of a lost peer, a
+# follower kills its tree within LEADER_LOST_KILL_BOUND_S of a lost leader.  Measured (`measured`), never a verdict:
+# the verdict is the cause (the exit status, the tree gone with the same follower process, the restart counts), and
+# every wait for an event is HANG_S, which only stops a hung test (10x the larger aim).
 PEER_LOST_BOUND_S = 30.0
 LEADER_LOST_KILL_BOUND_S = 10.0
+HANG_S = 10 * PEER_LOST_BOUND_S
 
 # Each process in the container, [pid, ppid, start, cmdline] as JSON (start: /proc/PID/stat's starttime, clock
 # ticks since boot).  Run by the host interpreter inside the machine.
@@ -283,11 +288,11 @@ def follower_fault_restarts_both(
     killed_wall, killed = time.time(), time.monotonic()
     follower.kill(victim)
     # The leader's run ends with 19; systemd restarts it (RestartSec=1).  The wait only stops a hung test.
-    wait_for(lambda: leader.exits(killed_wall), timeout=10 * PEER_LOST_BOUND_S, interval=0.5)
+    wait_for(lambda: leader.exits(killed_wall), timeout=HANG_S, interval=0.5)
     [(leader_exit_s, leader_status)] = leader.exits(killed_wall)[:1]
     measured[f"{key}_leader_exit_s"] = leader_exit_s
     assert leader_status == ExitCode.PEER_LOST
-    wait_for(lambda: follower.exits(killed_wall), timeout=30, interval=0.5)
+    wait_for(lambda: follower.exits(killed_wall), timeout=HANG_S, interval=0.5)
     [(follower_exit_s, follower_status)] = follower.exits(killed_wall)[:1]
     measured[f"{key}_follower_exit_s"] = follower_exit_s
     assert follower_status == ExitCode.CHILD_DIED

@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import wait_for
 from tests.e2e.multinode_systemd import (
     GROUP_READY_S,
-    LEADER_LOST_KILL_BOUND_S,
+    HANG_S,
     UNIT,
     Node,
     assert_group_serving,
@@ -41,12 +41,12 @@ group, report, measured = module_fixtures("10.78.0", "s")
 def test_follower_first_then_leader_stopped(group: tuple[Node, Node]) -> None:
     leader, follower = group
     follower.m.systemctl("start", "--no-block", UNIT)  # READY only once the leader serves
-    wait_for(lambda: follower.prop("StatusText").startswith("waiting for leader"), timeout=60, interval=0.2)
+    wait_for(lambda: follower.prop("StatusText").startswith("waiting for leader"), timeout=HANG_S, interval=0.2)
     assert follower.vllm_procs() == set()  # a waiting follower spawns nothing
     started = time.monotonic()
     leader.m.systemctl("start", UNIT, timeout=GROUP_READY_S)  # returns at the leader's READY=1
     measured["follower_first_leader_ready_s"] = time.monotonic() - started
-    wait_serving(follower, timeout=30)
+    wait_serving(follower)
     measured["follower_first_group_ready_s"] = time.monotonic() - started
     assert_group_serving(leader, follower)
 
@@ -57,7 +57,7 @@ def test_follower_first_then_leader_stopped(group: tuple[Node, Node]) -> None:
     assert (leader.prop("ActiveState"), leader.prop("ExecMainStatus")) == ("inactive", "0")
     assert leader.exits(stop_wall) == []  # systemd logs only an unclean exit of the main process
     assert leader.vllm_procs() == set() and leader.nrestarts() == l_restarts
-    wait_for(lambda: not follower.vllm_procs(), timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
+    wait_for(lambda: not follower.vllm_procs(), timeout=HANG_S, interval=0.2)
     measured["leader_stopped_follower_tree_gone_s"] = time.monotonic() - stop
     # The follower waits: the same process, no restart consumed, still active for systemd.
     assert (follower.main_ident(), follower.nrestarts(), follower.prop("ActiveState")) == (
@@ -65,7 +65,7 @@ def test_follower_first_then_leader_stopped(group: tuple[Node, Node]) -> None:
         f_restarts,
         "active",
     )
-    wait_for(lambda: follower.prop("StatusText").startswith("waiting for leader"), timeout=10, interval=0.2)
+    wait_for(lambda: follower.prop("StatusText").startswith("waiting for leader"), timeout=HANG_S, interval=0.2)
     assert follower.exits(stop_wall) == []
 
     follower.m.systemctl("stop", UNIT, timeout=90)
@@ -92,7 +92,7 @@ def test_leader_supervisor_sigkilled(group: tuple[Node, Node]) -> None:
     leader.m.systemctl("kill", "--kill-whom=main", "--signal=SIGKILL", UNIT)
     # systemd stops the rest of the leader's cgroup (KillMode=mixed) and restarts it; the follower sees its
     # leader's run gone and stops its own tree, without exiting.
-    wait_for(lambda: not follower.vllm_procs() & old, timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
+    wait_for(lambda: not follower.vllm_procs() & old, timeout=HANG_S, interval=0.2)
     measured["leader_sigkilled_follower_tree_gone_s"] = time.monotonic() - killed
     wait_serving(leader, follower)
     measured["leader_sigkilled_group_ready_again_s"] = time.monotonic() - killed

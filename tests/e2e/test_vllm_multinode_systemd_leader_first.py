@@ -25,9 +25,8 @@ from kimi_supervisor.exitcodes import ExitCode
 from tests.conftest import wait_for
 from tests.e2e.multinode_systemd import (
     GROUP_READY_S,
-    LEADER_LOST_KILL_BOUND_S,
+    HANG_S,
     MASTER_PORT,
-    PEER_LOST_BOUND_S,
     UNIT,
     Node,
     assert_group_serving,
@@ -73,15 +72,15 @@ def test_follower_link_down_then_up(group: tuple[Node, Node]) -> None:
     follower.link(up=False)
     try:
         # The follower's status stops answering (timeouts, nothing refused): the leader's run ends with 19.
-        wait_for(lambda: leader.exits(cut_wall), timeout=10 * PEER_LOST_BOUND_S, interval=0.5)
+        wait_for(lambda: leader.exits(cut_wall), timeout=HANG_S, interval=0.5)
         [(leader_exit_s, leader_status)] = leader.exits(cut_wall)[:1]
         measured["partition_leader_exit_s"] = leader_exit_s
         assert leader_status == ExitCode.PEER_LOST
         # The follower cannot reach its leader either: its tree goes, the same process waits.
-        wait_for(lambda: not follower.vllm_procs() & old, timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
+        wait_for(lambda: not follower.vllm_procs() & old, timeout=HANG_S, interval=0.2)
         measured["partition_follower_tree_gone_s"] = time.monotonic() - cut
         # systemd restarts the leader; its new run waits at its rendezvous, behind the partition.
-        wait_for(lambda: leader.nrestarts() == l_restarts + 1, timeout=30, interval=0.5)
+        wait_for(lambda: leader.nrestarts() == l_restarts + 1, timeout=HANG_S, interval=0.5)
         wait_for(lambda: leader.listening(MASTER_PORT), timeout=GROUP_READY_S, interval=0.5)
         assert (follower.main_ident(), follower.nrestarts(), follower.exits(cut_wall)) == (f_main, f_restarts, [])
         assert not follower.serving() and follower.vllm_procs() == set()
@@ -107,9 +106,9 @@ def test_leader_vllm_main_killed(group: tuple[Node, Node]) -> None:
     leader.kill(leader.vllm_main())  # the API server: its EngineCore and worker would live on as orphans
     # The leader's supervisor stops its tree and exits 13, like one node's; its status said "stopping" first, so
     # the follower's tree goes within the bound, without a restart of its own.
-    wait_for(lambda: not follower.vllm_procs() & old, timeout=LEADER_LOST_KILL_BOUND_S, interval=0.2)
+    wait_for(lambda: not follower.vllm_procs() & old, timeout=HANG_S, interval=0.2)
     measured["leader_main_killed_follower_tree_gone_s"] = time.monotonic() - killed
-    wait_for(lambda: leader.exits(killed_wall), timeout=60, interval=0.5)
+    wait_for(lambda: leader.exits(killed_wall), timeout=HANG_S, interval=0.5)
     [(leader_exit_s, leader_status)] = leader.exits(killed_wall)[:1]
     measured["leader_main_killed_leader_exit_s"] = leader_exit_s
     assert leader_status == ExitCode.CHILD_DIED

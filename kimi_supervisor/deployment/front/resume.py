@@ -303,11 +303,15 @@ class StreamRecord:
                 continue
             ids = [int(i) for i in choice.get("token_ids") or []]
             text = str(choice.get("text") or "")
-            if kept.replayed > 0 and not text and choice.get("finish_reason") is None:
-                kept.replayed -= len(ids)
-                kept.keep(ids, False)
+            # The first `replayed` ids generated again went out before the break, with their ids and logprobs (in
+            # a chunk of no text, or at the end of one with text): the client gets only their text, which it has
+            # not seen, however the continuation groups them into chunks.
+            again = min(kept.replayed, len(ids))
+            kept.replayed -= again
+            kept.keep(ids, bool(text))
+            if again == len(ids) and not text and choice.get("finish_reason") is None:
                 continue
-            logprobs = _completion_logprobs(kept, choice)
+            logprobs = _completion_logprobs(kept, choice, again)
             # vLLM's CompletionResponseStreamChoice, every field written (`prompt_token_ids` only on the first
             # chunk: null here), in its order.
             item: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
@@ -317,8 +321,7 @@ class StreamRecord:
             if choice.get("finish_reason") is not None:
                 kept.finished = True
             if self.wants_ids:
-                item["token_ids"] = ids
-            kept.keep(ids, bool(text))
+                item["token_ids"] = ids[again:]
             choices.append(item)
         if not choices:
             return None
@@ -381,14 +384,16 @@ def _one_sequence(rendered: object) -> dict[str, Any]:
     return rendered
 
 
-def _completion_logprobs(kept: Choice, choice: dict[str, Any]) -> dict[str, Any] | None:
+def _completion_logprobs(kept: Choice, choice: dict[str, Any], skip: int) -> dict[str, Any] | None:
     """The generate route's logprobs (the chat shape: vLLM decodes them in text mode) as /v1/completions writes
     them (vllm/entrypoints/openai/completion/serving.py `_create_completion_logprobs`): parallel lists, each
-    token's offset after the tokens before it, -9999 for -inf."""
+    token's offset after the tokens before it, -9999 for -inf; the first `skip` tokens' left out (the client has
+    them)."""
     logprobs = choice.get("logprobs")
     content = logprobs.get("content") if isinstance(logprobs, dict) else None
     if not isinstance(content, list):
         return None
+    content = content[skip:]
     offsets, tokens = [], []
     for entry in content:
         offsets.append(kept.text_offset)

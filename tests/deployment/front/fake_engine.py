@@ -346,19 +346,20 @@ class FakeEngine:
             shown[0] = "PROMPT" + "".join(before) + shown[0]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for n, token in enumerate(out):
-            if self.crash_generate_after is not None and n == self.crash_generate_after:
+        step = self.ids_per_chunk
+        for n in range(0, len(out), step):
+            if self.crash_generate_after is not None and n >= self.crash_generate_after:
                 self.crash_generate_after = None
                 await self._die_in(request)
-            last = n == len(out) - 1
+            last = n + step >= len(out)
             choice = {
                 "index": 0,
-                "text": shown[n],
-                "token_ids": [token],
+                "text": "".join(shown[n : n + step]),
+                "token_ids": out[n : n + step],
                 "finish_reason": "length" if last else None,
             }
             if body["sampling_params"].get("logprobs") is not None:
-                choice["logprobs"] = {"content": [logprob_entry(token)]}
+                choice["logprobs"] = {"content": [logprob_entry(t) for t in out[n : n + step]]}
             await response.write(sse({"request_id": "generate-tokens-1", "choices": [choice]}))
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = usage_of(len(ids), len(out))

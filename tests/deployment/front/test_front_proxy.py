@@ -324,6 +324,36 @@ def test_a_stream_broken_after_a_chunk_whose_text_ends_inside_a_character_resume
     run(scenario)
 
 
+def test_ids_generated_again_reach_the_client_once_with_their_logprobs_however_the_continuation_groups_them() -> None:
+    """The last id before the break is the first half of a character: generated again, in one chunk with the ids
+    after it.  Was: that chunk's ids and logprobs went out whole, the first one's a second time."""
+
+    async def scenario() -> None:
+        body = {"prompt": "tell", "max_tokens": 12, "stream": True, "logprobs": 1, "return_token_ids": True}
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.ids_per_chunk = 5
+            _want, plain = await uninterrupted(h, "/v1/completions", body)
+            events = await broken(h, "/v1/completions", body)
+
+        def joined(evs: list[Any], key: str) -> list[Any]:
+            out: list[Any] = []
+            for e in evs:
+                for c in e.get("choices", []) if isinstance(e, dict) else []:
+                    if key == "token_ids":
+                        out += c.get("token_ids") or []
+                    else:
+                        out += (c.get("logprobs") or {}).get(key) or []
+            return out
+
+        for key in ("token_ids", "tokens", "token_logprobs", "text_offset"):
+            assert joined(events, key) == joined(plain, key), key
+        text = "".join(c["text"] for e in events if isinstance(e, dict) for c in e.get("choices", []))
+        assert text == "".join(c["text"] for e in plain if isinstance(e, dict) for c in e.get("choices", []))
+        assert not any("error" in e for e in events if isinstance(e, dict))
+
+    run(scenario)
+
+
 def test_an_engine_without_scale_out_ends_a_broken_stream_with_an_error_chunk_naming_the_403() -> None:
     async def scenario() -> None:
         body = {"prompt": "tell", "max_tokens": 12, "stream": True}
