@@ -182,7 +182,6 @@ HEAVY_LANE_PREFIX = "heavy-"
 HEAVY_FILE_S = {
     "test_vllm_multinode_systemd_leader_first.py": 420,
     "test_vllm_multinode_systemd.py": 405,
-    "test_vllm_multinode.py": 346,
     "test_vllm_front.py": 130,
     "test_vllm_drain.py": 182,
     "test_vllm_front_systemd.py": 135,

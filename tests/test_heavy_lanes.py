@@ -46,7 +46,7 @@ def test_the_lanes_go_first_each_heavy_file_whole_in_one_and_the_unit_tests_keep
     unit_b = Item("tests/test_faults.py")
     nspawn = Item("tests/nspawn/test_kimi_unit.py")
     mn_systemd_2 = Item("tests/e2e/test_vllm_multinode_systemd.py", "multinode", "systemd")
-    mn = Item("tests/e2e/test_vllm_multinode.py", "multinode", "vllm")
+    mn = Item("tests/e2e/test_vllm_multinode_systemd_leader_first.py", "multinode", "systemd")
     cpu_2 = Item("tests/e2e/test_vllm_cpu.py")
     drain = Item("tests/e2e/test_vllm_drain.py")
     marked = Item("tests/config/test_timeouts.py", "systemd")  # a heavy tier's marker outside the heavy dirs

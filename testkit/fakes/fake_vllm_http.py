@@ -27,6 +27,7 @@ class _AppState:
     engine_dead = False  # after engine death: /health 503, completions 500
     wedged = False  # --wedged-after: /health 200, completions never answered, /metrics frozen
     running = 0  # requests in the (wedged) engine
+    answered = 0  # completions answered (--wedged-after-answers)
     generation_tokens = 0
     lock = threading.Lock()
     created = int(time.time())
@@ -144,6 +145,10 @@ class Handler(BaseHTTPRequestHandler):
                 "usage": usage,
             }
             self._json(200, reply)
+            with APP.lock:
+                APP.answered += 1
+                if APP.cfg.wedged_after_answers is not None and APP.answered >= APP.cfg.wedged_after_answers:
+                    APP.wedged, APP.running = True, APP.running + 2  # as --wedged-after's
 
     # --------------------------------------------------------------------------------------- helpers
 

@@ -32,6 +32,7 @@ class Config:
     unhealthy_after: float | None
     trickle_health_after: float | None
     wedged_after: float | None
+    wedged_after_answers: int | None
     exit_after_ready: float | None
     exit_code: int
     kill_worker_after_ready: float | None
@@ -152,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     after = p.add_argument_group("failures after ready (S = seconds after ready)")
     for flag, what in AFTER_READY:  # each a failure that starts S seconds after ready
         after.add_argument(flag, type=float, metavar="S", help=what)
+    after.add_argument(
+        "--wedged-after-answers",
+        type=int,
+        metavar="N",
+        help="as --wedged-after, once N completions were answered (an event, not a time: a loaded machine's "
+        "probes may come late)",
+    )
     after.add_argument("--exit-code", type=int, default=0, metavar="C")
     after.add_argument(
         "--engine-death-exit-delay",
@@ -213,6 +221,7 @@ def parse_config(argv: Sequence[str]) -> Config:
         unhealthy_after=ns.unhealthy_after,
         trickle_health_after=ns.trickle_health_after,
         wedged_after=ns.wedged_after,
+        wedged_after_answers=ns.wedged_after_answers,
         exit_after_ready=ns.exit_after_ready,
         exit_code=int(ns.exit_code),
         kill_worker_after_ready=ns.kill_worker_after_ready,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,13 +22,25 @@ MINIMAL = '[child]\nargv = ["vllm", "serve", "/m"]\n'
 needs_root = pytest.mark.skipif(not ROOT, reason="ownership checks apply when running as root")
 
 
-def check_config(path: Path, timeout: float = 20) -> subprocess.CompletedProcess[str]:
+# What one `check-config` may take: a hang's bound (an interpreter's start beside a second suite took over 10 s),
+# and an address space that stops a reader of an endless file (/dev/zero) at once, whatever the machine's speed,
+# before it can grow towards the OOM killer.
+HANG_S = 120
+MEMORY_BYTES = 1 << 30
+
+
+def _bounded_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+
+
+def check_config(path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kimi_supervisor", "check-config", "--config", str(path)],
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=timeout,
+        timeout=HANG_S,
+        preexec_fn=_bounded_memory,
     )
 
 
@@ -57,9 +69,8 @@ def test_fifo_owned_by_nobody_is_refused_without_blocking(tmp_path: Path) -> Non
     os.chmod(fifo, 0o666)
     if ROOT:
         os.chown(fifo, NOBODY, NOBODY)
-    start = time.monotonic()
-    message = one_line_78(check_config(fifo))  # no writer ever opens it: a blocking open would hang here
-    assert time.monotonic() - start < 15
+    # No writer ever opens it: a blocking open would hang here until HANG_S (TimeoutExpired fails the test).
+    message = one_line_78(check_config(fifo))
     assert message == f"{fifo}: is a FIFO, expected a regular TOML file"
 
 
@@ -75,7 +86,7 @@ def test_symlink_to_dev_zero_is_refused_at_once(tmp_path: Path) -> None:
     # Before: read_bytes() on /dev/zero grew the RSS at ~0.9 GB/s until the OOM killer came.
     link = tmp_path / "k.toml"
     link.symlink_to("/dev/zero")
-    message = one_line_78(check_config(link, timeout=10))
+    message = one_line_78(check_config(link))
     assert message == f"{link}: is a character device (resolves to /dev/zero), expected a regular TOML file"
 
 

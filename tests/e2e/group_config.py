@@ -32,7 +32,8 @@ def node_sections(
         "deployment": {"role": "leader" if rank == 0 else "follower"},
         "cluster": cluster,
         "preflight": {"gpus": []},
-        "readiness": {"deadline_s": ready_s, "stall_timeout_s": 180},
+        # Both only a hang's bound: two vLLM trees starting on 2 cores beside a second suite can be silent for minutes.
+        "readiness": {"deadline_s": ready_s, "stall_timeout_s": ready_s},
         "health": {"interval_s": 1, "timeout_s": 5},
         # The follower keeps its own default (2 s: its workers ignore SIGTERM while blocked on the leader).
         "shutdown": {"gpu_release_timeout_s": 0, **({"grace_s": 10} if rank == 0 else {})},

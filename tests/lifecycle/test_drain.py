@@ -52,7 +52,7 @@ def drain_config(tmp_path: Path, port: int, shutdown_timeout: int | None, grace_
             "child": {"argv": argv, "env": {"KIMI_TEST_MARKER": str(tmp_path)}},
             "preflight": {"gpus": [], "check_model": False, "check_port": True},
             "preflight.shm": {"directory": str(tmp_path)},
-            "readiness": {"stall_timeout_s": 20, "deadline_s": 60, "poll_interval_s": 0.1},
+            "readiness": {"stall_timeout_s": 120, "deadline_s": 300, "poll_interval_s": 0.1},  # a hang's bounds
             "health": {"interval_s": 0.5, "timeout_s": 1},
             # The supervisor's own /metrics sample (the liveness thread's) comes every 0.2 s: the stop waits for
             # one that has seen the stream running.

@@ -217,6 +217,9 @@ def test_a_stream_broken_by_a_crash_is_resumed_with_the_uninterrupted_text(path:
             h.engine.error_chunk_on_crash = error_chunk
             sent = asyncio.ensure_future(h.client.post(path, json=body))
             await until(lambda: h.engine.crashes == 1, "the engine crashed mid-stream")
+            # The engine comes back once the front saw it go (a real one takes minutes): an error chunk is the
+            # engine's death only while its /health fails, and a loaded machine can read the chunk late.
+            await until(lambda: bool(h.log.events("front.stream_broken")), "the front saw the stream break")
             await h.engine.restart()
             async with await asyncio.wait_for(sent, BOUND_S) as answer:
                 assert answer.status == 200
