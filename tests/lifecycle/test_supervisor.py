@@ -181,7 +181,9 @@ def test_watchdog_pings_only_while_healthy(tmp_path: Path) -> None:
     assert run.wait() == 14
     pings = [at for at, d in run.notify.datagrams if d == "WATCHDOG=1"]
     ready_at = run.notify.first("READY", "1")
-    assert ready_at is not None and len(pings) >= 3
+    # How many pings fit between READY and the hang is this machine's speed (1 beside a second suite, 3+ alone):
+    # the causes are that it pinged after READY, never before, and never once a probe failed (below).
+    assert ready_at is not None and pings
     assert all(at > ready_at[0] for at in pings)  # never before READY
     assert any(e["event"] == "health.failed" for e in run.events)
     # Datagrams from one sender arrive in order: the health.failed STATUS= is a marker in the stream.
