@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit.harness import Run, fake_config, fake_tree_of
+from testkit.harness import HANG_S, Run, fake_config, fake_tree_of
 from tests.conftest import wait_for
 
 
@@ -153,11 +153,11 @@ def test_orphaned_or_detached_workers_are_stopped_too(tmp_path: Path, flag: str)
 def test_sigterm_during_load_stops_cleanly(tmp_path: Path) -> None:
     # Also in fake time: test_lifecycle_exits::test_sigterm_ignored_while_loading_is_escalated_without_ready.
     # Here: a real tree still spawning its workers when the signal comes.
-    run = Run(
-        fake_config(tmp_path, ["--load-seconds", "20", "--ignore-sigterm-during-load"], shutdown={"grace_s": 0.5}),
-        tmp_path,
-    )
-    wait_for(lambda: run.event("state.starting") and len(fake_tree_of(str(tmp_path))) >= 3, timeout=15)
+    # The load is held until a file that never comes: the signal lands during the load by cause, however long the
+    # tree takes to appear (over 15 s beside a second suite), and the wait is only a hang's bound.
+    fake_args = ["--load-seconds", "2", "--hold-load-until", str(tmp_path / "never"), "--ignore-sigterm-during-load"]
+    run = Run(fake_config(tmp_path, fake_args, shutdown={"grace_s": 0.5}), tmp_path)
+    wait_for(lambda: run.event("state.starting") and len(fake_tree_of(str(tmp_path))) >= 3, timeout=HANG_S)
     run.signal()
     assert run.wait() == 0
     assert run.notify.first("READY") is None
