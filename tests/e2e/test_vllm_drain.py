@@ -3,16 +3,15 @@ releases it (tests/e2e/hold_logits.py), is provably in flight when the superviso
 `--shutdown-timeout` it completes once released after SIGTERM (HTTP 200, finish_reason "stop") and the supervisor
 exits after it; without, vLLM aborts it.  Both under the real systemd with the shipped unit (TimeoutStopSec derived
 by install-unit's renderer), which also proves real vLLM under the shipped, hardened unit: READY with the status
-text, vLLM's process prefixes as journal fields, the tree gone at the stop; the drain once more with the supervisor
-run directly, whose STATUS= datagrams the test reads.  Each vLLM start here serves more than one claim
-(docs/history/test-suite-speed.md, "Round 3")."""
+text, vLLM's process prefixes as journal fields, the tree gone at the stop.  Each vLLM start here serves more than one
+claim (docs/history/test-suite-speed.md, "Round 3"); the drain with the supervisor run directly, which added only its
+STATUS= datagrams (tests/lifecycle/test_drain.py reads them at a fake vLLM's drain), went in issue 52."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +20,8 @@ import pytest
 from kimi_supervisor.config import timeouts
 from kimi_supervisor.config.load import load_config
 from kimi_supervisor.systemd import show, unit
-from testkit.harness import REPO, Run, fake_tree_of, free_port, write_config
+from testkit.harness import REPO, write_config
 from testkit.vllm_serve import VENV, VLLM_ENV, long_generation_argv
-from tests.e2e import drain_client
 from tests.e2e.model_info import inodes, seed_model_info
 from tests.nspawn import checkout
 from tests.nspawn.nspawn import NspawnMachine, available
@@ -39,7 +37,6 @@ GRACE_S = DRAIN_S + timeouts.WORKER_SHUTDOWN_MARGIN_S
 MAX_TOKENS = 12000
 HOLD = ["--logits-processors", "tests.e2e.hold_logits:HoldUntilReleased"]
 ENV = {**VLLM_ENV, "PYTHONPATH": str(REPO)}  # the processor comes from this checkout
-METRICS_LINE = drain_client.METRICS_LINE
 
 
 def vllm_argv(vllm_bin: Path, model: Path, port: int, drain: bool) -> list[str]:
@@ -84,48 +81,6 @@ def check_no_drain(
         assert outcome == "aborted" and not sigkilled, (outcome, out)
     else:
         assert outcome == "killed" and sigkilled and float(in_flight_at_sigkill or 0) == 1.0, (outcome, out)
-
-
-def test_stop_with_a_stream_in_flight_drains_it(tmp_path: Path, vllm_bin: Path, tiny_model: Path) -> None:
-    """The drain, the supervisor run directly: its STATUS= datagrams say what it waits for.  Without a drain, the
-    same stop is test_systemctl_stop_with_a_stream_in_flight[no_drain]'s (under the unit; one vLLM start less)."""
-    port = free_port()
-    env = {**ENV, "KIMI_TEST_MARKER": str(tmp_path)}
-    host = sections(vllm_argv(vllm_bin, tiny_model, port, drain=True), env, GRACE_S)
-    host["preflight.shm"] = {"directory": str(tmp_path)}  # never clean the host's /dev/shm of others' files
-    cfg = write_config(tmp_path / "kimi.toml", host)
-    run = Run(cfg, tmp_path, private_shm=True)
-    try:
-        run.wait_event("state.ready", timeout=300)
-
-        def metrics_reads() -> int:
-            return sum(METRICS_LINE in str(c.get("line", "")) for c in list(run.child_lines))
-
-        out = drain_client.drive(
-            f"http://127.0.0.1:{port}",
-            MAX_TOKENS,
-            tmp_path / "release",
-            True,  # released once SIGTERM landed
-            metrics_reads,
-            lambda: run.event("stop.sigterm") is not None,
-            lambda out: run.signal(),
-        )
-        assert run.wait(timeout=GRACE_S + 30) == 0
-        exited = time.monotonic()
-        check_outcome(out, drain=True)
-        record = [e for e in run.events if e.get("event") == "stop.drain"]
-        why = [e for e in run.events if e.get("event") in ("stop.metrics_unavailable", "stop.draining")]
-        assert len(record) == 1 and record[0]["in_flight_at_sigterm"] == 1.0, (record, why)
-        assert record[0]["outcome"] == "drained" and record[0]["drain_timeout_s"] == DRAIN_S, record
-        assert exited > out["t0_monotonic"] + out["stream_end_s"]  # the supervisor exited after the stream
-        statuses = [f["STATUS"] for f in run.notify.fields() if "STATUS" in f]
-        assert any(s.startswith("stopping: draining 1 request in flight, ") for s in statuses), statuses
-        assert statuses[-2:] == ["stopping: tree gone", "stopped"], statuses
-        assert run.event("stop.sigkill") is None
-        assert fake_tree_of(str(tmp_path)) == []
-    finally:
-        if run.proc.poll() is None:
-            run.kill()
 
 
 def check_served_under_the_unit(m: NspawnMachine, seeded: dict[str, str], port: int) -> None:

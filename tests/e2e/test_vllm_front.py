@@ -3,7 +3,8 @@
 --enable-auto-tool-choice`) and a tokenizer that carries Kimi's markers, the front on loopback TCP.  Concurrent
 greedy streams and plain requests, then SIGKILL of EngineCore mid-generation: vLLM's server exits, the test starts it
 again (as its supervisor would), and every client still gets its whole answer, each identical to an uninterrupted
-run's, with no error.  One vLLM start serves the module's tests (each leaves it serving again)."""
+run's, with no error.  Then the same kill with a hot spare behind the front (docs/spare.md): every stream ends on
+the spare, nothing waits for a restart.  The module's two `vllm serve` (the engine and the spare) serve both."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import psutil
@@ -167,17 +168,29 @@ async def _timed(request: Any, into: list[float]) -> str:
     return answer
 
 
+class Served(NamedTuple):
+    engine: Vllm
+    sock: Path
+    spare: Vllm  # a second `vllm serve` of the same argv: the hot spare of the failover test
+    spare_sock: Path
+
+
 @pytest.fixture(scope="module")
-def served(vllm_bin: Path, kimi_model: Path) -> Iterator[tuple[Vllm, Path]]:
-    """One `vllm serve` for the module; each test SIGKILLs its EngineCore and starts it again."""
+def served(vllm_bin: Path, kimi_model: Path) -> Iterator[Served]:
+    """The module's two `vllm serve`, started at once: the engine, whose EngineCore each test SIGKILLs (the crash
+    test starts it again), and the spare, which only the failover test's front knows.  Three vLLM starts for both
+    tests where each started its own pair (issue 52)."""
     directory = Path(tempfile.mkdtemp(prefix="kfront-", dir="/tmp"))
-    sock = directory / "engine.sock"
+    sock, spare_sock = directory / "engine.sock", directory / "spare.sock"
     vllm = Vllm(serve_argv(vllm_bin, kimi_model, sock), directory / "vllm.log")
+    spare = Vllm(serve_argv(vllm_bin, kimi_model, spare_sock), directory / "spare.log")
     vllm.start()  # each test's front holds its first requests until vLLM serves
+    spare.start()
     try:
-        yield vllm, sock
+        yield Served(vllm, sock, spare, spare_sock)
     finally:
         vllm.end()
+        spare.end()
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -346,14 +359,12 @@ def _kimi_body(script: list[int], name: str) -> dict[str, Any]:
     return body | ({"logprobs": True, "top_logprobs": 2} if name == "tool_args" else {})
 
 
-def test_one_engine_core_sigkill_with_every_kind_of_stream_in_flight_costs_no_client_anything(
-    served: tuple[Vllm, Path],
-) -> None:
+def test_one_engine_core_sigkill_with_every_kind_of_stream_in_flight_costs_no_client_anything(served: Served) -> None:
     """One kill, one restart (each costs a vLLM start): in flight at once, 32 greedy streams and 32 plain requests
     (completions and chat, paced) and the scripted Kimi chat streams, each cut in its phase (inside the reasoning,
     right after `</think>`, inside a tool call's arguments with logprobs, between two calls, `n` = 2); 8 plain
     requests sent while the engine is down.  Every answer equals its uninterrupted run's, no client sees an error."""
-    vllm, sock = served
+    vllm, sock = served.engine, served.sock
     front = _front(sock)
     waited: list[float] = []  # each request sent during the outage: seconds until its whole answer
     cut_at: dict[str, int] = {}
@@ -451,3 +462,76 @@ def test_one_engine_core_sigkill_with_every_kind_of_stream_in_flight_costs_no_cl
     # Every stream in flight at the kill resumed, nothing failed or was turned away.
     assert in_flight[0] > 0 and counts["resumed"] == in_flight[0] + len(want) - 1, (in_flight, counts)
     assert counts["failed_restart"] == 1 and counts["rejected_timeout"] == counts["rejected_full"] == 0, counts
+
+
+SPARE_STREAMS = 8
+SPARE_DURING = 4
+THINKING = (1, 3)  # chat streams with thinking on as well: their text is the kimi_k2 parser's reasoning
+
+
+def test_engine_core_sigkill_fails_over_to_the_spare_with_identical_text_and_no_wait(served: Served) -> None:
+    """The front with a hot spare (docs/spare.md): the engine on engine.sock, a second `vllm serve` of the same argv
+    on spare.sock (on a CPU host without the weight holder, whose `vllm preload` needs CUDA IPC: the front's side of
+    the failover, not the spare's memory).  Greedy streams in flight (completions, chat, and chat with thinking on,
+    whose text is the parser's reasoning) when the engine's EngineCore is SIGKILLed all end on the spare with the
+    uninterrupted text, no error; requests sent while the engine is down are answered by the spare without waiting
+    for any restart (none is made here: the module's last test leaves the engine down)."""
+    main, engine_sock, _, spare_sock = served
+    cfg = FrontConfig(
+        host="127.0.0.1",
+        port=0,
+        engine_socket=engine_sock,
+        engine_state_file=None,
+        spare_socket=spare_sock,
+        hold_s=START_BOUND_S,
+    )
+    front = FrontServer(cfg, RecordingLog())
+    waited: list[float] = []
+
+    async def scenario() -> None:
+        runner = front.runner()
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        timeout = aiohttp.ClientTimeout(total=3 * START_BOUND_S)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector, timeout=timeout) as client:
+            engines = front.engines
+            await _until(lambda: all(e.serving for e in engines.engines), "both engines serve", START_BOUND_S)
+            want_streams = await asyncio.gather(*(_stream(client, i, _Stream()) for i in range(SPARE_STREAMS)))
+            want_thinking = await asyncio.gather(*(_stream(client, i, _Stream(), True) for i in THINKING))
+            want_plain = await asyncio.gather(*(_plain(client, i) for i in range(SPARE_DURING)))
+            seen = [_Stream() for _ in range(SPARE_STREAMS)]
+            streams = [asyncio.ensure_future(_stream(client, i, seen[i])) for i in range(SPARE_STREAMS)]
+            thought = [_Stream() for _ in THINKING]
+            thinking = [asyncio.ensure_future(_stream(client, i, thought[n], True)) for n, i in enumerate(THINKING)]
+            seen += thought
+            await _until(lambda: all(s.chunks >= 3 for s in seen), "every stream has 3 chunks", START_BOUND_S)
+            killed_at = time.monotonic()
+            main.engine_core().kill()
+            in_flight = sum(not s.done for s in seen)
+            await _until(lambda: not engines.main.serving, "the front sees the engine gone", 60)
+            during = [asyncio.ensure_future(_timed(_plain(client, i), waited)) for i in range(SPARE_DURING)]
+            got_streams = await asyncio.gather(*streams)
+            got_thinking = await asyncio.gather(*thinking)
+            got_during = await asyncio.gather(*during)
+            done_at = time.monotonic()
+            engine_back = engines.main.serving  # none restarts it here: everything above was the spare's
+        await runner.cleanup()
+        print("spare_failover", json.dumps(front.metrics.failovers_seen), "during_latency_s", sorted(waited))
+        print("kill_to_all_done_s", round(done_at - killed_at, 2), "counts", json.dumps(front.metrics.counts))
+        assert [s.errors for s in seen] == [[]] * (SPARE_STREAMS + len(THINKING))
+        for i in range(SPARE_STREAMS):
+            events = b"\n".join(seen[i].events).decode(errors="replace")
+            assert got_streams[i] == want_streams[i], f"stream {i} differs from its uninterrupted run:\n{events}"
+        # The reasoning streams resumed on the spare through its kimi_k2 parser: the same reasoning, none as content.
+        assert got_thinking == want_thinking and all(t.startswith("|") and len(t) > 1 for t in want_thinking)
+        assert got_during == want_plain
+        counts = front.metrics.counts
+        assert in_flight > 0 and counts["resumed"] == in_flight, (in_flight, counts)
+        assert counts["held"] == counts["failed_restart"] == counts["rejected_timeout"] == 0, counts
+        assert not engine_back
+        [failover] = front.metrics.failovers_seen
+        assert (failover["died"], failover["to"]) == ("main", "spare")
+
+    asyncio.run(asyncio.wait_for(scenario(), 4 * START_BOUND_S))

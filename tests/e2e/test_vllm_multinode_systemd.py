@@ -5,12 +5,13 @@ leader-first scenarios: tests/e2e/test_vllm_multinode_systemd_leader_first.py).
 A group start is ~40 s on 2 cores (two vLLM trees), so the scenarios are few, serial, and each test leaves the
 group in the state the next one starts from where it can:
 1. follower first, then the leader; `systemctl stop` of the leader: a clean stop (status 0), the follower's tree
-   gone within 10 s, the follower still active (same MainPID, no restart), waiting;
+   gone, the follower still active (same MainPID, no restart), waiting;
 2. both started together; the follower's vLLM main SIGKILLed: the follower exits 13, the leader exits 19
-   (PEER_LOST) within 30 s, systemd restarts both (NRestarts +1 each), the group serves again, no orphan;
+   (PEER_LOST), systemd restarts both (NRestarts +1 each), the group serves again, no orphan;
 3. the leader's supervisor SIGKILLed: systemd kills the leader's tree and restarts it; the follower's tree is gone
-   within 10 s with no restart of its own, and it rejoins: the group serves again, no orphan; both stopped.
-Four group starts (two clean starts, two restarts after a fault): the least these scenarios need.
+   with no restart of its own, no orphan; both stopped while the leader starts again (that the same follower joins
+   its leader's new run is the leader-first file's partition heal).
+Three group starts (two clean starts, one restart after a fault): the least these scenarios need.
 """
 
 from __future__ import annotations
@@ -94,13 +95,14 @@ def test_leader_supervisor_sigkilled(group: tuple[Node, Node]) -> None:
     # leader's run gone and stops its own tree, without exiting.
     wait_for(lambda: not follower.vllm_procs() & old, timeout=HANG_S, interval=0.2)
     measured["leader_sigkilled_follower_tree_gone_s"] = time.monotonic() - killed
-    wait_serving(leader, follower)
-    measured["leader_sigkilled_group_ready_again_s"] = time.monotonic() - killed
+    wait_for(lambda: leader.nrestarts() == l_restarts + 1, timeout=HANG_S, interval=0.5)
     assert [s for _, s in leader.exits(killed_wall)] == [-1]  # killed by a signal, not an exit status
-    assert leader.nrestarts() == l_restarts + 1
     assert (follower.main_ident(), follower.nrestarts(), follower.exits(killed_wall)) == (f_main, f_restarts, [])
-    assert_group_serving(leader, follower)
     assert not old & (leader.vllm_procs() | follower.vllm_procs())
+    assert leader.orphans() == set() and follower.orphans() == set()
+    # Not waited for: the group serving again.  The same follower process joining its restarted leader's new run is
+    # the partition's heal (test_vllm_multinode_systemd_leader_first.py::test_follower_link_down_then_up), and a
+    # group start is ~60 s of CPU (issue 52).  Both stopped mid-start instead: a clean stop either way.
     for n in (leader, follower):
         n.m.systemctl("stop", UNIT, timeout=90)
         assert n.vllm_procs() == set() and n.prop("ExecMainStatus") == "0"

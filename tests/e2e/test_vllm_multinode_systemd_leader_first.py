@@ -4,15 +4,15 @@ tests/e2e/test_vllm_multinode_systemd.py).  Its own machines, subnet and veth pa
 
 Each test leaves the group in the state the next one starts from:
 4. the leader first (its worker at the rendezvous, the master port open), then the follower; a follower worker
-   SIGKILLed (the headless main then exits 0 by itself): the leader exits 19 (PEER_LOST) within 30 s, the
+   SIGKILLed (the headless main then exits 0 by itself): the leader exits 19 (PEER_LOST), the
    follower 13, systemd restarts both (NRestarts +1 each), the group serves again, no orphan;
-5. the follower's end of the veth pair down (a silent partition): the leader exits 19 within 30 s and systemd
-   restarts it, the follower's tree is gone within 10 s with no restart; the link up again: the follower joins
+5. the follower's end of the veth pair down (a silent partition): the leader exits 19 and systemd
+   restarts it, the follower's tree is gone with no restart; the link up again: the follower joins
    the leader's new run with no operator action;
 6. the leader's vLLM main SIGKILLed (not its supervisor): the leader's supervisor stops its tree (the orphaned
-   EngineCore and worker too) and exits 13, systemd restarts it; the follower's tree is gone within 10 s with no
-   restart of its own, it rejoins; both stopped at the end.
-Four group starts (one clean start, three restarts after a fault): the least these scenarios need.
+   EngineCore and worker too) and exits 13, systemd restarts it; the follower's tree is gone with no restart of its
+   own; both stopped while the leader starts again (the rejoin is 5's).
+Three group starts (one clean start, two restarts after a fault): the least these scenarios need.
 """
 
 from __future__ import annotations
@@ -113,13 +113,14 @@ def test_leader_vllm_main_killed(group: tuple[Node, Node]) -> None:
     measured["leader_main_killed_leader_exit_s"] = leader_exit_s
     assert leader_status == ExitCode.CHILD_DIED
     assert not leader.vllm_procs() & old  # the orphaned EngineCore and worker went with the tree
-    wait_serving(leader, follower)
-    measured["leader_main_killed_group_ready_again_s"] = time.monotonic() - killed
-    assert leader.nrestarts() == l_restarts + 1
+    wait_for(lambda: leader.nrestarts() == l_restarts + 1, timeout=HANG_S, interval=0.5)
     assert [s for _, s in leader.exits(killed_wall)] == [ExitCode.CHILD_DIED]
     assert (follower.main_ident(), follower.nrestarts(), follower.exits(killed_wall)) == (f_main, f_restarts, [])
-    assert_group_serving(leader, follower)
     assert not old & (leader.vllm_procs() | follower.vllm_procs())
+    assert leader.orphans() == set() and follower.orphans() == set()
+    # Not waited for: the group serving again, which is test_follower_link_down_then_up's heal (the same follower
+    # process joins its restarted leader's new run); a group start is ~60 s of CPU (issue 52).  Both stopped
+    # mid-start instead: a clean stop either way.
     for n in (leader, follower):
         n.m.systemctl("stop", UNIT, timeout=90)
         assert n.vllm_procs() == set() and n.prop("ExecMainStatus") == "0"
