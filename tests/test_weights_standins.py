@@ -32,6 +32,7 @@ from gpuaccept.weights_common import (
     supervisor_share,
     write_meta,
 )
+from testkit.fakes.clock import FakeClock
 from testkit.harness import short_link
 from testkit.procutil import free_port
 
@@ -74,29 +75,14 @@ def test_messages_cross_a_socket_whole_and_a_closed_peer_is_an_error() -> None:
     b.close()
 
 
-class _FakeTime:
-    """The retry loop's clock: time passes only when it sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self.sleeps: list[float] = []
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-
 def test_connect_gives_up_at_its_deadline_on_a_missing_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WEIGHTS_FAKE", "1")  # the socket's name from a fake GPU's uuid, without torch
-    clock = _FakeTime()
+    clock = FakeClock()  # the retry loop's time: it passes only when the loop sleeps
     monkeypatch.setattr(weights_common, "time", clock)
     with pytest.raises(FileNotFoundError):
         connect(rank_socket(short_link(tmp_path), 0), 0.2)
     # It retried until its own deadline, then gave up: was `< 5 s` of wall time, a speed.
-    assert 0.2 <= sum(clock.sleeps) <= 0.25 + 1e-9, clock.sleeps  # the deadline, past it by one retry at most
+    assert 0.2 <= clock.t <= 0.25 + 1e-9, clock.t  # the deadline, past it by one retry at most
 
 
 def test_markdown_cells_are_escaped() -> None:

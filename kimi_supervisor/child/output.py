@@ -47,6 +47,7 @@ from kimi_supervisor.wakeups import Timer, Wakeups
 
 SINK_RETRY_S = 0.05  # a stalled sink is retried this soon, not only when output comes
 SLICE_S = 0.05  # reading one wake-up's output stops after this long: the loop's other duties come first
+READ_REST_S = 1.0  # the most a stop spends reading what the pipes still hold once the tree is gone
 # vLLM logs a few lines a second while serving (one access line per request, stats every 10 s) and a few
 # hundred in a burst (startup routes, a traceback per process when it dies): 4000/s per priority is >10x
 # that.  The unit's LogRateLimitIntervalSec=10s / LogRateLimitBurst=60000 leave room for 11 such
@@ -171,10 +172,12 @@ class ChildOutput:
         self._retry = None  # the turn it woke flushes, and schedules the next retry if still needed
 
     def finish(self, timeout_s: float = 1.0) -> None:
-        """After the tree is gone: partial last lines, the last summaries, and a bounded wait for the sink."""
+        """After the tree is gone: what its pipes still hold, partial last lines, the last summaries, and a
+        bounded wait for the sink."""
         self._reactor.remove_turn_hook(self._turn)
         if self._retry is not None:
             self._retry.cancel()
+        self._read_rest()
         for fd in self._splitters:
             self._close_stream(fd)
         for fd in self._open:  # a pipe a stray holder keeps open: not this run's to read any more
@@ -195,6 +198,27 @@ class ChildOutput:
                 sink=self.sink.name,
                 why=f"the reader took no more within {timeout_s:g}s of the exit",
             )
+
+    def _read_rest(self) -> None:
+        """The pipes to their end of file: a reader still behind a flood when the tree ended has up to a pipe's
+        64 KiB left (seen: 371 lines neither shown nor counted).  Bounded by READ_REST_S: a pipe a stray holder
+        keeps open and writing is not this run's to read for ever."""
+        if self._child is None:
+            return
+        until = self._now() + READ_REST_S
+        for fd in sorted(self._open):
+            while fd in self._open and self._now() < until:
+                data = self._child.read(fd)
+                if data is None:  # end of file: the last partial line is the splitter's to close
+                    self._reactor.remove_reader(fd)
+                    self._open.discard(fd)
+                elif not data:
+                    break  # open, but empty now: a stray holder's, silent
+                else:
+                    now = self._now()
+                    self.last_output = now
+                    self._feed(fd, data, now)
+        self._show_unseen()
 
     def _close_stream(self, fd: int) -> None:
         lines = self._splitters[fd].feed(self._partials.pop(fd, b""))
