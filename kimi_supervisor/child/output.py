@@ -150,7 +150,7 @@ class ChildOutput:
         self._child = child
         self.last_output = self._now()
         for fd in child.streams.values():
-            self._reactor.add_reader(fd, functools.partial(self._read, fd))
+            self._reactor.add_reader(fd, functools.partial(self._readable, fd))
             self._open.add(fd)
             self._splitters[fd] = LineSplitter(max_line=MAX_LINE, secrets=self._secrets)  # redacts before it cuts
             self._classifiers[fd] = LineClassifier(default_priority=6)
@@ -207,24 +207,18 @@ class ChildOutput:
             return
         until = self._now() + READ_REST_S
         for fd in sorted(self._open):
-            while fd in self._open and self._now() < until:
-                data = self._child.read(fd)
-                if data is None:  # end of file: the last partial line is the splitter's to close
-                    self._reactor.remove_reader(fd)
-                    self._open.discard(fd)
-                elif not data:
-                    break  # open, but empty now: a stray holder's, silent
-                else:
-                    now = self._now()
-                    self.last_output = now
-                    self._feed(fd, data, now)
-        self._show_unseen()
+            while fd in self._open and self._now() < until and self._read(fd):
+                pass  # a slice's worth read, more may wait: read on, until end of file, empty, or the bound
 
     def _close_stream(self, fd: int) -> None:
         lines = self._splitters[fd].feed(self._partials.pop(fd, b""))
         self._lines(fd, lines + self._splitters[fd].close(), self._now())
 
-    def _read(self, fd: int) -> None:
+    def _readable(self, fd: int) -> None:
+        self._read(fd)
+
+    def _read(self, fd: int) -> bool:
+        """One wake-up's reading of `fd`; True when it stopped for its slice with more perhaps waiting."""
         assert self._child is not None
         until = self._now() + SLICE_S
         while True:
@@ -233,10 +227,10 @@ class ChildOutput:
                 self._close_stream(fd)
                 self._reactor.remove_reader(fd)
                 self._open.discard(fd)
-                return
+                return False
             if not data:
                 self._show_unseen()
-                return
+                return False
             now = self._now()
             self.last_output = now
             self._feed(fd, data, now)
@@ -244,7 +238,7 @@ class ChildOutput:
                 self.on_output(now)
             if now >= until:
                 self._show_unseen()
-                return  # the rest waits in the pipe for the next wake-up
+                return True  # the rest waits in the pipe for the next wake-up
 
     def _feed(self, fd: int, data: bytes, now: float) -> None:
         """The bytes just read: whole lines in bulk where that is safe (linescan), the rest line by line.
