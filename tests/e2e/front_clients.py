@@ -2,7 +2,9 @@
 
 `python3 front_clients.py PORT COUNT MARKER [ENGINE_STATE]`: COUNT greedy streams (paced by tests/e2e/pace_logits.py),
 first uninterrupted (the references), then again; once every stream of the second round has 3 chunks it writes
-MARKER (the test then restarts the engine's unit) and reads every stream to its end.  With ENGINE_STATE (the
+MARKER (the test then restarts the engine's unit, and removes MARKER once it is back) and reads every stream to its
+end.  The second round's streams stall while MARKER exists (pace_logits.py, `kimi_stall_while`): none can end
+before the restart cuts it, whatever the machine's speed.  With ENGINE_STATE (the
 engine supervisor's state file) it also watches the engine's phase meanwhile and sends NEW requests, plain and
 streamed, once while the engine stops (drains) and once while it starts again.  Prints one JSON document: each
 stream's text in both rounds, every error chunk or HTTP error a client saw, and each new request's phase when it
@@ -39,12 +41,18 @@ WATCH_S = 900.0
 
 
 async def stream(
-    client: aiohttp.ClientSession, i: int, seen: dict[str, Any], body: dict[str, Any] | None = None
+    client: aiohttp.ClientSession,
+    i: int,
+    seen: dict[str, Any],
+    body: dict[str, Any] | None = None,
+    stall: Path | None = None,
 ) -> None:
     path = "/v1/completions"
     if body is None:
         body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0}
         body |= {"ignore_eos": True, "stream": True, "vllm_xargs": {"kimi_pace": 1}}
+        if stall is not None:
+            body["vllm_xargs"]["kimi_stall_while"] = str(stall)
         if i % 2:  # a chat stream through the engine's kimi_k2 parser: thinking on, its text is reasoning
             path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": f"Story {i}:"}]
         else:
@@ -70,7 +78,7 @@ async def stream(
 
 async def round_of(client: aiohttp.ClientSession, count: int, marker: Path | None) -> list[dict[str, Any]]:
     seen = [{"text": "", "reasoning": "", "errors": [], "chunks": 0, "done": False} for _ in range(count)]
-    tasks = [asyncio.ensure_future(stream(client, i, seen[i])) for i in range(count)]
+    tasks = [asyncio.ensure_future(stream(client, i, seen[i], stall=marker)) for i in range(count)]
     if marker is not None:
         while not all(s["chunks"] >= 3 for s in seen) and not all(t.done() for t in tasks):
             await asyncio.sleep(0.05)

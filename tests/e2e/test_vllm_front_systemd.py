@@ -132,6 +132,8 @@ def test_systemctl_restart_of_the_engine_with_streams_open_costs_no_client_anyth
         if restarted.returncode != 0:
             print(m.journal(ENGINE)[-12000:])
         assert restarted.returncode == 0, restarted.stderr
+        # The streams stalled while MARKER existed (tests/e2e/pace_logits.py): each was open when the stop cut it.
+        m.run(["rm", "-f", "--", MARKER])
         thread.join(1500)
         run = out["run"]
         assert run.returncode == 0, run.stderr[-3000:]
@@ -158,7 +160,9 @@ def test_systemctl_restart_of_the_engine_with_streams_open_costs_no_client_anyth
         resumed = [line for line in metrics.splitlines() if line.startswith("kimi_front_requests_total{")]
         resumed = [line for line in resumed if 'outcome="resumed"' in line]
         resumed_total = int(float(resumed[0].split()[-1])) if resumed else 0
-        assert resumed_total > 0, metrics
+        # Every stream was cut by the stop (none could end before it) and resumed; a new stream sent as the stop
+        # began may have been forwarded, cut and resumed too.
+        assert resumed_total >= STREAMS, metrics
         # The front's state file names the outage by how the engine's run ended (its history): a planned restart.
         # It is rewritten at each probe (0.5 s): read until it counts the resumed streams the metrics count.
         deadline = time.monotonic() + 30
