@@ -192,6 +192,8 @@ class Main:
             for row in [r for r in pending if since >= r[0]]:
                 pending.remove(row)
                 row[1]()
+            if self.cfg.hang_when is not None and not APP.hung and os.path.exists(self.cfg.hang_when):
+                self.hang()
 
     # ----------------------------------------------------------------------------------------- ending
 

@@ -29,6 +29,7 @@ class Config:
     free_memory_error: bool
     # failures after ready
     hang_after_ready: float | None
+    hang_when: str | None
     unhealthy_after: float | None
     trickle_health_after: float | None
     wedged_after: float | None
@@ -154,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, what in AFTER_READY:  # each a failure that starts S seconds after ready
         after.add_argument(flag, type=float, metavar="S", help=what)
     after.add_argument(
+        "--hang-when",
+        default=None,
+        metavar="FILE",
+        help="as --hang-after-ready, once FILE exists (an event the test makes, not a time: a loaded machine's "
+        "supervisor may see ready late)",
+    )
+    after.add_argument(
         "--wedged-after-answers",
         type=int,
         metavar="N",
@@ -218,6 +226,7 @@ def parse_config(argv: Sequence[str]) -> Config:
         crash_during_load=bool(ns.crash_during_load),
         free_memory_error=bool(ns.free_memory_error),
         hang_after_ready=ns.hang_after_ready,
+        hang_when=ns.hang_when,
         unhealthy_after=ns.unhealthy_after,
         trickle_health_after=ns.trickle_health_after,
         wedged_after=ns.wedged_after,

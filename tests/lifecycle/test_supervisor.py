@@ -167,10 +167,13 @@ def test_sigterm_during_load_stops_cleanly(tmp_path: Path) -> None:
 def test_watchdog_pings_only_while_healthy(tmp_path: Path) -> None:
     # Also in fake time: test_lifecycle::test_watchdog_pings_while_healthy_and_stop_after_health_failed.
     # Here: WATCHDOG_USEC from the environment and real datagrams from a really hung server.
+    # The server hangs when the test has seen a ping after READY (a file, not a time: beside a second suite the
+    # server's own "1 s after ready" once passed before the supervisor's READY, and no ping could come between).
+    hang = tmp_path / "hang"
     run = Run(
         fake_config(
             tmp_path,
-            ["--hang-after-ready", "1"],
+            ["--hang-when", str(hang)],
             health={"interval_s": 0.2, "timeout_s": 0.5, "failures_tolerated": 3},
         ),
         tmp_path,
@@ -178,11 +181,12 @@ def test_watchdog_pings_only_while_healthy(tmp_path: Path) -> None:
     )
     ready = run.wait_event("state.ready")
     assert ready is not None
+    wait_for(lambda: [d for at, d in run.notify.datagrams if d == "WATCHDOG=1"], timeout=HANG_S)
+    hang.touch()
     assert run.wait() == 14
     pings = [at for at, d in run.notify.datagrams if d == "WATCHDOG=1"]
     ready_at = run.notify.first("READY", "1")
-    # How many pings fit between READY and the hang is this machine's speed (1 beside a second suite, 3+ alone):
-    # the causes are that it pinged after READY, never before, and never once a probe failed (below).
+    # The causes: it pinged after READY, never before, and never once a probe failed (below).
     assert ready_at is not None and pings
     assert all(at > ready_at[0] for at in pings)  # never before READY
     assert any(e["event"] == "health.failed" for e in run.events)
