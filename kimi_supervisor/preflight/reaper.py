@@ -264,11 +264,22 @@ def plan_reap(
             spared.append(Spared(pid, gpus, used, proc, reason or ""))
 
     if victims:
-        _add_tree_members(victims, judge)
-    return ReapPlan(tuple(victims.values()), tuple(spared))
+        _add_tree_members(victims, judge, by_pid)
+    # A tree member that NVML lists too (a resource tracker that holds memory) is a victim, not spared.
+    return ReapPlan(tuple(victims.values()), tuple(s for s in spared if s.pid not in victims))
 
 
-def _add_tree_members(victims: dict[int, Victim], judge: _Judge) -> None:
+def _member(proc: ProcInfo, why: str, by_pid: dict[int, list[GpuProcess]]) -> Victim:
+    """A parent or companion of an occupant, with what NVML says it holds itself: the memory its kill frees is
+    counted by a dry run as the real run frees it."""
+    entries = by_pid.get(proc.pid, [])
+    known = [e.used_mib for e in entries if e.used_mib is not None]
+    by_gpu = tuple((e.gpu, e.used_mib) for e in entries if e.used_mib is not None)
+    gpus = tuple(sorted({e.gpu for e in entries}))
+    return Victim(proc, gpus, sum(known) if known else None, why, by_gpu)
+
+
+def _add_tree_members(victims: dict[int, Victim], judge: _Judge, by_pid: dict[int, list[GpuProcess]]) -> None:
     table, rules = judge.table, judge.rules
     occupants = list(victims.values())
     # Ancestors of an occupant that match the kill rules are the stale tree's root
@@ -280,7 +291,7 @@ def _add_tree_members(victims: dict[int, Victim], judge: _Judge) -> None:
         while parent is not None and parent.pid not in victims:
             if judge.guard(parent) is not None or not rules.matches(parent):
                 break
-            victims[parent.pid] = Victim(parent, (), None, f"parent of PID {v.proc.pid}")
+            victims[parent.pid] = _member(parent, f"parent of PID {v.proc.pid}", by_pid)
             parent = table.get(parent.ppid)
     pids = set(victims)
     # Our own session (and our ancestors') is never a stale tree's session.
@@ -291,7 +302,7 @@ def _add_tree_members(victims: dict[int, Victim], judge: _Judge) -> None:
             continue
         if proc.ppid in pids or proc.sid in sessions:
             owner = proc.ppid if proc.ppid in pids else next(p for p, v in victims.items() if v.proc.sid == proc.sid)
-            victims[proc.pid] = Victim(proc, (), None, f"companion of PID {owner}")
+            victims[proc.pid] = _member(proc, f"companion of PID {owner}", by_pid)
 
 
 def execute_reap(
