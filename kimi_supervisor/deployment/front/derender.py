@@ -10,7 +10,11 @@ original stream's chunk boundaries, tool call ids and role, which the parser rep
 
 A completion's text stays the token-in route's (the engine's own detokenizer, as before the break); the completion
 derender route's detokenizer only says, before it resumes, how many of the last ids the client has are bytes of a
-character not yet shown (settling): those are generated again, so the continuation never starts inside one.
+character not yet shown (settling): those are generated again, so the continuation never starts inside one.  That
+detokenizer (`detokenize_incrementally`) and the one that made the client's text (a fast tokenizer's DecodeStream)
+do not always agree (a byte-level id that ends with a character's first byte): the engine's /detokenize then says
+whether the ids the continuation would send end inside a character (ends_inside), and one more is held back while
+they do.
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ from kimi_supervisor.deployment.front.resume import NotResumable, StreamRecord, 
 
 DERENDER_PATH = "/v1/chat/completions/derender"
 COMPLETION_DERENDER_PATH = "/v1/completions/derender"
+DETOKENIZE_PATH = "/detokenize"
+# The last ids of the continuation's prompt that /detokenize decodes: whether the text ends inside a character is
+# decided by its last 4 bytes at most, and each id is at least one byte.
+_DECODE_TAIL_IDS = 32
+# Ids held back after the route's count, at most: a character is at most 4 bytes, so 4 more ids end before it.
+MORE_HELD_BACK = 4
 # The ids a settling call decodes, the ones before them seeding the detokenizer as its prompt: a character is at
 # most 4 bytes and each id at least one, so which of the last ids still wait is decided within the last 8.
 _TAIL_IDS = 8
@@ -147,6 +157,25 @@ def settling(record: StreamRecord, body: dict[str, Any], index: int) -> dict[str
         "prompt_token_ids": (record.prompt_ids or []) + ids[: len(ids) - len(tail)],
         "completion_request": {"prompt": [0], **flags},
     }
+
+
+def decoding(record: StreamRecord, index: int) -> dict[str, Any] | None:
+    """The /detokenize call that decodes the end of what choice `index`'s continuation would send as its prompt
+    (None: none of its ids would be sent); ends_inside() reads its answer."""
+    kept = record.choice(index)
+    if not kept.sent_ids:
+        return None  # the client's own prompt: its uninterrupted run was primed with the same ids
+    return {"model": record.model, "tokens": ((record.prompt_ids or []) + kept.sent_ids)[-_DECODE_TAIL_IDS:]}
+
+
+def ends_inside(answer: object) -> bool:
+    """Whether /detokenize's text ends inside a character (U+FFFD): vLLM 0.32 primes the continuation's
+    DecodeStream with the whole prompt and keeps no prefix when its decode ends so, and its first text would then be
+    the whole decoded prompt (vllm/v1/engine/detokenizer.py, FastIncrementalDetokenizer)."""
+    text = answer.get("prompt") if isinstance(answer, dict) else None
+    if not isinstance(text, str):
+        raise NotResumable(f"the detokenize route answered without its text: {str(answer)[:200]}")
+    return text.endswith("\ufffd")
 
 
 def pending(answer: object) -> int:

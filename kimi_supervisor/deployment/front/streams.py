@@ -28,7 +28,11 @@ from kimi_supervisor.deployment.front.context import (
 from kimi_supervisor.deployment.front.derender import (
     COMPLETION_DERENDER_PATH,
     DERENDER_PATH,
+    DETOKENIZE_PATH,
+    MORE_HELD_BACK,
     Derender,
+    decoding,
+    ends_inside,
     pending,
     settling,
 )
@@ -253,6 +257,22 @@ class Streams:
                 raise NotResumable(f"{refused} {answer.status}: {data[:200]!r}")
             return parse_json(data, JSON_DEPTH)
 
+    async def _hold_back_to_a_whole_character(
+        self, engine: Engine, headers: dict[str, str], record: StreamRecord, index: int
+    ) -> None:
+        """One more id held back while the engine's /detokenize says the continuation's prompt ends inside a
+        character (derender.py, ends_inside); NotResumable when MORE_HELD_BACK did not reach a whole one."""
+        kept = record.choice(index)
+        for _ in range(MORE_HELD_BACK + 1):
+            call = decoding(record, index)
+            if call is None:
+                return
+            answer = await self._ask(engine, DETOKENIZE_PATH, call, headers, "the detokenize route answered")
+            if not ends_inside(answer):
+                return
+            kept.hold_back(len(kept.unshown_ids) + 1)
+        raise NotResumable(f"the ids sent end inside a character {MORE_HELD_BACK} ids back and more")
+
     async def _continue_choice(
         self,
         engine: Engine,
@@ -274,6 +294,7 @@ class Streams:
             if call is not None:
                 answer = await self._ask(engine, COMPLETION_DERENDER_PATH, call, headers, "the derender route answered")
                 record.choice(index).hold_back(pending(answer))
+                await self._hold_back_to_a_whole_character(engine, headers, record, index)
         continuation = record.generate_body(rendered, index)
         async with engine.session.post(BASE + GENERATE_PATH, json=continuation, headers=headers) as answer:
             if answer.status != 200:

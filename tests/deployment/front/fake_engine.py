@@ -129,6 +129,9 @@ class FakeEngine:
         self.fingerprint: str | None = "vllm-0.32.0-tp8-1a2b3c4d"
         self.counts_reasoning = False
         self.prompt_details = False
+        # The completion derender route counts no id as waiting (vLLM's detokenize_incrementally said 1 where 2
+        # waited for a byte-level tokenizer's character): /detokenize is then what keeps the resume whole.
+        self.derender_undercounts = False
         self.derendering = 0  # derender calls in flight now, and the most at once
         self.most_derendering = 0  # sampling params the render route adds (the engine's defaults)
         self._runner: web.AppRunner | None = None
@@ -144,6 +147,7 @@ class FakeEngine:
         app.router.add_post("/inference/v1/generate", self._generate)
         app.router.add_post("/v1/chat/completions/derender", self._derender)
         app.router.add_post("/v1/completions/derender", self._derender_completion)
+        app.router.add_post("/detokenize", self._detokenize)
         app.router.add_route("*", "/{tail:.*}", self._other)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
         await self._runner.setup()
@@ -398,6 +402,18 @@ class FakeEngine:
         chunk = {"id": "derender-1", "object": "chat.completion.chunk", "created": 1, "model": "tiny"}
         return web.json_response({"chunk": chunk | {"choices": [out], "usage": None}, "stream_state": state})
 
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: the ids' text, U+FFFD for a first half at the end (as a real decode of bytes that
+        end inside a character).  Which generated id is a first half is known from where the generation began: the
+        ids sent must reach back to a prompt's id (this model's are < 1000)."""
+        body = await request.json()
+        self.seen.append((request.path, body))
+        tokens = [int(t) for t in body["tokens"]]
+        assert any(t < 1000 for t in tokens), "the fake decodes a window that reaches back to the prompt"
+        start = max(i for i, t in enumerate(tokens) if t < 1000) + 1
+        shown, pending = texts(tokens[start:])
+        return web.json_response({"prompt": "".join(shown) + ("\ufffd" if pending is not None else "")})
+
     async def _derender_completion(self, request: web.Request) -> web.Response:
         """vLLM's streaming completion derender: its detokenizer's window carried in the state (the first half of
         a character still waiting: the window's tokens after read_offset), seeded from the prompt's ids on the
@@ -414,7 +430,7 @@ class FakeEngine:
         shown, pending = texts(list(choice.get("token_ids") or []), pending)
         out = {"index": 0, "text": "".join(shown), "logprobs": None, "finish_reason": choice.get("finish_reason")}
         out |= {"stop_reason": choice.get("stop_reason"), "prompt_token_ids": None}
-        window = [f"<{pending}>"] if pending is not None else []
+        window = [f"<{pending}>"] if pending is not None and not self.derender_undercounts else []
         state = {"prev_tokens": window, "prefix_offset": 0, "read_offset": 0}
         chunk = {"id": "derender-2", "object": "text_completion", "created": 1, "model": "tiny"}
         return web.json_response({"chunk": chunk | {"choices": [out], "usage": None}, "stream_state": state})

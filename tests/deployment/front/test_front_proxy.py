@@ -248,13 +248,16 @@ def test_a_stream_broken_by_a_crash_is_resumed_with_the_uninterrupted_text(path:
         assert continuation["token_ids"] == prompt + generate(prompt, done)
         assert continuation["sampling_params"]["max_tokens"] == 12 - done
         # The stream, the one-token request that shows how this engine ends a stream (facts.py), the render route,
-        # the derender call, the token-in route.
+        # the derender call (a completion's: then /detokenize, whether the ids it sends end whole), the token-in
+        # route.
+        asked = [path, path, path + "/render", path + "/derender", *([] if chat else ["/detokenize"])]
+        asked.append("/inference/v1/generate")
         assert (
-            paths[:5] == [path, path, path + "/render", path + "/derender", "/inference/v1/generate"]
+            paths[: len(asked)] == asked
             and h.engine.seen[1][1] == probe_request("chat" if chat else "completion", "tiny", prompt)[1]
         )
         # A chat stream's reads go through the parser; a completion's text is the token-in route's own.
-        assert set(paths[5:]) == ({path + "/derender"} if chat else set())
+        assert set(paths[len(asked) :]) == ({path + "/derender"} if chat else set())
         assert h.front.metrics.counts["resumed"] == 1
         if chat:
             roles = [c["delta"].get("role") for e in events if isinstance(e, dict) for c in e["choices"]]
@@ -323,6 +326,37 @@ def test_a_stream_broken_after_a_chunk_whose_text_ends_inside_a_character_resume
         assert continuation is not None
         done = 5 if path.startswith("/v1/chat/") else 4  # a completion's fifth id is generated again
         assert continuation["token_ids"] == prompt + generate(prompt, done)
+
+    run(scenario)
+
+
+def test_a_completion_resumes_whole_where_the_derender_routes_count_of_waiting_ids_falls_short() -> None:
+    """The derender route's detokenizer said no id waits where one did (vLLM 0.32, a byte-level tokenizer: the
+    engine's DecodeStream and the route's detokenize_incrementally disagree).  Was: the continuation began inside
+    the character and its first text was the whole decoded prompt (the pair runs of issue 52).  Now the engine's
+    /detokenize says the ids would end inside a character, and that id is generated again."""
+
+    async def scenario() -> None:
+        body: dict[str, Any] = {"prompt": "tell", "max_tokens": 12, "stream": True}
+        async with running(hold_s=BOUND_S) as h:
+            h.engine.ids_per_chunk = 5
+            h.engine.derender_undercounts = True
+            want, _ = await uninterrupted(h, "/v1/completions", body)
+            prompt = prompt_ids("/v1/completions", body)
+            assert [cuts(t) for t in generate(prompt, 5)] == [False, False, False, False, True]
+            h.engine.seen.clear()
+            h.engine.crash_after = 5
+            sent = asyncio.ensure_future(h.client.post("/v1/completions", json=body))
+            await until(lambda: h.engine.crashes == 1, "the crash")
+            await h.engine.restart()
+            async with await asyncio.wait_for(sent, BOUND_S) as answer:
+                text, events = await stream_text(answer)
+        assert text == want and "PROMPT" not in text
+        assert not any("error" in e for e in events if isinstance(e, dict))
+        asked = [b for path, b in h.engine.seen if path == "/detokenize"]
+        assert [b["tokens"][-1] for b in asked] == [generate(prompt, 5)[-1], generate(prompt, 4)[-1]]
+        continuation = dict(h.engine.seen)["/inference/v1/generate"]
+        assert continuation is not None and continuation["token_ids"] == prompt + generate(prompt, 4)
 
     run(scenario)
 

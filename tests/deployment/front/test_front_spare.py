@@ -156,8 +156,9 @@ def test_a_stream_broken_by_the_engines_crash_resumes_on_the_spare_at_once_with_
                     text, events = await stream_text(answer)
                 assert h.engine.crashes == 1 and text == want  # the engine stays down: the spare finished it
                 # The one-token request that shows how the spare ends a stream (facts.py), its render, the derender
-                # call that says which ids are bytes of an unfinished character, its generate.
-                paths = ["/v1/completions", "/v1/completions/render", "/v1/completions/derender"]
+                # call that says which ids are bytes of an unfinished character, the /detokenize that says the ids
+                # sent end whole, its generate.
+                paths = ["/v1/completions", "/v1/completions/render", "/v1/completions/derender", "/detokenize"]
                 paths.append("/inference/v1/generate")
                 assert [p for p, _ in spare.seen] == paths
                 assert not any("error" in e for e in events if isinstance(e, dict))
