@@ -239,9 +239,7 @@ def plan_reap(
     victims: dict[int, Victim] = {}
     spared: list[Spared] = []
     for pid, entries in sorted(by_pid.items()):
-        gpus = tuple(sorted({e.gpu for e in entries}))
-        known = [e.used_mib for e in entries if e.used_mib is not None]
-        used = sum(known) if known else None
+        gpus, used, by_gpu = _held(entries)
         proc = table.get(pid)
         reason = None
         if proc is None and os.path.exists(f"/proc/{pid}"):
@@ -258,7 +256,6 @@ def plan_reap(
             elif reason is None and not judge.rules.matches_in_tree(proc, table):
                 reason = "does not match preflight.reap.names / preflight.reap.cmdline"
         if reason is None and proc is not None:
-            by_gpu = tuple((e.gpu, e.used_mib) for e in entries if e.used_mib is not None)
             victims[pid] = Victim(proc, gpus, used, "holds a CUDA context", by_gpu)
         else:
             spared.append(Spared(pid, gpus, used, proc, reason or ""))
@@ -269,14 +266,17 @@ def plan_reap(
     return ReapPlan(tuple(victims.values()), tuple(s for s in spared if s.pid not in victims))
 
 
+def _held(entries: list[GpuProcess]) -> tuple[tuple[int, ...], int | None, tuple[tuple[int, int], ...]]:
+    """What NVML says one PID holds: its GPUs, the MiB summed (None when NVML would not say) and per GPU."""
+    known = [(e.gpu, e.used_mib) for e in entries if e.used_mib is not None]
+    return tuple(sorted({e.gpu for e in entries})), sum(m for _, m in known) if known else None, tuple(known)
+
+
 def _member(proc: ProcInfo, why: str, by_pid: dict[int, list[GpuProcess]]) -> Victim:
     """A parent or companion of an occupant, with what NVML says it holds itself: the memory its kill frees is
     counted by a dry run as the real run frees it."""
-    entries = by_pid.get(proc.pid, [])
-    known = [e.used_mib for e in entries if e.used_mib is not None]
-    by_gpu = tuple((e.gpu, e.used_mib) for e in entries if e.used_mib is not None)
-    gpus = tuple(sorted({e.gpu for e in entries}))
-    return Victim(proc, gpus, sum(known) if known else None, why, by_gpu)
+    gpus, used, by_gpu = _held(by_pid.get(proc.pid, []))
+    return Victim(proc, gpus, used, why, by_gpu)
 
 
 def _add_tree_members(victims: dict[int, Victim], judge: _Judge, by_pid: dict[int, list[GpuProcess]]) -> None:
